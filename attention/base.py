@@ -1,0 +1,95 @@
+"""The one contract every attention backend implements.
+
+Eager steps call :meth:`AttentionBackend.init_forward_metadata` and put the returned object on
+the batch (`fb.attn_metadata`). Graph runners use the capture/replay pair instead:
+:meth:`init_graph_state` allocates every buffer a graph will read at its maximum size once;
+:meth:`init_forward_metadata_capture` binds slices of them for one bucket and then fills them
+through :meth:`init_forward_metadata_replay`, so capture and replay share one code path (the
+seeds' "Pattern A"). :meth:`forward` stores the new tokens' K/V and attends.
+
+Class flags:
+- `needs_cpu_seq_lens`: the backend reads `fb.seq_lens_cpu` / `fb.seq_lens_sum` (host
+  mirrors). A backend that never does sets it False, and the executor can drop the mirror.
+- `supports_graph_capture`: the backend implements the capture/replay hooks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from executor.forward_batch import ForwardBatch
+    from executor.kv_cache import KVPool, ReqToTokenPool
+
+
+class GraphCaptureUnsupportedError(RuntimeError):
+    """The backend cannot run inside a captured graph; the runner falls back to eager."""
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Head geometry shared by every layer of the model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend(ABC):
+    """Paged attention over `ReqToTokenPool` + `KVPool`."""
+
+    name: ClassVar[str] = "base"
+    needs_cpu_seq_lens: ClassVar[bool] = True
+    supports_graph_capture: ClassVar[bool] = False
+
+    def __init__(
+        self, layout: AttentionLayout, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool
+    ) -> None:
+        self.layout = layout
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+
+    # --- eager -------------------------------------------------------------------------
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> Any:
+        """Build this step's metadata object; may read host mirrors if `needs_cpu_seq_lens`."""
+
+    # --- graphs ------------------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate every metadata buffer a captured graph reads, at its maximum size."""
+        raise GraphCaptureUnsupportedError(
+            f"attention backend {self.name!r} does not support graph capture"
+        )
+
+    def init_forward_metadata_capture(self, bs: int, num_tokens: int, fb_view: ForwardBatch) -> Any:
+        """Bind this bucket's buffer slices into a metadata object, then fill them via replay."""
+        raise GraphCaptureUnsupportedError(
+            f"attention backend {self.name!r} does not support graph capture"
+        )
+
+    def init_forward_metadata_replay(
+        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+    ) -> None:
+        """Refill the bucket's bound buffers in place for this step's (padded) batch."""
+        raise GraphCaptureUnsupportedError(
+            f"attention backend {self.name!r} does not support graph capture"
+        )
+
+    def graph_seq_len_fill_value(self) -> int:
+        """`seq_lens` of a padded row: one token, read from the reserved slot 0 via row 0."""
+        return 1
+
+    # --- compute -----------------------------------------------------------------------
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """Store K/V of the new tokens at `fb.out_cache_loc`, then attend.
+
+        q [T, Hq, D], k and v [T, Hk, D] -> output [T, Hq, D].
+        """

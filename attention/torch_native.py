@@ -1,0 +1,93 @@
+"""Reference attention: a Python loop over requests, one SDPA call each.
+
+Simple enough to trust, slow enough to need replacing: it is the yardstick the faster
+backends are tested against. It plans each request from host lengths, so it needs
+`seq_lens_cpu`, and it cannot run under graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from attention.base import AttentionBackend
+from ops.host_transfer import to_host
+from ops.kv_store import store_kv
+
+if TYPE_CHECKING:
+    from executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class TorchNativeMetadata:
+    """Per-request host plan: (row, first new token index in T, new tokens, kv length)."""
+
+    rows: list[int]
+    starts: list[int]
+    extend_lens: list[int]
+    kv_lens: list[int]
+
+
+class TorchNativeBackend(AttentionBackend):
+    name: ClassVar[str] = "torch_native"
+    needs_cpu_seq_lens: ClassVar[bool] = True
+    supports_graph_capture: ClassVar[bool] = False
+    # Host reads this backend makes per step, beyond the executor's own.
+    host_transfer_reasons: ClassVar[tuple[str, ...]] = ("attention_plan",)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> TorchNativeMetadata:
+        if fb.seq_lens_cpu is None:
+            raise RuntimeError(
+                "torch_native attention needs seq_lens_cpu (needs_cpu_seq_lens=True)"
+            )
+        kv_lens = fb.seq_lens_cpu.tolist()
+        rows = to_host(fb.req_pool_indices, "attention_plan").tolist()
+        if fb.forward_mode.is_extend():
+            assert fb.extend_seq_lens_cpu is not None
+            extend_lens = list(fb.extend_seq_lens_cpu)
+        else:
+            extend_lens = [1] * fb.batch_size
+        starts = [0] * fb.batch_size
+        for i in range(1, fb.batch_size):
+            starts[i] = starts[i - 1] + extend_lens[i - 1]
+        return TorchNativeMetadata(
+            rows=rows, starts=starts, extend_lens=extend_lens, kv_lens=kv_lens
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        k_buffer = self.kv_pool.k_buffer(layer_id)
+        v_buffer = self.kv_pool.v_buffer(layer_id)
+        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+
+        md: TorchNativeMetadata = fb.attn_metadata
+        req_to_token = self.req_to_token_pool.req_to_token
+        out = torch.empty_like(q)
+        for row, start, ext, kv_len in zip(
+            md.rows, md.starts, md.extend_lens, md.kv_lens, strict=True
+        ):
+            slots = req_to_token[row, :kv_len].long()
+            keys = k_buffer[slots].transpose(0, 1)  # [Hk, kv_len, D]
+            values = v_buffer[slots].transpose(0, 1)
+            query = q[start : start + ext].transpose(0, 1)  # [Hq, ext, D]
+            prefix = kv_len - ext
+            # Query i sits at position prefix + i and sees keys 0..prefix + i.
+            mask = None
+            if ext > 1:
+                mask = torch.ones(ext, kv_len, dtype=torch.bool, device=q.device).tril(
+                    diagonal=prefix
+                )
+            o = F.scaled_dot_product_attention(
+                query.unsqueeze(0),
+                keys.unsqueeze(0).to(q.dtype),
+                values.unsqueeze(0).to(q.dtype),
+                attn_mask=mask,
+                scale=self.layout.scaling,
+                enable_gqa=self.layout.num_heads != self.layout.num_kv_heads,
+            )  # [1, Hq, ext, D]
+            out[start : start + ext] = o[0].transpose(0, 1)
+        return out

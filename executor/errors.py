@@ -1,0 +1,20 @@
+"""Errors the executor raises for a batch it refuses. The gRPC layer maps each to a status code."""
+
+from __future__ import annotations
+
+
+class BatchValidationError(ValueError):
+    """A batch breaks a rule; nothing was changed. Maps to INVALID_ARGUMENT.
+
+    `field` names the ForwardBatch field (or `field[i]` for one entry) and `rule` says what
+    it must satisfy, so a scheduler author can act on the message alone.
+    """
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+        self.rule = rule
+
+
+class BatchTooLargeError(BatchValidationError):
+    """A batch exceeds the executor's size limits (requests or tokens). Maps to RESOURCE_EXHAUSTED."""

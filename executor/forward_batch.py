@@ -1,0 +1,167 @@
+"""The unit of work: one `ForwardBatch` per step, as a remote scheduler sends it.
+
+Field names follow sglang's ForwardBatch so that anyone who knows it feels at home.
+A batch is built on the host (from the wire or in-process), validated, completed with its
+derived fields (:func:`executor.batch_prep.complete_batch`), then moved to the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from executor.errors import BatchValidationError
+
+
+class ForwardMode(IntEnum):
+    """What a step does. Values match the wire enum `model_executor.v1.ForwardMode`."""
+
+    EXTEND = 1  # prefill, or a chunk of one, possibly after a cached prefix
+    DECODE = 2  # one new token per request
+    IDLE = 3  # an empty batch: no device work
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self is ForwardMode.IDLE
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters. Temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    min_p: float = 0.0  # 0: disabled
+    seed: int | None = None  # draws depend only on (seed, position) when set
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling parameters of a whole batch, one entry per request ([bs] tensors on the host).
+
+    `seeds` holds the 64-bit seed reinterpreted as int64; `has_seed` says which are set.
+    """
+
+    temperatures: torch.Tensor  # [bs] float32
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64
+    min_ps: torch.Tensor  # [bs] float32
+    seeds: torch.Tensor  # [bs] int64
+    has_seed: torch.Tensor  # [bs] bool
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams] | tuple[SamplingParams, ...], bs: int
+    ) -> SamplingBatch:
+        """Build from `bs` entries, one entry (applies to all) or none (greedy for all)."""
+        if len(params) == 0:
+            params = [SamplingParams()]
+        if len(params) == 1 and bs != 1:
+            params = list(params) * bs
+        if len(params) != bs:
+            raise BatchValidationError(
+                "sampling_params", f"must have batch_size ({bs}) entries or 1, got {len(params)}"
+            )
+        seeds = [(p.seed if p.seed is not None else 0) for p in params]
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            seeds=torch.tensor([_as_int64(s) for s in seeds], dtype=torch.int64),
+            has_seed=torch.tensor([p.seed is not None for p in params], dtype=torch.bool),
+        )
+
+    @classmethod
+    def greedy(cls, bs: int) -> SamplingBatch:
+        return cls.from_params([SamplingParams()], bs)
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        return SamplingBatch(
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=True)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+
+def _as_int64(seed: int) -> int:
+    """Reinterpret a seed in [-(2**63), 2**64) as a signed 64-bit integer."""
+    if not -(2**63) <= seed < 2**64:
+        raise BatchValidationError("sampling_params.seed", f"must fit in 64 bits, got {seed}")
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+@dataclass
+class ForwardBatch:
+    """One step's inputs. Tensors are 1-D unless noted; `T` = tokens in this step, `bs` = requests.
+
+    The scheduler sends the required fields; :func:`executor.batch_prep.complete_batch` fills
+    the derived ones (`positions`, `extend_start_loc`, the host mirrors).
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor | None  # [T] token ids (None when input_embeds is given)
+    req_pool_indices: torch.Tensor  # [bs] rows of req_to_token, 1..max_reqs
+    seq_lens: torch.Tensor  # [bs] total length of each request AFTER this step
+    out_cache_loc: torch.Tensor  # [T] KV slot of each new token, 1..kv_slots
+    positions: torch.Tensor | None = (
+        None  # [T]; default prefix + arange (EXTEND), seq_len - 1 (DECODE)
+    )
+    extend_prefix_lens: torch.Tensor | None = None  # [bs] EXTEND: tokens already cached
+    extend_seq_lens: torch.Tensor | None = None  # [bs] EXTEND: new tokens per request
+    extend_start_loc: torch.Tensor | None = None  # [bs] EXTEND: offset of each request in T
+    seq_lens_cpu: torch.Tensor | None = None  # [bs] host mirror of seq_lens (None if not needed)
+    seq_lens_sum: int | None = None  # sum(seq_lens) on the host (None with seq_lens_cpu)
+    extend_prefix_lens_cpu: list[int] | None = None  # host lists for per-request planning
+    extend_seq_lens_cpu: list[int] | None = None
+    input_embeds: torch.Tensor | None = None  # [T, hidden] instead of input_ids
+    prefix_cache_loc: torch.Tensor | None = None  # EXTEND: [sum(prefix)] slots of a cached prefix
+    sampling: SamplingBatch | None = None  # None: greedy for every request
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Set by the runner for the attention backend in use; one typed object per backend.
+    attn_metadata: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """A copy whose device tensors live on `device`; host mirrors stay on the host."""
+        if device.type == "cpu":
+            return dataclasses.replace(self)
+        moved: dict[str, Any] = {}
+        for name in _DEVICE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                moved[name] = value.to(device, non_blocking=True)
+        if self.sampling is not None:
+            moved["sampling"] = self.sampling.to(device)
+        return dataclasses.replace(self, **moved)
+
+
+# Fields that live on the executor's device; everything else stays on the host.
+_DEVICE_FIELDS = (
+    "input_ids",
+    "req_pool_indices",
+    "seq_lens",
+    "out_cache_loc",
+    "positions",
+    "extend_prefix_lens",
+    "extend_seq_lens",
+    "extend_start_loc",
+    "input_embeds",
+    "prefix_cache_loc",
+)

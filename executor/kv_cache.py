@@ -1,0 +1,150 @@
+"""The paged KV cache: the request-to-token table and the per-layer K/V slot pool.
+
+The scheduler allocates rows and slots; the executor only stores and reads them.
+Row 0 of the table and slot 0 of the pool are reserved: padded requests point at row 0,
+whose entries are all 0, and padded tokens write their K/V into slot 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor.batch_prep import extend_positions
+from executor.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class RowWrite:
+    """What one step wrote into the row table, with the old values to undo it."""
+
+    rows: torch.Tensor  # [n] int64 on the device: the cells written
+    cols: torch.Tensor  # [n]
+    old_values: torch.Tensor  # [n] int32
+    touched_rows: np.ndarray  # [bs]
+    old_lens: np.ndarray  # [bs] resident lengths before the write
+
+
+class ReqToTokenPool:
+    """`req_to_token[row, pos]` = KV slot of token `pos` of the request in `row`.
+
+    Shape [max_reqs + 1, max_context_len], int32. Valid rows are 1..max_reqs.
+    `resident_lens[row]` (host) is how many leading positions of the row hold valid slots,
+    so an EXTEND whose prefix the row does not hold can be refused before it runs.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros(
+            (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
+        )
+        self.resident_lens = np.zeros(max_reqs + 1, dtype=np.int64)
+
+    def rows_in_use(self) -> int:
+        return int(np.count_nonzero(self.resident_lens[1:]))
+
+    def write_batch(self, fb: ForwardBatch) -> RowWrite:
+        """`req_to_token[row, prefix:seq_len] = out_cache_loc` for a completed host batch (and
+        `[:prefix] = prefix_cache_loc` when given); the rows then hold `seq_lens` tokens.
+
+        Cells of one batch never collide (rows and their positions are unique), so the
+        returned undo restores the table exactly.
+        """
+        rpi = fb.req_pool_indices
+        if fb.forward_mode is ForwardMode.EXTEND:
+            assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
+            assert fb.extend_start_loc is not None
+            rows = torch.repeat_interleave(rpi, fb.extend_seq_lens, output_size=fb.num_tokens)
+            cols = extend_positions(
+                fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc, fb.num_tokens
+            )
+            values = fb.out_cache_loc
+            if fb.prefix_cache_loc is not None:
+                n_prefix = int(fb.prefix_cache_loc.shape[0])
+                prefix_rows = torch.repeat_interleave(
+                    rpi, fb.extend_prefix_lens, output_size=n_prefix
+                )
+                zeros = torch.zeros_like(fb.extend_prefix_lens)
+                prefix_start = torch.cumsum(fb.extend_prefix_lens, 0) - fb.extend_prefix_lens
+                prefix_cols = extend_positions(zeros, fb.extend_prefix_lens, prefix_start, n_prefix)
+                rows = torch.cat([prefix_rows, rows])
+                cols = torch.cat([prefix_cols, cols])
+                values = torch.cat([fb.prefix_cache_loc, values])
+        else:
+            rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
+        rows, cols = rows.to(self.device), cols.to(self.device)
+        old_values = self.req_to_token[rows, cols]  # advanced indexing: a copy
+        self.req_to_token[rows, cols] = values.to(device=self.device, dtype=torch.int32)
+        touched = rpi.numpy().copy()
+        old_lens = self.resident_lens[touched].copy()
+        self.resident_lens[touched] = fb.seq_lens.numpy()
+        return RowWrite(
+            rows=rows, cols=cols, old_values=old_values, touched_rows=touched, old_lens=old_lens
+        )
+
+    def undo(self, write: RowWrite) -> None:
+        self.req_to_token[write.rows, write.cols] = write.old_values
+        self.resident_lens[write.touched_rows] = write.old_lens
+
+
+class KVPool:
+    """K and V for every layer: [num_layers, num_slots + 1, num_kv_heads, head_dim] each.
+
+    One tensor per kind (not one per layer) so that a snapshot or a memory report is one op.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k[layer_id]  # [num_slots + 1, Hk, D]
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v[layer_id]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Sizes of the cache, from the executor config and the model."""
+
+    max_reqs: int
+    max_context_len: int
+    kv_slots: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_slot(self) -> int:
+        return (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * torch.finfo(self.dtype).bits
+            // 8
+        )

@@ -1,0 +1,119 @@
+"""Hyper-parameters of a Llama-family decoder, from a Hugging Face config or GGUF metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model code needs to build itself; nothing about serving."""
+
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def attention_scaling(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported (only the default rotary embedding)"
+            )
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name or cfg.get("_name_or_path", "") or model_type,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A config.json that Hugging Face transformers loads into the same model."""
+        cfg: dict[str, Any] = {
+            "architectures": [
+                "LlamaForCausalLM" if self.architecture == "llama" else "Qwen2ForCausalLM"
+            ],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.architecture == "llama":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        if self.bos_token_id is not None:
+            cfg["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            cfg["eos_token_id"] = (
+                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+            )
+        return cfg
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

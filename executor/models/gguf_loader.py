@@ -1,0 +1,159 @@
+"""Read a GGUF file (llama.cpp's format) into a ModelConfig and Hugging Face-named tensors.
+
+Quantized tensors are dequantized to float32 with the `gguf` package. Dequantizing takes
+seconds, so the result is cached as safetensors keyed by the file's sha256
+(:mod:`executor.models.file_cache`); a restart loads the cache in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor.models.config import ModelConfig
+from executor.models.file_cache import cache_path
+
+CACHE_FORMAT = 1
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama/Qwen2 counterpart")
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves the two rotary halves of each head.
+
+    The converter maps HF rows [head, half, i] to [head, i, half]; rows of a weight or bias
+    are regrouped back here so that our rotate-half rotary embedding sees HF's layout.
+    """
+    rows = weight.shape[0]
+    dim = rows // n_head // 2
+    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_config(reader: Any, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = {int(eos)} if eos is not None else set()
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None:
+        eos_ids.add(int(eot))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=tuple(sorted(eos_ids)),
+        name=str(_field(reader, "general.name", name)),
+    )
+
+
+def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Parse and dequantize a GGUF file: (config, float32 tensors under HF names)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = read_config(reader, path.stem)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in _SUPPORTED_TYPES:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}; supported: {', '.join(_SUPPORTED_TYPES)}"
+            )
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            n_head = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            data = unpermute_qk(data, n_head)
+        if (
+            not data.flags.writeable or not data.flags.c_contiguous
+        ):  # F32 tensors are views of the mmap
+            data = np.array(data, copy=True, order="C")
+        tensors[hf_tensor_name(t.name)] = torch.from_numpy(data)
+    return config, tensors
+
+
+def load_gguf(path: Path, cache_dir: Path | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, tensors) from the safetensors cache when present, else dequantize and cache."""
+    from safetensors.torch import load_file, save_file
+
+    if cache_dir is None:
+        return dequantize_gguf(path)
+    cached = cache_path(path, cache_dir, ".safetensors")
+    if cached.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(cached), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") == str(CACHE_FORMAT) and "config" in meta:
+            config_dict = json.loads(meta["config"])
+            config_dict["eos_token_ids"] = tuple(config_dict["eos_token_ids"])
+            config_dict.pop("extra", None)
+            return ModelConfig(**config_dict), load_file(str(cached))
+    config, tensors = dequantize_gguf(path)
+    meta = {
+        "format": str(CACHE_FORMAT),
+        "config": json.dumps(config.as_dict()),
+        "source": str(path),
+    }
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, cached)
+    return config, tensors

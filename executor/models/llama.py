@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama, Qwen2) over our paged KV cache and attention backends.
+
+Each decoder layer is two halves around attention: `pre_attention` (norm, fused QKV
+projection, rotary) and `post_attention` (output projection, norm, SiLU-gated MLP). The
+model's `forward` strings them together with the backend's attention in between; the
+piecewise graph runner captures the halves and runs attention eagerly between them.
+
+The residual stream travels as a pair `(hidden, residual)` whose sum is the layer input,
+so each RMSNorm fuses the residual add in front of it (same arithmetic as Hugging Face's
+"residual + x then norm").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.models.config import ModelConfig
+from executor.models.layers import Embedding, Linear, RMSNorm
+from ops.activation import silu_and_mul
+from ops.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from attention.base import AttentionBackend
+    from executor.forward_batch import ForwardBatch
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, *, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, **dd
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, **dd)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, **dd)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, **dd)
+
+    def pre_attention(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], residual [T, hidden]."""
+        normed, residual = self.input_layernorm(hidden, residual)
+        qkv = self.qkv_proj(normed)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        return q, k, v, residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn_out [T, Hq, D] -> (hidden, residual), both [T, hidden]."""
+        hidden = self.o_proj(attn_out.reshape(-1, self.q_size))
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(normed)))
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids (or embeddings) in, final hidden states out; `compute_logits` for the head."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, *, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """Parameters are allocated uninitialized; a loader fills every one of them."""
+        super().__init__()
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.config = config
+        self.max_positions = max_positions
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **dd)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, **dd) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, **dd)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, device=device
+        )
+
+    @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return cast(list[LlamaDecoderLayer], list(self.layers))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(
+        self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        if input_embeds is not None:
+            return input_embeds.to(self.embed_tokens.weight.dtype)
+        assert input_ids is not None
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+        attn: AttentionBackend,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden] for every token of the batch."""
+        hidden = self.embed(input_ids, input_embeds)
+        residual: torch.Tensor | None = None
+        for layer in self.decoder_layers:
+            q, k, v, residual = layer.pre_attention(positions, hidden, residual, self.rotary)
+            attn_out = attn.forward(q, k, v, layer.layer_id, fb)
+            hidden, residual = layer.post_attention(attn_out, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of each request's last token: [bs, vocab] float32."""
+        if fb.forward_mode.is_extend():
+            assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
+            hidden = hidden[fb.extend_start_loc + fb.extend_seq_lens - 1]
+        return F.linear(hidden, self.lm_head_weight).float()

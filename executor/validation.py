@@ -1,0 +1,270 @@
+"""Check a host ForwardBatch against the executor's limits before any device state changes.
+
+One function, :func:`validate_batch`, raises :class:`BatchValidationError` (or
+:class:`BatchTooLargeError` for size limits) naming the field, the first offending entry and
+the rule. It reads host tensors only and writes nothing, so a refused batch leaves the KV
+cache, the row table and the executor exactly as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
+
+_INT_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The executor's limits, as `GetInfo` reports them to a scheduler."""
+
+    max_reqs: int  # valid rows 1..max_reqs
+    kv_slots: int  # valid slots 1..kv_slots
+    max_context_len: int
+    vocab_size: int
+    hidden_size: int
+    max_batch_size: int
+    max_tokens_per_batch: int
+
+
+def _check_tensor(
+    t: object, field: str, *, dtypes: tuple[torch.dtype, ...], ndim: int, length: int | None = None
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise BatchValidationError(field, f"must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise BatchValidationError(
+            field, f"dtype must be {names}, got {str(t.dtype).removeprefix('torch.')}"
+        )
+    if t.dim() != ndim:
+        raise BatchValidationError(field, f"must have rank {ndim}, got shape {list(t.shape)}")
+    if t.device.type != "cpu":
+        raise BatchValidationError(field, f"must be a host (CPU) tensor, got device {t.device}")
+    if length is not None and t.shape[0] != length:
+        raise BatchValidationError(field, f"must have {length} entries, got {t.shape[0]}")
+    return t
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def _check_range(t: torch.Tensor, field: str, lo: int, hi: int) -> None:
+    """Every entry in [lo, hi]."""
+    if t.numel() == 0:
+        return
+    bad = (t < lo) | (t > hi)
+    if bool(bad.any()):
+        i = _first(bad)
+        raise BatchValidationError(f"{field}[{i}]", f"must be in {lo}..{hi}, got {int(t[i])}")
+
+
+def _check_unique(t: torch.Tensor, field: str, what: str) -> None:
+    if t.numel() < 2:
+        return
+    values, counts = torch.unique(t, return_counts=True)
+    if bool((counts > 1).any()):
+        dup = int(values[_first(counts > 1)])
+        raise BatchValidationError(
+            field, f"{what} must be unique within a batch; {dup} appears {int(counts.max())} times"
+        )
+
+
+def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndarray) -> None:
+    """Raise if `fb` breaks any rule; `resident_lens[row]` is how many positions `row` holds."""
+    if not isinstance(fb.forward_mode, ForwardMode):
+        raise BatchValidationError(
+            "forward_mode", f"must be EXTEND, DECODE or IDLE, got {fb.forward_mode!r}"
+        )
+    bs = fb.batch_size
+    if not isinstance(bs, int) or bs < 0:
+        raise BatchValidationError("batch_size", f"must be a non-negative integer, got {bs!r}")
+    rows = _check_tensor(
+        fb.req_pool_indices, "req_pool_indices", dtypes=_INT_DTYPES, ndim=1, length=bs
+    )
+    seq_lens = _check_tensor(fb.seq_lens, "seq_lens", dtypes=_INT_DTYPES, ndim=1, length=bs)
+    out_loc = _check_tensor(fb.out_cache_loc, "out_cache_loc", dtypes=_INT_DTYPES, ndim=1)
+    num_tokens = out_loc.shape[0]
+
+    if bs > limits.max_batch_size:
+        raise BatchTooLargeError(
+            "batch_size", f"must be <= max_batch_size ({limits.max_batch_size}), got {bs}"
+        )
+    if num_tokens > limits.max_tokens_per_batch:
+        raise BatchTooLargeError(
+            "out_cache_loc",
+            f"the batch has {num_tokens} tokens; must be <= max_tokens_per_batch ({limits.max_tokens_per_batch})",
+        )
+
+    if fb.forward_mode is ForwardMode.IDLE:
+        if bs != 0 or num_tokens != 0:
+            raise BatchValidationError(
+                "forward_mode",
+                f"IDLE batches must be empty, got {bs} requests and {num_tokens} tokens",
+            )
+        return
+    if bs == 0:
+        raise BatchValidationError(
+            "batch_size", f"must be >= 1 for {fb.forward_mode.name} (send IDLE for an empty step)"
+        )
+
+    _check_inputs(fb, limits, num_tokens)
+    _check_range(rows, "req_pool_indices", 1, limits.max_reqs)
+    _check_unique(rows, "req_pool_indices", "rows")
+    _check_range(out_loc, "out_cache_loc", 1, limits.kv_slots)
+    _check_unique(out_loc, "out_cache_loc", "slots")
+    _check_range(seq_lens, "seq_lens", 1, limits.max_context_len)
+    if fb.positions is not None:
+        positions = _check_tensor(
+            fb.positions, "positions", dtypes=_INT_DTYPES, ndim=1, length=num_tokens
+        )
+        _check_range(positions, "positions", 0, limits.max_context_len - 1)
+
+    held = torch.from_numpy(resident_lens[rows.long().numpy()])
+    if fb.forward_mode is ForwardMode.EXTEND:
+        _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
+    else:
+        _check_decode(fb, num_tokens, seq_lens, held, bs)
+
+    if fb.sampling is not None:
+        _check_sampling(fb.sampling, bs)
+    if (
+        not isinstance(fb.top_logprobs_num, int)
+        or not 0 <= fb.top_logprobs_num <= limits.vocab_size
+    ):
+        raise BatchValidationError(
+            "top_logprobs_num", f"must be in 0..{limits.vocab_size}, got {fb.top_logprobs_num!r}"
+        )
+
+
+def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> None:
+    if (fb.input_ids is None) == (fb.input_embeds is None):
+        raise BatchValidationError(
+            "input_ids", "exactly one of input_ids and input_embeds must be given"
+        )
+    if fb.input_ids is not None:
+        ids = _check_tensor(
+            fb.input_ids, "input_ids", dtypes=_INT_DTYPES, ndim=1, length=num_tokens
+        )
+        _check_range(ids, "input_ids", 0, limits.vocab_size - 1)
+    else:
+        embeds = _check_tensor(
+            fb.input_embeds, "input_embeds", dtypes=_FLOAT_DTYPES, ndim=2, length=num_tokens
+        )
+        if embeds.shape[1] != limits.hidden_size:
+            raise BatchValidationError(
+                "input_embeds", f"must have hidden size {limits.hidden_size}, got {embeds.shape[1]}"
+            )
+        if not bool(torch.isfinite(embeds).all()):
+            raise BatchValidationError("input_embeds", "must be finite (no NaN or inf)")
+
+
+def _check_extend(
+    fb: ForwardBatch,
+    limits: BatchLimits,
+    num_tokens: int,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_loc: torch.Tensor,
+    held: torch.Tensor,
+) -> None:
+    bs = fb.batch_size
+    if fb.extend_prefix_lens is None or fb.extend_seq_lens is None:
+        raise BatchValidationError(
+            "extend_seq_lens", "EXTEND needs extend_prefix_lens and extend_seq_lens"
+        )
+    prefix = _check_tensor(
+        fb.extend_prefix_lens, "extend_prefix_lens", dtypes=_INT_DTYPES, ndim=1, length=bs
+    )
+    extend = _check_tensor(
+        fb.extend_seq_lens, "extend_seq_lens", dtypes=_INT_DTYPES, ndim=1, length=bs
+    )
+    _check_range(extend, "extend_seq_lens", 1, limits.max_context_len)
+    _check_range(prefix, "extend_prefix_lens", 0, limits.max_context_len - 1)
+    mismatch = seq_lens != prefix + extend
+    if bool(mismatch.any()):
+        i = _first(mismatch)
+        raise BatchValidationError(
+            f"seq_lens[{i}]",
+            f"must equal extend_prefix_lens + extend_seq_lens ({int(prefix[i])} + {int(extend[i])}), got {int(seq_lens[i])}",
+        )
+    if int(extend.sum()) != num_tokens:
+        raise BatchValidationError(
+            "extend_seq_lens",
+            f"must sum to the number of tokens ({num_tokens}), got {int(extend.sum())}",
+        )
+    if fb.prefix_cache_loc is not None:
+        n_prefix = int(prefix.sum())
+        pcl = _check_tensor(
+            fb.prefix_cache_loc, "prefix_cache_loc", dtypes=_INT_DTYPES, ndim=1, length=n_prefix
+        )
+        _check_range(pcl, "prefix_cache_loc", 1, limits.kv_slots)
+        overlap = torch.isin(out_loc, pcl)
+        if bool(overlap.any()):
+            i = _first(overlap)
+            raise BatchValidationError(
+                f"out_cache_loc[{i}]",
+                f"slot {int(out_loc[i])} is also in prefix_cache_loc; new tokens need fresh slots",
+            )
+    else:
+        missing = prefix > held
+        if bool(missing.any()):
+            i = _first(missing)
+            raise BatchValidationError(
+                f"extend_prefix_lens[{i}]",
+                f"row {int(rows[i])} holds {int(held[i])} tokens but the prefix is {int(prefix[i])}; "
+                "send prefix_cache_loc with the prefix's slots or extend the row first",
+            )
+
+
+def _check_decode(
+    fb: ForwardBatch, num_tokens: int, seq_lens: torch.Tensor, held: torch.Tensor, bs: int
+) -> None:
+    if num_tokens != bs:
+        raise BatchValidationError(
+            "out_cache_loc", f"DECODE takes one token per request ({bs}), got {num_tokens}"
+        )
+    for name in ("extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc"):
+        if getattr(fb, name) is not None:
+            raise BatchValidationError(name, "must be empty for DECODE")
+    missing = seq_lens - 1 > held
+    if bool(missing.any()):
+        i = _first(missing)
+        raise BatchValidationError(
+            f"seq_lens[{i}]",
+            f"DECODE to length {int(seq_lens[i])} needs {int(seq_lens[i]) - 1} cached tokens, "
+            f"row {int(fb.req_pool_indices[i])} holds {int(held[i])}",
+        )
+
+
+def _check_sampling(s: SamplingBatch, bs: int) -> None:
+    for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "has_seed"):
+        t = getattr(s, name)
+        if t.dim() != 1 or t.shape[0] != bs:
+            raise BatchValidationError(
+                f"sampling_params.{name}", f"must have {bs} entries, got shape {list(t.shape)}"
+            )
+    rules = (
+        (
+            "temperature",
+            s.temperatures,
+            ~(torch.isfinite(s.temperatures) & (s.temperatures >= 0)),
+            "must be finite and >= 0",
+        ),
+        ("top_p", s.top_ps, ~((s.top_ps > 0) & (s.top_ps <= 1)), "must be in (0, 1]"),
+        ("top_k", s.top_ks, s.top_ks < 0, "must be >= 0 (0 disables it)"),
+        ("min_p", s.min_ps, ~((s.min_ps >= 0) & (s.min_ps <= 1)), "must be in [0, 1]"),
+    )
+    for name, values, bad, rule in rules:
+        if bool(bad.any()):
+            i = _first(bad)
+            raise BatchValidationError(
+                f"sampling_params[{i}].{name}", f"{rule}, got {values[i].item()}"
+            )

@@ -1,0 +1,24 @@
+"""Small device ops with a torch reference implementation each.
+
+Every op here is a plain function over tensors: no module state except the host-transfer
+counters in :mod:`ops.host_transfer`, which metrics read.
+"""
+
+from ops.activation import silu_and_mul
+from ops.host_transfer import HostTransferCounts, host_transfers, to_host
+from ops.kv_store import store_kv
+from ops.rmsnorm import add_rms_norm, rms_norm
+from ops.rotary import RotaryEmbedding, apply_rotary, rotate_half
+
+__all__ = [
+    "HostTransferCounts",
+    "RotaryEmbedding",
+    "add_rms_norm",
+    "apply_rotary",
+    "host_transfers",
+    "rms_norm",
+    "rotate_half",
+    "silu_and_mul",
+    "store_kv",
+    "to_host",
+]

@@ -1,0 +1,127 @@
+"""Sampling kernels: seeded uniforms and top-k / top-p / min-p inverse-CDF sampling.
+
+A seeded request's draw depends only on (seed, position): the uniform comes from a
+counter-based hash (splitmix64) of the two, never from a shared generator's state, so it
+does not change with which other requests share the batch, nor with the device.
+Each request consumes one uniform: the token is the inverse CDF of its truncated,
+renormalized distribution at that point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_U64 = 1 << 64
+
+
+def _signed(x: int) -> int:
+    return x - _U64 if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A float32 uniform in [0, 1) per entry from int64 seeds and positions (wrapping arithmetic).
+
+    24 bits of the splitmix64 output are used, so every value is exact in float32 and < 1.
+    """
+    z = seeds + (positions + 1) * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which truncations any row of the batch uses, decided on the host (no device sync)."""
+
+    all_greedy: bool
+    any_top_k: bool
+    all_top_k: bool  # every sampled row has top_k > 0: restrict to the top max_k candidates
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_host(
+        cls,
+        temperatures: torch.Tensor,
+        top_ks: torch.Tensor,
+        top_ps: torch.Tensor,
+        min_ps: torch.Tensor,
+    ) -> SamplingPlan:
+        sampled = temperatures > 0
+        ks = top_ks[sampled]
+        return cls(
+            all_greedy=not bool(sampled.any()),
+            any_top_k=bool((ks > 0).any()),
+            all_top_k=bool(ks.numel() > 0 and (ks > 0).all()),
+            max_top_k=int(ks.max()) if ks.numel() else 0,
+            any_top_p=bool((top_ps[sampled] < 1).any()),
+            any_min_p=bool((min_ps[sampled] > 0).any()),
+        )
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    uniforms: torch.Tensor,
+    plan: SamplingPlan,
+) -> torch.Tensor:
+    """Next token per row of logits [n, V]: argmax where temperature is 0, else a draw.
+
+    Order: temperature, then top-k, then top-p on the top-k-renormalized distribution, then
+    min-p relative to the most likely token. The most likely token is never excluded.
+    """
+    greedy_ids = logits.argmax(dim=-1)
+    if plan.all_greedy:
+        return greedy_ids
+    vocab = logits.shape[-1]
+    greedy = temperatures == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
+
+    cand_ids: torch.Tensor | None = None  # None: candidates are the whole vocab, in vocab order
+    if plan.all_top_k:
+        scaled, cand_ids = scaled.topk(min(plan.max_top_k, vocab), dim=-1)  # sorted, descending
+    elif plan.any_top_k or plan.any_top_p:
+        scaled, cand_ids = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(scaled, dim=-1)  # [n, C]
+
+    excluded = torch.zeros_like(probs, dtype=torch.bool)
+    if plan.any_top_k:
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        excluded |= (top_ks.unsqueeze(-1) > 0) & (rank.unsqueeze(0) >= top_ks.unsqueeze(-1))
+    if plan.any_top_p:
+        kept = probs.masked_fill(excluded, 0.0)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        before = kept.cumsum(dim=-1) - kept  # probability mass strictly ahead of each candidate
+        excluded |= before > top_ps.unsqueeze(-1)
+    if plan.any_min_p:
+        excluded |= probs < (min_ps * probs.max(dim=-1).values).unsqueeze(-1)
+    if cand_ids is not None:
+        excluded[:, 0] = False  # sorted: column 0 is the most likely token
+    else:
+        excluded.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+    probs = probs.masked_fill(excluded, 0.0)
+
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    # Stay strictly below the total so the search lands on a kept (non-zero) candidate.
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).clamp_(max=probs.shape[-1] - 1)
+    drawn = idx.squeeze(-1) if cand_ids is None else cand_ids.gather(1, idx).squeeze(-1)
+    return torch.where(greedy, greedy_ids, drawn)

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.config import ExecutorConfig
+from executor.model_executor import ModelExecutor
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One weights cache per test session (a fresh clone pays the GGUF dequantization once)."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture
+def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
+    def make(**overrides: object) -> ModelExecutor:
+        values: dict[str, object] = {
+            "model": "tiny-random",
+            "max_reqs": 16,
+            "kv_slots": 2048,
+            "max_context_len": 1024,
+            "cache_dir": str(cache_dir),
+        }
+        values.update(overrides)
+        return ModelExecutor(ExecutorConfig(**values))  # type: ignore[arg-type]
+
+    return make

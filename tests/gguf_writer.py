@@ -1,0 +1,82 @@
+"""Write a small model as GGUF the way llama.cpp's converter does (Q/K rows permuted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from executor.models.config import ModelConfig
+
+_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _TO_GGUF:
+        return _TO_GGUF[hf_name]
+    _, _, idx, rest = hf_name.split(".", 3)
+    return f"blk.{idx}.{_TO_GGUF[rest]}"
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's `permute` in convert_hf_to_gguf.py (the loader must undo it)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(
+    path: Path,
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    qtype_2d: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> None:
+    arch = config.architecture
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(config.name)
+    w.add_block_count(config.num_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    if config.eos_token_ids:
+        w.add_eos_token_id(config.eos_token_ids[0])
+    if config.bos_token_id is not None:
+        w.add_bos_token_id(config.bos_token_id)
+    for name, t in tensors.items():
+        data = t.float().numpy()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            data = permute_qk(data, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+        if data.ndim == 2 and qtype_2d != gguf.GGMLQuantizationType.F32:
+            q = gguf.quants.quantize(data, qtype_2d)
+            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=qtype_2d)
+        else:
+            w.add_tensor(gguf_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
