@@ -7,32 +7,58 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from executor.models.config import ModelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def setting(default: Any, help: str) -> Any:
+    """A config field with its help text (shown by --help and in docs/configuration.md)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    """What the executor is built from. Every field has a default a newcomer can run with."""
+    """What the executor is built from. Every field has a default a newcomer can run with.
 
-    model: str = "smollm2"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
-    max_reqs: int = 128  # request rows 1..max_reqs
-    max_context_len: int = 0  # 0: the model's context length, capped at 8192
-    kv_slots: int = 65536  # KV slots 1..kv_slots
-    max_batch_size: int = 0  # 0: max_reqs
-    max_tokens_per_batch: int = 8192
-    attention_backend: str = "auto"
-    cache_dir: str = ""  # "": $XDG_CACHE_HOME/model-executor or ~/.cache/model-executor
-    seed: int = 0  # seeds draws of requests that bring no seed of their own
+    Each field is also a CLI flag (`--kv-slots`) and an environment variable
+    (`MODEL_EXECUTOR_KV_SLOTS`); see :mod:`executor.settings`.
+    """
+
+    model: str = setting(
+        "smollm2", "model: smollm2, tiny-random, tiny-random-qwen2, a .gguf file or a HF directory"
+    )
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = setting(
+        "auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16"
+    )
+    max_reqs: int = setting(128, "request rows: valid rows are 1..max_reqs")
+    max_context_len: int = setting(
+        0, "longest request in tokens; 0 = the model's context length, capped at 8192"
+    )
+    kv_slots: int = setting(65536, "KV cache slots: valid slots are 1..kv_slots")
+    max_batch_size: int = setting(0, "most requests in one batch; 0 = max_reqs")
+    max_tokens_per_batch: int = setting(8192, "most tokens in one batch (EXTEND chunks must fit)")
+    attention_backend: str = setting(
+        "auto", "attention backend (auto picks the best for the device)"
+    )
+    cache_dir: str = setting(
+        "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
+    )
+    seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            expected = type(f.default)
+            value = getattr(self, f.name)
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
         for name in ("max_reqs", "kv_slots", "max_tokens_per_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -65,6 +91,14 @@ def resolve_dtype(config: ExecutorConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[config.dtype]
+
+
+DEFAULT_MAX_CONTEXT_LEN = 8192
+
+
+def resolve_max_context_len(config: ExecutorConfig, model: ModelConfig) -> int:
+    """The configured context length, or the model's own capped at DEFAULT_MAX_CONTEXT_LEN."""
+    return config.max_context_len or min(model.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
 
 
 def resolve_cache_dir(config: ExecutorConfig) -> Path:

@@ -16,8 +16,15 @@ import torch
 
 import executor
 from attention import AttentionLayout, create_backend
-from executor.batch_prep import complete_batch
-from executor.config import ExecutorConfig, resolve_cache_dir, resolve_device, resolve_dtype
+from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
+from executor.config import (
+    DEFAULT_MAX_CONTEXT_LEN,
+    ExecutorConfig,
+    resolve_cache_dir,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_context_len,
+)
 from executor.forward_batch import ForwardBatch
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.model_runner import ModelRunner
@@ -28,8 +35,6 @@ from executor.validation import BatchLimits, validate_batch
 from ops.host_transfer import to_host
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_MAX_CONTEXT_LEN = 8192
 
 
 @dataclass
@@ -78,20 +83,18 @@ class ModelExecutor:
         self.config = config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        max_context_len = config.max_context_len or DEFAULT_MAX_CONTEXT_LEN
         if loaded is None:
             loaded = load_model(
                 config.model,
                 device=self.device,
                 dtype=self.dtype,
-                max_positions=max_context_len,
+                max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
                 cache_dir=resolve_cache_dir(config),
             )
         self.loaded = loaded
         self.model = loaded.model
         mcfg = loaded.config
-        if not config.max_context_len:
-            max_context_len = min(mcfg.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
+        max_context_len = resolve_max_context_len(config, mcfg)
         if max_context_len > self.model.max_positions:
             raise ValueError(
                 f"max_context_len ({max_context_len}) exceeds the model's rotary table ({self.model.max_positions})"
@@ -155,6 +158,41 @@ class ModelExecutor:
             attention_backend=self.attn_backend.name,
             version=executor.__version__,
         )
+
+    def warmup(self) -> None:
+        """Run one EXTEND and one DECODE step on the reserved row 0 and slot 0.
+
+        Row 0 holds only zeros and slot 0 is the padding sink, so the warm-up touches no
+        state a scheduler can see; it bypasses validation, which (rightly) refuses row 0.
+        """
+        n = 8
+        zeros = [0] * n
+        extend = complete_batch(
+            make_extend_batch(input_ids=[zeros], req_pool_indices=[0], out_cache_loc=[zeros]),
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
+        )
+        decode = complete_batch(
+            make_decode_batch(
+                input_ids=[0], req_pool_indices=[0], seq_lens=[n + 1], out_cache_loc=[0]
+            ),
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
+        )
+        for host in (extend, decode):
+            write = self.req_to_token_pool.write_batch(host)
+            try:
+                fb = host.to(self.device)
+                out = self.runner.forward(fb)
+                assert host.sampling is not None and fb.sampling is not None
+                self.sampler.sample(
+                    out.logits,
+                    host.sampling,
+                    fb.sampling,
+                    fb.seq_lens,
+                    return_logprob=False,
+                    top_logprobs_num=0,
+                )
+            finally:
+                self.req_to_token_pool.undo(write)
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""

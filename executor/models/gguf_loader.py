@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from executor.models.config import ModelConfig
-from executor.models.file_cache import cache_path
+from executor.models.file_cache import atomic_write, cache_path
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -105,6 +105,31 @@ def read_config(reader: Any, name: str) -> ModelConfig:
     )
 
 
+def _config_from_json(text: str) -> ModelConfig | None:
+    data = json.loads(text)
+    if data.pop("format", None) != CACHE_FORMAT:
+        return None
+    data.pop("extra", None)
+    data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    return ModelConfig(**data)
+
+
+def read_gguf_config(path: Path, cache_dir: Path | None) -> ModelConfig:
+    """Metadata only (tensors are never read). Parsing walks the whole vocabulary, which takes
+    seconds for a large one, so the result is cached as `<sha256>.config.json`."""
+    import gguf
+
+    cached = cache_path(path, cache_dir, ".config.json") if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        config = _config_from_json(cached.read_text())
+        if config is not None:
+            return config
+    config = read_config(gguf.GGUFReader(str(path)), path.stem)
+    if cached is not None:
+        atomic_write(cached, json.dumps({"format": CACHE_FORMAT, **config.as_dict()}).encode())
+    return config
+
+
 def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Parse and dequantize a GGUF file: (config, float32 tensors under HF names)."""
     import gguf
@@ -130,30 +155,20 @@ def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def load_gguf(path: Path, cache_dir: Path | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, tensors) from the safetensors cache when present, else dequantize and cache."""
+    """(config, tensors) from the cache when present, else dequantize and fill the cache."""
     from safetensors.torch import load_file, save_file
 
     if cache_dir is None:
         return dequantize_gguf(path)
-    cached = cache_path(path, cache_dir, ".safetensors")
-    if cached.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(cached), framework="pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("format") == str(CACHE_FORMAT) and "config" in meta:
-            config_dict = json.loads(meta["config"])
-            config_dict["eos_token_ids"] = tuple(config_dict["eos_token_ids"])
-            config_dict.pop("extra", None)
-            return ModelConfig(**config_dict), load_file(str(cached))
+    weights = cache_path(path, cache_dir, ".safetensors")
+    if weights.exists():
+        return read_gguf_config(path, cache_dir), load_file(str(weights))
     config, tensors = dequantize_gguf(path)
-    meta = {
-        "format": str(CACHE_FORMAT),
-        "config": json.dumps(config.as_dict()),
-        "source": str(path),
-    }
-    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, cached)
+    atomic_write(
+        cache_path(path, cache_dir, ".config.json"),
+        json.dumps({"format": CACHE_FORMAT, **config.as_dict()}).encode(),
+    )
+    tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": str(CACHE_FORMAT), "source": str(path)})
+    os.replace(tmp, weights)  # last: its presence means the whole entry is complete
     return config, tensors

@@ -10,13 +10,17 @@ import torch
 from executor.models.config import ModelConfig
 
 
-def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def read_hf_config(path: Path) -> ModelConfig:
     config_path = path / "config.json"
     if not config_path.exists():
         raise ValueError(f"{path} has no config.json")
-    config = ModelConfig.from_hf_config(json.loads(config_path.read_text()), name=path.name)
+    return ModelConfig.from_hf_config(json.loads(config_path.read_text()), name=path.name)
+
+
+def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = read_hf_config(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"{path} has no *.safetensors weights")

@@ -15,9 +15,10 @@ from pathlib import Path
 import structlog
 import torch
 
+from executor.config import ExecutorConfig, resolve_cache_dir, resolve_max_context_len
 from executor.models.config import ModelConfig
-from executor.models.gguf_loader import load_gguf
-from executor.models.hf_loader import load_hf_directory
+from executor.models.gguf_loader import load_gguf, read_gguf_config
+from executor.models.hf_loader import load_hf_directory, read_hf_config
 from executor.models.llama import LlamaForCausalLM
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
@@ -79,6 +80,20 @@ def read_weights(
     if source.kind == "gguf":
         return load_gguf(source.path, cache_dir)
     return load_hf_directory(source.path)
+
+
+def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
+    """The model's hyper-parameters (metadata only, no weights) and the effective context length."""
+    source = resolve_model_spec(config.model)
+    if source.kind == "tiny-random":
+        model_cfg = TINY_CONFIGS[source.spec]
+    elif source.kind == "hf":
+        assert source.path is not None
+        model_cfg = read_hf_config(source.path)
+    else:
+        assert source.path is not None
+        model_cfg = read_gguf_config(source.path, resolve_cache_dir(config))
+    return model_cfg, resolve_max_context_len(config, model_cfg)
 
 
 @dataclass

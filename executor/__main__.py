@@ -1,0 +1,5 @@
+import sys
+
+from executor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,219 @@
+"""`model-executor` (also `python -m executor`): serve, generate, info.
+
+    model-executor serve --model smollm2 --port 50051
+    model-executor generate "The capital of France is" --max-new-tokens 16
+    model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
+    model-executor info --target 127.0.0.1:50051
+
+Every ExecutorConfig / ServerConfig field is a flag and a MODEL_EXECUTOR_* environment
+variable; `--config file.toml` supplies defaults ([executor] and [server] tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import asdict
+from typing import Any
+
+from executor import settings
+from executor.config import ExecutorConfig, resolve_cache_dir
+from executor.forward_batch import SamplingParams
+from executor.logs import configure_logging
+from executor.server_config import ServerConfig
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfig]:
+    values = vars(args)
+    file_values = settings.load_file(values.get("config"))
+    env = dict(os.environ)
+    executor_cfg = settings.build(
+        ExecutorConfig, args=values, env=env, file_values=file_values.get("executor", {})
+    )
+    server_cfg = settings.build(
+        ServerConfig, args=values, env=env, file_values=file_values.get("server", {})
+    )
+    return executor_cfg, server_cfg
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from executor.server import serve
+
+    executor_cfg, server_cfg = _configs(args)
+    configure_logging(server_cfg.log_level, server_cfg.log_format)
+    return serve(executor_cfg, server_cfg)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from executor.client import ExecutorClient
+
+    with ExecutorClient(args.target) as client:
+        remote = client.info()
+        info = asdict(remote.info)
+        info["model_spec"] = remote.model_spec
+        info["readiness"] = client.health()
+        print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from executor.client import ExecutorClient
+    from executor.models.loader import resolve_model_spec
+    from executor.scheduler import ReferenceScheduler, Request
+    from executor.server import start_server
+    from executor.tokenizer import load_tokenizer
+
+    executor_cfg, server_cfg = _configs(args)
+    # stdout carries the generated text only; logs go to stderr.
+    configure_logging(
+        args.log_level_generate, "console" if sys.stderr.isatty() else "json", stream=sys.stderr
+    )
+    prompts = list(args.prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("generate: give prompts as arguments or on stdin", file=sys.stderr)
+        return 2
+    with ExitStack() as stack:
+        target = args.target
+        if target is None:  # an embedded server on a free loopback port
+            running = start_server(
+                executor_cfg, ServerConfig(host="127.0.0.1", port=0, log_level=server_cfg.log_level)
+            )
+            stack.callback(running.drain)
+            running.wait_ready(timeout=args.ready_timeout)  # raises if the model failed to load
+            target = f"127.0.0.1:{running.port}"
+        client = stack.enter_context(ExecutorClient(target))
+        client.wait_ready(timeout=args.ready_timeout)
+        remote = client.info()
+        spec = args.tokenizer or remote.model_spec
+        tok = load_tokenizer(
+            resolve_model_spec(spec),
+            remote.info.vocab_size,
+            remote.info.bos_token_id,
+            remote.info.eos_token_ids,
+            resolve_cache_dir(executor_cfg),
+        )
+        texts = prompts
+        if args.chat:
+            texts = []
+            for p in prompts:
+                messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                    {"role": "user", "content": p}
+                ]
+                texts.append(tok.apply_chat_template(messages))
+        sampling = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+        )
+        scheduler = ReferenceScheduler(
+            client.forward, remote.info.limits, remote.info.eos_token_ids
+        )
+        streaming = len(prompts) == 1 and sys.stdout.isatty()
+        printed = [""]
+
+        def on_token(req: Request, token: int) -> None:  # incremental detokenization
+            text = tok.decode(req.output_ids)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed[0]) :])
+                sys.stdout.flush()
+                printed[0] = text
+
+        reqs = [
+            scheduler.add_request(
+                tok.encode(t),
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                ignore_eos=args.ignore_eos,
+                on_token=on_token if streaming else None,
+            )
+            for t in texts
+        ]
+        scheduler.run()
+        if streaming:
+            print()
+        else:
+            for i, req in enumerate(reqs):
+                if len(reqs) > 1:
+                    print(f"--- [{i}] {req.finish_reason}")
+                print(tok.decode(req.output_ids))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="model-executor", description="A remote model executor for LLM serving."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gRPC server")
+    serve.add_argument(
+        "--config", help="TOML file with [executor] and [server] tables (env MODEL_EXECUTOR_CONFIG)"
+    )
+    settings.add_arguments(serve, ExecutorConfig)
+    settings.add_arguments(serve, ServerConfig)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="prompts -> text through the reference scheduler")
+    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
+    gen.add_argument(
+        "--target",
+        default=None,
+        help="host:port of a running executor (default: start one in-process)",
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument(
+        "--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed"
+    )
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+    )
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens"
+    )
+    gen.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model spec whose tokenizer to use (default: the server's)",
+    )
+    gen.add_argument("--ready-timeout", type=float, default=300.0)
+    gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")
+    gen.add_argument("--config", help="TOML file for the embedded server")
+    # --seed above is the requests' sampling seed (dest sampling_seed); the executor's own seed
+    # keeps its default here.
+    settings.add_arguments(gen, ExecutorConfig, exclude=frozenset({"seed"}))
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="print a running executor's GetInfo as JSON")
+    info.add_argument("--target", default=DEFAULT_TARGET)
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None and "MODEL_EXECUTOR_CONFIG" in os.environ:
+        args.config = os.environ["MODEL_EXECUTOR_CONFIG"]
+    try:
+        code: Any = args.func(args)
+    except ValueError as exc:  # configuration and input errors: one clear line, no traceback
+        print(f"model-executor: error: {exc}", file=sys.stderr)
+        return 2
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""A typed Python client for a remote executor: what a scheduler uses to drive it.
+
+    with ExecutorClient("127.0.0.1:50051") as client:
+        client.wait_ready(timeout=120)
+        info = client.info()
+        out = client.forward(batch)            # one step, unary
+        for out in client.stream(batches): ... # many steps, pipelined over one stream
+
+Batches are the same `ForwardBatch` objects the in-process executor takes, and results the
+same `ForwardOutput`s, so a scheduler runs unchanged in-process or remote. Tensors travel
+as raw little-endian bytes (one `tobytes()` per field, no per-element loops).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+from executor.codec import batch_to_proto, info_from_proto, response_from_proto
+from executor.forward_batch import ForwardBatch
+from executor.model_executor import ExecutorInfo, ForwardOutput
+
+READINESS_SERVICE = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class RemoteInfo:
+    info: ExecutorInfo
+    model_spec: str  # what the server's --model was: load the same tokenizer with it
+
+
+class ExecutorClient:
+    def __init__(self, target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.target = target
+        self.channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+            ],
+        )
+        self.stub = pb_grpc.ModelExecutorStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._ids = itertools.count(1)
+        self._ids_lock = threading.Lock()
+
+    def _next_id(self) -> int:
+        with self._ids_lock:
+            return next(self._ids)
+
+    def health(self, service: str = READINESS_SERVICE, timeout: float = 5.0) -> str:
+        """SERVING / NOT_SERVING / ... for `service` ("" is liveness)."""
+        resp = self.health_stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+    def wait_ready(self, timeout: float = 120.0, interval: float = 0.2) -> None:
+        """Block until readiness reports SERVING (the model is loaded and warmed up)."""
+        deadline = time.monotonic() + timeout
+        last: str | Exception = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                last = self.health()
+                if last == "SERVING":
+                    return
+            except grpc.RpcError as exc:
+                last = exc
+            time.sleep(interval)
+        raise TimeoutError(f"{self.target} not ready after {timeout} s (last: {last})")
+
+    def info(self, timeout: float | None = 30.0) -> RemoteInfo:
+        info, spec = info_from_proto(self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout))
+        return RemoteInfo(info, spec)
+
+    def forward(
+        self, batch: ForwardBatch, *, batch_id: int | None = None, timeout: float | None = None
+    ) -> ForwardOutput:
+        request = pb.ForwardRequest(
+            batch_id=batch_id or self._next_id(), batch=batch_to_proto(batch)
+        )
+        return response_from_proto(self.stub.Forward(request, timeout=timeout))
+
+    def stream(
+        self, batches: Iterable[ForwardBatch], *, timeout: float | None = None
+    ) -> Iterator[ForwardOutput]:
+        """Send batches over one ForwardStream; results come back in order. The batches
+        iterable is consumed as the server accepts them, so it may be produced lazily."""
+        requests = (
+            pb.ForwardRequest(batch_id=self._next_id(), batch=batch_to_proto(b)) for b in batches
+        )
+        for response in self.stub.ForwardStream(requests, timeout=timeout):
+            yield response_from_proto(response)
+
+    def open_stream(self) -> ForwardSession:
+        """An interactive stream: `send` steps ahead, `recv` results in order (pipelining)."""
+        return ForwardSession(self)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> ExecutorClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class ForwardSession:
+    """One ForwardStream driven step by step: send batch N+1 before receiving result N."""
+
+    _END = object()
+
+    def __init__(self, client: ExecutorClient) -> None:
+        self._outbox: queue.Queue[object] = queue.Queue()
+        self._client = client
+        self._responses = client.stub.ForwardStream(self._requests())
+
+    def _requests(self) -> Iterator[pb.ForwardRequest]:
+        while True:
+            item = self._outbox.get()
+            if item is self._END:
+                return
+            assert isinstance(item, pb.ForwardRequest)
+            yield item
+
+    def send(self, batch: ForwardBatch, *, batch_id: int | None = None) -> int:
+        bid = batch_id or self._client._next_id()
+        self._outbox.put(pb.ForwardRequest(batch_id=bid, batch=batch_to_proto(batch)))
+        return bid
+
+    def recv(self) -> ForwardOutput:
+        return response_from_proto(next(self._responses))
+
+    def close(self) -> None:
+        self._outbox.put(self._END)
+        for _ in self._responses:  # drain whatever the server still answers
+            pass

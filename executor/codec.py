@@ -1,0 +1,264 @@
+"""The wire codec: proto messages <-> domain objects, translated exactly once.
+
+Tensor bytes are decoded with `torch.frombuffer` (no copy of the payload); encoding takes a
+tensor's bytes in one call, never per element. Every decoding error is a
+BatchValidationError that names the field, so the server answers INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from model_executor.v1 import executor_pb2 as pb
+
+from executor.errors import BatchValidationError
+from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.model_executor import ExecutorInfo, ForwardOutput, StepStats
+from executor.validation import BatchLimits
+
+_TO_TORCH = {
+    pb.INT32: torch.int32,
+    pb.INT64: torch.int64,
+    pb.FLOAT32: torch.float32,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.FLOAT16: torch.float16,
+}
+_TO_PB = {v: k for k, v in _TO_TORCH.items()}
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
+
+
+def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
+    if t.dtype not in _TO_PB:
+        raise ValueError(f"dtype {t.dtype} has no wire type")
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        data = t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    else:
+        data = t.numpy().astype(t.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+    return pb.Tensor(dtype=_TO_PB[t.dtype], shape=list(t.shape), data=data)
+
+
+def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
+    """A tensor viewing the message's bytes (no copy). Read-only in practice: never written."""
+    if msg.dtype not in _TO_TORCH:
+        raise BatchValidationError(
+            field, f"dtype must be one of INT32, INT64, FLOAT32, BFLOAT16, FLOAT16, got {msg.dtype}"
+        )
+    dtype = _TO_TORCH[msg.dtype]
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+    numel = int(np.prod(shape)) if shape else 1
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != numel * itemsize:
+        raise BatchValidationError(
+            field,
+            f"data has {len(msg.data)} bytes, shape {list(shape)} of {pb.DType.Name(msg.dtype)} needs {numel * itemsize}",
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if not _LITTLE_ENDIAN:  # the wire is little-endian: swap into a native copy
+        wire = np.frombuffer(msg.data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
+        native = torch.from_numpy(wire.astype(wire.dtype.newbyteorder("="))).view(shape)
+        return native.view(torch.bfloat16) if dtype == torch.bfloat16 else native
+    with warnings.catch_warnings():
+        # bytes are immutable; torch warns that the tensor could write into them. It never does.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+
+
+def _optional(batch: pb.ForwardBatch, name: str) -> torch.Tensor | None:
+    return tensor_from_proto(getattr(batch, name), name) if batch.HasField(name) else None
+
+
+def _required(batch: pb.ForwardBatch, name: str) -> torch.Tensor:
+    if not batch.HasField(name):
+        raise BatchValidationError(name, "is required")
+    return tensor_from_proto(getattr(batch, name), name)
+
+
+def sampling_from_proto(params: Any, bs: int) -> SamplingBatch | None:
+    if len(params) == 0:
+        return None
+    return SamplingBatch.from_params(
+        [
+            SamplingParams(
+                temperature=p.temperature,
+                top_p=p.top_p if p.top_p != 0 else 1.0,  # proto3 default: unset
+                top_k=p.top_k,
+                min_p=p.min_p,
+                seed=p.seed if p.HasField("seed") else None,
+            )
+            for p in params
+        ],
+        bs,
+    )
+
+
+def batch_from_proto(msg: pb.ForwardBatch) -> ForwardBatch:
+    """Decode a wire batch into a host ForwardBatch (validation happens on the device thread)."""
+    if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE):
+        raise BatchValidationError(
+            "forward_mode", f"must be EXTEND, DECODE or IDLE, got {msg.forward_mode}"
+        )
+    mode = ForwardMode(msg.forward_mode)
+    if mode is ForwardMode.IDLE and not msg.HasField("req_pool_indices"):
+        empty = torch.zeros(0, dtype=torch.int64)
+        rows, seq_lens, out_loc = empty, empty, empty
+    else:
+        rows = _required(msg, "req_pool_indices")
+        seq_lens = _required(msg, "seq_lens")
+        out_loc = _required(msg, "out_cache_loc")
+    bs = int(rows.shape[0]) if rows.dim() == 1 else -1
+    input_embeds = _optional(msg, "input_embeds")
+    input_ids = _optional(msg, "input_ids")
+    if input_ids is None and input_embeds is None and mode is ForwardMode.IDLE:
+        input_ids = torch.zeros(0, dtype=torch.int64)
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=bs,
+        input_ids=input_ids,
+        req_pool_indices=rows,
+        seq_lens=seq_lens,
+        out_cache_loc=out_loc,
+        positions=_optional(msg, "positions"),
+        extend_prefix_lens=_optional(msg, "extend_prefix_lens"),
+        extend_seq_lens=_optional(msg, "extend_seq_lens"),
+        prefix_cache_loc=_optional(msg, "prefix_cache_loc"),
+        input_embeds=input_embeds,
+        sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
+        return_logprob=msg.return_logprob,
+        top_logprobs_num=msg.top_logprobs_num,
+    )
+
+
+def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
+    msg = pb.ForwardBatch(
+        forward_mode=int(fb.forward_mode),
+        return_logprob=fb.return_logprob,
+        top_logprobs_num=fb.top_logprobs_num,
+    )
+    for name in (
+        "input_ids",
+        "req_pool_indices",
+        "seq_lens",
+        "out_cache_loc",
+        "positions",
+        "extend_prefix_lens",
+        "extend_seq_lens",
+        "prefix_cache_loc",
+        "input_embeds",
+    ):
+        value = getattr(fb, name)
+        if value is not None:
+            getattr(msg, name).CopyFrom(tensor_to_proto(value))
+    if fb.sampling is not None:
+        s = fb.sampling
+        for i in range(s.temperatures.shape[0]):
+            p = msg.sampling_params.add(
+                temperature=float(s.temperatures[i]),
+                top_p=float(s.top_ps[i]),
+                top_k=int(s.top_ks[i]),
+                min_p=float(s.min_ps[i]),
+            )
+            if bool(s.has_seed[i]):
+                p.seed = int(s.seeds[i]) % (1 << 64)
+    return msg
+
+
+def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
+    st = out.stats
+    msg = pb.ForwardResponse(
+        batch_id=batch_id,
+        next_token_ids=tensor_to_proto(out.next_token_ids),
+        stats=pb.ForwardStats(
+            path=st.path,
+            batch_size=st.batch_size,
+            padded_batch_size=st.padded_batch_size,
+            num_tokens=st.num_tokens,
+            padded_num_tokens=st.padded_num_tokens,
+            timings_ns=st.timings_ns,
+        ),
+    )
+    if out.next_token_logprobs is not None:
+        msg.next_token_logprobs.CopyFrom(tensor_to_proto(out.next_token_logprobs))
+    if out.top_logprob_ids is not None and out.top_logprobs is not None:
+        msg.top_logprob_ids.CopyFrom(tensor_to_proto(out.top_logprob_ids))
+        msg.top_logprobs.CopyFrom(tensor_to_proto(out.top_logprobs))
+    return msg
+
+
+def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
+    def opt(name: str) -> torch.Tensor | None:
+        return tensor_from_proto(getattr(msg, name), name) if msg.HasField(name) else None
+
+    st = msg.stats
+    return ForwardOutput(
+        next_token_ids=tensor_from_proto(msg.next_token_ids, "next_token_ids"),
+        stats=StepStats(
+            path=st.path,
+            batch_size=st.batch_size,
+            padded_batch_size=st.padded_batch_size,
+            num_tokens=st.num_tokens,
+            padded_num_tokens=st.padded_num_tokens,
+            timings_ns=dict(st.timings_ns),
+        ),
+        next_token_logprobs=opt("next_token_logprobs"),
+        top_logprob_ids=opt("top_logprob_ids"),
+        top_logprobs=opt("top_logprobs"),
+    )
+
+
+def info_to_proto(info: ExecutorInfo, model_spec: str) -> pb.GetInfoResponse:
+    lim = info.limits
+    msg = pb.GetInfoResponse(
+        model_name=info.model_name,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        dtype=info.dtype,
+        device=info.device,
+        max_reqs=lim.max_reqs,
+        kv_slots=lim.kv_slots,
+        max_context_len=lim.max_context_len,
+        max_batch_size=lim.max_batch_size,
+        max_tokens_per_batch=lim.max_tokens_per_batch,
+        eos_token_ids=list(info.eos_token_ids),
+        attention_backend=info.attention_backend,
+        server_version=info.version,
+        model_spec=model_spec,
+    )
+    if info.bos_token_id is not None:
+        msg.bos_token_id = info.bos_token_id
+    return msg
+
+
+def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
+    limits = BatchLimits(
+        max_reqs=msg.max_reqs,
+        kv_slots=msg.kv_slots,
+        max_context_len=msg.max_context_len,
+        vocab_size=msg.vocab_size,
+        hidden_size=msg.hidden_size,
+        max_batch_size=msg.max_batch_size,
+        max_tokens_per_batch=msg.max_tokens_per_batch,
+    )
+    info = ExecutorInfo(
+        model_name=msg.model_name,
+        architecture=msg.architecture,
+        vocab_size=msg.vocab_size,
+        hidden_size=msg.hidden_size,
+        dtype=msg.dtype,
+        device=msg.device,
+        limits=limits,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
+        attention_backend=msg.attention_backend,
+        version=msg.server_version,
+    )
+    return info, msg.model_spec

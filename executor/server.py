@@ -1,0 +1,166 @@
+"""Run the executor as a gRPC server: health, reflection, start-up, drain and signals.
+
+Start-up: the port opens first with liveness ("") SERVING and readiness
+(`model_executor.v1.ModelExecutor`) NOT_SERVING; the model loads and warms up; then
+readiness turns SERVING. On SIGTERM/SIGINT (or `drain()`), readiness turns NOT_SERVING,
+new batches get UNAVAILABLE, and everything already accepted finishes within the grace
+period before the port closes.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+from executor.config import ExecutorConfig
+from executor.device_worker import DeviceWorker
+from executor.model_executor import ModelExecutor
+from executor.models.loader import read_model_config
+from executor.server_config import ServerConfig
+from executor.servicer import ExecutorServicer
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+_SLACK = 1 << 20
+
+
+def message_limits(
+    config: ExecutorConfig, hidden_size: int, vocab_size: int, max_context_len: int
+) -> tuple[int, int]:
+    """(receive, send) byte limits from the largest batch and response the executor accepts."""
+    bs = config.max_batch_size or config.max_reqs
+    tokens = config.max_tokens_per_batch
+    # ids, slots, positions (int64) and embeddings (float32) per token; per-request fields; a
+    # prefix_cache_loc covering every request's whole context; sampling params.
+    receive = (
+        tokens * (3 * 8 + hidden_size * 4) + bs * (4 * 8 + 48) + bs * max_context_len * 8 + _SLACK
+    )
+    # next ids and logprobs, and top-k ids + logprobs with k up to the vocabulary.
+    send = bs * (8 + 4) + bs * vocab_size * (8 + 4) + _SLACK
+    return receive, send
+
+
+@dataclass
+class RunningServer:
+    """A started server; `ready` is set once the model is loaded and warmed up."""
+
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    servicer: ExecutorServicer
+    ready: threading.Event
+    load_error: list[BaseException]
+    server_config: ServerConfig
+
+    @property
+    def worker(self) -> DeviceWorker | None:
+        return self.servicer.worker
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self.ready.wait(timeout):
+            raise TimeoutError(f"the executor was not ready within {timeout} s")
+        if self.load_error:
+            raise RuntimeError("the executor failed to start") from self.load_error[0]
+
+    def drain(self, grace_s: float | None = None) -> bool:
+        """Stop taking batches, finish what was accepted, close the port. True if all finished in time."""
+        grace = self.server_config.drain_grace_s if grace_s is None else grace_s
+        start = time.monotonic()
+        self.servicer.draining.set()
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining", grace_s=grace, queued=self.worker.depth if self.worker else 0)
+        finished = self.worker.wait_idle(grace) if self.worker else True
+        remaining = max(0.0, grace - (time.monotonic() - start))
+        self.server.stop(grace=min(remaining, 1.0)).wait()
+        if self.worker is not None and finished:
+            self.worker.stop()
+        log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
+        return finished
+
+
+def start_server(
+    config: ExecutorConfig, server_config: ServerConfig, *, block_until_ready: bool = False
+) -> RunningServer:
+    """Open the port now, load the model in the background; returns at once (or when ready)."""
+    model_cfg, max_context_len = read_model_config(config)
+    receive, send = message_limits(
+        config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
+    )
+    options = [("grpc.max_receive_message_length", receive), ("grpc.max_send_message_length", send)]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
+        options=options,
+    )
+    servicer = ExecutorServicer(config.model, server_config.stream_window)
+    pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+    if port == 0:
+        raise OSError(f"could not listen on {server_config.host}:{server_config.port}")
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.start()
+    log.info(
+        "listening",
+        host=server_config.host,
+        port=port,
+        max_receive_bytes=receive,
+        max_send_bytes=send,
+    )
+
+    running = RunningServer(
+        server, port, health_servicer, servicer, threading.Event(), [], server_config
+    )
+
+    def load() -> None:
+        try:
+            t0 = time.perf_counter()
+            executor = ModelExecutor(config)
+            executor.warmup()
+            worker = DeviceWorker(executor, server_config.queue_size)
+            worker.start()
+            servicer.attach(worker)
+            if not servicer.draining.is_set():
+                health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            log.info("ready", seconds=round(time.perf_counter() - t0, 3))
+        except BaseException as exc:
+            log.error("start-up failed", exc_info=exc)
+            running.load_error.append(exc)
+        finally:
+            running.ready.set()
+
+    threading.Thread(target=load, name="model-loader", daemon=True).start()
+    if block_until_ready:
+        running.wait_ready()
+    return running
+
+
+def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain. The process exit code."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    log.info("starting", executor_config=config.__dict__, server_config=server_config.__dict__)
+    running = start_server(config, server_config)
+    while not stop.wait(0.5):
+        if running.ready.is_set() and running.load_error:
+            running.server.stop(grace=None)
+            return 1
+    log.info("shutdown signal received")
+    running.drain()
+    return 0

@@ -1,0 +1,156 @@
+"""Start-up, readiness, drain and SIGTERM: nothing accepted is ever dropped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+import executor.server
+from executor.batch_prep import make_extend_batch
+from executor.client import ExecutorClient
+from executor.model_executor import ModelExecutor
+from executor.server import start_server
+from executor.server_config import ServerConfig
+from tests.server_util import free_port, tiny_config
+
+
+def test_health_moves_not_serving_serving_not_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warmup_gate = threading.Event()
+
+    class SlowToWarm(ModelExecutor):
+        def warmup(self) -> None:
+            warmup_gate.wait(30)
+            super().warmup()
+
+    monkeypatch.setattr(executor.server, "ModelExecutor", SlowToWarm)
+    running = start_server(tiny_config(tmp_path), ServerConfig(port=0, drain_grace_s=10))
+    batch = make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
+    with ExecutorClient(f"127.0.0.1:{running.port}") as c:
+        assert c.health("") == "SERVING"  # alive while loading
+        assert c.health() == "NOT_SERVING"  # not ready
+        with pytest.raises(grpc.RpcError) as err:
+            c.forward(batch)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+
+        warmup_gate.set()
+        c.wait_ready(timeout=30)
+        assert c.health() == "SERVING"
+
+        # Hold one batch on the device so that the drain has something to wait for.
+        device_gate = threading.Event()
+        assert running.worker is not None
+        real_forward = running.worker.executor.forward
+
+        def held(b, **kw):  # type: ignore[no-untyped-def]
+            device_gate.wait(30)
+            return real_forward(b, **kw)
+
+        running.worker.executor.forward = held  # type: ignore[method-assign]
+        with ThreadPoolExecutor(2) as pool:
+            in_flight = pool.submit(c.forward, batch)
+            while not running.worker._in_flight:
+                time.sleep(0.01)
+            drained = pool.submit(running.drain)
+            while not running.servicer.draining.is_set():
+                time.sleep(0.01)
+            assert c.health() == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as err:
+                c.forward(
+                    make_extend_batch(input_ids=[[3]], req_pool_indices=[2], out_cache_loc=[[9]])
+                )
+            assert (
+                err.value.code() == grpc.StatusCode.UNAVAILABLE
+                and "draining" in err.value.details()
+            )
+            device_gate.set()
+            assert in_flight.result(timeout=30).next_token_ids.shape == (1,)  # accepted -> answered
+            assert drained.result(timeout=30) is True
+
+
+def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "executor",
+        "serve",
+        "--model",
+        "tiny-random",
+        "--port",
+        str(port),
+        "--max-reqs",
+        "16",
+        "--kv-slots",
+        "40000",
+        "--max-context-len",
+        "8192",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--log-format",
+        "json",
+        "--drain-grace-s",
+        "60",
+    ]
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as c:
+            c.wait_ready(timeout=120)
+            info = subprocess.run(
+                [sys.executable, "-m", "executor", "info", "--target", f"127.0.0.1:{port}"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            )
+            assert json.loads(info.stdout)["readiness"] == "SERVING"
+            n_tokens = (
+                4000  # ~0.25 s each on 2 cores: six of them keep the device busy past SIGTERM
+            )
+            batches = [
+                make_extend_batch(
+                    input_ids=[[5] * n_tokens],
+                    req_pool_indices=[r],
+                    out_cache_loc=[list(range(1 + (r - 1) * n_tokens, 1 + r * n_tokens))],
+                )
+                for r in range(1, 7)
+            ]
+            with ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(c.forward, b) for b in batches]
+                time.sleep(0.5)  # all six are accepted; most are still queued
+                assert not all(f.done() for f in futures), (
+                    "the work finished before SIGTERM; make it bigger"
+                )
+                proc.send_signal(signal.SIGTERM)
+                results = [f.result(timeout=120) for f in futures]
+            assert [r.next_token_ids.shape for r in results] == [(1,)] * 6
+            with pytest.raises(grpc.RpcError) as err:  # nothing new is accepted
+                c.forward(batches[0], timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    events = [line["event"] for line in lines]
+    assert "shutdown signal received" in events
+    drained = next(line for line in lines if line["event"] == "drained")
+    assert drained["finished"] is True
