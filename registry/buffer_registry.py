@@ -71,7 +71,11 @@ class BufferRegistry:
                     f"slot {slot.name!r}: bound tensor is on {bind.device}, the slot on {device}"
                 )
             return bind
-        buf = torch.zeros(shape, dtype=slot.dtype, device=device)
+        # NOTE: never an inference tensor, even when a runner builds the registry inside
+        # torch.inference_mode(): such a buffer could not be filled outside it, and pooled
+        # buffers outlive the registry that made them.
+        with torch.inference_mode(False):
+            buf = torch.zeros(shape, dtype=slot.dtype, device=device)
         # NOTE: FILL_ONCE tails are never reset, so a pooled one could be overwritten by
         # another registry's fill for good; those buffers stay private.
         if self.share_pool and slot.padding_policy is not PaddingPolicy.FILL_ONCE:

@@ -784,3 +784,23 @@ def test_every_zero_slot_of_both_factories_is_index_like() -> None:
         zero = {n for n in reg.slot_names() if reg.get_slot(n).padding_policy is Z}
         assert zero - {"input_embeds"} <= INDEX_LIKE_SLOTS
         assert {"positions", "out_cache_loc"} <= zero
+
+
+def test_buffers_made_in_inference_mode_can_be_filled_outside_it() -> None:
+    # Runners build registries inside torch.inference_mode(); pooled buffers outlive them.
+    name = uniq("ids")
+
+    def build() -> BufferRegistry:
+        reg = BufferRegistry("cpu", 4, 4, share_pool=True)
+        slot = GraphSlot(name, tokens, torch.int64, padding_policy=S, pad_value=1)
+        slot.source_fn = lambda fb, ctx: fb.extra
+        reg.register_slot(slot)
+        return reg
+
+    with torch.inference_mode():
+        inside = build()
+    outside = build()
+    assert not inside.get_slot(name).require_buffer().is_inference()
+    fill(inside, MiniBatch(2, extra=i64(4, 5)), raw=2, padded=3)
+    fill(outside, MiniBatch(1, extra=i64(6)), raw=1, padded=2)  # the same pooled storage
+    assert inside.get_slot(name).require_buffer().tolist() == [6, 1, 1, 1]
