@@ -31,6 +31,9 @@ class ExecutorConfig:
     attention_backend: str = "auto"
     cache_dir: str = ""  # "": $XDG_CACHE_HOME/model-executor or ~/.cache/model-executor
     seed: int = 0  # seeds draws of requests that bring no seed of their own
+    # Run eager steps on the batch's own tensors instead of staging them through the eager
+    # input registry (saves one device copy per staged field per step).
+    eager_input_no_copy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_reqs", "kv_slots", "max_tokens_per_batch"):
