@@ -40,6 +40,8 @@ class BufferRegistry:
         self.max_num_tokens = max_num_tokens
         self.share_pool = share_pool
         self._slots: dict[str, GraphSlot] = {}
+        # Slots whose buffer lives off `device` (e.g. a host mirror): copied one by one.
+        self._off_device: set[str] = set()
 
     # --- registration ------------------------------------------------------------------
     def register_slot(self, slot: GraphSlot, bind: torch.Tensor | None = None) -> GraphSlot:
@@ -54,6 +56,8 @@ class BufferRegistry:
             raise ValueError(f"slot {slot.name!r} already has a buffer (registered elsewhere?)")
         if slot.enabled:
             slot.buffer = self._allocate(slot, bind)
+            if not _same_device(slot.buffer.device, self.device):
+                self._off_device.add(slot.name)
         self._slots[slot.name] = slot
         return slot
 
@@ -144,8 +148,7 @@ class BufferRegistry:
             pair = self._copy_pair(slot, fb, ctx) if slot.copy_from_fb else None
             if pair is None:
                 continue
-            same = _same_device(self.slot_device(slot), self.device)
-            (on_device if same else elsewhere).append(pair)
+            (elsewhere if slot.name in self._off_device else on_device).append(pair)
         stats = grouped_copy_(on_device) + per_tensor_copy_(elsewhere)
         for slot in slots:
             if slot.post_fill is not None:
