@@ -804,3 +804,31 @@ def test_buffers_made_in_inference_mode_can_be_filled_outside_it() -> None:
     fill(inside, MiniBatch(2, extra=i64(4, 5)), raw=2, padded=3)
     fill(outside, MiniBatch(1, extra=i64(6)), raw=1, padded=2)  # the same pooled storage
     assert inside.get_slot(name).require_buffer().tolist() == [6, 1, 1, 1]
+
+
+@pytest.mark.gpu
+def test_on_cuda_device_slots_are_grouped_and_the_host_mirror_copied_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grouped: list[int] = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (grouped.append(len(d)), real(d, s)))
+    reg = build_decode_registry(
+        device="cuda", max_bs=4, max_num_tokens=4, seq_len_fill_value=1, share_pool=False
+    )
+    dev = lambda *v: i64(*v).cuda()  # noqa: E731
+    fb = MiniBatch(
+        2,
+        input_ids=dev(3, 4),
+        positions=dev(5, 6),
+        out_cache_loc=dev(7, 8),
+        req_pool_indices=dev(1, 2),
+        seq_lens=dev(6, 7),
+        seq_lens_cpu=i64(6, 7),
+    )
+    stats = fill(reg, fb, raw=2, padded=3)
+    assert grouped == [5] and stats.copy_calls == 2
+    view = reg.extract_buffer(padded_bs=3, padded_num_tokens=3, forward_batch_template=fb)
+    assert view.seq_lens.device.type == "cuda" and view.seq_lens_cpu.device.type == "cpu"
+    assert view.seq_lens.tolist() == [6, 7, 1] and view.seq_lens_cpu.tolist() == [6, 7, 1]
+    assert view.out_cache_loc.tolist() == [7, 8, 0]
