@@ -52,6 +52,11 @@ class ExecutorConfig:
         "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
     )
     seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
+    eager_input_no_copy: bool = setting(
+        False,
+        "run eager steps on the batch's own tensors instead of staging them through the eager "
+        "input registry (saves one device copy per staged field per step); a runtime toggle too",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -47,6 +47,11 @@ class StepStats:
     num_tokens: int
     padded_num_tokens: int
     timings_ns: dict[str, int] = field(default_factory=dict)
+    # What the input staging copied this step (issue 4); None / 0 when nothing was staged.
+    fill_registry: str | None = None  # eager_decode | eager_extend
+    fill_tensors: int = 0
+    fill_bytes: int = 0
+    fill_copy_calls: int = 0
 
 
 @dataclass
@@ -128,7 +133,13 @@ class ModelExecutor:
             device=self.device,
         )
         self.needs_cpu_seq_lens = self.attn_backend.needs_cpu_seq_lens
-        self.runner = ModelRunner(self.model, self.attn_backend)
+        self.runner = ModelRunner(
+            self.model,
+            self.attn_backend,
+            device=self.device,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
+            eager_input_no_copy=config.eager_input_no_copy,
+        )
         self.sampler = Sampler(self.device, config.seed)
         log.info(
             "executor ready",
@@ -140,6 +151,7 @@ class ModelExecutor:
             kv_slots=config.kv_slots,
             max_context_len=max_context_len,
             kv_cache_mib=round(self.kv_pool.nbytes / 2**20, 1),
+            eager_input_no_copy=config.eager_input_no_copy,
         )
 
     @property
@@ -253,6 +265,10 @@ class ModelExecutor:
                 "sample": t4 - t3,
                 "total": t4 - t0,
             },
+            fill_registry=out.fill_registry,
+            fill_tensors=out.fill_stats.tensors_copied,
+            fill_bytes=out.fill_stats.bytes_copied,
+            fill_copy_calls=out.fill_stats.copy_calls,
         )
         return ForwardOutput(
             next_token_ids=sample.next_token_ids,

@@ -1,0 +1,207 @@
+"""`BufferRegistry`: the slots of one runner, and the fill/extract steps every path shares."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar, cast
+
+import torch
+
+from registry.copy import CopyPair, FillStats, grouped_copy_, per_tensor_copy_
+from registry.policy import PaddingPolicy
+from registry.pool import share_input_buffer
+from registry.slot import FillContext, GraphSlot
+
+BatchT = TypeVar("BatchT")
+
+
+class BufferRegistry:
+    """Fixed-address buffers for the fields of a batch, sized for `max_bs` / `max_num_tokens`.
+
+    One step is `fill_from(batch, ...)` (tails reset, heads copied, hooks run) followed by
+    `extract_buffer(...)`, a batch whose slot fields are views of the buffers. The views are
+    overwritten by the next fill: consume them before it. With `share_pool`, buffers go
+    through :func:`registry.share_input_buffer` (see its NOTE on why that is safe).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        max_bs: int,
+        max_num_tokens: int,
+        share_pool: bool = False,
+    ) -> None:
+        if max_bs < 0 or max_num_tokens < 0:
+            raise ValueError(
+                f"max_bs and max_num_tokens must be >= 0, got {max_bs} and {max_num_tokens}"
+            )
+        self.device = torch.device(device)
+        self.max_bs = max_bs
+        self.max_num_tokens = max_num_tokens
+        self.share_pool = share_pool
+        self._slots: dict[str, GraphSlot] = {}
+        # Slots whose buffer lives off `device` (e.g. a host mirror): copied one by one.
+        self._off_device: set[str] = set()
+
+    # --- registration ------------------------------------------------------------------
+    def register_slot(self, slot: GraphSlot, bind: torch.Tensor | None = None) -> GraphSlot:
+        """Add `slot` and allocate its buffer (a disabled slot is stored, never allocated).
+
+        With `bind`, the slot adopts that tensor as its buffer (shape, dtype and device must
+        match); it is neither pooled nor pre-filled, so it keeps its contents.
+        """
+        if slot.name in self._slots:
+            raise ValueError(f"slot {slot.name!r} is already registered")
+        if slot.buffer is not None:
+            raise ValueError(f"slot {slot.name!r} already has a buffer (registered elsewhere?)")
+        if slot.enabled:
+            slot.buffer = self._allocate(slot, bind)
+            if not _same_device(slot.buffer.device, self.device):
+                self._off_device.add(slot.name)
+        self._slots[slot.name] = slot
+        return slot
+
+    def _allocate(self, slot: GraphSlot, bind: torch.Tensor | None) -> torch.Tensor:
+        device = self.slot_device(slot)
+        shape = tuple(int(d) for d in slot.shape_fn(self.max_bs, self.max_num_tokens))
+        if bind is not None:
+            if tuple(bind.shape) != shape or bind.dtype != slot.dtype:
+                raise ValueError(
+                    f"slot {slot.name!r}: bound tensor is {list(bind.shape)} {bind.dtype}, "
+                    f"the slot needs {list(shape)} {slot.dtype}"
+                )
+            if not _same_device(bind.device, device):
+                raise ValueError(
+                    f"slot {slot.name!r}: bound tensor is on {bind.device}, the slot on {device}"
+                )
+            return bind
+        # NOTE: never an inference tensor, even when a runner builds the registry inside
+        # torch.inference_mode(): such a buffer could not be filled outside it, and pooled
+        # buffers outlive the registry that made them.
+        with torch.inference_mode(False):
+            buf = torch.zeros(shape, dtype=slot.dtype, device=device)
+        # NOTE: FILL_ONCE tails are never reset, so a pooled one could be overwritten by
+        # another registry's fill for good; those buffers stay private.
+        if self.share_pool and slot.padding_policy is not PaddingPolicy.FILL_ONCE:
+            buf = share_input_buffer(slot.name, buf)
+        if slot.padding_policy.needs_pad_value:
+            assert slot.pad_value is not None  # GraphSlot checks it
+            buf.fill_(slot.pad_value)
+        return buf
+
+    def slot_device(self, slot: GraphSlot) -> torch.device:
+        return torch.device(slot.device) if slot.device is not None else self.device
+
+    def has_slot(self, name: str) -> bool:
+        """True for a registered, enabled slot."""
+        slot = self._slots.get(name)
+        return slot is not None and slot.enabled
+
+    def get_slot(self, name: str) -> GraphSlot:
+        """The registered slot called `name`, enabled or not (KeyError if none)."""
+        try:
+            return self._slots[name]
+        except KeyError:
+            raise KeyError(f"no slot {name!r} in this registry") from None
+
+    def slot_names(self) -> list[str]:
+        """Enabled slots, in registration order."""
+        return [s.name for s in self._slots.values() if s.enabled]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the enabled slots' buffers (pooled storage counted once per slot)."""
+        return sum(
+            s.buffer.numel() * s.buffer.element_size()
+            for s in self._slots.values()
+            if s.buffer is not None
+        )
+
+    # --- one step ----------------------------------------------------------------------
+    def fill_from(
+        self,
+        fb: Any,
+        *,
+        raw_bs: int,
+        padded_bs: int,
+        raw_num_tokens: int,
+        padded_num_tokens: int,
+    ) -> FillStats:
+        """Stage `fb` into the buffers for a batch padded to `padded_bs` / `padded_num_tokens`.
+
+        Three phases: every tail gets its padding policy; every head is copied (grouped by
+        dtype pair on the registry's device, one by one elsewhere); `post_fill` hooks run.
+        A field that is None on `fb` (or a `source_fn` returning None) is not copied.
+        """
+        ctx = FillContext(raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
+        if padded_bs > self.max_bs or padded_num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"a batch padded to bs={padded_bs}, tokens={padded_num_tokens} does not fit "
+                f"this registry (max_bs={self.max_bs}, max_num_tokens={self.max_num_tokens})"
+            )
+        slots = [s for s in self._slots.values() if s.enabled]
+        for slot in slots:
+            slot.reset_padding(ctx)
+        on_device: list[CopyPair] = []
+        elsewhere: list[CopyPair] = []
+        for slot in slots:
+            pair = self._copy_pair(slot, fb, ctx) if slot.copy_from_fb else None
+            if pair is None:
+                continue
+            (elsewhere if slot.name in self._off_device else on_device).append(pair)
+        stats = grouped_copy_(on_device) + per_tensor_copy_(elsewhere)
+        for slot in slots:
+            if slot.post_fill is not None:
+                slot.post_fill(slot.require_buffer(), fb, ctx)
+        return stats
+
+    def _copy_pair(self, slot: GraphSlot, fb: Any, ctx: FillContext) -> CopyPair | None:
+        if slot.source_fn is not None:
+            src = slot.source_fn(fb, ctx)
+            if src is None:
+                return None
+            _check_tensor(slot, src)
+            if src.dim() == 0:
+                raise ValueError(f"slot {slot.name!r}: source_fn returned a 0-d tensor")
+            dst = slot.head(int(src.shape[-1] if slot.slice_fn is not None else src.shape[0]))
+        else:
+            src = getattr(fb, slot.name, None)
+            if src is None:
+                return None
+            _check_tensor(slot, src)
+            dst = slot.head(slot.lanes(ctx.raw_bs, ctx.raw_num_tokens))
+        # NOTE: copy_ would broadcast a mismatched source silently; refuse it instead.
+        if dst.shape != src.shape:
+            raise ValueError(
+                f"slot {slot.name!r}: source shape {list(src.shape)} does not match "
+                f"the staged head {list(dst.shape)}"
+            )
+        return dst, src
+
+    def extract_buffer(
+        self, *, padded_bs: int, padded_num_tokens: int, forward_batch_template: BatchT
+    ) -> BatchT:
+        """A `dataclasses.replace` of the template whose slot fields are buffer views.
+
+        `batch_size` becomes `padded_bs`. A plain slot whose field is None on the template
+        carries None (never a stale buffer); computed slots are always exposed; nested
+        (dotted) slots are never put on the batch. The template is not mutated.
+        """
+        changes: dict[str, Any] = {"batch_size": padded_bs}
+        for slot in self._slots.values():
+            if not slot.enabled or slot.buffer is None or slot.is_nested:
+                continue
+            plain = not slot.is_computed and slot.source_fn is None
+            if plain and getattr(forward_batch_template, slot.name, None) is None:
+                continue
+            changes[slot.name] = slot.slice_for(padded_bs, padded_num_tokens)
+        return cast(BatchT, dataclasses.replace(cast(Any, forward_batch_template), **changes))
+
+
+def _check_tensor(slot: GraphSlot, src: object) -> None:
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"slot {slot.name!r}: the source is a {type(src).__name__}, not a tensor")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
