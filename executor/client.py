@@ -23,12 +23,12 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from model_executor.v1 import executor_pb2 as pb
-from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 from executor.codec import batch_to_proto, info_from_proto, response_from_proto
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ExecutorInfo, ForwardOutput
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 READINESS_SERVICE = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30

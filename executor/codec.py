@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from model_executor.v1 import executor_pb2 as pb
 
 from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.model_executor import ExecutorInfo, ForwardOutput, StepStats
 from executor.validation import BatchLimits
+from model_executor.v1 import executor_pb2 as pb
 
 _TO_TORCH = {
     pb.INT32: torch.int32,

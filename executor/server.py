@@ -19,8 +19,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from model_executor.v1 import executor_pb2 as pb
-from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 from executor.config import ExecutorConfig
 from executor.device_worker import DeviceWorker
@@ -28,6 +26,8 @@ from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
 from executor.server_config import ServerConfig
 from executor.servicer import ExecutorServicer
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 

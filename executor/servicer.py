@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import grpc
 import structlog
-from model_executor.v1 import executor_pb2 as pb
-from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 from executor.codec import batch_from_proto, info_to_proto, response_to_proto
 from executor.device_worker import DeviceWorker, Job, QueueFullError
 from executor.errors import BatchTooLargeError, BatchValidationError
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 

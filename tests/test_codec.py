@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from model_executor.v1 import executor_pb2 as pb
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.codec import (
@@ -21,6 +20,7 @@ from executor.codec import (
 from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardMode, SamplingParams
 from executor.model_executor import ForwardOutput, StepStats
+from model_executor.v1 import executor_pb2 as pb
 
 
 @pytest.mark.parametrize(

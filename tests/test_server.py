@@ -14,8 +14,6 @@ import torch
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from model_executor.v1 import executor_pb2 as pb
-from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client import ExecutorClient
@@ -23,6 +21,8 @@ from executor.codec import batch_to_proto
 from executor.model_executor import ModelExecutor
 from executor.scheduler import ReferenceScheduler, generate
 from executor.server import RunningServer
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import running_server, tiny_config
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 77, 250, 12, 9, 31], [9]]
