@@ -1,0 +1,1 @@
+"""Graph paths: capture a callable once per bucket, replay it with padded inputs."""

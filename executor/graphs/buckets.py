@@ -1,0 +1,63 @@
+"""The bucket policy, in one place: which sizes get a captured graph, and pad-to-bucket.
+
+Full-graph DECODE is captured per batch size; piecewise EXTEND per token count. A batch runs
+in the smallest bucket that holds it, its tail padded (the registry's padding policies make
+padded lanes harmless). Everything else calls these functions; nothing else knows the lists.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+
+def default_decode_buckets(max_bs: int) -> list[int]:
+    """`[1, 2, 4, 8] + range(16, max_bs + 1, 8)`, cut at max_bs, with max_bs itself included."""
+    if max_bs < 1:
+        raise ValueError(f"graph max batch size must be >= 1, got {max_bs}")
+    sizes = [b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 8)] if b <= max_bs]
+    return normalize_buckets([*sizes, max_bs])
+
+
+def default_piecewise_buckets(max_tokens: int) -> list[int]:
+    """Token counts: steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1024, 256 to 2048; cut at
+    max_tokens, with max_tokens itself included."""
+    if max_tokens < 1:
+        raise ValueError(f"piecewise max tokens must be >= 1, got {max_tokens}")
+    sizes = [
+        *range(4, 33, 4),
+        *range(48, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
+        *range(1280, 2049, 256),
+    ]
+    return normalize_buckets([s for s in sizes if s <= max_tokens] + [max_tokens])
+
+
+def normalize_buckets(sizes: Sequence[int]) -> list[int]:
+    """Sorted, unique, positive sizes (a configured list may come in any order)."""
+    if not sizes:
+        raise ValueError("a bucket list must not be empty")
+    bad = [s for s in sizes if s < 1]
+    if bad:
+        raise ValueError(f"bucket sizes must be >= 1, got {bad}")
+    return sorted(set(sizes))
+
+
+def pad_to_bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= n, or None when n exceeds the largest (the batch runs eager)."""
+    if n < 1:
+        raise ValueError(f"cannot pad {n} to a bucket")
+    i = bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+def parse_bucket_list(text: str) -> list[int] | None:
+    """A config string: "" -> None (use the default), "1,2,4,8" -> [1, 2, 4, 8]."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return normalize_buckets([int(part) for part in text.split(",") if part.strip()])
+    except ValueError as e:
+        raise ValueError(f"bucket list must be comma-separated positive integers, got {text!r}: {e}") from e

@@ -1,0 +1,47 @@
+"""The bucket policy: default lists, padding lookups, configured lists."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.graphs.buckets import (
+    default_decode_buckets,
+    default_piecewise_buckets,
+    normalize_buckets,
+    pad_to_bucket,
+    parse_bucket_list,
+)
+
+
+def test_default_decode_buckets() -> None:
+    assert default_decode_buckets(1) == [1]
+    assert default_decode_buckets(8) == [1, 2, 4, 8]
+    assert default_decode_buckets(10) == [1, 2, 4, 8, 10]
+    assert default_decode_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert default_decode_buckets(45)[-2:] == [40, 45]
+
+
+def test_default_piecewise_buckets() -> None:
+    full = default_piecewise_buckets(2048)
+    assert full[:8] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert full[8:11] == [48, 64, 80] and 256 in full and 288 in full and 512 in full
+    assert full[-4:] == [1280, 1536, 1792, 2048]
+    assert default_piecewise_buckets(100)[-2:] == [96, 100]
+    assert default_piecewise_buckets(3) == [3]
+
+
+def test_pad_to_bucket_is_the_smallest_that_holds() -> None:
+    buckets = [1, 2, 4, 8, 16]
+    assert [pad_to_bucket(n, buckets) for n in range(1, 17)] == [1, 2, 4, 4, 8, 8, 8, 8, *[16] * 8]
+    assert pad_to_bucket(17, buckets) is None
+    with pytest.raises(ValueError):
+        pad_to_bucket(0, buckets)
+
+
+def test_configured_lists() -> None:
+    assert parse_bucket_list("") is None
+    assert parse_bucket_list("8, 1,4,4") == [1, 4, 8]
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_bucket_list("1,two")
+    with pytest.raises(ValueError, match=">= 1"):
+        normalize_buckets([0, 4])
