@@ -9,6 +9,8 @@ It is not thread-safe: one thread owns the device (the gRPC server's worker).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import structlog
@@ -127,12 +129,16 @@ class ModelExecutor:
         self.needs_cpu_seq_lens = self.attn_backend.needs_cpu_seq_lens
         self.runner = ModelRunner(self.model, self.attn_backend)
         self.sampler = Sampler(self.device, config.seed)
+        # Wraps the device part of every step (device move, model, sampling). Tests install
+        # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
+        self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
         log.info(
             "executor ready",
             model=mcfg.name,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.attn_backend.name,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             max_reqs=config.max_reqs,
             kv_slots=config.kv_slots,
             max_context_len=max_context_len,
@@ -178,25 +184,33 @@ class ModelExecutor:
         """
         t0 = time.perf_counter_ns()
         self.validate(batch)
-        host = complete_batch(batch, needs_cpu_seq_lens=self.needs_cpu_seq_lens)
+        host = complete_batch(
+            batch,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
+            max_context_len=self.limits.max_context_len,
+        )
+        assert host.sampling is not None
+        plan = self.sampler.plan(host.sampling)
         t1 = time.perf_counter_ns()
         write = (
             self.req_to_token_pool.write_batch(host) if not host.forward_mode.is_idle() else None
         )
         try:
-            fb = host.to(self.device)
-            t2 = time.perf_counter_ns()
-            out = self.runner.forward(fb)
-            t3 = time.perf_counter_ns()
-            assert host.sampling is not None and fb.sampling is not None
-            sample = self.sampler.sample(
-                out.logits,
-                host.sampling,
-                fb.sampling,
-                fb.seq_lens,
-                return_logprob=host.return_logprob,
-                top_logprobs_num=host.top_logprobs_num,
-            )
+            with self.device_step_guard():
+                fb = host.to(self.device)
+                t2 = time.perf_counter_ns()
+                out = self.runner.forward(fb)
+                t3 = time.perf_counter_ns()
+                assert fb.sampling is not None
+                sample = self.sampler.sample(
+                    out.logits,
+                    plan,
+                    fb.sampling,
+                    fb.seq_lens,
+                    return_logprob=host.return_logprob,
+                    top_logprobs_num=host.top_logprobs_num,
+                )
+                logits = to_host(out.logits, "logits") if return_logits else None
         except BaseException:
             if write is not None:
                 self.req_to_token_pool.undo(write)
@@ -222,5 +236,5 @@ class ModelExecutor:
             next_token_logprobs=sample.next_token_logprobs,
             top_logprob_ids=sample.top_logprob_ids,
             top_logprobs=sample.top_logprobs,
-            logits=to_host(out.logits, "logits").clone() if return_logits else None,
+            logits=logits,
         )
