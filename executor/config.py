@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
+from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAPH_MODES = ("none", "decode", "extend", "both")
+NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,9 @@ class ExecutorConfig:
     kv_slots: int = 65536  # KV slots 1..kv_slots
     max_batch_size: int = 0  # 0: max_reqs
     max_tokens_per_batch: int = 8192
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch_paged on CPU) | a name
+    graph_mode: str = "none"  # none | decode (full graphs) | extend (piecewise) | both
+    needs_cpu_seq_lens: str = "auto"  # auto (decided from backends and paths) | on | off
     cache_dir: str = ""  # "": $XDG_CACHE_HOME/model-executor or ~/.cache/model-executor
     seed: int = 0  # seeds draws of requests that bring no seed of their own
 
@@ -45,6 +51,20 @@ class ExecutorConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(
+                f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
+            )
+        if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
+            raise ValueError(
+                f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
+                f"got {self.needs_cpu_seq_lens!r}"
+            )
 
     def replace(self, **changes: Any) -> ExecutorConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -17,7 +17,7 @@ import structlog
 import torch
 
 import executor
-from attention import AttentionLayout, create_backend
+from attention import AttentionLayout, create_backend, decide_needs_cpu_seq_lens
 from executor.batch_prep import complete_batch
 from executor.config import ExecutorConfig, resolve_cache_dir, resolve_device, resolve_dtype
 from executor.forward_batch import ForwardBatch
@@ -126,7 +126,8 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
-        self.needs_cpu_seq_lens = self.attn_backend.needs_cpu_seq_lens
+        # Raises (start-up) if config.needs_cpu_seq_lens=off contradicts a backend or path.
+        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(config, [self.attn_backend])
         self.runner = ModelRunner(self.model, self.attn_backend)
         self.sampler = Sampler(self.device, config.seed)
         # Wraps the device part of every step (device move, model, sampling). Tests install

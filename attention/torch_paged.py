@@ -1,0 +1,202 @@
+"""Paged attention in plain torch, vectorized over the batch: the default on CPU.
+
+Every request's keys are gathered through `req_to_token` into one padded
+`[bs, kv_bound, Hk, D]` view, a boolean mask hides what lies past each request's length
+(and, for EXTEND, what lies after each query's position), and a single batched SDPA call
+attends. Once the metadata is built nothing depends on data: no host reads, no
+data-dependent shapes, so the same forward runs inside a captured graph.
+
+Shapes come from host ints only: eager steps use the batch's `seq_len_bound` /
+`extend_len_bound` (powers of two, see `ForwardBatch`); captured graphs use the static
+maximum `max_context_len`, so one graph serves every batch of its bucket. Graph capture
+covers DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs
+attention between its captured pieces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
+from ops.kv_store import store_kv
+
+if TYPE_CHECKING:
+    from executor.forward_batch import ForwardBatch
+    from executor.kv_cache import KVPool, ReqToTokenPool
+
+
+@dataclass
+class TorchPagedMetadata:
+    """What `forward` needs, for one step (eager) or one captured bucket (graph buffers).
+
+    `kv_slots` beyond a request's length hold whatever its row holds (always a valid slot,
+    at worst the reserved slot 0); `mask` hides them.
+    """
+
+    kv_slots: torch.Tensor  # [bs, kv_bound] int64: KV slot of key position j of request i
+    mask: torch.Tensor  # [bs, 1, q_bound, kv_bound] bool: key j visible to query row q
+    # EXTEND only (DECODE has one query per request, already in batch order):
+    q_index: torch.Tensor | None = None  # [bs, q_bound] int64: token of T behind each query row
+    out_index: torch.Tensor | None = None  # [T] int64: each token's row in [bs * q_bound]
+
+    @property
+    def kv_bound(self) -> int:
+        return int(self.kv_slots.shape[1])
+
+    @property
+    def q_bound(self) -> int:
+        return int(self.mask.shape[2])
+
+
+@dataclass
+class _GraphBuffers:
+    """Metadata storage for every captured bucket, allocated once at the largest size."""
+
+    kv_slots: torch.Tensor  # [max_bs, max_context_len] int64
+    mask: torch.Tensor  # [max_bs, 1, 1, max_context_len] bool
+
+
+class TorchPagedBackend(AttentionBackend):
+    name: ClassVar[str] = "torch_paged"
+    needs_cpu_seq_lens: ClassVar[bool] = False
+    supports_graph_capture: ClassVar[bool] = True
+
+    def __init__(
+        self, layout: AttentionLayout, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool
+    ) -> None:
+        super().__init__(layout, req_to_token_pool, kv_pool)
+        self.max_context_len = req_to_token_pool.max_context_len
+        self.device = req_to_token_pool.req_to_token.device
+        # Key positions 0..max_context_len-1; every mask compares against a prefix of it.
+        self._kv_positions = torch.arange(self.max_context_len, device=self.device)
+        self._graph: _GraphBuffers | None = None
+        self._graph_metadata: dict[int, TorchPagedMetadata] = {}
+
+    # --- eager -------------------------------------------------------------------------
+    def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:
+        bs, num_tokens = fb.batch_size, fb.num_tokens
+        kv_bound = fb.seq_len_bound or self.max_context_len
+        if fb.forward_mode.is_extend():
+            q_bound = fb.extend_len_bound or num_tokens
+            md = TorchPagedMetadata(
+                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+                mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
+                q_index=torch.empty((bs, q_bound), dtype=torch.int64, device=self.device),
+                out_index=torch.empty(num_tokens, dtype=torch.int64, device=self.device),
+            )
+            self._fill_extend(md, fb)
+        else:
+            md = TorchPagedMetadata(
+                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+                mask=torch.empty((bs, 1, 1, kv_bound), dtype=torch.bool, device=self.device),
+            )
+            self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+        return md
+
+    # --- graphs ------------------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        ctx = self.max_context_len
+        self._graph = _GraphBuffers(
+            kv_slots=torch.zeros((max_bs, ctx), dtype=torch.int64, device=self.device),
+            mask=torch.zeros((max_bs, 1, 1, ctx), dtype=torch.bool, device=self.device),
+        )
+        self._graph_metadata.clear()
+
+    def init_forward_metadata_capture(
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch
+    ) -> TorchPagedMetadata:
+        if self._graph is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
+            raise GraphCaptureUnsupportedError(
+                f"attention backend {self.name!r} captures DECODE batches only "
+                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
+            )
+        if bs > self._graph.kv_slots.shape[0]:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={self._graph.kv_slots.shape[0]}")
+        md = TorchPagedMetadata(kv_slots=self._graph.kv_slots[:bs], mask=self._graph.mask[:bs])
+        self._graph_metadata[bs] = md
+        self.init_forward_metadata_replay(bs, fb_view)
+        return md
+
+    def init_forward_metadata_replay(
+        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+    ) -> None:
+        md = self._graph_metadata.get(bs)
+        if md is None:
+            raise KeyError(
+                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
+            )
+        self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
+
+    # --- metadata fills (device-only, in place; shared by eager, capture and replay) ---
+    def _fill_decode(
+        self,
+        md: TorchPagedMetadata,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
+        kv_bound = md.kv_bound
+        table = self.req_to_token_pool.req_to_token
+        md.kv_slots.copy_(table[req_pool_indices[:bs], :kv_bound])
+        # [bs, kv_bound]: key j of request i exists iff j < seq_lens[i].
+        torch.lt(
+            self._kv_positions[:kv_bound],
+            seq_lens[:bs, None],
+            out=md.mask.view(bs, kv_bound),
+        )
+
+    def _fill_extend(self, md: TorchPagedMetadata, fb: ForwardBatch) -> None:
+        assert md.q_index is not None and md.out_index is not None
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        assert fb.extend_start_loc is not None
+        bs, num_tokens = fb.batch_size, fb.num_tokens
+        kv_bound, q_bound = md.kv_bound, md.q_bound
+        table = self.req_to_token_pool.req_to_token
+        md.kv_slots.copy_(table[fb.req_pool_indices, :kv_bound])
+        rows = self._kv_positions[:q_bound]  # query row r of request i is token prefix_i + r
+        keys = self._kv_positions[:kv_bound]
+        q_pos = fb.extend_prefix_lens[:, None] + rows  # [bs, q_bound]
+        # Query at position p sees keys 0..p (its prefix and the new tokens up to itself);
+        # `keys < seq_len` keeps padded rows (r >= extend_len) inside the request, and
+        # key 0 is always visible, so no row is fully masked.
+        visible = (keys <= q_pos[:, :, None]) & (keys < fb.seq_lens[:, None, None])
+        md.mask.copy_(visible.unsqueeze(1))
+        torch.clamp(fb.extend_start_loc[:, None] + rows, max=num_tokens - 1, out=md.q_index)
+        request = torch.repeat_interleave(
+            torch.arange(bs, device=self.device), fb.extend_seq_lens, output_size=num_tokens
+        )  # [T]
+        token = torch.arange(num_tokens, device=self.device)
+        torch.add(request * q_bound, token - fb.extend_start_loc[request], out=md.out_index)
+
+    # --- compute -----------------------------------------------------------------------
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        k_buffer = self.kv_pool.k_buffer(layer_id)
+        v_buffer = self.kv_pool.v_buffer(layer_id)
+        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+
+        md: TorchPagedMetadata = fb.attn_metadata
+        keys = k_buffer[md.kv_slots].transpose(1, 2).to(q.dtype)  # [bs, Hk, kv_bound, D]
+        values = v_buffer[md.kv_slots].transpose(1, 2).to(q.dtype)
+        # [bs, Hq, q_bound, D]; DECODE: one query per request, already in batch order.
+        query = q.unsqueeze(2) if md.q_index is None else q[md.q_index].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=md.mask,
+            scale=self.layout.scaling,
+            enable_gqa=self.layout.num_heads != self.layout.num_kv_heads,
+        )  # [bs, Hq, q_bound, D]
+        if md.out_index is None:
+            return out.squeeze(2)
+        bs, num_heads, q_bound, head_dim = out.shape
+        flat = out.transpose(1, 2).reshape(bs * q_bound, num_heads, head_dim)
+        return flat[md.out_index]  # [T, Hq, D]
