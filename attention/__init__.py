@@ -13,6 +13,7 @@ from attention.selection import (
 )
 from attention.torch_native import TorchNativeBackend
 from attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
+from attention.triton.backend import TritonAttnBackend
 
 __all__ = [
     "BACKENDS",
@@ -24,6 +25,7 @@ __all__ = [
     "TorchNativeBackend",
     "TorchPagedBackend",
     "TorchPagedMetadata",
+    "TritonAttnBackend",
     "backend_class",
     "create_backend",
     "decide_needs_cpu_seq_lens",

@@ -10,6 +10,7 @@ import torch
 from attention.base import AttentionBackend, AttentionLayout
 from attention.torch_native import TorchNativeBackend
 from attention.torch_paged import TorchPagedBackend
+from attention.triton.backend import TritonAttnBackend
 
 if TYPE_CHECKING:
     from executor.kv_cache import KVPool, ReqToTokenPool
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchNativeBackend.name: TorchNativeBackend,
     TorchPagedBackend.name: TorchPagedBackend,
+    TritonAttnBackend.name: TritonAttnBackend,
 }
 # Every value `attention_backend` accepts (the config validates against it).
 BACKEND_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
@@ -25,14 +27,17 @@ PIECEWISE_GRAPH_MODES = ("extend", "both")
 
 
 def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
-    """The backend class for `name`; `auto` is torch_paged."""
+    """The backend class for `name`; `auto` is triton on CUDA and torch_paged elsewhere."""
     if name == "auto":
-        name = TorchPagedBackend.name
+        name = TritonAttnBackend.name if device.type == "cuda" else TorchPagedBackend.name
     if name not in BACKENDS:
         raise ValueError(
             f"attention backend {name!r} is unknown (choose from {', '.join(BACKEND_NAMES)})"
         )
-    return BACKENDS[name]
+    cls = BACKENDS[name]
+    if cls is TritonAttnBackend:
+        TritonAttnBackend.check_available(device)
+    return cls
 
 
 def create_backend(
@@ -76,7 +81,7 @@ def decide_needs_cpu_seq_lens(
                 "needs_cpu_seq_lens=off, but attention backend "
                 f"{', '.join(repr(r) for r in readers)} reads seq_lens_cpu; use "
                 "needs_cpu_seq_lens=auto, or an attention backend that does not need it "
-                "(torch_paged)"
+                "(torch_paged, triton)"
             )
         if piecewise:
             raise ValueError(

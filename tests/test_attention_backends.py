@@ -14,7 +14,9 @@ from attention import (
     TorchNativeBackend,
     TorchPagedBackend,
     TorchPagedMetadata,
+    TritonAttnBackend,
     backend_class,
+    create_backend,
 )
 from executor.batch_prep import length_bound, make_decode_batch, make_extend_batch
 from executor.forward_batch import ForwardBatch, ForwardMode
@@ -269,10 +271,24 @@ def test_auto_is_torch_paged_on_cpu(make_executor: MakeExecutor) -> None:
     assert ex.needs_cpu_seq_lens is False
 
 
+def test_auto_is_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TritonAttnBackend, "check_available", staticmethod(lambda device: None))
+    assert backend_class("auto", torch.device("cuda")) is TritonAttnBackend
+
+
 def test_backends_by_name_and_clear_errors() -> None:
     cpu = torch.device("cpu")
-    assert set(BACKEND_NAMES) == {"auto", "torch_native", "torch_paged"}
+    assert set(BACKEND_NAMES) == {"auto", "torch_native", "torch_paged", "triton"}
     assert backend_class("torch_native", cpu) is TorchNativeBackend
     assert backend_class("torch_paged", cpu) is TorchPagedBackend
     with pytest.raises(ValueError, match=r"'flash' is unknown \(choose from auto, torch_native"):
         backend_class("flash", cpu)
+    case = make_case(ForwardMode.DECODE, [1], [1], make_layout(4, 2, 32))
+    with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
+        create_backend(
+            "triton",
+            layout=case.layout,
+            req_to_token_pool=case.req_to_token_pool,
+            kv_pool=case.kv_pool,
+            device=cpu,
+        )
