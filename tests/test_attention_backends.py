@@ -85,6 +85,23 @@ def test_paged_masks_stale_slots_past_each_length() -> None:
     assert torch.equal(run(paged, case), before)
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_chunked_attention_equals_one_batch_wide_call(
+    mode: ForwardMode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import attention.torch_paged as torch_paged_module
+
+    g = torch.Generator().manual_seed(11)
+    prefix, extend = random_lengths(g, 7, mode, max_len=1500)
+    case = make_case(mode, prefix, extend, make_layout(8, 2, 64), seed=11)
+    paged = TorchPagedBackend(case.layout, case.req_to_token_pool, case.kv_pool)
+    assert paged.chunk_rows(7, 2048, 4) == 3  # 2 MiB of K+V per request, 6 MiB per chunk
+    chunked = run(paged, case)
+    monkeypatch.setattr(torch_paged_module, "CPU_GATHER_BYTES", 1 << 40)
+    assert paged.chunk_rows(7, 2048, 4) == 7
+    torch.testing.assert_close(run(paged, case), chunked, atol=1e-6, rtol=0)
+
+
 def test_eager_shapes_follow_the_batch_bounds() -> None:
     layout = make_layout(4, 2, 32)
     case = make_case(ForwardMode.EXTEND, [100, 3], [20, 70], layout)
