@@ -79,6 +79,7 @@ class TorchPagedBackend(AttentionBackend):
         self._kv_positions = torch.arange(self.max_context_len, device=self.device)
         self._graph: _GraphBuffers | None = None
         self._graph_metadata: dict[int, TorchPagedMetadata] = {}
+        self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
 
     # --- eager -------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:
@@ -211,6 +212,20 @@ class TorchPagedBackend(AttentionBackend):
         flat = out.transpose(1, 2).reshape(bs * q_bound, num_heads, head_dim)
         return flat[md.out_index]  # [T, Hq, D]
 
+    def _gather(self, buffer: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
+        """`buffer[slots]` ([len(slots), Hk, D]). On CPU into a reused scratch buffer: a fresh
+        multi-MiB allocation per chunk costs page faults that rival the gather itself. The
+        result is consumed by the chunk's SDPA before the next gather overwrites it."""
+        if self.device.type != "cpu":
+            return buffer.index_select(0, slots)
+        numel = slots.numel() * buffer.shape[1] * buffer.shape[2]
+        scratch = self._scratch[which]
+        if scratch is None or scratch.numel() < numel or scratch.dtype != buffer.dtype:
+            scratch = torch.empty(numel, dtype=buffer.dtype, device=buffer.device)
+            self._scratch[which] = scratch
+        out = scratch[:numel].view(slots.numel(), buffer.shape[1], buffer.shape[2])
+        return torch.index_select(buffer, 0, slots, out=out)
+
     def _attend(
         self,
         q: torch.Tensor,
@@ -226,10 +241,10 @@ class TorchPagedBackend(AttentionBackend):
         # index_select over the flattened slots is several times faster than advanced
         # indexing with a [n, kv_bound] index on CPU.
         slots = md.kv_slots[start:end].reshape(-1)
-        keys = k_buffer.index_select(0, slots).view(n, kv_bound, num_kv_heads, head_dim)
-        values = v_buffer.index_select(0, slots).view(n, kv_bound, num_kv_heads, head_dim)
-        keys = keys.transpose(1, 2).to(q.dtype)  # [n, Hk, kv_bound, D]
-        values = values.transpose(1, 2).to(q.dtype)
+        shape = (n, kv_bound, num_kv_heads, head_dim)
+        keys = self._gather(k_buffer, slots, 0).view(shape).transpose(1, 2).to(q.dtype)
+        values = self._gather(v_buffer, slots, 1).view(shape).transpose(1, 2).to(q.dtype)
+        # keys, values: [n, Hk, kv_bound, D]
         mask = md.mask[start:end]
         if md.q_index is None:
             # DECODE: the query heads sharing a KV head become that head's query rows
