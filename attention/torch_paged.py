@@ -86,7 +86,8 @@ class TorchPagedBackend(AttentionBackend):
         bs, num_tokens = fb.batch_size, fb.num_tokens
         kv_bound = fb.seq_len_bound or self.max_context_len
         if fb.forward_mode.is_extend():
-            q_bound = fb.extend_len_bound or num_tokens
+            # No bound: the step's token count (a shape), and never past the context length.
+            q_bound = fb.extend_len_bound or min(num_tokens, self.max_context_len)
             md = TorchPagedMetadata(
                 kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
                 mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
