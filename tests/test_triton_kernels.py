@@ -50,12 +50,6 @@ TOL = 1e-5
 SPLITTING = 64
 
 
-def _kernels():  # type: ignore[no-untyped-def]
-    from attention.triton import kernels
-
-    return kernels
-
-
 def _compare(case: Case, **backend_kwargs: int) -> tuple[float, TritonAttnBackend]:
     native = TorchNativeBackend(case.layout, case.req_to_token_pool, case.kv_pool)
     triton_backend = TritonAttnBackend(
@@ -74,9 +68,9 @@ def test_kv_indices_are_built_on_device_from_the_row_table() -> None:
     indptr = torch.zeros(7, dtype=torch.int32)
     indptr[1:] = torch.cumsum(lens, 0)
     out = torch.full((int(lens.sum()) + 5,), -1, dtype=torch.int64, device=DEVICE)
-    _kernels().create_kv_indices(
-        table.to(DEVICE), rows.to(DEVICE), lens.to(DEVICE), indptr.to(DEVICE), out
-    )
+    from attention.triton.kv_indices import create_kv_indices
+
+    create_kv_indices(table.to(DEVICE), rows.to(DEVICE), lens.to(DEVICE), indptr.to(DEVICE), out)
     expected = torch.cat([table[r, :n] for r, n in zip(rows.tolist(), lens.tolist(), strict=True)])
     assert torch.equal(out[: expected.numel()].cpu(), expected.long())
     assert out[expected.numel() :].tolist() == [-1] * 5  # nothing past the end

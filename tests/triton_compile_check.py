@@ -29,7 +29,9 @@ def main() -> int:
         print("the triton install has no NVIDIA backend (ptxas)")
         return 3
 
-    from attention.triton import kernels as K
+    from attention.triton import decode_attention as dec
+    from attention.triton import extend_attention as ext
+    from attention.triton import kv_indices as kvi
     from attention.triton import launch as L
 
     def compile_one(
@@ -52,7 +54,7 @@ def main() -> int:
             p = f"*{dt}"
             jobs = {
                 "create_kv_indices": (
-                    K._create_kv_indices_kernel,
+                    kvi._create_kv_indices_kernel,
                     {
                         "req_to_token_ptr": "*i32",
                         "req_pool_indices_ptr": "*i64",
@@ -65,7 +67,7 @@ def main() -> int:
                     1,
                 ),
                 "decode_stage1": (
-                    K._decode_stage1_kernel,
+                    dec._decode_stage1_kernel,
                     {
                         "q_ptr": p,
                         "k_buffer_ptr": p,
@@ -89,7 +91,7 @@ def main() -> int:
                     dl.num_stages,
                 ),
                 "decode_stage2": (
-                    K._decode_stage2_kernel,
+                    dec._decode_stage2_kernel,
                     {
                         "att_out_ptr": "*fp32",
                         "att_lse_ptr": "*fp32",
@@ -102,7 +104,7 @@ def main() -> int:
                     1,
                 ),
                 "extend": (
-                    K._extend_kernel,
+                    ext._extend_kernel,
                     {
                         "q_ptr": p,
                         "k_ptr": p,

@@ -140,6 +140,11 @@ def extend_launch(bs: int, num_heads: int, head_dim: int, max_extend_len: int) -
     )
 
 
+def unit_stride_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dimension as contiguous; copy only if it is not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def kv_indices_grid(bs: int) -> tuple[int]:
     """One program per request copies its row of `req_to_token` into `kv_indices`."""
     return (bs,)
