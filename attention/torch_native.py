@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.base import AttentionBackend
+from ops.host_read_guard import host_mirror_read
 from ops.host_transfer import to_host
 from ops.kv_store import store_kv
 
@@ -43,7 +44,8 @@ class TorchNativeBackend(AttentionBackend):
             raise RuntimeError(
                 "torch_native attention needs seq_lens_cpu (needs_cpu_seq_lens=True)"
             )
-        kv_lens = fb.seq_lens_cpu.tolist()
+        with host_mirror_read("seq_lens_cpu"):
+            kv_lens = fb.seq_lens_cpu.tolist()
         rows = to_host(fb.req_pool_indices, "attention_plan").tolist()
         if fb.forward_mode.is_extend():
             assert fb.extend_seq_lens_cpu is not None

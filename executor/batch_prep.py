@@ -94,11 +94,22 @@ def _as_i64(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(torch.int64)
 
 
-def complete_batch(fb: ForwardBatch, *, needs_cpu_seq_lens: bool) -> ForwardBatch:
+def length_bound(max_len: int, cap: int) -> int:
+    """The shape bound of a length: the next power of two of `max_len`, at most `cap`."""
+    bound = 1
+    while bound < max_len:
+        bound *= 2
+    return min(bound, cap)
+
+
+def complete_batch(
+    fb: ForwardBatch, *, needs_cpu_seq_lens: bool, max_context_len: int
+) -> ForwardBatch:
     """Derived fields of a validated host batch (a new object; `fb` is not changed).
 
     With `needs_cpu_seq_lens` False, `seq_lens_cpu` and `seq_lens_sum` are None, and no
-    consumer may read them.
+    consumer may read them. `seq_len_bound` / `extend_len_bound` (shape bounds, see
+    `ForwardBatch`) are filled either way.
     """
     seq_lens = fb.seq_lens.to(torch.int64)
     changes: dict[str, Any] = {
@@ -111,6 +122,10 @@ def complete_batch(fb: ForwardBatch, *, needs_cpu_seq_lens: bool) -> ForwardBatc
         "sampling": fb.sampling if fb.sampling is not None else SamplingBatch.greedy(fb.batch_size),
         "seq_lens_cpu": seq_lens if needs_cpu_seq_lens else None,
         "seq_lens_sum": int(seq_lens.sum()) if needs_cpu_seq_lens else None,
+        "seq_len_bound": length_bound(int(seq_lens.max()), max_context_len)
+        if fb.batch_size > 0
+        else None,
+        "extend_len_bound": None,
     }
     if fb.forward_mode is ForwardMode.EXTEND:
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
@@ -123,6 +138,7 @@ def complete_batch(fb: ForwardBatch, *, needs_cpu_seq_lens: bool) -> ForwardBatc
             extend_start_loc=start_loc,
             extend_prefix_lens_cpu=prefix.tolist(),
             extend_seq_lens_cpu=extend.tolist(),
+            extend_len_bound=length_bound(int(extend.max()), max_context_len),
         )
         if fb.positions is None:
             changes["positions"] = extend_positions(prefix, extend, start_loc, fb.num_tokens)

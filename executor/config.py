@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAPH_MODES = ("none", "decode", "extend", "both")
+NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -46,7 +49,15 @@ class ExecutorConfig:
     max_batch_size: int = setting(0, "most requests in one batch; 0 = max_reqs")
     max_tokens_per_batch: int = setting(8192, "most tokens in one batch (EXTEND chunks must fit)")
     attention_backend: str = setting(
-        "auto", "attention backend (auto picks the best for the device)"
+        "auto", "auto (triton on CUDA, torch_paged on CPU) | torch_native | torch_paged | triton"
+    )
+    graph_mode: str = setting(
+        "none", "none | decode (full graphs) | extend (piecewise graphs) | both"
+    )
+    needs_cpu_seq_lens: str = setting(
+        "auto",
+        "auto (on when a backend or path needs the host copy of seq_lens) | on | off "
+        "(refused at start-up when something needs it)",
     )
     cache_dir: str = setting(
         "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
@@ -76,6 +87,20 @@ class ExecutorConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(
+                f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
+            )
+        if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
+            raise ValueError(
+                f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
+                f"got {self.needs_cpu_seq_lens!r}"
+            )
 
     def replace(self, **changes: Any) -> ExecutorConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

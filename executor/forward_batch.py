@@ -124,6 +124,16 @@ class ForwardBatch:
     extend_start_loc: torch.Tensor | None = None  # [bs] EXTEND: offset of each request in T
     seq_lens_cpu: torch.Tensor | None = None  # [bs] host mirror of seq_lens (None if not needed)
     seq_lens_sum: int | None = None  # sum(seq_lens) on the host (None with seq_lens_cpu)
+    # NOTE: shape parameters, not host mirrors. The batch arrives on the host (from the wire)
+    # and the executor reads it there anyway to validate it, so `complete_batch` also records
+    # a static upper bound of the lengths: the next power of two of the largest one, capped
+    # at max_context_len (powers of two keep the number of distinct shapes at
+    # log2(max_context_len)). Reading them is neither a read of `seq_lens_cpu` nor a
+    # device-to-host transfer, so a backend with `needs_cpu_seq_lens = False` may size its
+    # gathers and grids by them. Under graph capture backends use the static maximum
+    # (max_context_len) instead, so that one captured graph serves every batch of its bucket.
+    seq_len_bound: int | None = None  # >= max(seq_lens); None: unknown (use max_context_len)
+    extend_len_bound: int | None = None  # EXTEND: >= max(extend_seq_lens); None otherwise
     extend_prefix_lens_cpu: list[int] | None = None  # host lists for per-request planning
     extend_seq_lens_cpu: list[int] | None = None
     input_embeds: torch.Tensor | None = None  # [T, hidden] instead of input_ids

@@ -9,13 +9,15 @@ It is not thread-safe: one thread owns the device (the gRPC server's worker).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import structlog
 import torch
 
 import executor
-from attention import AttentionLayout, create_backend
+from attention import AttentionLayout, create_backend, decide_needs_cpu_seq_lens
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
@@ -27,9 +29,9 @@ from executor.config import (
 )
 from executor.forward_batch import ForwardBatch
 from executor.kv_cache import KVPool, ReqToTokenPool
-from executor.model_runner import ModelRunner
+from executor.model_runner import ModelRunner, RunnerOutput
 from executor.models.loader import LoadedModel, load_model
-from executor.sampling import Sampler
+from executor.sampling import SampleOutput, Sampler
 from executor.tokenizer import Tokenizer, load_tokenizer
 from executor.validation import BatchLimits, validate_batch
 from ops.host_transfer import to_host
@@ -132,7 +134,8 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
-        self.needs_cpu_seq_lens = self.attn_backend.needs_cpu_seq_lens
+        # Raises (start-up) if config.needs_cpu_seq_lens=off contradicts a backend or path.
+        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(config, [self.attn_backend])
         self.runner = ModelRunner(
             self.model,
             self.attn_backend,
@@ -141,12 +144,16 @@ class ModelExecutor:
             eager_input_no_copy=config.eager_input_no_copy,
         )
         self.sampler = Sampler(self.device, config.seed)
+        # Wraps the device part of every step (device move, model, sampling). Tests install
+        # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
+        self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
         log.info(
             "executor ready",
             model=mcfg.name,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.attn_backend.name,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             max_reqs=config.max_reqs,
             kv_slots=config.kv_slots,
             max_context_len=max_context_len,
@@ -175,36 +182,18 @@ class ModelExecutor:
         """Run one EXTEND and one DECODE step on the reserved row 0 and slot 0.
 
         Row 0 holds only zeros and slot 0 is the padding sink, so the warm-up touches no
-        state a scheduler can see; it bypasses validation, which (rightly) refuses row 0.
+        state a scheduler can see; it bypasses validation, which (rightly) refuses row 0, and
+        undoes its row-table writes.
         """
         n = 8
         zeros = [0] * n
-        extend = complete_batch(
+        for batch in (
             make_extend_batch(input_ids=[zeros], req_pool_indices=[0], out_cache_loc=[zeros]),
-            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
-        )
-        decode = complete_batch(
             make_decode_batch(
                 input_ids=[0], req_pool_indices=[0], seq_lens=[n + 1], out_cache_loc=[0]
             ),
-            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
-        )
-        for host in (extend, decode):
-            write = self.req_to_token_pool.write_batch(host)
-            try:
-                fb = host.to(self.device)
-                out = self.runner.forward(fb)
-                assert host.sampling is not None and fb.sampling is not None
-                self.sampler.sample(
-                    out.logits,
-                    host.sampling,
-                    fb.sampling,
-                    fb.seq_lens,
-                    return_logprob=False,
-                    top_logprobs_num=0,
-                )
-            finally:
-                self.req_to_token_pool.undo(write)
+        ):
+            self._run(self._complete(batch), return_logits=False, keep_rows=False)
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""
@@ -228,43 +217,20 @@ class ModelExecutor:
         """
         t0 = time.perf_counter_ns()
         self.validate(batch)
-        host = complete_batch(batch, needs_cpu_seq_lens=self.needs_cpu_seq_lens)
         t1 = time.perf_counter_ns()
-        write = (
-            self.req_to_token_pool.write_batch(host) if not host.forward_mode.is_idle() else None
-        )
-        try:
-            fb = host.to(self.device)
-            t2 = time.perf_counter_ns()
-            out = self.runner.forward(fb)
-            t3 = time.perf_counter_ns()
-            assert host.sampling is not None and fb.sampling is not None
-            sample = self.sampler.sample(
-                out.logits,
-                host.sampling,
-                fb.sampling,
-                fb.seq_lens,
-                return_logprob=host.return_logprob,
-                top_logprobs_num=host.top_logprobs_num,
-            )
-        except BaseException:
-            if write is not None:
-                self.req_to_token_pool.undo(write)
-            raise
-        t4 = time.perf_counter_ns()
+        host = self._complete(batch)
+        t2 = time.perf_counter_ns()
+        out, sample, logits, timings = self._run(host, return_logits=return_logits, keep_rows=True)
+        timings["validate"] = t1 - t0
+        timings["stage"] += t2 - t1  # completing the batch is part of staging it
+        timings["total"] = time.perf_counter_ns() - t0
         stats = StepStats(
             path=out.path,
             batch_size=host.batch_size,
             padded_batch_size=out.padded_batch_size,
             num_tokens=host.num_tokens,
             padded_num_tokens=out.padded_num_tokens,
-            timings_ns={
-                "validate": t1 - t0,
-                "stage": t2 - t1,
-                "forward": t3 - t2,
-                "sample": t4 - t3,
-                "total": t4 - t0,
-            },
+            timings_ns=timings,
             fill_registry=out.fill_registry,
             fill_tensors=out.fill_stats.tensors_copied,
             fill_bytes=out.fill_stats.bytes_copied,
@@ -276,5 +242,48 @@ class ModelExecutor:
             next_token_logprobs=sample.next_token_logprobs,
             top_logprob_ids=sample.top_logprob_ids,
             top_logprobs=sample.top_logprobs,
-            logits=to_host(out.logits, "logits").clone() if return_logits else None,
+            logits=logits,
         )
+
+    def _complete(self, batch: ForwardBatch) -> ForwardBatch:
+        return complete_batch(
+            batch,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
+            max_context_len=self.limits.max_context_len,
+        )
+
+    def _run(
+        self, host: ForwardBatch, *, return_logits: bool, keep_rows: bool
+    ) -> tuple[RunnerOutput, SampleOutput, torch.Tensor | None, dict[str, int]]:
+        """Write the row table, run the model, sample. The write is undone if anything fails
+        (or always, with `keep_rows=False`)."""
+        assert host.sampling is not None
+        t0 = time.perf_counter_ns()
+        plan = self.sampler.plan(host.sampling)
+        write = (
+            self.req_to_token_pool.write_batch(host) if not host.forward_mode.is_idle() else None
+        )
+        try:
+            with self.device_step_guard():
+                fb = host.to(self.device)
+                t1 = time.perf_counter_ns()
+                out = self.runner.forward(fb)
+                t2 = time.perf_counter_ns()
+                assert fb.sampling is not None
+                sample = self.sampler.sample(
+                    out.logits,
+                    plan,
+                    fb.sampling,
+                    fb.seq_lens,
+                    return_logprob=host.return_logprob,
+                    top_logprobs_num=host.top_logprobs_num,
+                )
+                logits = to_host(out.logits, "logits") if return_logits else None
+        except BaseException:
+            if write is not None:
+                self.req_to_token_pool.undo(write)
+            raise
+        if write is not None and not keep_rows:
+            self.req_to_token_pool.undo(write)
+        t3 = time.perf_counter_ns()
+        return out, sample, logits, {"stage": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}

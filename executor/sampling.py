@@ -33,31 +33,34 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    @staticmethod
+    def plan(host_sampling: SamplingBatch) -> SamplingPlan:
+        """Decide the work from the host copy of the parameters, before the device step, so
+        that sampling itself reads no value (device or host) to decide anything."""
+        return SamplingPlan.from_host(
+            host_sampling.temperatures,
+            host_sampling.top_ks,
+            host_sampling.top_ps,
+            host_sampling.min_ps,
+            host_sampling.has_seed,
+        )
+
     def sample(
         self,
         logits: torch.Tensor,
-        host_sampling: SamplingBatch,
+        plan: SamplingPlan,
         device_sampling: SamplingBatch,
         seq_lens: torch.Tensor,
         *,
         return_logprob: bool,
         top_logprobs_num: int,
     ) -> SampleOutput:
-        """logits [bs, V] float32 on the device; `seq_lens` (device) keys the seeded draws.
-
-        The host copy of the sampling parameters plans the work, so no device value is read
-        to decide anything.
-        """
-        plan = SamplingPlan.from_host(
-            host_sampling.temperatures,
-            host_sampling.top_ks,
-            host_sampling.top_ps,
-            host_sampling.min_ps,
-        )
+        """logits [bs, V] float32 on the device; `plan` from :meth:`plan`; `seq_lens` (device)
+        keys the seeded draws."""
         uniforms = None
         if not plan.all_greedy:
             uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
-            if bool(host_sampling.has_seed.any()):
+            if plan.any_seeded:
                 seeded = seeded_uniform(device_sampling.seeds, seq_lens)
                 uniforms = torch.where(device_sampling.has_seed, seeded, uniforms)
         ids = sample_tokens(

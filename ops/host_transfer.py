@@ -3,7 +3,9 @@
 Every device-to-host read on the forward path calls :func:`to_host` with a `reason`
 (``sampled_tokens``, ``logprobs``, ``seq_lens_cpu``, ...). The counts feed the
 `model_executor_d2h_syncs_total` metric, and tests assert them exactly. On a CPU device the
-"transfer" is free, but it is counted all the same so that the accounting is checked in CI.
+"transfer" is a copy, counted all the same so that the accounting is checked in CI. Tests
+run the step under :class:`ops.host_read_guard.HostReadGuard`, which fails on any host read
+that bypasses this door.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+
+from ops.host_read_guard import counted_transfer, mark_host
 
 
 @dataclass
@@ -39,10 +43,15 @@ host_transfers = HostTransferCounts()
 def to_host(tensor: torch.Tensor, reason: str, *, non_blocking: bool = False) -> torch.Tensor:
     """Copy `tensor` to the host and count it under `reason`; returns a CPU tensor.
 
-    A CPU tensor is returned as-is (no copy) but still counted: the count describes the
-    serving path's design, not the device it happens to run on.
+    A CPU tensor is copied too (and counted): the count describes the serving path's design,
+    not the device it happens to run on, and the result never aliases device memory on any
+    device (a graph's static output buffer is overwritten by the next replay).
     """
     host_transfers.record(reason, tensor.numel() * tensor.element_size())
-    if tensor.device.type == "cpu":
-        return tensor
-    return tensor.to("cpu", non_blocking=non_blocking)
+    with counted_transfer(reason):
+        if tensor.device.type == "cpu":
+            host = tensor.clone()
+        else:
+            host = tensor.to("cpu", non_blocking=non_blocking)
+    mark_host(host)
+    return host

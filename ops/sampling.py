@@ -52,6 +52,7 @@ class SamplingPlan:
     max_top_k: int
     any_top_p: bool
     any_min_p: bool
+    any_seeded: bool = False  # some sampled row brings its own seed
 
     @classmethod
     def from_host(
@@ -60,6 +61,7 @@ class SamplingPlan:
         top_ks: torch.Tensor,
         top_ps: torch.Tensor,
         min_ps: torch.Tensor,
+        has_seed: torch.Tensor | None = None,
     ) -> SamplingPlan:
         sampled = temperatures > 0
         ks = top_ks[sampled]
@@ -70,6 +72,7 @@ class SamplingPlan:
             max_top_k=int(ks.max()) if ks.numel() else 0,
             any_top_p=bool((top_ps[sampled] < 1).any()),
             any_min_p=bool((min_ps[sampled] > 0).any()),
+            any_seeded=has_seed is not None and bool(has_seed[sampled].any()),
         )
 
 

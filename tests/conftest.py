@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -8,6 +10,13 @@ import torch
 
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
+
+# Without CUDA, Triton kernels run only under triton's interpreter (numpy on CPU tensors).
+# Triton reads TRITON_INTERPRET when a kernel is decorated and again when it launches, so
+# it is set here, for the whole session and before any test module imports the kernels.
+# Nothing changes where triton is not installed, or where CUDA is present.
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -239,8 +239,14 @@ def _decode_batch(rows: list[int], seq_lens: list[int], first_slot: int) -> Forw
     )
 
 
-def test_step_stats_report_the_path_and_what_the_fill_copied(make_executor: MakeExecutor) -> None:
-    ex = make_executor()
+@pytest.mark.parametrize(
+    ("backend", "decode_tensors"),
+    [("torch_native", 6), ("torch_paged", 5)],  # torch_paged needs no seq_lens_cpu mirror
+)
+def test_step_stats_report_the_path_and_what_the_fill_copied(
+    make_executor: MakeExecutor, backend: str, decode_tensors: int
+) -> None:
+    ex = make_executor(attention_backend=backend)
     fb = make_extend_batch(
         input_ids=[[4, 5, 6], [7, 8]], req_pool_indices=[1, 2], out_cache_loc=[[1, 2, 3], [4, 5]]
     )
@@ -250,8 +256,12 @@ def test_step_stats_report_the_path_and_what_the_fill_copied(make_executor: Make
     assert (s.fill_tensors, s.fill_bytes, s.fill_copy_calls) == (3, 3 * 5 * 8, 1)
     s = ex.forward(_decode_batch([1, 2], [4, 3], first_slot=6)).stats
     assert (s.path, s.fill_registry) == ("eager", EAGER_DECODE)
-    # + req_pool_indices, seq_lens and the host mirror seq_lens_cpu: 6 tensors of 2 entries.
-    assert (s.fill_tensors, s.fill_bytes, s.fill_copy_calls) == (6, 6 * 2 * 8, 1)
+    # + req_pool_indices, seq_lens and (only when it is needed) the host mirror seq_lens_cpu.
+    assert (s.fill_tensors, s.fill_bytes, s.fill_copy_calls) == (
+        decode_tensors,
+        decode_tensors * 2 * 8,
+        1,
+    )
     s = ex.forward(make_idle_batch()).stats
     assert (s.path, s.fill_registry, s.fill_tensors) == ("eager", None, 0)
 
@@ -295,7 +305,9 @@ def test_the_model_and_attention_read_the_staged_view(
     embeds = torch.randn(3, ex.limits.hidden_size)
     host = make_extend_batch(input_ids=[[1, 2, 3]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]])
     host = dataclasses.replace(host, input_ids=None, input_embeds=embeds)
-    fb = complete_batch(host, needs_cpu_seq_lens=True).to(ex.device)
+    fb = complete_batch(
+        host, needs_cpu_seq_lens=True, max_context_len=ex.limits.max_context_len
+    ).to(ex.device)
     out = ex.runner.forward(fb)
     reg = ex.runner.eager_inputs.extend.registry
     assert reg is not None and len(seen) == 1
@@ -337,13 +349,13 @@ def test_registries_are_rebuilt_at_the_next_power_of_two(make_executor: MakeExec
 def test_needs_cpu_seq_lens_decides_whether_the_host_mirror_is_staged() -> None:
     inputs = EagerInputs(torch.device("cpu"), needs_cpu_seq_lens=False)
     host = _decode_batch([1, 2], [3, 4], first_slot=10)
-    fb = complete_batch(host, needs_cpu_seq_lens=False)
+    fb = complete_batch(host, needs_cpu_seq_lens=False, max_context_len=1024)
     staged = inputs.stage(fb)
     reg = inputs.decode.registry
     assert reg is not None and not reg.has_slot("seq_lens_cpu")
     assert staged.fb.seq_lens_cpu is None and staged.stats.tensors_copied == 5
     inputs.needs_cpu_seq_lens = True  # a runtime change rebuilds the decode registry
-    staged = inputs.stage(complete_batch(host, needs_cpu_seq_lens=True))
+    staged = inputs.stage(complete_batch(host, needs_cpu_seq_lens=True, max_context_len=1024))
     reg = inputs.decode.registry
     assert reg is not None and reg.has_slot("seq_lens_cpu")
     assert staged.fb.seq_lens_cpu is not None and staged.fb.seq_lens_cpu.tolist() == [3, 4]
@@ -357,6 +369,8 @@ def test_next_power_of_2(n: int, want: int) -> None:
 
 def test_idle_steps_stage_nothing(make_executor: MakeExecutor) -> None:
     ex = make_executor()
-    out = ex.runner.forward(complete_batch(make_idle_batch(), needs_cpu_seq_lens=True))
+    out = ex.runner.forward(
+        complete_batch(make_idle_batch(), needs_cpu_seq_lens=True, max_context_len=1024)
+    )
     assert out.logits.shape[0] == 0 and out.fill_registry is None
     assert ex.runner.eager_inputs.decode.registry is None

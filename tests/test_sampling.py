@@ -40,7 +40,12 @@ def _run(
 ) -> list[int]:
     batch = SamplingBatch.from_params(params, len(params))
     out = sampler.sample(
-        logits, batch, batch, torch.tensor(seq_lens), return_logprob=False, top_logprobs_num=0
+        logits,
+        Sampler.plan(batch),
+        batch,
+        torch.tensor(seq_lens),
+        return_logprob=False,
+        top_logprobs_num=0,
     )
     return out.next_token_ids.tolist()
 
@@ -172,7 +177,12 @@ def test_logprobs_are_the_model_log_softmax() -> None:
     logits = torch.randn(3, 20)
     batch = SamplingBatch.greedy(3)
     out = Sampler(torch.device("cpu"), 0).sample(
-        logits, batch, batch, torch.tensor([1, 1, 1]), return_logprob=True, top_logprobs_num=4
+        logits,
+        Sampler.plan(batch),
+        batch,
+        torch.tensor([1, 1, 1]),
+        return_logprob=True,
+        top_logprobs_num=4,
     )
     ref = torch.log_softmax(logits, -1)
     assert out.next_token_ids.tolist() == logits.argmax(-1).tolist()

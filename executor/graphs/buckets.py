@@ -60,4 +60,6 @@ def parse_bucket_list(text: str) -> list[int] | None:
     try:
         return normalize_buckets([int(part) for part in text.split(",") if part.strip()])
     except ValueError as e:
-        raise ValueError(f"bucket list must be comma-separated positive integers, got {text!r}: {e}") from e
+        raise ValueError(
+            f"bucket list must be comma-separated positive integers, got {text!r}: {e}"
+        ) from e

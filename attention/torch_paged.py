@@ -1,0 +1,268 @@
+"""Paged attention in plain torch, vectorized over the batch: the default on CPU.
+
+Every request's keys are gathered through `req_to_token` into one padded
+`[bs, kv_bound, Hk, D]` view, a boolean mask hides what lies past each request's length
+(and, for EXTEND, what lies after each query's position), and a single batched SDPA call
+attends. Once the metadata is built nothing depends on data: no host reads, no
+data-dependent shapes, so the same forward runs inside a captured graph.
+
+Shapes come from host ints only: eager steps use the batch's `seq_len_bound` /
+`extend_len_bound` (powers of two, see `ForwardBatch`); captured graphs use the static
+maximum `max_context_len`, so one graph serves every batch of its bucket. Graph capture
+covers DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs
+attention between its captured pieces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
+from ops.kv_store import store_kv
+
+if TYPE_CHECKING:
+    from executor.forward_batch import ForwardBatch
+    from executor.kv_cache import KVPool, ReqToTokenPool
+
+# Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm
+# (benchmarks/attention.py: 2-3x faster than one batch-wide gather at bs 64 x 4096).
+CPU_GATHER_BYTES = 6 << 20
+
+
+@dataclass
+class TorchPagedMetadata:
+    """What `forward` needs, for one step (eager) or one captured bucket (graph buffers).
+
+    `kv_slots` beyond a request's length hold whatever its row holds (always a valid slot,
+    at worst the reserved slot 0); `mask` hides them.
+    """
+
+    kv_slots: torch.Tensor  # [bs, kv_bound] int64: KV slot of key position j of request i
+    mask: torch.Tensor  # [bs, 1, q_bound, kv_bound] bool: key j visible to query row q
+    # EXTEND only (DECODE has one query per request, already in batch order):
+    q_index: torch.Tensor | None = None  # [bs, q_bound] int64: token of T behind each query row
+    out_index: torch.Tensor | None = None  # [T] int64: each token's row in [bs * q_bound]
+
+    @property
+    def kv_bound(self) -> int:
+        return int(self.kv_slots.shape[1])
+
+    @property
+    def q_bound(self) -> int:
+        return int(self.mask.shape[2])
+
+
+@dataclass
+class _GraphBuffers:
+    """Metadata storage for every captured bucket, allocated once at the largest size."""
+
+    kv_slots: torch.Tensor  # [max_bs, max_context_len] int64
+    mask: torch.Tensor  # [max_bs, 1, 1, max_context_len] bool
+
+
+class TorchPagedBackend(AttentionBackend):
+    name: ClassVar[str] = "torch_paged"
+    needs_cpu_seq_lens: ClassVar[bool] = False
+    supports_graph_capture: ClassVar[bool] = True
+
+    def __init__(
+        self, layout: AttentionLayout, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool
+    ) -> None:
+        super().__init__(layout, req_to_token_pool, kv_pool)
+        self.max_context_len = req_to_token_pool.max_context_len
+        self.device = req_to_token_pool.req_to_token.device
+        # Key positions 0..max_context_len-1; every mask compares against a prefix of it.
+        self._kv_positions = torch.arange(self.max_context_len, device=self.device)
+        self._graph: _GraphBuffers | None = None
+        self._graph_metadata: dict[int, TorchPagedMetadata] = {}
+        self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
+
+    # --- eager -------------------------------------------------------------------------
+    def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:
+        bs, num_tokens = fb.batch_size, fb.num_tokens
+        kv_bound = fb.seq_len_bound or self.max_context_len
+        if fb.forward_mode.is_extend():
+            # No bound: the step's token count (a shape), and never past the context length.
+            q_bound = fb.extend_len_bound or min(num_tokens, self.max_context_len)
+            md = TorchPagedMetadata(
+                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+                mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
+                q_index=torch.empty((bs, q_bound), dtype=torch.int64, device=self.device),
+                out_index=torch.empty(num_tokens, dtype=torch.int64, device=self.device),
+            )
+            self._fill_extend(md, fb)
+        else:
+            md = TorchPagedMetadata(
+                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+                mask=torch.empty((bs, 1, 1, kv_bound), dtype=torch.bool, device=self.device),
+            )
+            self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+        return md
+
+    # --- graphs ------------------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        ctx = self.max_context_len
+        self._graph = _GraphBuffers(
+            kv_slots=torch.zeros((max_bs, ctx), dtype=torch.int64, device=self.device),
+            mask=torch.zeros((max_bs, 1, 1, ctx), dtype=torch.bool, device=self.device),
+        )
+        self._graph_metadata.clear()
+
+    def init_forward_metadata_capture(
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch
+    ) -> TorchPagedMetadata:
+        if self._graph is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
+            raise GraphCaptureUnsupportedError(
+                f"attention backend {self.name!r} captures DECODE batches only "
+                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
+            )
+        if bs > self._graph.kv_slots.shape[0]:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={self._graph.kv_slots.shape[0]}")
+        md = TorchPagedMetadata(kv_slots=self._graph.kv_slots[:bs], mask=self._graph.mask[:bs])
+        self._graph_metadata[bs] = md
+        self.init_forward_metadata_replay(bs, fb_view)
+        return md
+
+    def init_forward_metadata_replay(
+        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+    ) -> None:
+        md = self._graph_metadata.get(bs)
+        if md is None:
+            raise KeyError(
+                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
+            )
+        self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
+
+    # --- metadata fills (device-only, in place; shared by eager, capture and replay) ---
+    def _fill_decode(
+        self,
+        md: TorchPagedMetadata,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
+        kv_bound = md.kv_bound
+        table = self.req_to_token_pool.req_to_token
+        md.kv_slots.copy_(table[req_pool_indices[:bs], :kv_bound])
+        # [bs, kv_bound]: key j of request i exists iff j < seq_lens[i].
+        torch.lt(
+            self._kv_positions[:kv_bound],
+            seq_lens[:bs, None],
+            out=md.mask.view(bs, kv_bound),
+        )
+
+    def _fill_extend(self, md: TorchPagedMetadata, fb: ForwardBatch) -> None:
+        assert md.q_index is not None and md.out_index is not None
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        assert fb.extend_start_loc is not None
+        bs, num_tokens = fb.batch_size, fb.num_tokens
+        kv_bound, q_bound = md.kv_bound, md.q_bound
+        table = self.req_to_token_pool.req_to_token
+        md.kv_slots.copy_(table[fb.req_pool_indices, :kv_bound])
+        rows = self._kv_positions[:q_bound]  # query row r of request i is token prefix_i + r
+        keys = self._kv_positions[:kv_bound]
+        q_pos = fb.extend_prefix_lens[:, None] + rows  # [bs, q_bound]
+        # Query at position p sees keys 0..p (its prefix and the new tokens up to itself);
+        # `keys < seq_len` keeps padded rows (r >= extend_len) inside the request, and
+        # key 0 is always visible, so no row is fully masked.
+        visible = (keys <= q_pos[:, :, None]) & (keys < fb.seq_lens[:, None, None])
+        md.mask.copy_(visible.unsqueeze(1))
+        torch.clamp(fb.extend_start_loc[:, None] + rows, max=num_tokens - 1, out=md.q_index)
+        request = torch.repeat_interleave(
+            torch.arange(bs, device=self.device), fb.extend_seq_lens, output_size=num_tokens
+        )  # [T]
+        token = torch.arange(num_tokens, device=self.device)
+        torch.add(request * q_bound, token - fb.extend_start_loc[request], out=md.out_index)
+
+    # --- compute -----------------------------------------------------------------------
+    def chunk_rows(self, bs: int, kv_bound: int, element_size: int) -> int:
+        """Requests attended per chunk: all of them on CUDA; on CPU as many as keep the
+        gathered K and V within `CPU_GATHER_BYTES`, so they are still in cache when SDPA
+        reads them (2-3x faster for large batches than one batch-wide gather). A function of
+        shapes only, so a captured graph replays the same chunks."""
+        if self.device.type != "cpu":
+            return bs
+        per_request = 2 * kv_bound * self.layout.num_kv_heads * self.layout.head_dim * element_size
+        return max(1, min(bs, CPU_GATHER_BYTES // per_request))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        k_buffer = self.kv_pool.k_buffer(layer_id)
+        v_buffer = self.kv_pool.v_buffer(layer_id)
+        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+
+        md: TorchPagedMetadata = fb.attn_metadata
+        bs, kv_bound = md.kv_slots.shape
+        chunk = self.chunk_rows(bs, kv_bound, k_buffer.element_size())
+        parts = [
+            self._attend(q, k_buffer, v_buffer, md, start, min(bs, start + chunk))
+            for start in range(0, bs, chunk)
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        if md.out_index is None:
+            return out.reshape(bs, num_heads, head_dim)  # [bs, Hk, group, D] -> [bs, Hq, D]
+        q_bound = out.shape[2]
+        flat = out.transpose(1, 2).reshape(bs * q_bound, num_heads, head_dim)
+        return flat[md.out_index]  # [T, Hq, D]
+
+    def _gather(self, buffer: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
+        """`buffer[slots]` ([len(slots), Hk, D]). On CPU into a reused scratch buffer: a fresh
+        multi-MiB allocation per chunk costs page faults that rival the gather itself. The
+        result is consumed by the chunk's SDPA before the next gather overwrites it."""
+        if self.device.type != "cpu":
+            return buffer.index_select(0, slots)
+        numel = slots.numel() * buffer.shape[1] * buffer.shape[2]
+        scratch = self._scratch[which]
+        if scratch is None or scratch.numel() < numel or scratch.dtype != buffer.dtype:
+            scratch = torch.empty(numel, dtype=buffer.dtype, device=buffer.device)
+            self._scratch[which] = scratch
+        out = scratch[:numel].view(slots.numel(), buffer.shape[1], buffer.shape[2])
+        return torch.index_select(buffer, 0, slots, out=out)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        md: TorchPagedMetadata,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        """Requests start..end-1: [n, Hk, group, D] (DECODE) or [n, Hq, q_bound, D] (EXTEND)."""
+        n, kv_bound = end - start, md.kv_bound
+        num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
+        # index_select over the flattened slots is several times faster than advanced
+        # indexing with a [n, kv_bound] index on CPU.
+        slots = md.kv_slots[start:end].reshape(-1)
+        shape = (n, kv_bound, num_kv_heads, head_dim)
+        keys = self._gather(k_buffer, slots, 0).view(shape).transpose(1, 2).to(q.dtype)
+        values = self._gather(v_buffer, slots, 1).view(shape).transpose(1, 2).to(q.dtype)
+        # keys, values: [n, Hk, kv_bound, D]
+        mask = md.mask[start:end]
+        if md.q_index is None:
+            # DECODE: the query heads sharing a KV head become that head's query rows
+            # (head h reads KV head h // group), so K/V are never repeated per group.
+            group = num_heads // num_kv_heads
+            return F.scaled_dot_product_attention(
+                q[start:end].view(n, num_kv_heads, group, head_dim),
+                keys,
+                values,
+                attn_mask=mask,  # [n, 1, 1, kv_bound] broadcasts over heads and rows
+                scale=self.layout.scaling,
+            )
+        return F.scaled_dot_product_attention(
+            q[md.q_index[start:end]].transpose(1, 2),  # [n, Hq, q_bound, D]
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.layout.scaling,
+            enable_gqa=num_heads != num_kv_heads,
+        )

@@ -1,0 +1,277 @@
+"""The Triton attention backend: paged decode with split KV, paged extend; the CUDA default.
+
+Metadata is built on the device from `req_to_token`, `seq_lens` and the extend lengths
+(never from host mirrors), sized by the batch's shape bounds in eager steps and by
+preallocated buffers at their maximum size for captured DECODE graphs (the seeds'
+Pattern A: capture binds buffer slices, then fills them through replay).
+
+`triton` is imported when a backend is created, not when this module is imported, so
+CPU installs without triton can still list the backend and get a clear error for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
+from attention.triton import launch
+from ops.kv_store import store_kv
+
+if TYPE_CHECKING:
+    from executor.forward_batch import ForwardBatch
+    from executor.kv_cache import KVPool, ReqToTokenPool
+
+
+@dataclass
+class TritonDecodeMetadata:
+    kv_indptr: torch.Tensor  # [bs + 1] int32: exclusive prefix sum of seq_lens
+    kv_indices: torch.Tensor  # [>= sum(seq_lens)] int64: every request's slots, back to back
+    num_kv_splits: torch.Tensor  # [bs] int32: 1..launch.split_cap
+    att_out: torch.Tensor  # [bs, Hq, max_kv_splits, D] float32: stage-1 partial outputs
+    att_lse: torch.Tensor  # [bs, Hq, max_kv_splits] float32: their log-sum-exps
+    launch: launch.DecodeLaunch
+
+
+@dataclass
+class TritonExtendMetadata:
+    qo_indptr: torch.Tensor  # [bs + 1] int32: prefix sum of extend_seq_lens (offsets in T)
+    kv_indptr: torch.Tensor  # [bs + 1] int32: prefix sum of extend_prefix_lens
+    kv_indices: torch.Tensor  # [>= sum(prefix lens)] int64: cached-prefix slots
+    launch: launch.ExtendLaunch
+
+
+@dataclass
+class _GraphBuffers:
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32
+    kv_indices: torch.Tensor  # [max_bs * max_context_len] int64
+    num_kv_splits: torch.Tensor  # [max_bs] int32
+    att_out: torch.Tensor  # [max_bs, Hq, max_kv_splits, D] float32
+    att_lse: torch.Tensor  # [max_bs, Hq, max_kv_splits] float32
+
+
+class TritonAttnBackend(AttentionBackend):
+    name: ClassVar[str] = "triton"
+    needs_cpu_seq_lens: ClassVar[bool] = False
+    supports_graph_capture: ClassVar[bool] = True
+
+    @staticmethod
+    def check_available(device: torch.device) -> None:
+        """Raise ValueError unless this backend can run on `device`."""
+        if device.type != "cuda":
+            raise ValueError(
+                f"attention backend 'triton' needs a CUDA device, but the executor runs on "
+                f"{device.type}; use attention_backend=auto or torch_paged"
+            )
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(
+                "attention backend 'triton' needs the triton package, which is not installed; "
+                "use attention_backend=torch_paged or install triton"
+            )
+
+    def __init__(
+        self,
+        layout: AttentionLayout,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: KVPool,
+        *,
+        max_kv_splits: int = launch.DEFAULT_MAX_KV_SPLITS,
+        num_sms: int | None = None,
+    ) -> None:
+        """`num_sms` (default: the GPU's SM count, 1 off CUDA) sets how far decode splits."""
+        super().__init__(layout, req_to_token_pool, kv_pool)
+        # Lazily: only a created backend needs triton (tests on CPU use its interpreter).
+        self.kernels: ModuleType = importlib.import_module("attention.triton.kernels")
+        self.max_context_len = req_to_token_pool.max_context_len
+        self.device = req_to_token_pool.req_to_token.device
+        self.max_kv_splits = max_kv_splits
+        if num_sms is None:
+            num_sms = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else 1
+            )
+        self.num_sms = num_sms
+        self._graph: _GraphBuffers | None = None
+        self._graph_metadata: dict[int, TritonDecodeMetadata] = {}
+
+    def _decode_launch(self, bs: int) -> launch.DecodeLaunch:
+        lay = self.layout
+        return launch.decode_launch(
+            bs, lay.num_heads, lay.num_kv_heads, lay.head_dim, self.max_kv_splits, self.num_sms
+        )
+
+    # --- eager -------------------------------------------------------------------------
+    def init_forward_metadata(
+        self, fb: ForwardBatch
+    ) -> TritonDecodeMetadata | TritonExtendMetadata:
+        bs = fb.batch_size
+        kv_bound = fb.seq_len_bound or self.max_context_len
+        capacity = launch.kv_indices_capacity(bs, kv_bound)
+        if fb.forward_mode.is_extend():
+            return self._extend_metadata(fb, capacity)
+        lay = self.layout
+        md = TritonDecodeMetadata(
+            kv_indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            kv_indices=torch.empty(capacity, dtype=torch.int64, device=self.device),
+            num_kv_splits=torch.empty(bs, dtype=torch.int32, device=self.device),
+            att_out=torch.empty(
+                (bs, lay.num_heads, self.max_kv_splits, lay.head_dim),
+                dtype=torch.float32,
+                device=self.device,
+            ),
+            att_lse=torch.empty(
+                (bs, lay.num_heads, self.max_kv_splits), dtype=torch.float32, device=self.device
+            ),
+            launch=self._decode_launch(bs),
+        )
+        self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+        return md
+
+    def _extend_metadata(self, fb: ForwardBatch, capacity: int) -> TritonExtendMetadata:
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        bs = fb.batch_size
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+        qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+        kv_indptr[1:] = torch.cumsum(fb.extend_prefix_lens, 0)
+        kv_indices = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        self.kernels.create_kv_indices(
+            self.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.extend_prefix_lens,
+            kv_indptr,
+            kv_indices,
+        )
+        max_extend_len = fb.extend_len_bound or fb.num_tokens
+        return TritonExtendMetadata(
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            launch=launch.extend_launch(
+                bs, self.layout.num_heads, self.layout.head_dim, max_extend_len
+            ),
+        )
+
+    # --- graphs (DECODE) ---------------------------------------------------------------
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        lay = self.layout
+        f32 = torch.float32
+        self._graph = _GraphBuffers(
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            kv_indices=torch.zeros(
+                launch.kv_indices_capacity(max_bs, self.max_context_len),
+                dtype=torch.int64,
+                device=self.device,
+            ),
+            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            att_out=torch.zeros(
+                (max_bs, lay.num_heads, self.max_kv_splits, lay.head_dim),
+                dtype=f32,
+                device=self.device,
+            ),
+            att_lse=torch.zeros(
+                (max_bs, lay.num_heads, self.max_kv_splits), dtype=f32, device=self.device
+            ),
+        )
+        self._graph_metadata.clear()
+
+    def init_forward_metadata_capture(
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch
+    ) -> TritonDecodeMetadata:
+        if self._graph is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
+            raise GraphCaptureUnsupportedError(
+                f"attention backend {self.name!r} captures DECODE batches only "
+                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
+            )
+        g = self._graph
+        if bs > g.num_kv_splits.shape[0]:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={g.num_kv_splits.shape[0]}")
+        md = TritonDecodeMetadata(
+            kv_indptr=g.kv_indptr[: bs + 1],
+            kv_indices=g.kv_indices,
+            num_kv_splits=g.num_kv_splits[:bs],
+            att_out=g.att_out[:bs],
+            att_lse=g.att_lse[:bs],
+            launch=self._decode_launch(bs),
+        )
+        self._graph_metadata[bs] = md
+        self.init_forward_metadata_replay(bs, fb_view)
+        return md
+
+    def init_forward_metadata_replay(
+        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+    ) -> None:
+        md = self._graph_metadata.get(bs)
+        if md is None:
+            raise KeyError(
+                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
+            )
+        self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
+
+    def _fill_decode(
+        self,
+        md: TritonDecodeMetadata,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
+        """Device-only, in place: kv_indptr, kv_indices, num_kv_splits of this (padded) batch."""
+        seq_lens = seq_lens[:bs]
+        md.kv_indptr[:1].zero_()
+        md.kv_indptr[1:].copy_(torch.cumsum(seq_lens, 0))
+        self.kernels.create_kv_indices(
+            self.req_to_token_pool.req_to_token,
+            req_pool_indices[:bs],
+            seq_lens,
+            md.kv_indptr,
+            md.kv_indices,
+        )
+        launch.num_kv_splits(seq_lens, md.launch.split_cap, out=md.num_kv_splits)
+
+    # --- compute -----------------------------------------------------------------------
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        k_buffer = self.kv_pool.k_buffer(layer_id)
+        v_buffer = self.kv_pool.v_buffer(layer_id)
+        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+        out = torch.empty_like(q)
+        md = fb.attn_metadata
+        if isinstance(md, TritonDecodeMetadata):
+            self.kernels.decode_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                out,
+                md.kv_indptr,
+                md.kv_indices,
+                md.num_kv_splits,
+                md.att_out,
+                md.att_lse,
+                md.launch,
+                self.layout.scaling,
+            )
+        else:
+            assert isinstance(md, TritonExtendMetadata)
+            self.kernels.extend_attention(
+                q,
+                k,
+                v,
+                out,
+                k_buffer,
+                v_buffer,
+                md.qo_indptr,
+                md.kv_indptr,
+                md.kv_indices,
+                md.launch,
+                self.layout.scaling,
+            )
+        return out

@@ -1,0 +1,187 @@
+"""Paged extend (prefill) attention: a cached prefix plus this step's tokens, causally.
+
+Program (request, head, block of new tokens) attends the request's cached prefix through
+`kv_indices` (every new token sees all of it), then the step's new tokens, whose K/V are
+passed contiguously, with a causal mask; one online softmax runs over both.
+
+`input_precision="ieee"` keeps float32 dots exact (no TF32); it does not affect 16-bit inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.triton import launch
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,  # [T, Hq, D] new tokens
+    k_ptr,  # [T, Hk, D] new tokens
+    v_ptr,
+    o_ptr,  # [T, Hq, D]
+    k_buffer_ptr,  # [slots + 1, Hk, D]
+    v_buffer_ptr,
+    qo_indptr_ptr,  # [bs + 1] int32: new tokens
+    kv_indptr_ptr,  # [bs + 1] int32: cached prefix
+    kv_indices_ptr,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    block_m = tl.program_id(2)
+    kv_head = h // KV_GROUP
+
+    qo_start = tl.load(qo_indptr_ptr + b)
+    extend_len = tl.load(qo_indptr_ptr + b + 1) - qo_start
+    kv_start = tl.load(kv_indptr_ptr + b)
+    prefix_len = tl.load(kv_indptr_ptr + b + 1) - kv_start
+
+    if block_m * BLOCK_M < extend_len:
+        offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the request
+        mask_m = offs_m < extend_len
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (qo_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_D]
+        e_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        e_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # 1) The cached prefix: every query sees all of it.
+        for n0 in range(0, prefix_len, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix_len
+            slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(
+                k_buffer_ptr + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))  # >= 1 key per block
+            n_max = tl.maximum(tl.max(qk, 1), e_max)
+            rescale = tl.exp(e_max - n_max)
+            p = tl.exp(qk - n_max[:, None])
+            v = tl.load(
+                v_buffer_ptr + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(q.dtype)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            e_sum = e_sum * rescale + tl.sum(p, 1)
+            e_max = n_max
+
+        # 2) The new tokens, causally: query m sees new tokens 0..m. Keys past this query
+        # block's last row are never visible to it.
+        end_n = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
+        for n0 in range(0, end_n, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end_n
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(
+                k_ptr
+                + (qo_start + offs_n)[:, None] * stride_kt
+                + kv_head * stride_kh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            # Key 0 is visible to every row in the first block, and e_max is finite after
+            # it, so no row ever takes exp(-inf - -inf).
+            visible = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            n_max = tl.maximum(tl.max(qk, 1), e_max)
+            rescale = tl.exp(e_max - n_max)
+            p = tl.exp(qk - n_max[:, None])
+            v = tl.load(
+                v_ptr
+                + (qo_start + offs_n)[:, None] * stride_vt
+                + kv_head * stride_vh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(q.dtype)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            e_sum = e_sum * rescale + tl.sum(p, 1)
+            e_max = n_max
+
+        tl.store(
+            o_ptr + (qo_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            (acc / e_sum[:, None]).to(o_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    params: launch.ExtendLaunch,
+    sm_scale: float,
+) -> None:
+    """q, o [T, Hq, D]; k, v [T, Hk, D] (this step's tokens); the prefix via kv_indices."""
+    q, k, v = launch.unit_stride_last(q), launch.unit_stride_last(k), launch.unit_stride_last(v)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    _extend_kernel[params.grid](
+        q,
+        k,
+        v,
+        o,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        KV_GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=params.block_m,
+        BLOCK_N=params.block_n,
+        BLOCK_D=params.block_d,
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+    )
