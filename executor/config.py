@@ -17,7 +17,7 @@ from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GRAPH_MODES = ("none", "decode", "extend", "both")
+GRAPH_MODES = ("auto", "none", "decode", "extend", "both")
 NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 
 
@@ -52,7 +52,21 @@ class ExecutorConfig:
         "auto", "auto (triton on CUDA, torch_paged on CPU) | torch_native | torch_paged | triton"
     )
     graph_mode: str = setting(
-        "none", "none | decode (full graphs) | extend (piecewise graphs) | both"
+        "auto",
+        "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both",
+    )
+    graph_max_bs: int = setting(
+        0, "largest DECODE batch with a captured graph; 0 = min(max_batch_size, 160)"
+    )
+    graph_batch_sizes: str = setting(
+        "", "DECODE graph buckets, e.g. '1,2,4,8'; '' = 1,2,4,8 then every 8 up to graph_max_bs"
+    )
+    piecewise_max_tokens: int = setting(
+        0, "largest EXTEND token count with captured pieces; 0 = min(max_tokens_per_batch, 2048)"
+    )
+    piecewise_token_sizes: str = setting(
+        "",
+        "piecewise token buckets, e.g. '16,64,256'; '' = the default ladder up to piecewise_max_tokens",
     )
     needs_cpu_seq_lens: str = setting(
         "auto",
@@ -78,7 +92,7 @@ class ExecutorConfig:
         for name in ("max_reqs", "kv_slots", "max_tokens_per_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_context_len", "max_batch_size"):
+        for name in ("max_context_len", "max_batch_size", "graph_max_bs", "piecewise_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derived), got {getattr(self, name)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -129,6 +143,13 @@ DEFAULT_MAX_CONTEXT_LEN = 8192
 def resolve_max_context_len(config: ExecutorConfig, model: ModelConfig) -> int:
     """The configured context length, or the model's own capped at DEFAULT_MAX_CONTEXT_LEN."""
     return config.max_context_len or min(model.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
+
+
+def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
+    """`auto` is `both` on CUDA (graphs pay off there) and `none` on CPU."""
+    if config.graph_mode == "auto":
+        return "both" if device.type == "cuda" else "none"
+    return config.graph_mode
 
 
 def resolve_cache_dir(config: ExecutorConfig) -> Path:

@@ -18,3 +18,8 @@ class BatchValidationError(ValueError):
 
 class BatchTooLargeError(BatchValidationError):
     """A batch exceeds the executor's size limits (requests or tokens). Maps to RESOURCE_EXHAUSTED."""
+
+
+class ToggleRefusedError(RuntimeError):
+    """A runtime configuration change the executor cannot honour; nothing was changed.
+    Maps to FAILED_PRECONDITION."""

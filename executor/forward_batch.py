@@ -141,6 +141,9 @@ class ForwardBatch:
     sampling: SamplingBatch | None = None  # None: greedy for every request
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Set by the graph runners' registries: [1] int32, the real token count of a padded batch
+    # (capture and replay compute it through the same fill, so they agree).
+    num_token_non_padded: torch.Tensor | None = None
     # Set by the runner for the attention backend in use; one typed object per backend.
     attn_metadata: Any = None
 

@@ -25,11 +25,20 @@ from executor.config import (
     resolve_cache_dir,
     resolve_device,
     resolve_dtype,
+    resolve_graph_mode,
     resolve_max_context_len,
 )
+from executor.errors import ToggleRefusedError
 from executor.forward_batch import ForwardBatch
+from executor.graphs.buckets import (
+    default_decode_buckets,
+    default_piecewise_buckets,
+    parse_bucket_list,
+)
+from executor.graphs.capture import CaptureReport
 from executor.kv_cache import KVPool, ReqToTokenPool
-from executor.model_runner import ModelRunner, RunnerOutput
+from executor.model_runner import GRAPH_MODES as RUNNER_GRAPH_MODES
+from executor.model_runner import GraphSettings, ModelRunner, RunnerOutput, wants_decode_graphs
 from executor.models.loader import LoadedModel, load_model
 from executor.sampling import SampleOutput, Sampler
 from executor.tokenizer import Tokenizer, load_tokenizer
@@ -37,6 +46,29 @@ from executor.validation import BatchLimits, validate_batch
 from ops.host_transfer import to_host
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _SeqLensPolicy:
+    needs_cpu_seq_lens: str
+    graph_mode: str
+
+
+def graph_settings(config: ExecutorConfig, limits: BatchLimits) -> GraphSettings:
+    """Bucket lists from config (explicit lists win), never beyond the executor's limits."""
+    max_bs = config.graph_max_bs or min(limits.max_batch_size, 160)
+    decode = parse_bucket_list(config.graph_batch_sizes) or default_decode_buckets(max_bs)
+    max_tokens = config.piecewise_max_tokens or min(limits.max_tokens_per_batch, 2048)
+    piecewise = parse_bucket_list(config.piecewise_token_sizes) or default_piecewise_buckets(
+        max_tokens
+    )
+    decode = [b for b in decode if b <= limits.max_batch_size] or [limits.max_batch_size]
+    piecewise = [t for t in piecewise if t <= limits.max_tokens_per_batch] or [
+        limits.max_tokens_per_batch
+    ]
+    return GraphSettings(
+        decode_buckets=decode, piecewise_buckets=piecewise, max_bs=limits.max_batch_size
+    )
 
 
 @dataclass
@@ -54,6 +86,8 @@ class StepStats:
     fill_tensors: int = 0
     fill_bytes: int = 0
     fill_copy_calls: int = 0
+    # Graph mode wanted a graph path but the step ran eagerly: "<kind>:<reason>".
+    graph_fallback: str | None = None
 
 
 @dataclass
@@ -134,15 +168,23 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
-        # Raises (start-up) if config.needs_cpu_seq_lens=off contradicts a backend or path.
-        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(config, [self.attn_backend])
+        graph_mode = resolve_graph_mode(config, self.device)
+        self.needs_cpu_seq_lens_policy = config.needs_cpu_seq_lens  # auto | on | off
+        # Raises (start-up) if needs_cpu_seq_lens=off contradicts a backend or path.
+        self.needs_cpu_seq_lens = self._decide_needs_cpu_seq_lens(
+            self.needs_cpu_seq_lens_policy, graph_mode
+        )
         self.runner = ModelRunner(
             self.model,
             self.attn_backend,
             device=self.device,
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             eager_input_no_copy=config.eager_input_no_copy,
+            graphs=graph_settings(config, self.limits),
         )
+        self.capture_reports: list[CaptureReport] = []
+        if graph_mode != "none":
+            self.capture_reports = self.runner.enable_graphs(graph_mode)
         self.sampler = Sampler(self.device, config.seed)
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
@@ -159,7 +201,39 @@ class ModelExecutor:
             max_context_len=max_context_len,
             kv_cache_mib=round(self.kv_pool.nbytes / 2**20, 1),
             eager_input_no_copy=config.eager_input_no_copy,
+            graph_mode=graph_mode,
         )
+
+    def _decide_needs_cpu_seq_lens(self, policy: str, graph_mode: str) -> bool:
+        return decide_needs_cpu_seq_lens(
+            _SeqLensPolicy(needs_cpu_seq_lens=policy, graph_mode=graph_mode), [self.attn_backend]
+        )
+
+    def set_graph_mode(self, mode: str) -> list[CaptureReport]:
+        """Switch graph paths between two batches; a runner turned on for the first time is
+        captured now. Refused (ToggleRefusedError, nothing changed) when the mode cannot be
+        honoured: decode graphs with a backend that cannot be captured, or the piecewise path
+        while needs_cpu_seq_lens is forced off."""
+        if mode == "auto":
+            mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
+        if mode not in RUNNER_GRAPH_MODES:
+            raise ToggleRefusedError(
+                f"graph_mode must be one of auto, {', '.join(RUNNER_GRAPH_MODES)}, got {mode!r}"
+            )
+        if wants_decode_graphs(mode) and not self.attn_backend.supports_graph_capture:
+            raise ToggleRefusedError(
+                f"graph_mode={mode}: attention backend {self.attn_backend.name!r} cannot be captured in a graph"
+            )
+        try:
+            needs = self._decide_needs_cpu_seq_lens(self.needs_cpu_seq_lens_policy, mode)
+        except ValueError as e:
+            raise ToggleRefusedError(f"graph_mode={mode}: {e}") from e
+        reports = self.runner.enable_graphs(mode)
+        self.needs_cpu_seq_lens = needs
+        self.runner.eager_inputs.needs_cpu_seq_lens = needs
+        self.capture_reports.extend(reports)
+        log.info("graph mode changed", graph_mode=mode, captured=[r.kind for r in reports])
+        return reports
 
     @property
     def info(self) -> ExecutorInfo:
@@ -235,6 +309,7 @@ class ModelExecutor:
             fill_tensors=out.fill_stats.tensors_copied,
             fill_bytes=out.fill_stats.bytes_copied,
             fill_copy_calls=out.fill_stats.copy_calls,
+            graph_fallback=out.graph_fallback,
         )
         return ForwardOutput(
             next_token_ids=sample.next_token_ids,

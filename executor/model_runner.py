@@ -1,40 +1,59 @@
-"""Run one completed, on-device ForwardBatch through the model: logits of each request's last token.
+"""Run one completed, on-device ForwardBatch: logits of each request's last token.
 
-This is the eager path. By default it stages the batch through an eager input registry
-(:mod:`executor.eager_inputs`) so the model reads registry buffers, as it will under the
-graph runners; `eager_input_no_copy` skips that copy and runs on the batch's own tensors.
-Later paths (full graph, piecewise graph) plug in here behind the same `forward`.
+Dispatch: DECODE takes the full-graph path when graphs are on for it and the batch fits a
+captured bucket; EXTEND takes the piecewise path likewise; everything else runs eagerly.
+Eager stages the batch through an eager input registry (:mod:`executor.eager_inputs`) so
+the model reads registry buffers as it does under the graph runners; `eager_input_no_copy`
+skips that copy and runs on the batch's own tensors. When a graph path was wanted but the
+batch ran eagerly, the output says why (`graph_fallback`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import structlog
 import torch
 
 from attention.base import AttentionBackend
 from executor.eager_inputs import EagerInputs
 from executor.forward_batch import ForwardBatch
+from executor.graphs.capture import CaptureReport
+from executor.graphs.decode_runner import DecodeGraphRunner
+from executor.graphs.graph import GraphFactory
+from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.models.llama import LlamaForCausalLM
+from executor.runner_output import RunnerOutput
 from registry import FillStats
 
+log = structlog.get_logger(__name__)
 
-@dataclass
-class RunnerOutput:
-    logits: torch.Tensor  # [bs, vocab] float32, on the device
-    path: str  # eager | eager_no_copy | full_graph | piecewise
-    padded_batch_size: int
-    padded_num_tokens: int
-    fill_registry: str | None = None  # eager_decode | eager_extend; None if nothing was staged
-    fill_stats: FillStats = field(default_factory=FillStats)
+GRAPH_MODES = ("none", "decode", "extend", "both")
+
+
+def wants_decode_graphs(mode: str) -> bool:
+    return mode in ("decode", "both")
+
+
+def wants_piecewise(mode: str) -> bool:
+    return mode in ("extend", "both")
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """Bucket lists of the two graph runners (from :mod:`executor.graphs.buckets`)."""
+
+    decode_buckets: list[int]
+    piecewise_buckets: list[int]
+    max_bs: int  # the executor's max batch size (piecewise batches carry up to this many)
 
 
 class ModelRunner:
     """Picks the path for a batch and runs it. Not thread-safe: one thread owns the device.
 
-    `eager_input_no_copy` is a plain attribute so a runtime toggle can flip it between
-    two batches; the next batch takes the new path.
+    `eager_input_no_copy` and `graph_mode` are plain attributes so runtime toggles can flip
+    them between two batches; `enable_graphs` captures what a mode needs first.
     """
 
     def __init__(
@@ -45,14 +64,93 @@ class ModelRunner:
         device: torch.device,
         needs_cpu_seq_lens: bool,
         eager_input_no_copy: bool = False,
+        graphs: GraphSettings | None = None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
+        self.device = device
         self.eager_input_no_copy = eager_input_no_copy
         self.eager_inputs = EagerInputs(device, needs_cpu_seq_lens=needs_cpu_seq_lens)
+        self.graph_settings = graphs
+        self.graph_mode = "none"
+        self.graph_factory = GraphFactory(device)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.piecewise: PiecewiseGraphRunner | None = None
 
+    # --- graphs --------------------------------------------------------------------------
+    def enable_graphs(self, mode: str, *, progress: bool = True) -> list[CaptureReport]:
+        """Switch to `mode`, capturing the runners it needs that were not captured yet."""
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+        reports: list[CaptureReport] = []
+        if mode != "none" and self.graph_settings is None:
+            raise ValueError("this runner was built without graph settings")
+        settings = self.graph_settings
+        if (
+            wants_decode_graphs(mode)
+            and self.decode_graphs is None
+            and self.attn_backend.supports_graph_capture
+        ):
+            assert settings is not None
+            self.decode_graphs = DecodeGraphRunner(
+                self.model,
+                self.attn_backend,
+                device=self.device,
+                buckets=settings.decode_buckets,
+                needs_cpu_seq_lens=self.eager_inputs.needs_cpu_seq_lens,
+                factory=self.graph_factory,
+            )
+            reports.append(self.decode_graphs.capture(progress=progress))
+        if wants_piecewise(mode) and self.piecewise is None:
+            assert settings is not None
+            self.piecewise = PiecewiseGraphRunner(
+                self.model,
+                self.attn_backend,
+                device=self.device,
+                buckets=settings.piecewise_buckets,
+                max_bs=settings.max_bs,
+                factory=self.graph_factory,
+            )
+            reports.append(self.piecewise.capture(progress=progress))
+        self.graph_mode = mode
+        return reports
+
+    def _graph_path(self, fb: ForwardBatch) -> tuple[RunnerOutput | None, str | None]:
+        """(output, None) if a graph path ran; (None, "kind:reason") if one was wanted but
+        could not run; (None, None) if graphs are off for this batch's mode."""
+        if fb.forward_mode.is_decode() and wants_decode_graphs(self.graph_mode):
+            if self.decode_graphs is None:
+                return None, "decode:backend_unsupported"
+            reason = self.decode_graphs.fallback_reason(fb)
+            return (
+                (self.decode_graphs.replay(fb), None)
+                if reason is None
+                else (None, f"decode:{reason}")
+            )
+        if (
+            fb.forward_mode.is_extend()
+            and wants_piecewise(self.graph_mode)
+            and self.piecewise is not None
+        ):
+            reason = self.piecewise.fallback_reason(fb)
+            return (
+                (self.piecewise.replay(fb), None)
+                if reason is None
+                else (None, f"piecewise:{reason}")
+            )
+        return None, None
+
+    # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> RunnerOutput:
+        out, fallback = self._graph_path(fb)
+        if out is not None:
+            return out
+        out = self._eager(fb)
+        out.graph_fallback = fallback
+        return out
+
+    def _eager(self, fb: ForwardBatch) -> RunnerOutput:
         path = "eager_no_copy" if self.eager_input_no_copy else "eager"
         if fb.forward_mode.is_idle():
             logits = torch.empty(

@@ -54,12 +54,20 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
+def _refuse_in_capture(what: str) -> None:
+    for guard in _state.guards:
+        if guard.capture:
+            guard.fail(what, None)
+
+
 @contextmanager
 def counted_transfer(reason: str) -> Iterator[None]:
-    """The body of `ops.host_transfer.to_host`: everything inside may move data to the host."""
+    """The body of `ops.host_transfer.to_host`: everything inside may move data to the host
+    (except under a capture guard: a captured graph cannot wait for the host)."""
     if not _state.guards:
         yield
         return
+    _refuse_in_capture(f"to_host(reason={reason!r})")
     _state.transfer_depth += 1
     try:
         yield
@@ -73,6 +81,7 @@ def host_mirror_read(name: str) -> Iterator[None]:
     if not _state.guards:
         yield
         return
+    _refuse_in_capture(f"host_mirror_read({name!r})")
     _state.mirror_names.append(name)
     try:
         yield
@@ -233,9 +242,13 @@ class HostReadGuard:
 
     Thread-local: it guards the thread that enters it (the device worker). Violations are
     raised at once as :class:`HostReadError` and also kept in `violations`.
+
+    With `capture=True` it stands for CUDA graph capture: even counted transfers and declared
+    host-mirror reads are refused, since a captured graph cannot wait for the host.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, capture: bool = False) -> None:
+        self.capture = capture
         self.host_tensors: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.violations: list[str] = []
         self._modes: tuple[_FunctionGuard, _DispatchGuard] | None = None
@@ -277,12 +290,19 @@ class HostReadGuard:
             if isinstance(subject, torch.Tensor)
             else "a tensor"
         )
-        message = (
-            f"uncounted host read: {op} on {what} inside a guarded device step. "
-            "Device data must leave through ops.host_transfer.to_host(tensor, reason); "
-            "a read of a host mirror must be declared with "
-            "ops.host_read_guard.host_mirror_read(name)."
-        )
+        if self.capture:
+            message = (
+                f"capture-unsafe op: {op} on {what} during graph capture. A captured graph "
+                "cannot read device data on the host or allocate a data-dependent size; move "
+                "the read out of the captured region or run this path eagerly."
+            )
+        else:
+            message = (
+                f"uncounted host read: {op} on {what} inside a guarded device step. "
+                "Device data must leave through ops.host_transfer.to_host(tensor, reason); "
+                "a read of a host mirror must be declared with "
+                "ops.host_read_guard.host_mirror_read(name)."
+            )
         self.violations.append(message)
         raise HostReadError(message)
 

@@ -1,0 +1,69 @@
+"""The capture loop both graph runners share: largest bucket first, one failure per bucket."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+from tqdm import tqdm
+
+from executor.graphs.graph import GraphFactory
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class CaptureReport:
+    """What one capture pass did: per-bucket failures keep their reason."""
+
+    kind: str  # decode | piecewise
+    captured: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    memory_bytes: int = 0
+
+
+def capture_buckets(
+    kind: str,
+    buckets: Sequence[int],
+    capture_one: Callable[[int], None],
+    factory: GraphFactory,
+    *,
+    progress: bool = True,
+) -> CaptureReport:
+    """Capture every bucket, largest first. A bucket whose capture fails is logged with its
+    reason and left out (its batches run eagerly); the others are still captured."""
+    report = CaptureReport(kind)
+    mem_before = factory.memory_bytes()
+    t0 = time.perf_counter()
+    with factory.capturing():
+        for size in tqdm(
+            sorted(buckets, reverse=True),
+            desc=f"capturing {kind} graphs",
+            disable=not progress,
+            leave=False,
+        ):
+            t = time.perf_counter()
+            try:
+                capture_one(size)
+            except Exception as e:
+                report.failed[size] = f"{type(e).__name__}: {e}"
+                log.warning("graph capture failed", kind=kind, size=size, error=report.failed[size])
+                continue
+            report.captured.append(size)
+            log.debug(
+                "graph captured", kind=kind, size=size, seconds=round(time.perf_counter() - t, 4)
+            )
+    report.seconds = time.perf_counter() - t0
+    report.memory_bytes = factory.memory_bytes() - mem_before
+    log.info(
+        "graphs captured",
+        kind=kind,
+        captured=len(report.captured),
+        failed=len(report.failed),
+        seconds=round(report.seconds, 3),
+        memory_mib=round(report.memory_bytes / 2**20, 1),
+    )
+    return report

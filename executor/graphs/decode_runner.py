@@ -1,0 +1,144 @@
+"""Full-graph DECODE: the whole model body captured per batch-size bucket.
+
+Capture and replay stage their inputs through one `build_decode_registry(...).fill_from`
+call, so every slot - `num_token_non_padded` included - holds at capture exactly what a
+replay of a batch of the bucket's size gives it (the seeds' capture/replay alignment fix).
+A batch is padded up to its bucket: padded requests read row 0 (all slot 0) with
+`seq_len_fill_value` tokens and write their one token to the reserved slot 0. The LM head
+runs outside the graph on the real rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attention.base import AttentionBackend
+from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.graphs.buckets import pad_to_bucket
+from executor.graphs.capture import CaptureReport, capture_buckets
+from executor.graphs.graph import Graph, GraphFactory
+from executor.models.llama import LlamaForCausalLM
+from executor.runner_output import RunnerOutput
+from registry import FillStats, build_decode_registry
+
+GRAPH_DECODE = "graph_decode"  # the registry's name in fill metrics
+
+
+@dataclass
+class _Captured:
+    graph: Graph
+    view: ForwardBatch  # the registry view the graph reads (static buffer slices)
+
+
+class DecodeGraphRunner:
+    kind = "decode"
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn_backend: AttentionBackend,
+        *,
+        device: torch.device,
+        buckets: list[int],
+        needs_cpu_seq_lens: bool,
+        factory: GraphFactory,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.device = device
+        self.buckets = buckets
+        self.max_bs = buckets[-1]
+        self.factory = factory
+        self.fill_value = attn_backend.graph_seq_len_fill_value()
+        self.registry = build_decode_registry(
+            device=device,
+            max_bs=self.max_bs,
+            max_num_tokens=self.max_bs,
+            seq_len_fill_value=self.fill_value,
+            enable_num_token_non_padded=True,
+            needs_cpu_seq_lens=needs_cpu_seq_lens,
+        )
+        # NOTE: one output buffer for every bucket; a replay overwrites it.
+        self.hidden = torch.zeros(
+            self.max_bs, model.config.hidden_size, dtype=model.lm_head_weight.dtype, device=device
+        )
+        self.captured: dict[int, _Captured] = {}
+        self.report: CaptureReport | None = None
+
+    def capture(self, *, progress: bool = True) -> CaptureReport:
+        self.attn_backend.init_graph_state(self.max_bs, self.max_bs)
+        self.captured.clear()
+        self.report = capture_buckets(
+            self.kind, self.buckets, self._capture_one, self.factory, progress=progress
+        )
+        return self.report
+
+    def _synthetic_batch(self, bs: int) -> ForwardBatch:
+        """A batch of `bs` padded requests: what capture stages through `fill_from`."""
+        zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
+        seq_lens = torch.full((bs,), self.fill_value, dtype=torch.int64, device=self.device)
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=zeros,
+            req_pool_indices=zeros,
+            seq_lens=seq_lens,
+            out_cache_loc=zeros,
+            positions=zeros,
+            seq_lens_cpu=seq_lens.cpu() if self.registry.has_slot("seq_lens_cpu") else None,
+        )
+
+    def _stage(self, fb: ForwardBatch, bs: int, padded: int) -> tuple[ForwardBatch, FillStats]:
+        stats = self.registry.fill_from(
+            fb, raw_bs=bs, padded_bs=padded, raw_num_tokens=bs, padded_num_tokens=padded
+        )
+        view = self.registry.extract_buffer(
+            padded_bs=padded, padded_num_tokens=padded, forward_batch_template=fb
+        )
+        return view, stats
+
+    def _capture_one(self, bs: int) -> None:
+        view, _ = self._stage(self._synthetic_batch(bs), bs, bs)
+        view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view)
+        out = self.hidden[:bs]
+
+        def run() -> None:
+            assert view.positions is not None
+            out.copy_(self.model.forward(view.input_ids, view.positions, view, self.attn_backend))
+
+        graph = self.factory.new()
+        graph.capture(run)
+        self.captured[bs] = _Captured(graph, view)
+
+    def fallback_reason(self, fb: ForwardBatch) -> str | None:
+        """None if this batch can replay a captured graph, else why not."""
+        if not self.attn_backend.supports_graph_capture:
+            return "backend_unsupported"
+        if fb.input_embeds is not None:
+            return "input_embeds"
+        padded = pad_to_bucket(fb.batch_size, self.buckets)
+        if padded is None:
+            return "batch_too_large"
+        if padded not in self.captured:
+            return "capture_failed"
+        return None
+
+    def replay(self, fb: ForwardBatch) -> RunnerOutput:
+        bs = fb.batch_size
+        padded = pad_to_bucket(bs, self.buckets)
+        assert padded is not None and padded in self.captured
+        view, stats = self._stage(fb, bs, padded)
+        self.attn_backend.init_forward_metadata_replay(padded, view, seq_lens_cpu=view.seq_lens_cpu)
+        self.captured[padded].graph.replay()
+        # The head runs on the real rows only; the hidden buffer is consumed right here.
+        logits = self.model.compute_logits(self.hidden[:bs], fb)
+        return RunnerOutput(
+            logits=logits,
+            path="full_graph",
+            padded_batch_size=padded,
+            padded_num_tokens=padded,
+            fill_registry=GRAPH_DECODE,
+            fill_stats=stats,
+        )

@@ -1,0 +1,22 @@
+"""What one path of the model runner returns for a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from registry import FillStats
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor  # [bs, vocab] float32, on the device
+    path: str  # eager | eager_no_copy | full_graph | piecewise
+    padded_batch_size: int
+    padded_num_tokens: int
+    # eager_decode | eager_extend | graph_decode | graph_extend; None if nothing was staged
+    fill_registry: str | None = None
+    fill_stats: FillStats = field(default_factory=FillStats)
+    # Graph mode wanted a graph path for this batch but it ran eagerly: "<kind>:<reason>".
+    graph_fallback: str | None = None
