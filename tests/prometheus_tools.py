@@ -144,6 +144,10 @@ class PrometheusServer:
             "/api/v1/query_range", query=promql, start=str(start), end=str(end), step=step
         )
 
+    def metric_names(self) -> set[str]:
+        """Every series name in the TSDB (after scrapes: every name the targets exported)."""
+        return set(self.get("/api/v1/label/__name__/values"))
+
     def targets(self) -> list[dict[str, Any]]:
         return list(self.get("/api/v1/targets")["activeTargets"])
 

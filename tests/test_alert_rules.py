@@ -1,7 +1,7 @@
 """The alert rules (helm/model-executor/rules/model-executor.rules.yml) under Prometheus's own
 promtool: they load, and every alert has a unit test where it fires and one where it stays
 silent (tests/prometheus/model-executor.rules.test.yml). Each alert is documented in the
-runbook."""
+runbook and in docs/deploy.md."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.promql_sources import ROOT, RULES
 
 RULE_TESTS = ROOT / "tests" / "prometheus" / "model-executor.rules.test.yml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 
 
 def _alerts() -> list[dict[str, Any]]:
@@ -68,6 +69,7 @@ def test_every_alert_has_severity_summary_description_and_runbook() -> None:
         for line in RUNBOOK.read_text().splitlines()
         if line.startswith("## ")
     }
+    deploy_doc = DEPLOY_DOC.read_text()
     for rule in _alerts():
         name = rule["alert"]
         assert rule["labels"]["severity"] in {"critical", "warning"}, name
@@ -76,4 +78,7 @@ def test_every_alert_has_severity_summary_description_and_runbook() -> None:
         url = annotations["runbook_url"]
         assert url == f"docs/runbook.md#{name.lower()}", name
         assert name.lower() in anchors, f"docs/runbook.md has no '## {name}' section"
+        assert f"[{name}](runbook.md#{name.lower()})" in deploy_doc, (
+            f"docs/deploy.md does not say what {name} means"
+        )
         assert rule.get("for"), f"{name} fires on a single evaluation: give it a `for`"

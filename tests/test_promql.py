@@ -4,7 +4,9 @@ metrics contract (tests/metrics_contract.py), so a typo fails here and not on a 
 
 from __future__ import annotations
 
+import http.server
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,46 @@ def test_dashboards_and_alerts_cover_the_contract() -> None:
         if name in allowed_series()
     }
     assert set(CONTRACT) - used == set(), "contract metrics no dashboard or alert shows"
+
+
+def test_prometheus_helper_scrapes_a_target(
+    prometheus_binaries: PrometheusBinaries, tmp_path: Path
+) -> None:
+    """The pieces the live-scrape test builds on: scrape a loopback target, list the names it
+    exported, query them (here from a fixed exposition, not an executor)."""
+    body = (
+        b"# TYPE model_executor_ready gauge\nmodel_executor_ready 1\n"
+        b"# TYPE model_executor_queue_wait_seconds histogram\n"
+        b'model_executor_queue_wait_seconds_bucket{le="0.1"} 3\n'
+        b'model_executor_queue_wait_seconds_bucket{le="+Inf"} 4\n'
+        b"model_executor_queue_wait_seconds_sum 0.5\nmodel_executor_queue_wait_seconds_count 4\n"
+    )
+
+    class Exporter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter) as exporter:
+        threading.Thread(target=exporter.serve_forever, daemon=True).start()
+        target = f"127.0.0.1:{exporter.server_address[1]}"
+        scrape = {"job_name": "model-executor", "static_configs": [{"targets": [target]}]}
+        try:
+            with running_prometheus(
+                prometheus_binaries, tmp_path / "prometheus", scrape_configs=[scrape]
+            ) as prom:
+                prom.wait_for_scrape("model-executor")
+                assert {
+                    "up",
+                    "model_executor_ready",
+                    "model_executor_queue_wait_seconds_bucket",
+                } <= prom.metric_names()
+                [sample] = prom.query('model_executor_ready{job="model-executor"}')["result"]
+                assert sample["value"][1] == "1" and sample["metric"]["instance"] == target
+        finally:
+            exporter.shutdown()
