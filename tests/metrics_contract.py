@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from executor.config import GRAPH_MODES
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -67,7 +69,9 @@ _REGISTRIES = frozenset({"eager_decode", "eager_extend", "graph_decode", "graph_
 _CODES = frozenset(code.name for code in grpc.StatusCode)
 for _name, _spec in CONTRACT.items():
     if _name == "model_executor_toggle_graph_mode_info":
-        continue  # NONE|DECODE|EXTEND|BOTH, case not fixed yet: rules match it case-insensitively
+        # The config's spelling (executor/config.py); the alert also matches other cases.
+        LABEL_VALUES[(_name, "mode")] = frozenset(GRAPH_MODES)
+        continue
     for _label, _values in (
         ("path", _PATHS),
         ("mode", _MODES),
