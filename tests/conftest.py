@@ -10,6 +10,7 @@ import torch
 
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
+from tests.prometheus_tools import PrometheusBinaries, PrometheusUnavailable, ensure_prometheus
 
 # Without CUDA, Triton kernels run only under triton's interpreter (numpy on CPU tensors).
 # Triton reads TRITON_INTERPRET when a kernel is decorated and again when it launches, so
@@ -48,3 +49,12 @@ def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
         return ModelExecutor(ExecutorConfig(**values))  # type: ignore[arg-type]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def prometheus_binaries() -> PrometheusBinaries:
+    """promtool and prometheus, installed from Debian's package when missing (never a skip)."""
+    try:
+        return ensure_prometheus()
+    except PrometheusUnavailable as exc:
+        pytest.fail(f"Prometheus's binaries are needed and could not be installed: {exc}")

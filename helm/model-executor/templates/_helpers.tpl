@@ -1,0 +1,68 @@
+{{/* Names and labels shared by every object. */}}
+
+{{- define "model-executor.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "model-executor.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "model-executor.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "model-executor.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "model-executor.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "model-executor.labels" -}}
+helm.sh/chart: {{ include "model-executor.chart" . }}
+{{ include "model-executor.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: model-executor
+{{- end }}
+
+{{- define "model-executor.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "model-executor.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "model-executor.tokenSecretName" -}}
+{{- default (printf "%s-runtime-config-token" (include "model-executor.fullname" .)) .Values.runtimeConfigToken.existingSecret }}
+{{- end }}
+
+{{/*
+The readiness service name of grpc.health.v1 (executor/server.py SERVICE_NAME): SERVING once
+the model is loaded and warmed up, NOT_SERVING while loading and draining.
+*/}}
+{{- define "model-executor.readinessService" -}}
+model_executor.v1.ModelExecutor
+{{- end }}
+
+{{/* Where the runtime-config token file is mounted. */}}
+{{- define "model-executor.tokenDir" -}}
+/var/run/secrets/model-executor
+{{- end }}
+
+{{/*
+A value as an environment string: numbers through toJson, so 1000000 stays 1000000 (not
+1e+06, which the executor would refuse); booleans as true/false.
+*/}}
+{{- define "model-executor.envValue" -}}
+{{- if kindIs "string" . }}{{ . | quote }}{{ else }}{{ . | toJson | quote }}{{ end }}
+{{- end }}

@@ -1,0 +1,401 @@
+"""The Helm chart, rendered and linted by Helm's own engine for the default values and for
+ci/all-options-values.yaml: every object valid for Kubernetes, the schema refusing wrong
+values, and the rendered configuration being what the executor reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from executor import settings
+from executor.config import ExecutorConfig
+from executor.server import SERVICE_NAME
+from executor.server_config import ServerConfig
+from tests.helm_render import (
+    ALL_OPTIONS,
+    CHART,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    Rendered,
+    all_options_values,
+    lint,
+    render,
+    validate,
+)
+from tests.prometheus_tools import PrometheusBinaries
+from tests.promql_sources import RULES
+
+# Settings the chart sets itself from other values (ports, drain, cache, model).
+CHART_OWNED = {"model", "host", "port", "metrics_port", "drain_grace_s", "cache_dir"}
+# Variables the chart sets for issue 7's settings that this code base does not have yet; when
+# issue 7 lands they must be fields (with exactly these names) and this set becomes empty.
+PENDING_ISSUE_7 = {"MODEL_EXECUTOR_METRICS_PORT", "MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE"}
+
+
+@pytest.fixture(scope="module")
+def default() -> Rendered:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def everything() -> Rendered:
+    return render(all_options_values())
+
+
+def _container(r: Rendered) -> dict[str, Any]:
+    [container] = r.one("Deployment")["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def _environment(r: Rendered) -> dict[str, str]:
+    """What the container's environment holds: the ConfigMap (envFrom), then `env` values."""
+    [configmap] = [c for c in r.all("ConfigMap") if "MODEL_EXECUTOR_MODEL" in c.get("data", {})]
+    env = dict(configmap["data"])
+    env.update({e["name"]: e["value"] for e in _container(r).get("env", []) if "value" in e})
+    return env
+
+
+def test_default_values_render_the_always_on_objects(default: Rendered) -> None:
+    assert default.kinds() == sorted(
+        ["ConfigMap", "Deployment", "PodDisruptionBudget", "PrometheusRule", "Service"]
+        + ["ServiceAccount", "ServiceMonitor"]
+        + ["ConfigMap", "ConfigMap"]  # the two dashboards
+    )
+    assert "model_executor.v1.ModelExecutor" in default.notes
+
+
+def test_all_options_render_every_optional_object(everything: Rendered) -> None:
+    for kind in ("NetworkPolicy", "HorizontalPodAutoscaler", "Secret", "PodDisruptionBudget"):
+        assert everything.all(kind), kind
+    assert "replicas" not in everything.one("Deployment")["spec"]  # left to the HPA
+    assert len(everything.all("ConfigMap")) == 3
+
+
+def test_optional_objects_are_behind_their_flags() -> None:
+    off = render(
+        {
+            "serviceAccount": {"create": False},
+            "serviceMonitor": {"enabled": False},
+            "prometheusRule": {"enabled": False},
+            "dashboards": {"enabled": False},
+            "podDisruptionBudget": {"enabled": False},
+        }
+    )
+    assert off.kinds() == ["ConfigMap", "Deployment", "Service"]
+    assert off.one("Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "default"
+
+
+@pytest.mark.parametrize("values_file", [None, ALL_OPTIONS], ids=["default", "all-options"])
+def test_lint_is_clean(values_file: Path | None) -> None:
+    values = yaml.safe_load(values_file.read_text()) if values_file else None
+    report = lint(values)
+    assert report["errors"] == []
+    # Only the informational "icon is recommended": no icon URL to point at.
+    assert [(m["severity"], m["error"]) for m in report["messages"]] == [(1, "icon is recommended")]
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_every_rendered_object_validates(
+    default: Rendered, everything: Rendered, kube_version: str
+) -> None:
+    for rendered in (default, everything):
+        for obj in rendered.objects:
+            validate(obj, kube_version)
+
+
+def test_validation_is_strict(default: Rendered) -> None:
+    """The validator is not vacuous: an unknown or mistyped field fails."""
+    deployment = json.loads(json.dumps(default.one("Deployment")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["srvice"] = ""
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(deployment, KUBE_VERSIONS[0])
+    monitor = json.loads(json.dumps(default.one("ServiceMonitor")))
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(monitor, KUBE_VERSIONS[0])
+    rule = json.loads(json.dumps(default.one("PrometheusRule")))
+    rule["metadata"]["labels"]["bad"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        validate(rule, KUBE_VERSIONS[0])
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"replicaCount": -1}, "/replicaCount"),
+        ({"replicas": 2}, "additional properties 'replicas'"),  # a typo of replicaCount
+        ({"config": {"kv_slots": "lots"}}, "/config/kv_slots"),
+        ({"config": {"kv_slot": 5}}, "additional properties 'kv_slot'"),
+        ({"config": {"log_level": "verbose"}}, "/config/log_level"),
+        ({"ports": {"grpc": 70000, "metrics": 9464}}, "/ports/grpc"),
+        ({"gpu": {"count": 1.5, "resourceName": "nvidia.com/gpu"}}, "/gpu/count"),
+        ({"serviceMonitor": {"interval": "15 seconds"}}, "/serviceMonitor/interval"),
+        ({"prometheusRule": {"disabledAlerts": ["ModelExecutorDwn"]}}, "/disabledAlerts"),
+        (
+            {"model": {"spec": "x", "volume": {"enabled": True, "type": "pvc"}}},
+            "/model/volume/claimName",
+        ),
+        ({"runtimeConfigToken": {"enabled": True}}, "/runtimeConfigToken/token"),
+        ({"cache": {"mountPath": "cache"}}, "/cache/mountPath"),
+        ({"drain": {"graceSeconds": "30s"}}, "/drain/graceSeconds"),
+    ],
+)
+def test_schema_refuses_wrong_values(values: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(helm.HelmValuesError, match=complaint):
+        render(values)
+
+
+def test_schema_describes_every_value_and_accepts_the_defaults() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for key, prop in node.get("properties", {}).items():
+            assert prop.get("description"), f"{path}{key} has no description"
+            walk(prop, f"{path}{key}.")
+
+    walk(schema, "")
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(None)
+        chart.validate_schema(all_options_values())
+
+
+def test_disabled_alerts_enum_is_the_rules_files_alerts() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["prometheusRule"]["properties"]["disabledAlerts"]["items"]["enum"]
+    doc = yaml.safe_load(RULES.read_text())
+    assert enum == [r["alert"] for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+def _json_type(field: dataclasses.Field[Any]) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}[type(field.default)]
+
+
+def test_every_executor_setting_is_a_typed_chart_value() -> None:
+    """config.* in the schema are exactly the settings the chart does not own, same types."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config = schema["properties"]["config"]["properties"]
+    fields = {f.name: f for cls in (ExecutorConfig, ServerConfig) for f in dataclasses.fields(cls)}
+    assert set(config) == set(fields) - CHART_OWNED
+    for name, prop in config.items():
+        assert prop["type"] == _json_type(fields[name]), name
+
+
+def test_rendered_environment_is_the_configuration_the_executor_reads(everything: Rendered) -> None:
+    values = all_options_values()
+    env = _environment(everything)
+    executor_cfg = settings.build(ExecutorConfig, env=env)
+    server_cfg = settings.build(ServerConfig, env=env)
+    for key, value in values["config"].items():
+        cfg = executor_cfg if hasattr(executor_cfg, key) else server_cfg
+        assert getattr(cfg, key) == value, key
+    assert executor_cfg.model == values["model"]["spec"]
+    assert executor_cfg.cache_dir.startswith(values["cache"]["mountPath"] + "/")
+    assert (server_cfg.host, server_cfg.port) == ("0.0.0.0", values["ports"]["grpc"])
+    assert server_cfg.drain_grace_s == values["drain"]["graceSeconds"]
+    fields = {
+        settings.env_name(f.name)
+        for cls in (ExecutorConfig, ServerConfig)
+        for f in dataclasses.fields(cls)
+    }
+    ours = {k for k in env if k.startswith(settings.ENV_PREFIX)}
+    assert ours - fields == PENDING_ISSUE_7
+    assert env["MODEL_EXECUTOR_METRICS_PORT"] == str(values["ports"]["metrics"])
+
+
+def test_default_environment_keeps_the_executors_defaults(default: Rendered) -> None:
+    env = _environment(default)
+    cfg = settings.build(ExecutorConfig, env=env)
+    assert cfg.replace(model="smollm2", cache_dir="") == ExecutorConfig()
+    assert settings.build(ServerConfig, env=env).drain_grace_s == 30.0
+
+
+@pytest.mark.parametrize("which", ["default", "everything"])
+def test_deployment_probes_drain_and_security(
+    which: str, default: Rendered, everything: Rendered
+) -> None:
+    rendered, values = (default, {}) if which == "default" else (everything, all_options_values())
+    with helm.Chart.load(CHART) as chart:
+        merged = chart.merge_values(values)
+    pod = rendered.one("Deployment")["spec"]["template"]["spec"]
+    c = _container(rendered)
+    grpc_port = merged["ports"]["grpc"]
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
+    assert c["livenessProbe"]["grpc"] == {"port": grpc_port, "service": ""}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # load + capture
+    drain = merged["drain"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == [
+        "sleep",
+        str(drain["preStopSleepSeconds"]),
+    ]
+    assert (
+        pod["terminationGracePeriodSeconds"] > drain["preStopSleepSeconds"] + drain["graceSeconds"]
+    )
+    assert _environment(rendered)["MODEL_EXECUTOR_DRAIN_GRACE_S"] == str(drain["graceSeconds"])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["automountServiceAccountToken"] is False
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["cache"] and "emptyDir" in volumes["tmp"]
+    assert _environment(rendered)["MODEL_EXECUTOR_CACHE_DIR"].startswith(
+        mounts["cache"]["mountPath"] + "/"
+    )
+    assert c["resources"]["limits"][merged["gpu"]["resourceName"]] == merged["gpu"]["count"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "grpc": grpc_port,
+        "metrics": merged["ports"]["metrics"],
+    }
+    assert (
+        "checksum/config"
+        in rendered.one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    )
+
+
+def test_all_options_mount_the_model_and_the_token(everything: Rendered) -> None:
+    values = all_options_values()
+    pod = everything.one("Deployment")["spec"]["template"]["spec"]
+    c = _container(everything)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "llm-models"
+    assert mounts["model"]["mountPath"] == "/models" and mounts["model"]["readOnly"] is True
+    secret = everything.one("Secret")
+    assert volumes["runtime-config-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    token_file = _environment(everything)["MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE"]
+    assert token_file == mounts["runtime-config-token"]["mountPath"] + "/bearer"
+    assert set(secret["data"]) == {values["runtimeConfigToken"]["secretKey"]}
+    assert pod["nodeSelector"] == values["nodeSelector"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert everything.one("Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_host_path_model_an_existing_token_secret_and_a_cpu_pod() -> None:
+    r = render(
+        {
+            "model": {
+                "spec": "/models/model.gguf",
+                "volume": {"enabled": True, "type": "hostPath", "hostPath": "/srv/models"},
+            },
+            "runtimeConfigToken": {"enabled": True, "existingSecret": "executor-token"},
+            "gpu": {"count": 0, "resourceName": "nvidia.com/gpu"},
+            "tolerations": [],
+        }
+    )
+    pod = r.one("Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["hostPath"] == {"path": "/srv/models", "type": "Directory"}
+    assert volumes["runtime-config-token"]["secret"]["secretName"] == "executor-token"
+    assert not r.all("Secret")  # the existing one is used
+    assert "nvidia.com/gpu" not in _container(r)["resources"]["limits"]
+    assert "tolerations" not in pod
+    for obj in r.objects:
+        validate(obj, KUBE_VERSIONS[0])
+
+
+def test_service_and_service_monitor_agree(default: Rendered, everything: Rendered) -> None:
+    for r in (default, everything):
+        service = r.one("Service")
+        monitor = r.one("ServiceMonitor")
+        assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= (
+            service["metadata"]["labels"].items()
+        )
+        [endpoint] = monitor["spec"]["endpoints"]
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        # The alerts select job="model-executor": the last relabeling sets it.
+        assert endpoint["relabelings"][-1] == {
+            "action": "replace",
+            "targetLabel": "job",
+            "replacement": "model-executor",
+        }
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert everything.one("Service")["spec"]["clusterIP"] == "None"
+    assert "clusterIP" not in default.one("Service")["spec"]
+
+
+def test_network_policy_lets_only_the_scheduler_and_prometheus_in(everything: Rendered) -> None:
+    values = all_options_values()["networkPolicy"]
+    policy = everything.one("NetworkPolicy")["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    by_port = {rule["ports"][0]["port"]: rule for rule in policy["ingress"]}
+    assert set(by_port) == {"grpc", "metrics"}
+    for port, who in (("grpc", "scheduler"), ("metrics", "prometheus")):
+        assert len(by_port[port]["ports"]) == 1
+        assert by_port[port]["from"] == [
+            {
+                "namespaceSelector": values[who]["namespaceSelector"],
+                "podSelector": values[who]["podSelector"],
+            }
+        ]
+
+
+def test_dashboards_ship_as_labelled_configmaps(default: Rendered, everything: Rendered) -> None:
+    files = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    for r, labels, namespace in (
+        (default, {"grafana_dashboard": "1"}, None),
+        (everything, {"grafana_dashboard": "llm"}, "monitoring"),
+    ):
+        maps = [c for c in r.all("ConfigMap") if "-dashboard-" in c["metadata"]["name"]]
+        shipped = {k: v for c in maps for k, v in c["data"].items()}
+        assert {k: v.rstrip("\n") for k, v in shipped.items()} == {
+            k: v.rstrip("\n") for k, v in files.items()
+        }
+        for c in maps:
+            assert labels.items() <= c["metadata"]["labels"].items()
+            assert c["metadata"].get("namespace") == namespace
+
+
+def test_prometheus_rule_is_the_rules_file(default: Rendered) -> None:
+    assert default.one("PrometheusRule")["spec"] == yaml.safe_load(RULES.read_text())
+
+
+def test_prometheus_rule_values(everything: Rendered) -> None:
+    groups = everything.one("PrometheusRule")["spec"]["groups"]
+    rules = {(g["name"], r.get("alert") or r["record"]): r for g in groups for r in g["rules"]}
+    assert ("model-executor.latency", "ModelExecutorDecodeLatencyHigh") not in rules
+    assert ("model-executor.extra", "ModelExecutorDecodeLatencyHigh") in rules
+    down = rules[("model-executor.availability", "ModelExecutorDown")]
+    assert down["labels"] == {"severity": "critical", "team": "llm-serving"}
+    assert down["annotations"]["runbook_url"] == (
+        "https://runbooks.example.com/model-executor/runbook.html#modelexecutordown"
+    )
+
+
+def test_rendered_prometheus_rules_pass_promtool(
+    everything: Rendered, prometheus_binaries: PrometheusBinaries, tmp_path: Path
+) -> None:
+    path = tmp_path / "rendered.rules.yml"
+    path.write_text(yaml.safe_dump(everything.one("PrometheusRule")["spec"]))
+    result = subprocess.run(
+        [prometheus_binaries.promtool, "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_values_table_is_current() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "values_table", CHART.parent / "tools" / "values_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    readme = (CHART / "README.md").read_text()
+    assert readme == module.readme_with_table(readme), "run python helm/tools/values_table.py"
