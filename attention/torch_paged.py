@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 # Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm
-# (benchmarks/attention.py: 2-3x faster than one batch-wide gather at bs 64 x 4096).
+# (benchmarks/attention_backends.py: 2-3x faster than one batch-wide gather at bs 64 x 4096).
 CPU_GATHER_BYTES = 6 << 20
 
 

@@ -6,8 +6,8 @@ with SmolLM2-135M's head geometry (9 query heads, 3 KV heads, head_dim 64). Each
 the median over `--repeats` steps of building the step's metadata and of one layer's
 `forward` (which also stores the new tokens' K/V).
 
-    python benchmarks/attention.py                      # every backend available here
-    python benchmarks/attention.py --backends torch_paged --repeats 20
+    python benchmarks/attention_backends.py                      # every backend available here
+    python benchmarks/attention_backends.py --backends torch_paged --repeats 20
 """
 
 from __future__ import annotations
