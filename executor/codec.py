@@ -159,15 +159,22 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
             getattr(msg, name).CopyFrom(tensor_to_proto(value))
     if fb.sampling is not None:
         s = fb.sampling
-        for i in range(s.temperatures.shape[0]):
+        # One tolist() per field, not one tensor read per request and field.
+        columns = zip(
+            s.temperatures.tolist(),
+            s.top_ps.tolist(),
+            s.top_ks.tolist(),
+            s.min_ps.tolist(),
+            s.seeds.tolist(),
+            s.has_seed.tolist(),
+            strict=True,
+        )
+        for temperature, top_p, top_k, min_p, seed, has_seed in columns:
             p = msg.sampling_params.add(
-                temperature=float(s.temperatures[i]),
-                top_p=float(s.top_ps[i]),
-                top_k=int(s.top_ks[i]),
-                min_p=float(s.min_ps[i]),
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
             )
-            if bool(s.has_seed[i]):
-                p.seed = int(s.seeds[i]) % (1 << 64)
+            if has_seed:
+                p.seed = seed % (1 << 64)
     return msg
 
 

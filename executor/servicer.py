@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterator
 
 import grpc
@@ -90,11 +91,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         pending: queue.Queue[Job | BaseException | None] = queue.Queue()
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
-        jobs: list[Job] = []
+        # Jobs submitted but not yet answered (at most the window); a stream may live for
+        # millions of steps, so answered jobs must not be kept.
+        in_flight: deque[Job] = deque()
 
         def cancel_pending() -> None:
             failed.set()
-            for job in jobs:
+            for job in list(in_flight):
                 job.future.cancel()  # only jobs that have not started; running ones finish
             window.release()  # unblock the reader if it waits for room
 
@@ -105,7 +108,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                     if failed.is_set():
                         return
                     job = self._submit(request)
-                    jobs.append(job)
+                    in_flight.append(job)
                     pending.put(job)
             except BaseException as exc:
                 pending.put(exc)
@@ -128,6 +131,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 cancel_pending()
                 abort(context, exc, item.batch_id)
                 return
+            in_flight.popleft()  # answered in order: it is the oldest
             window.release()
             yield response_to_proto(out, item.batch_id)
 
