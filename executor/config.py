@@ -52,12 +52,13 @@ class ExecutorConfig:
         "auto", "auto (triton on CUDA, torch_paged on CPU) | torch_native | torch_paged | triton"
     )
     graph_mode: str = setting(
-        "none", "none | decode (full graphs) | extend (piecewise graphs) | both"
+        "none",
+        "none | decode (full graphs) | extend (piecewise graphs) | both; a runtime toggle too",
     )
     needs_cpu_seq_lens: str = setting(
         "auto",
         "auto (on when a backend or path needs the host copy of seq_lens) | on | off "
-        "(refused at start-up when something needs it)",
+        "(refused when something needs it); a runtime toggle too",
     )
     cache_dir: str = setting(
         "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"

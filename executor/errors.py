@@ -1,4 +1,4 @@
-"""Errors the executor raises for a batch it refuses. The gRPC layer maps each to a status code."""
+"""Errors the executor raises for what it refuses. The gRPC layer maps each to a status code."""
 
 from __future__ import annotations
 
@@ -18,3 +18,14 @@ class BatchValidationError(ValueError):
 
 class BatchTooLargeError(BatchValidationError):
     """A batch exceeds the executor's size limits (requests or tokens). Maps to RESOURCE_EXHAUSTED."""
+
+
+class ToggleRefusedError(RuntimeError):
+    """A runtime toggle the executor cannot honour in its current state (e.g.
+    `needs_cpu_seq_lens=off` with a backend that reads host lengths); nothing was changed.
+    Maps to FAILED_PRECONDITION."""
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime-config update with a malformed value (unknown log level, ratio outside 0..1);
+    nothing was changed. Maps to INVALID_ARGUMENT."""
