@@ -30,7 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from executor.config import GRAPH_MODES
+from executor.runtime_config import RUNTIME_GRAPH_MODES
 from executor.single_writer_metrics import (
     CounterChild,
     HistogramChild,
@@ -329,7 +329,7 @@ class ExecutorMetrics:
         """Show the runtime toggles (after start-up and after every accepted change)."""
         self.toggle_eager_input_no_copy.set(1 if config.eager_input_no_copy else 0)
         self.toggle_needs_cpu_seq_lens.set(1 if config.needs_cpu_seq_lens_effective else 0)
-        for mode in GRAPH_MODES:
+        for mode in RUNTIME_GRAPH_MODES:
             self.toggle_graph_mode_info.labels(mode).set(1 if mode == config.graph_mode else 0)
 
     # --- the /metrics endpoint ---

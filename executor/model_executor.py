@@ -166,7 +166,7 @@ class ModelExecutor:
         )
         # Runtime toggles start from the config; `apply_toggles` changes them between steps.
         self.graph_mode = config.graph_mode
-        self.needs_cpu_seq_lens_mode = config.needs_cpu_seq_lens  # auto | on | off, as asked
+        self.needs_cpu_seq_lens_policy = config.needs_cpu_seq_lens  # auto | on | off, as asked
         # Raises (start-up) if config.needs_cpu_seq_lens=off contradicts a backend or path.
         self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(config, [self.attn_backend])
         self.runner = ModelRunner(
@@ -266,7 +266,7 @@ class ModelExecutor:
         again after a graph-mode change: enabling the piecewise path turns `auto` on.
         """
         effective = self.check_needs_cpu_seq_lens(mode)
-        self.needs_cpu_seq_lens_mode = mode
+        self.needs_cpu_seq_lens_policy = mode
         self.needs_cpu_seq_lens = effective  # what _complete builds batches with
         self.runner.eager_inputs.needs_cpu_seq_lens = effective  # rebuilds the decode registry
         return effective
@@ -297,7 +297,7 @@ class ModelExecutor:
         decision under the new graph mode, then the eager path.
         """
         target_mode = (
-            self.needs_cpu_seq_lens_mode if needs_cpu_seq_lens is None else needs_cpu_seq_lens
+            self.needs_cpu_seq_lens_policy if needs_cpu_seq_lens is None else needs_cpu_seq_lens
         )
         target_graph = self.graph_mode if graph_mode is None else graph_mode
         self.check_needs_cpu_seq_lens(target_mode, target_graph)  # raises before any change

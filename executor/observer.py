@@ -14,8 +14,8 @@ class ExecutorObserver(Protocol):
     """Events of the graph runners (captures, fallbacks to eager)."""
 
     def on_graph_capture(self, kind: str, seconds: float, ok: bool) -> None:
-        """A graph capture finished: `kind` is `decode` (full graphs) or `extend`
-        (piecewise); `seconds` its wall time; `ok` False if it failed."""
+        """A graph capture pass finished: `kind` is the runner's (`decode` for full graphs,
+        `piecewise` for EXTEND pieces); `seconds` its wall time; `ok` False if it failed."""
         ...
 
     def on_graph_fallback(self, kind: str, reason: str) -> None:

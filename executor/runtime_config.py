@@ -14,12 +14,16 @@ from dataclasses import asdict, dataclass, fields
 
 import structlog
 
-from executor.config import GRAPH_MODES, NEEDS_CPU_SEQ_LENS_VALUES
+from executor.config import NEEDS_CPU_SEQ_LENS_VALUES
 from executor.errors import RuntimeConfigError
 from executor.logs import LEVELS, current_level, set_log_level
 from executor.model_executor import ModelExecutor
 
 log = structlog.get_logger(__name__)
+
+# The graph modes a running executor is in (a start-up `auto`, where the config has one, is
+# resolved before the executor runs, so it is never a runtime value).
+RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class RuntimeConfigUpdate:
     def __post_init__(self) -> None:
         for name, allowed in (
             ("needs_cpu_seq_lens", NEEDS_CPU_SEQ_LENS_VALUES),
-            ("graph_mode", GRAPH_MODES),
+            ("graph_mode", RUNTIME_GRAPH_MODES),
             ("log_level", LEVELS),
         ):
             value = getattr(self, name)
@@ -123,7 +127,7 @@ class RuntimeControl:
         ex = self.executor
         return RuntimeConfig(
             eager_input_no_copy=ex.eager_input_no_copy,
-            needs_cpu_seq_lens=ex.needs_cpu_seq_lens_mode,
+            needs_cpu_seq_lens=ex.needs_cpu_seq_lens_policy,
             needs_cpu_seq_lens_effective=ex.needs_cpu_seq_lens,
             graph_mode=ex.graph_mode,
             log_level=current_level(),  # the process's logging, as configured

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -158,11 +159,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         pending: queue.Queue[_StreamStep | BaseException | None] = queue.Queue()
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
-        jobs: list[Job] = []
+        # Jobs submitted but not yet answered (at most the window): a stream may live for
+        # millions of steps, so answered jobs must not be kept.
+        in_flight: deque[Job] = deque()
 
         def cancel_pending() -> None:
             failed.set()
-            for job in jobs:
+            for job in list(in_flight):
                 job.future.cancel()  # only jobs that have not started; running ones finish
             window.release()  # unblock the reader if it waits for room
 
@@ -178,7 +181,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                     except BaseException:
                         step.span.end()
                         raise
-                    jobs.append(job)
+                    in_flight.append(job)
                     pending.put(_StreamStep(job, step))
             except BaseException as exc:
                 pending.put(exc)
@@ -203,6 +206,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 step.span.end()
                 abort(context, exc, rpc, batch_id, step)
                 return
+            in_flight.popleft()  # answered in order: it is the oldest
             window.release()
             step.record_step(out.stats, batch_id)
             with step.child("encode"):

@@ -59,7 +59,7 @@ def test_set_needs_cpu_seq_lens_reaches_batches_and_the_registry(
     base = _decode_fill_tensors(ex, 1)
     assert ex.set_needs_cpu_seq_lens("on") is True
     assert ex.needs_cpu_seq_lens is True and ex.runner.eager_inputs.needs_cpu_seq_lens is True
-    assert ex.needs_cpu_seq_lens_mode == "on"
+    assert ex.needs_cpu_seq_lens_policy == "on"
     assert _decode_fill_tensors(ex, 2) == base + 1
     assert ex.set_needs_cpu_seq_lens("off") is False
     assert ex.runner.eager_inputs.needs_cpu_seq_lens is False
@@ -70,7 +70,7 @@ def test_off_is_refused_where_a_backend_reads_host_lengths(make_executor: MakeEx
     ex = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError, match="torch_native"):
         ex.set_needs_cpu_seq_lens("off")
-    assert (ex.needs_cpu_seq_lens_mode, ex.needs_cpu_seq_lens) == ("auto", True)
+    assert (ex.needs_cpu_seq_lens_policy, ex.needs_cpu_seq_lens) == ("auto", True)
     assert ex.runner.eager_inputs.needs_cpu_seq_lens is True
 
 
@@ -79,7 +79,7 @@ def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> 
     assert ex.needs_cpu_seq_lens is True
     with pytest.raises(ToggleRefusedError, match="piecewise"):
         ex.apply_toggles(needs_cpu_seq_lens="off")
-    assert (ex.needs_cpu_seq_lens_mode, ex.needs_cpu_seq_lens) == ("auto", True)
+    assert (ex.needs_cpu_seq_lens_policy, ex.needs_cpu_seq_lens) == ("auto", True)
 
 
 def test_graph_mode_accepts_only_the_current_mode_in_this_build(
@@ -98,9 +98,9 @@ def test_apply_toggles_is_all_or_nothing(make_executor: MakeExecutor) -> None:
         ex.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="off")
     with pytest.raises(ToggleRefusedError):
         ex.apply_toggles(eager_input_no_copy=True, graph_mode="both")
-    assert ex.eager_input_no_copy is False and ex.needs_cpu_seq_lens_mode == "auto"
+    assert ex.eager_input_no_copy is False and ex.needs_cpu_seq_lens_policy == "auto"
     ex.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="on")
-    assert ex.eager_input_no_copy is True and ex.needs_cpu_seq_lens_mode == "on"
+    assert ex.eager_input_no_copy is True and ex.needs_cpu_seq_lens_policy == "on"
 
 
 def test_updates_check_their_values() -> None:
