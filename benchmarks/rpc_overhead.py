@@ -98,7 +98,9 @@ def main() -> None:
         kv_slots=3 * max_bs * (PROMPT_LEN + args.steps) + 8,
         max_context_len=1024,
     )
-    running = start_server(cfg, ServerConfig(port=0, log_level="warning"), block_until_ready=True)
+    running = start_server(
+        cfg, ServerConfig(port=0, metrics_port=0, log_level="warning"), block_until_ready=True
+    )
     local = ModelExecutor(cfg)
     print(
         f"model={args.model} torch={torch.__version__} threads={torch.get_num_threads()} steps={args.steps}"

@@ -1,9 +1,11 @@
-"""`model-executor` (also `python -m executor`): serve, generate, info.
+"""`model-executor` (also `python -m executor`): serve, generate, info, config.
 
     model-executor serve --model smollm2 --port 50051
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
     model-executor info --target 127.0.0.1:50051
+    model-executor config get --target 127.0.0.1:50051
+    model-executor config set eager_input_no_copy=true log_level=debug --target 127.0.0.1:50051
 
 Every ExecutorConfig / ServerConfig field is a flag and a MODEL_EXECUTOR_* environment
 variable; `--config file.toml` supplies defaults ([executor] and [server] tables).
@@ -21,9 +23,11 @@ from dataclasses import asdict
 from typing import Any
 
 from executor import settings
+from executor.auth import read_token
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.forward_batch import SamplingParams
 from executor.logs import configure_logging
+from executor.runtime_config import parse_assignments
 from executor.server_config import ServerConfig
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -62,6 +66,30 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    import grpc
+
+    from executor.client import ExecutorClient
+
+    if args.action == "set" and not args.assignments:
+        raise ValueError("config set: give at least one key=value")
+    if args.action == "get" and args.assignments:
+        raise ValueError("config get takes no key=value")
+    update = parse_assignments(args.assignments) if args.action == "set" else None
+    token = read_token(args.token_file)
+    with ExecutorClient(args.target, token=token.decode() if token else None) as client:
+        try:
+            if update is None:
+                config = client.get_runtime_config()
+            else:
+                config = client.update_runtime_config(update)
+        except grpc.RpcError as exc:
+            print(f"model-executor: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(asdict(config), indent=2))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from executor.client import ExecutorClient
     from executor.models.loader import resolve_model_spec
@@ -82,7 +110,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target = args.target
         if target is None:  # an embedded server on a free loopback port
             running = start_server(
-                executor_cfg, ServerConfig(host="127.0.0.1", port=0, log_level=server_cfg.log_level)
+                executor_cfg,
+                ServerConfig(
+                    host="127.0.0.1", port=0, metrics_port=-1, log_level=server_cfg.log_level
+                ),
             )
             stack.callback(running.drain)
             running.wait_ready(timeout=args.ready_timeout)  # raises if the model failed to load
@@ -199,6 +230,25 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print a running executor's GetInfo as JSON")
     info.add_argument("--target", default=DEFAULT_TARGET)
     info.set_defaults(func=cmd_info)
+
+    config = sub.add_parser("config", help="read or change a running executor's runtime toggles")
+    config.add_argument("action", choices=("get", "set"))
+    config.add_argument(
+        "assignments",
+        nargs="*",
+        metavar="key=value",
+        help="with set: eager_input_no_copy=true|false, needs_cpu_seq_lens=auto|on|off, "
+        "graph_mode=none|decode|extend|both, log_level=debug|info|warning|error, "
+        "trace_sample_ratio=0..1",
+    )
+    config.add_argument("--target", default=DEFAULT_TARGET)
+    config.add_argument(
+        "--token-file",
+        default=os.environ.get("MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE", ""),
+        help="file with the server's runtime-config secret "
+        "(default: env MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE)",
+    )
+    config.set_defaults(func=cmd_config)
     return parser
 
 

@@ -5,6 +5,7 @@
         info = client.info()
         out = client.forward(batch)            # one step, unary
         for out in client.stream(batches): ... # many steps, pipelined over one stream
+        client.update_runtime_config(RuntimeConfigUpdate(eager_input_no_copy=True))
 
 Batches are the same `ForwardBatch` objects the in-process executor takes, and results the
 same `ForwardOutput`s, so a scheduler runs unchanged in-process or remote. Tensors travel
@@ -24,9 +25,16 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor.codec import batch_to_proto, info_from_proto, response_from_proto
+from executor.codec import (
+    batch_to_proto,
+    info_from_proto,
+    response_from_proto,
+    runtime_config_from_proto,
+    runtime_update_to_proto,
+)
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ExecutorInfo, ForwardOutput
+from executor.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -38,11 +46,21 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 class RemoteInfo:
     info: ExecutorInfo
     model_spec: str  # what the server's --model was: load the same tokenizer with it
+    runtime_config: RuntimeConfig | None = None  # the runtime toggles when GetInfo answered
 
 
 class ExecutorClient:
-    def __init__(self, target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    """`token`: the shared secret of the runtime-config RPCs, when the server has one."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
+    ) -> None:
         self.target = target
+        self._auth = [("authorization", f"Bearer {token}")] if token else []
         self.channel = grpc.insecure_channel(
             target,
             options=[
@@ -81,8 +99,30 @@ class ExecutorClient:
         raise TimeoutError(f"{self.target} not ready after {timeout} s (last: {last})")
 
     def info(self, timeout: float | None = 30.0) -> RemoteInfo:
-        info, spec = info_from_proto(self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout))
-        return RemoteInfo(info, spec)
+        msg = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+        info, spec = info_from_proto(msg)
+        runtime = (
+            runtime_config_from_proto(msg.runtime_config)
+            if msg.HasField("runtime_config")
+            else None
+        )
+        return RemoteInfo(info, spec, runtime)
+
+    def get_runtime_config(self, timeout: float | None = 30.0) -> RuntimeConfig:
+        """The server's runtime toggles now."""
+        msg = self.stub.GetRuntimeConfig(
+            pb.GetRuntimeConfigRequest(), timeout=timeout, metadata=self._auth
+        )
+        return runtime_config_from_proto(msg)
+
+    def update_runtime_config(
+        self, update: RuntimeConfigUpdate, timeout: float | None = 60.0
+    ) -> RuntimeConfig:
+        """Change the toggles `update` sets (all or none); the effective config. A refusal
+        raises grpc.RpcError (FAILED_PRECONDITION, INVALID_ARGUMENT, UNAUTHENTICATED)."""
+        request = pb.UpdateRuntimeConfigRequest(config=runtime_update_to_proto(update))
+        msg = self.stub.UpdateRuntimeConfig(request, timeout=timeout, metadata=self._auth)
+        return runtime_config_from_proto(msg)
 
     def forward(
         self, batch: ForwardBatch, *, batch_id: int | None = None, timeout: float | None = None

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchValidationError
+from executor.errors import BatchValidationError, RuntimeConfigError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.model_executor import ExecutorInfo, ForwardOutput, StepStats
+from executor.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
@@ -190,6 +191,12 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             num_tokens=st.num_tokens,
             padded_num_tokens=st.padded_num_tokens,
             timings_ns=st.timings_ns,
+            mode=st.mode,
+            fill_registry=st.fill_registry or "",
+            fill_tensors=st.fill_tensors,
+            fill_bytes=st.fill_bytes,
+            fill_copy_calls=st.fill_copy_calls,
+            d2h_syncs=st.d2h_syncs,
         ),
     )
     if out.next_token_logprobs is not None:
@@ -214,6 +221,12 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             num_tokens=st.num_tokens,
             padded_num_tokens=st.padded_num_tokens,
             timings_ns=dict(st.timings_ns),
+            mode=st.mode,
+            fill_registry=st.fill_registry or None,
+            fill_tensors=st.fill_tensors,
+            fill_bytes=st.fill_bytes,
+            fill_copy_calls=st.fill_copy_calls,
+            d2h_syncs=st.d2h_syncs,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),
@@ -221,7 +234,9 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
     )
 
 
-def info_to_proto(info: ExecutorInfo, model_spec: str) -> pb.GetInfoResponse:
+def info_to_proto(
+    info: ExecutorInfo, model_spec: str, runtime_config: RuntimeConfig | None = None
+) -> pb.GetInfoResponse:
     lim = info.limits
     msg = pb.GetInfoResponse(
         model_name=info.model_name,
@@ -242,6 +257,8 @@ def info_to_proto(info: ExecutorInfo, model_spec: str) -> pb.GetInfoResponse:
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
+    if runtime_config is not None:
+        msg.runtime_config.CopyFrom(runtime_config_to_proto(runtime_config))
     return msg
 
 
@@ -269,3 +286,82 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         version=msg.server_version,
     )
     return info, msg.model_spec
+
+
+_NEEDS_CPU_SEQ_LENS = {
+    "auto": pb.NEEDS_CPU_SEQ_LENS_AUTO,
+    "on": pb.NEEDS_CPU_SEQ_LENS_ON,
+    "off": pb.NEEDS_CPU_SEQ_LENS_OFF,
+}
+_GRAPH_MODE = {
+    "none": pb.GRAPH_MODE_NONE,
+    "decode": pb.GRAPH_MODE_DECODE,
+    "extend": pb.GRAPH_MODE_EXTEND,
+    "both": pb.GRAPH_MODE_BOTH,
+}
+_NEEDS_CPU_SEQ_LENS_NAMES = {v: k for k, v in _NEEDS_CPU_SEQ_LENS.items()}
+_GRAPH_MODE_NAMES = {v: k for k, v in _GRAPH_MODE.items()}
+
+
+def runtime_config_to_proto(config: RuntimeConfig) -> pb.RuntimeConfig:
+    return pb.RuntimeConfig(
+        eager_input_no_copy=config.eager_input_no_copy,
+        needs_cpu_seq_lens=_NEEDS_CPU_SEQ_LENS[config.needs_cpu_seq_lens],
+        graph_mode=_GRAPH_MODE[config.graph_mode],
+        log_level=config.log_level,
+        trace_sample_ratio=config.trace_sample_ratio,
+        needs_cpu_seq_lens_effective=config.needs_cpu_seq_lens_effective,
+    )
+
+
+def runtime_config_from_proto(msg: pb.RuntimeConfig) -> RuntimeConfig:
+    return RuntimeConfig(
+        eager_input_no_copy=msg.eager_input_no_copy,
+        needs_cpu_seq_lens=_NEEDS_CPU_SEQ_LENS_NAMES.get(msg.needs_cpu_seq_lens, "auto"),
+        needs_cpu_seq_lens_effective=msg.needs_cpu_seq_lens_effective,
+        graph_mode=_GRAPH_MODE_NAMES.get(msg.graph_mode, "none"),
+        log_level=msg.log_level,
+        trace_sample_ratio=msg.trace_sample_ratio,
+    )
+
+
+def runtime_update_to_proto(update: RuntimeConfigUpdate) -> pb.RuntimeConfig:
+    msg = pb.RuntimeConfig()
+    if update.eager_input_no_copy is not None:
+        msg.eager_input_no_copy = update.eager_input_no_copy
+    if update.needs_cpu_seq_lens is not None:
+        msg.needs_cpu_seq_lens = _NEEDS_CPU_SEQ_LENS[update.needs_cpu_seq_lens]
+    if update.graph_mode is not None:
+        msg.graph_mode = _GRAPH_MODE[update.graph_mode]
+    if update.log_level is not None:
+        msg.log_level = update.log_level
+    if update.trace_sample_ratio is not None:
+        msg.trace_sample_ratio = update.trace_sample_ratio
+    return msg
+
+
+def runtime_update_from_proto(msg: pb.RuntimeConfig) -> RuntimeConfigUpdate:
+    """The fields an update sets; RuntimeConfigError (INVALID_ARGUMENT) for a malformed one."""
+    if msg.HasField("needs_cpu_seq_lens_effective"):
+        raise RuntimeConfigError(
+            "needs_cpu_seq_lens_effective is output only; set needs_cpu_seq_lens instead"
+        )
+    values: dict[str, Any] = {}
+    if msg.HasField("eager_input_no_copy"):
+        values["eager_input_no_copy"] = msg.eager_input_no_copy
+    for name, names in (
+        ("needs_cpu_seq_lens", _NEEDS_CPU_SEQ_LENS_NAMES),
+        ("graph_mode", _GRAPH_MODE_NAMES),
+    ):
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if value not in names:
+                raise RuntimeConfigError(
+                    f"{name} must be one of {', '.join(sorted(names.values()))}, got enum value {value}"
+                )
+            values[name] = names[value]
+    if msg.HasField("log_level"):
+        values["log_level"] = msg.log_level
+    if msg.HasField("trace_sample_ratio"):
+        values["trace_sample_ratio"] = msg.trace_sample_ratio
+    return RuntimeConfigUpdate(**values)

@@ -53,7 +53,8 @@ class ExecutorConfig:
     )
     graph_mode: str = setting(
         "auto",
-        "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both",
+        "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both; "
+        "a runtime toggle too",
     )
     graph_max_bs: int = setting(
         0, "largest DECODE batch with a captured graph; 0 = min(max_batch_size, 160)"
@@ -71,7 +72,7 @@ class ExecutorConfig:
     needs_cpu_seq_lens: str = setting(
         "auto",
         "auto (on when a backend or path needs the host copy of seq_lens) | on | off "
-        "(refused at start-up when something needs it)",
+        "(refused when something needs it); a runtime toggle too",
     )
     cache_dir: str = setting(
         "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"

@@ -1,4 +1,4 @@
-"""Errors the executor raises for a batch it refuses. The gRPC layer maps each to a status code."""
+"""Errors the executor raises for what it refuses. The gRPC layer maps each to a status code."""
 
 from __future__ import annotations
 
@@ -21,5 +21,11 @@ class BatchTooLargeError(BatchValidationError):
 
 
 class ToggleRefusedError(RuntimeError):
-    """A runtime configuration change the executor cannot honour; nothing was changed.
+    """A runtime toggle the executor cannot honour in its current state (e.g.
+    `needs_cpu_seq_lens=off` with a backend that reads host lengths); nothing was changed.
     Maps to FAILED_PRECONDITION."""
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime-config update with a malformed value (unknown log level, ratio outside 0..1);
+    nothing was changed. Maps to INVALID_ARGUMENT."""

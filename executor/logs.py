@@ -1,19 +1,48 @@
 """Structured logs: JSON lines by default, console rendering when stdout is a terminal.
 
-Lines about a batch carry `batch_id` (bound per step with structlog's contextvars on the
-device thread); errors carry the gRPC status code. Configure once, at process start.
+Every line has `timestamp` (ISO 8601, UTC), `level` and `event`. Lines about a batch carry
+`batch_id` (bound per step with structlog's contextvars on the device thread) and the
+`trace_id` / `span_id` of its RPC (from the current OpenTelemetry span, which the device
+thread attaches per step); errors carry the gRPC status code. Configure once, at process
+start; `set_log_level` changes the level later (a runtime toggle).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
+from opentelemetry import trace
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("auto", "json", "console")
+_current_level = "info"
+
+
+def add_trace_ids(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Add the current OpenTelemetry span's ids (a structlog processor)."""
+    if "trace_id" not in event:
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            event["trace_id"] = format(ctx.trace_id, "032x")
+            event["span_id"] = format(ctx.span_id, "016x")
+    return event
+
+
+def current_level() -> str:
+    """The level set by the last `configure_logging` / `set_log_level` ("info" before any)."""
+    return _current_level
+
+
+def debug_enabled() -> bool:
+    """Whether debug lines are written: lets a hot path skip building one (a filtered call
+    through structlog's lazy logger still costs microseconds)."""
+    return _current_level == "debug"
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
@@ -27,9 +56,12 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     renderer: Any = (
         structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     )
+    global _current_level
+    _current_level = level
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
@@ -48,6 +80,8 @@ def set_log_level(level: str) -> None:
     """Change the level of an already configured logger (a runtime toggle)."""
     if level not in LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LEVELS)}, got {level!r}")
+    global _current_level
+    _current_level = level
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]

@@ -4,6 +4,9 @@
 validate (nothing changes if the batch is refused), complete the derived fields, write the
 row table, run the model, sample, and undo the row-table write if anything after it fails.
 It is not thread-safe: one thread owns the device (the gRPC server's worker).
+
+The runtime toggles (`set_eager_input_no_copy`, `set_needs_cpu_seq_lens`, `set_graph_mode`,
+or all at once with `apply_toggles`) are called on that same thread between two steps.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 import executor
 from attention import AttentionLayout, create_backend, decide_needs_cpu_seq_lens
+from attention.selection import SeqLensPolicy
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
@@ -29,7 +33,7 @@ from executor.config import (
     resolve_max_context_len,
 )
 from executor.errors import ToggleRefusedError
-from executor.forward_batch import ForwardBatch
+from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import (
     default_decode_buckets,
     default_piecewise_buckets,
@@ -40,18 +44,15 @@ from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.model_runner import GRAPH_MODES as RUNNER_GRAPH_MODES
 from executor.model_runner import GraphSettings, ModelRunner, RunnerOutput, wants_decode_graphs
 from executor.models.loader import LoadedModel, load_model
+from executor.observer import ExecutorObserver, NullObserver
 from executor.sampling import SampleOutput, Sampler
 from executor.tokenizer import Tokenizer, load_tokenizer
 from executor.validation import BatchLimits, validate_batch
-from ops.host_transfer import to_host
+from ops.host_transfer import host_transfers, to_host
 
 log = structlog.get_logger(__name__)
 
-
-@dataclass(frozen=True)
-class _SeqLensPolicy:
-    needs_cpu_seq_lens: str
-    graph_mode: str
+MODE_NAMES = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", ForwardMode.IDLE: "idle"}
 
 
 def graph_settings(config: ExecutorConfig, limits: BatchLimits) -> GraphSettings:
@@ -81,6 +82,7 @@ class StepStats:
     num_tokens: int
     padded_num_tokens: int
     timings_ns: dict[str, int] = field(default_factory=dict)
+    mode: str = ""  # decode | extend | idle
     # What the input staging copied this step (issue 4); None / 0 when nothing was staged.
     fill_registry: str | None = None  # eager_decode | eager_extend
     fill_tensors: int = 0
@@ -88,6 +90,11 @@ class StepStats:
     fill_copy_calls: int = 0
     # Graph mode wanted a graph path but the step ran eagerly: "<kind>:<reason>".
     graph_fallback: str | None = None
+    d2h_syncs: int = 0  # device-to-host transfers (ops.host_transfer.to_host) the step made
+    # Wall-clock start (time.time_ns) of each phase in `timings_ns` (validate, stage, forward,
+    # sample; queue when a worker ran it): trace spans are drawn from these afterwards.
+    # Not sent over the wire.
+    started_ns: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,9 +126,25 @@ class ExecutorInfo:
     version: str
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """A needs_cpu_seq_lens decision's inputs (attention.selection.SeqLensPolicy)."""
+
+    needs_cpu_seq_lens: str
+    graph_mode: str
+
+
 class ModelExecutor:
-    def __init__(self, config: ExecutorConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        loaded: LoadedModel | None = None,
+        *,
+        observer: ExecutorObserver | None = None,
+    ) -> None:
         self.config = config
+        # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
+        self.observer: ExecutorObserver = observer or NullObserver()
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         if loaded is None:
@@ -168,11 +191,13 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
+        # Runtime toggles start from the config; `apply_toggles` changes them between steps.
         graph_mode = resolve_graph_mode(config, self.device)
+        self.graph_mode = graph_mode
         self.needs_cpu_seq_lens_policy = config.needs_cpu_seq_lens  # auto | on | off
-        # Raises (start-up) if needs_cpu_seq_lens=off contradicts a backend or path.
-        self.needs_cpu_seq_lens = self._decide_needs_cpu_seq_lens(
-            self.needs_cpu_seq_lens_policy, graph_mode
+        # Raises ValueError (start-up) if needs_cpu_seq_lens=off contradicts a backend or path.
+        self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens(
+            _Policy(self.needs_cpu_seq_lens_policy, graph_mode), [self.attn_backend]
         )
         self.runner = ModelRunner(
             self.model,
@@ -184,7 +209,7 @@ class ModelExecutor:
         )
         self.capture_reports: list[CaptureReport] = []
         if graph_mode != "none":
-            self.capture_reports = self.runner.enable_graphs(graph_mode)
+            self._record_captures(self.runner.enable_graphs(graph_mode))
         self.sampler = Sampler(self.device, config.seed)
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
@@ -204,11 +229,6 @@ class ModelExecutor:
             graph_mode=graph_mode,
         )
 
-    def _decide_needs_cpu_seq_lens(self, policy: str, graph_mode: str) -> bool:
-        return decide_needs_cpu_seq_lens(
-            _SeqLensPolicy(needs_cpu_seq_lens=policy, graph_mode=graph_mode), [self.attn_backend]
-        )
-
     def set_graph_mode(self, mode: str) -> list[CaptureReport]:
         """Switch graph paths between two batches; a runner turned on for the first time is
         captured now. Refused (ToggleRefusedError, nothing changed) when the mode cannot be
@@ -225,15 +245,21 @@ class ModelExecutor:
                 f"graph_mode={mode}: attention backend {self.attn_backend.name!r} cannot be captured in a graph"
             )
         try:
-            needs = self._decide_needs_cpu_seq_lens(self.needs_cpu_seq_lens_policy, mode)
-        except ValueError as e:
+            needs = self.check_needs_cpu_seq_lens(self.needs_cpu_seq_lens_policy, mode)
+        except ToggleRefusedError as e:
             raise ToggleRefusedError(f"graph_mode={mode}: {e}") from e
         reports = self.runner.enable_graphs(mode)
+        self._record_captures(reports)
+        self.graph_mode = mode
         self.needs_cpu_seq_lens = needs
         self.runner.eager_inputs.needs_cpu_seq_lens = needs
-        self.capture_reports.extend(reports)
         log.info("graph mode changed", graph_mode=mode, captured=[r.kind for r in reports])
         return reports
+
+    def _record_captures(self, reports: list[CaptureReport]) -> None:
+        self.capture_reports.extend(reports)
+        for r in reports:
+            self.observer.on_graph_capture(r.kind, r.seconds, ok=not r.failed)
 
     @property
     def info(self) -> ExecutorInfo:
@@ -280,6 +306,62 @@ class ModelExecutor:
             resolve_cache_dir(self.config),
         )
 
+    # --- runtime toggles: call between two steps, on the thread that runs them ---
+
+    @property
+    def eager_input_no_copy(self) -> bool:
+        return self.runner.eager_input_no_copy
+
+    def set_eager_input_no_copy(self, enabled: bool) -> None:
+        """Run the next eager steps on the batch's own tensors (True) or staged (False)."""
+        self.runner.eager_input_no_copy = enabled
+
+    def check_needs_cpu_seq_lens(self, mode: str, graph_mode: str | None = None) -> bool:
+        """The effective `needs_cpu_seq_lens` for `mode` (auto | on | off) under `graph_mode`
+        (default: the current one); ToggleRefusedError where something in use needs the
+        host lengths and `mode` is off. Changes nothing."""
+        policy: SeqLensPolicy = _Policy(mode, self.graph_mode if graph_mode is None else graph_mode)
+        try:
+            return decide_needs_cpu_seq_lens(policy, [self.attn_backend])
+        except ValueError as exc:
+            raise ToggleRefusedError(str(exc)) from None
+
+    def set_needs_cpu_seq_lens(self, mode: str) -> bool:
+        """Re-decide whether batches carry `seq_lens_cpu` for `mode`; the effective value.
+
+        Raises ToggleRefusedError (and changes nothing) where `off` is impossible. Call it
+        again after a graph-mode change: enabling the piecewise path turns `auto` on.
+        """
+        effective = self.check_needs_cpu_seq_lens(mode)
+        self.needs_cpu_seq_lens_policy = mode
+        self.needs_cpu_seq_lens = effective  # what _complete builds batches with
+        self.runner.eager_inputs.needs_cpu_seq_lens = effective  # rebuilds the decode registry
+        return effective
+
+    def apply_toggles(
+        self,
+        *,
+        eager_input_no_copy: bool | None = None,
+        needs_cpu_seq_lens: str | None = None,
+        graph_mode: str | None = None,
+    ) -> None:
+        """Apply the given toggles (None keeps a value) all together or not at all.
+
+        Every check runs before anything changes; then the graph mode (which may capture, and
+        raises ToggleRefusedError with nothing changed if it cannot), then the host-lengths
+        decision under the new graph mode, then the eager path.
+        """
+        target_mode = (
+            self.needs_cpu_seq_lens_policy if needs_cpu_seq_lens is None else needs_cpu_seq_lens
+        )
+        target_graph = self.graph_mode if graph_mode is None else graph_mode
+        self.check_needs_cpu_seq_lens(target_mode, target_graph)  # raises before any change
+        if target_graph != self.graph_mode:
+            self.set_graph_mode(target_graph)
+        self.set_needs_cpu_seq_lens(target_mode)
+        if eager_input_no_copy is not None:
+            self.set_eager_input_no_copy(eager_input_no_copy)
+
     def validate(self, batch: ForwardBatch) -> None:
         """Raise BatchValidationError if the batch breaks a rule; changes nothing."""
         validate_batch(batch, self.limits, self.req_to_token_pool.resident_lens)
@@ -289,6 +371,8 @@ class ModelExecutor:
 
         `return_logits` adds each request's last-token logits (a host copy) to the output.
         """
+        syncs0 = host_transfers.total_syncs
+        wall0 = time.time_ns()
         t0 = time.perf_counter_ns()
         self.validate(batch)
         t1 = time.perf_counter_ns()
@@ -298,6 +382,10 @@ class ModelExecutor:
         timings["validate"] = t1 - t0
         timings["stage"] += t2 - t1  # completing the batch is part of staging it
         timings["total"] = time.perf_counter_ns() - t0
+        # The phases run back to back: validate, stage (complete + device move), forward, sample.
+        started = {"validate": wall0, "stage": wall0 + timings["validate"]}
+        started["forward"] = started["stage"] + timings["stage"]
+        started["sample"] = started["forward"] + timings["forward"]
         stats = StepStats(
             path=out.path,
             batch_size=host.batch_size,
@@ -305,12 +393,18 @@ class ModelExecutor:
             num_tokens=host.num_tokens,
             padded_num_tokens=out.padded_num_tokens,
             timings_ns=timings,
+            mode=MODE_NAMES[host.forward_mode],
             fill_registry=out.fill_registry,
             fill_tensors=out.fill_stats.tensors_copied,
             fill_bytes=out.fill_stats.bytes_copied,
             fill_copy_calls=out.fill_stats.copy_calls,
             graph_fallback=out.graph_fallback,
+            d2h_syncs=host_transfers.total_syncs - syncs0,
+            started_ns=started,
         )
+        if out.graph_fallback is not None:
+            kind, reason = out.graph_fallback.split(":", 1)
+            self.observer.on_graph_fallback(kind, reason)
         return ForwardOutput(
             next_token_ids=sample.next_token_ids,
             stats=stats,

@@ -5,6 +5,10 @@ Start-up: the port opens first with liveness ("") SERVING and readiness
 readiness turns SERVING. On SIGTERM/SIGINT (or `drain()`), readiness turns NOT_SERVING,
 new batches get UNAVAILABLE, and everything already accepted finishes within the grace
 period before the port closes.
+
+Observability is per server: its own metrics registry served on `metrics_port` (`/metrics`),
+its own tracer provider (exporter and sampling from `ServerConfig`), and the runtime toggles
+(`GetRuntimeConfig` / `UpdateRuntimeConfig`, optionally guarded by a token file).
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace.export import SpanExporter
 
+from executor.auth import TokenCheck, read_token
 from executor.config import ExecutorConfig
 from executor.device_worker import DeviceWorker
+from executor.metrics import ExecutorMetrics, LiveSources
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
+from executor.runtime_config import RuntimeControl
 from executor.server_config import ServerConfig
 from executor.servicer import ExecutorServicer
+from executor.telemetry import Telemetry
+from executor.tracing import Tracing
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -62,6 +72,8 @@ class RunningServer:
     ready: threading.Event
     load_error: list[BaseException]
     server_config: ServerConfig
+    telemetry: Telemetry
+    metrics_port: int | None  # None: the /metrics endpoint is off
 
     @property
     def worker(self) -> DeviceWorker | None:
@@ -79,20 +91,31 @@ class RunningServer:
         start = time.monotonic()
         self.servicer.draining.set()
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.telemetry.metrics.set_ready(False)
         log.info("draining", grace_s=grace, queued=self.worker.depth if self.worker else 0)
         finished = self.worker.wait_idle(grace) if self.worker else True
         remaining = max(0.0, grace - (time.monotonic() - start))
         self.server.stop(grace=min(remaining, 1.0)).wait()
         if self.worker is not None and finished:
             self.worker.stop()
+        self.telemetry.metrics.close()
+        self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
         return finished
 
 
 def start_server(
-    config: ExecutorConfig, server_config: ServerConfig, *, block_until_ready: bool = False
+    config: ExecutorConfig,
+    server_config: ServerConfig,
+    *,
+    block_until_ready: bool = False,
+    span_exporter: SpanExporter | None = None,
 ) -> RunningServer:
-    """Open the port now, load the model in the background; returns at once (or when ready)."""
+    """Open the ports now, load the model in the background; returns at once (or when ready).
+
+    `span_exporter` receives this server's spans too (tests pass an in-memory one).
+    """
+    token = read_token(server_config.runtime_config_token_file)
     model_cfg, max_context_len = read_model_config(config)
     receive, send = message_limits(
         config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
@@ -102,7 +125,17 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
         options=options,
     )
-    servicer = ExecutorServicer(config.model, server_config.stream_window)
+    metrics = ExecutorMetrics()
+    tracing = Tracing(
+        server_config.trace_exporter,
+        server_config.trace_otlp_endpoint,
+        server_config.trace_sample_ratio,
+        extra_exporter=span_exporter,
+    )
+    telemetry = Telemetry(metrics, tracing)
+    servicer = ExecutorServicer(
+        config.model, server_config.stream_window, telemetry, TokenCheck(token)
+    )
     pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,6 +145,15 @@ def start_server(
     port = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
     if port == 0:
         raise OSError(f"could not listen on {server_config.host}:{server_config.port}")
+    metrics_port = None
+    if server_config.metrics_port >= 0:
+        try:
+            metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
+        except OSError as exc:
+            server.stop(grace=None)
+            raise OSError(
+                f"could not serve metrics on {server_config.host}:{server_config.metrics_port}: {exc}"
+            ) from exc
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
@@ -119,24 +161,50 @@ def start_server(
         "listening",
         host=server_config.host,
         port=port,
+        metrics_port=metrics_port,
         max_receive_bytes=receive,
         max_send_bytes=send,
+        runtime_config_token=token is not None,
     )
 
     running = RunningServer(
-        server, port, health_servicer, servicer, threading.Event(), [], server_config
+        server,
+        port,
+        health_servicer,
+        servicer,
+        threading.Event(),
+        [],
+        server_config,
+        telemetry,
+        metrics_port,
     )
 
     def load() -> None:
         try:
             t0 = time.perf_counter()
-            executor = ModelExecutor(config)
+            executor = ModelExecutor(config, observer=metrics)
             executor.warmup()
-            worker = DeviceWorker(executor, server_config.queue_size)
+            worker = DeviceWorker(executor, server_config.queue_size, on_step=metrics.observe_step)
+            runtime = RuntimeControl(
+                executor,
+                trace_sample_ratio=server_config.trace_sample_ratio,
+                set_trace_sample_ratio=tracing.set_sample_ratio,
+                on_change=metrics.set_runtime_config,
+            )
+            pool = executor.req_to_token_pool
+            metrics.set_executor(
+                executor.info,
+                LiveSources(
+                    queue_depth=lambda: worker.depth,
+                    kv_slots_used=lambda: int(pool.resident_lens[1:].sum()),
+                    req_rows_used=pool.rows_in_use,
+                ),
+            )
             worker.start()
-            servicer.attach(worker)
+            servicer.attach(worker, runtime)
             if not servicer.draining.is_set():
                 health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+                metrics.set_ready(True)
             log.info("ready", seconds=round(time.perf_counter() - t0, 3))
         except BaseException as exc:
             log.error("start-up failed", exc_info=exc)

@@ -1,4 +1,5 @@
-"""How the gRPC server runs (as opposed to what the executor computes): ports, queues, drain."""
+"""How the gRPC server runs (as opposed to what the executor computes): ports, queues, drain,
+logs, metrics, traces, and the runtime-config token."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 from executor.config import setting
 from executor.logs import FORMATS, LEVELS
+from executor.tracing import TRACE_EXPORTERS
 
 
 @dataclass(frozen=True)
@@ -20,9 +22,28 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT, seconds to finish queued and running batches"
     )
     rpc_threads: int = setting(16, "gRPC handler threads (the device itself is one thread)")
-    log_level: str = setting("info", "debug | info | warning | error")
+    log_level: str = setting("info", "debug | info | warning | error; a runtime toggle too")
     log_format: str = setting(
         "auto", "auto (console on a terminal, else JSON lines) | json | console"
+    )
+    metrics_port: int = setting(
+        9464, "Prometheus /metrics port (on `host`); 0 picks a free one, -1 turns it off"
+    )
+    trace_exporter: str = setting(
+        "none", "none | console (spans on stderr) | otlp (OTLP over gRPC to trace_otlp_endpoint)"
+    )
+    trace_otlp_endpoint: str = setting(
+        "http://localhost:4317", "OTLP gRPC collector for trace_exporter=otlp (http:// = no TLS)"
+    )
+    trace_sample_ratio: float = setting(
+        1.0,
+        "share of RPCs traced when the caller sent no sampled traceparent (a caller's sampled "
+        "flag is always honoured); a runtime toggle too",
+    )
+    runtime_config_token_file: str = setting(
+        "",
+        "file holding a shared secret; when set, GetRuntimeConfig/UpdateRuntimeConfig need "
+        "'authorization: Bearer SECRET' metadata; '' = no secret",
     )
 
     def __post_init__(self) -> None:
@@ -37,6 +58,17 @@ class ServerConfig:
             raise ValueError(
                 f"log_level must be one of {', '.join(LEVELS)}, got {self.log_level!r}"
             )
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise ValueError(
+                f"metrics_port must be in 0..65535, or -1 (off), got {self.metrics_port}"
+            )
+        if self.trace_exporter not in TRACE_EXPORTERS:
+            raise ValueError(
+                f"trace_exporter must be one of {', '.join(TRACE_EXPORTERS)}, "
+                f"got {self.trace_exporter!r}"
+            )
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be in 0..1, got {self.trace_sample_ratio}")
         if self.log_format not in FORMATS:
             raise ValueError(
                 f"log_format must be one of {', '.join(FORMATS)}, got {self.log_format!r}"

@@ -3,9 +3,13 @@
 | error                                  | status              |
 |----------------------------------------|---------------------|
 | BatchTooLargeError, QueueFullError     | RESOURCE_EXHAUSTED  |
-| BatchValidationError                   | INVALID_ARGUMENT    |
+| BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
+| ToggleRefusedError                     | FAILED_PRECONDITION |
+| UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining                   | UNAVAILABLE         |
 | anything else (a bug)                  | INTERNAL, logged with its stack trace |
+
+Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
 """
 
 from __future__ import annotations
@@ -14,13 +18,29 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from executor.codec import batch_from_proto, info_to_proto, response_to_proto
+from executor.auth import TokenCheck, UnauthenticatedError
+from executor.codec import (
+    batch_from_proto,
+    info_to_proto,
+    response_to_proto,
+    runtime_config_to_proto,
+    runtime_update_from_proto,
+)
 from executor.device_worker import DeviceWorker, Job, QueueFullError
-from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.errors import (
+    BatchTooLargeError,
+    BatchValidationError,
+    RuntimeConfigError,
+    ToggleRefusedError,
+)
+from executor.runtime_config import RuntimeControl
+from executor.telemetry import RpcScope, Telemetry
+from executor.tracing import SpanScope
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -34,31 +54,60 @@ class NotServingError(RuntimeError):
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BatchTooLargeError | QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, BatchValidationError):
+    if isinstance(exc, BatchValidationError | RuntimeConfigError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ToggleRefusedError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, NotServingError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-def abort(context: grpc.ServicerContext, exc: BaseException, batch_id: int | None = None) -> None:
+def abort(
+    context: grpc.ServicerContext,
+    exc: BaseException,
+    rpc: RpcScope,
+    batch_id: int | None = None,
+    span: SpanScope | None = None,
+) -> None:
+    """Answer the RPC with the status `exc` maps to (logged with the code and trace ids)."""
     code, message = status_for(exc)
+    rpc.fail(code, message)
+    ids = (span or rpc).log_ids()
     if code is grpc.StatusCode.INTERNAL:
-        log.error("batch failed", batch_id=batch_id, code=code.name, exc_info=exc)
+        log.error("request failed", batch_id=batch_id, code=code.name, exc_info=exc, **ids)
     else:
-        log.info("batch refused", batch_id=batch_id, code=code.name, reason=message)
+        log.info("request refused", batch_id=batch_id, code=code.name, reason=message, **ids)
     context.abort(code, message)
 
 
+@dataclass
+class _StreamStep:
+    job: Job
+    span: SpanScope  # the batch's `step` span under the stream's
+
+
 class ExecutorServicer(pb_grpc.ModelExecutorServicer):
-    def __init__(self, model_spec: str, stream_window: int) -> None:
+    def __init__(
+        self,
+        model_spec: str,
+        stream_window: int,
+        telemetry: Telemetry,
+        token_check: TokenCheck | None = None,
+    ) -> None:
         self.model_spec = model_spec
         self.stream_window = stream_window
+        self.telemetry = telemetry
+        self.token_check = token_check or TokenCheck(None)
         self.worker: DeviceWorker | None = None
+        self.runtime: RuntimeControl | None = None
         self.draining = threading.Event()
 
-    def attach(self, worker: DeviceWorker) -> None:
+    def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
+        self.runtime = runtime
         self.worker = worker
 
     def _accepting(self) -> DeviceWorker:
@@ -70,28 +119,47 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             raise NotServingError("the executor is still loading its model; wait for readiness")
         return self.worker
 
-    def _submit(self, request: pb.ForwardRequest) -> Job:
+    def _loaded(self) -> tuple[DeviceWorker, RuntimeControl]:
+        if self.worker is None or self.runtime is None:
+            raise NotServingError("the executor is still loading its model; wait for readiness")
+        return self.worker, self.runtime
+
+    def _submit(self, request: pb.ForwardRequest, span: SpanScope) -> Job:
         worker = self._accepting()
-        return worker.submit(batch_from_proto(request.batch), request.batch_id)
+        with span.child("decode"):
+            batch = batch_from_proto(request.batch)
+        return worker.submit(batch, request.batch_id, trace_context=span.context)
 
     def Forward(
         self, request: pb.ForwardRequest, context: grpc.ServicerContext
     ) -> pb.ForwardResponse:
-        try:
-            out = self._submit(request).future.result()
-        except BaseException as exc:
-            abort(context, exc, request.batch_id)
-            raise  # unreachable: abort raises
-        return response_to_proto(out, request.batch_id)
+        with self.telemetry.rpc("Forward", context) as rpc:
+            try:
+                out = self._submit(request, rpc).future.result()
+            except BaseException as exc:
+                abort(context, exc, rpc, request.batch_id)
+                raise  # unreachable: abort raises
+            rpc.record_step(out.stats, request.batch_id)
+            with rpc.child("encode"):
+                return response_to_proto(out, request.batch_id)
 
     def ForwardStream(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ForwardResponse]:
         """Responses in request order; up to `stream_window` batches queued or running at once."""
-        pending: queue.Queue[Job | BaseException | None] = queue.Queue()
+        with self.telemetry.rpc("ForwardStream", context) as rpc:
+            yield from self._stream(request_iterator, context, rpc)
+
+    def _stream(
+        self,
+        request_iterator: Iterator[pb.ForwardRequest],
+        context: grpc.ServicerContext,
+        rpc: RpcScope,
+    ) -> Iterator[pb.ForwardResponse]:
+        pending: queue.Queue[_StreamStep | BaseException | None] = queue.Queue()
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
-        # Jobs submitted but not yet answered (at most the window); a stream may live for
+        # Jobs submitted but not yet answered (at most the window): a stream may live for
         # millions of steps, so answered jobs must not be kept.
         in_flight: deque[Job] = deque()
 
@@ -107,9 +175,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                     window.acquire()
                     if failed.is_set():
                         return
-                    job = self._submit(request)
+                    step = rpc.step(request.batch_id)
+                    try:
+                        job = self._submit(request, step)
+                    except BaseException:
+                        step.span.end()
+                        raise
                     in_flight.append(job)
-                    pending.put(job)
+                    pending.put(_StreamStep(job, step))
             except BaseException as exc:
                 pending.put(exc)
             finally:
@@ -123,25 +196,59 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 return
             if isinstance(item, BaseException):
                 cancel_pending()
-                abort(context, item)
+                abort(context, item, rpc)
                 return
+            step, batch_id = item.span, item.job.batch_id
             try:
-                out = item.future.result()
+                out = item.job.future.result()
             except BaseException as exc:
                 cancel_pending()
-                abort(context, exc, item.batch_id)
+                step.span.end()
+                abort(context, exc, rpc, batch_id, step)
                 return
             in_flight.popleft()  # answered in order: it is the oldest
             window.release()
-            yield response_to_proto(out, item.batch_id)
+            step.record_step(out.stats, batch_id)
+            with step.child("encode"):
+                response = response_to_proto(out, batch_id)
+            step.span.end()
+            yield response
 
     def GetInfo(
         self, request: pb.GetInfoRequest, context: grpc.ServicerContext
     ) -> pb.GetInfoResponse:
-        if self.worker is None:
-            abort(
-                context,
-                NotServingError("the executor is still loading its model; wait for readiness"),
-            )
-        assert self.worker is not None
-        return info_to_proto(self.worker.executor.info, self.model_spec)
+        with self.telemetry.rpc("GetInfo", context) as rpc:
+            try:
+                worker, runtime = self._loaded()
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises
+            return info_to_proto(worker.executor.info, self.model_spec, runtime.current())
+
+    def GetRuntimeConfig(
+        self, request: pb.GetRuntimeConfigRequest, context: grpc.ServicerContext
+    ) -> pb.RuntimeConfig:
+        with self.telemetry.rpc("GetRuntimeConfig", context) as rpc:
+            try:
+                self.token_check.check(context.invocation_metadata())
+                _, runtime = self._loaded()
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises
+            return runtime_config_to_proto(runtime.current())
+
+    def UpdateRuntimeConfig(
+        self, request: pb.UpdateRuntimeConfigRequest, context: grpc.ServicerContext
+    ) -> pb.RuntimeConfig:
+        """Checked here (token, values), then applied on the device thread between batches."""
+        with self.telemetry.rpc("UpdateRuntimeConfig", context) as rpc:
+            try:
+                self.token_check.check(context.invocation_metadata())
+                update = runtime_update_from_proto(request.config)
+                worker = self._accepting()
+                _, runtime = self._loaded()
+                config = worker.run_on_device(lambda: runtime.update(update)).result()
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises
+            return runtime_config_to_proto(config)

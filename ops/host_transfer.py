@@ -25,12 +25,15 @@ class HostTransferCounts:
 
     syncs: Counter[str] = field(default_factory=Counter)
     bytes: Counter[str] = field(default_factory=Counter)
+    # All reasons together: a step reads it before and after to count its own syncs.
+    total_syncs: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, reason: str, nbytes: int) -> None:
         with self._lock:
             self.syncs[reason] += 1
             self.bytes[reason] += nbytes
+            self.total_syncs += 1
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
         with self._lock:

@@ -2,15 +2,27 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-import torch
+# This checkout's generated stubs (`model_executor.v1` lives under proto/), not those of the
+# checkout an editable install points at: a git worktree shares another checkout's venv.
+# PYTHONPATH carries it to the servers tests start as subprocesses.
+_PROTO = str(Path(__file__).resolve().parent.parent / "proto")
+sys.path.insert(0, _PROTO)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PROTO, os.environ.get("PYTHONPATH")) if p)
 
-from executor.config import ExecutorConfig
-from executor.model_executor import ModelExecutor
-from tests.prometheus_tools import PrometheusBinaries, PrometheusUnavailable, ensure_prometheus
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from executor.config import ExecutorConfig  # noqa: E402
+from executor.model_executor import ModelExecutor  # noqa: E402
+from tests.prometheus_tools import (  # noqa: E402
+    PrometheusBinaries,
+    PrometheusUnavailable,
+    ensure_prometheus,
+)
 
 # Without CUDA, Triton kernels run only under triton's interpreter (numpy on CPU tensors).
 # Triton reads TRITON_INTERPRET when a kernel is decorated and again when it launches, so

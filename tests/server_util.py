@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import socket
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client.parser import text_string_to_metric_families
 
 from executor.config import ExecutorConfig
 from executor.server import RunningServer, start_server
@@ -31,12 +35,46 @@ def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
 
 
 @contextmanager
-def running_server(config: ExecutorConfig, **server_overrides: object) -> Iterator[RunningServer]:
-    values: dict[str, object] = {"host": "127.0.0.1", "port": 0, "drain_grace_s": 10.0}
+def running_server(
+    config: ExecutorConfig, *, span_exporter: SpanExporter | None = None, **server_overrides: object
+) -> Iterator[RunningServer]:
+    values: dict[str, object] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "metrics_port": 0,  # never the fixed default: tests run servers side by side
+        "drain_grace_s": 10.0,
+    }
     values.update(server_overrides)
-    running = start_server(config, ServerConfig(**values), block_until_ready=True)  # type: ignore[arg-type]
+    running = start_server(
+        config,
+        ServerConfig(**values),  # type: ignore[arg-type]
+        block_until_ready=True,
+        span_exporter=span_exporter,
+    )
     try:
         yield running
     finally:
         if not running.servicer.draining.is_set():
             running.drain()
+
+
+class Scrape:
+    """One scrape of a server's `/metrics`, parsed with prometheus-client's text parser."""
+
+    def __init__(self, running: RunningServer) -> None:
+        assert running.metrics_port is not None, "the server has no metrics endpoint"
+        url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            self.text = response.read().decode()
+        self.families = {f.name: f for f in text_string_to_metric_families(self.text)}
+        self.samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in self.families.values():
+            for s in family.samples:
+                self.samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+
+    def get(self, name: str, **labels: str) -> float:
+        """A sample's value; 0 for a series that does not exist (yet)."""
+        return self.samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def has(self, name: str, **labels: str) -> bool:
+        return (name, tuple(sorted(labels.items()))) in self.samples

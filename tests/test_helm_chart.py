@@ -36,11 +36,17 @@ from tests.helm_render import (
 from tests.prometheus_tools import PrometheusBinaries
 from tests.promql_sources import RULES
 
-# Settings the chart sets itself from other values (ports, drain, cache, model).
-CHART_OWNED = {"model", "host", "port", "metrics_port", "drain_grace_s", "cache_dir"}
-# Variables the chart sets for issue 7's settings that this code base does not have yet; when
-# issue 7 lands they must be fields (with exactly these names) and this set becomes empty.
-PENDING_ISSUE_7 = {"MODEL_EXECUTOR_METRICS_PORT", "MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE"}
+# Settings the chart sets itself from other values (ports, drain, cache, model, the token
+# Secret's mount path).
+CHART_OWNED = {
+    "model",
+    "host",
+    "port",
+    "metrics_port",
+    "drain_grace_s",
+    "cache_dir",
+    "runtime_config_token_file",
+}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +215,7 @@ def test_rendered_environment_is_the_configuration_the_executor_reads(everything
         for f in dataclasses.fields(cls)
     }
     ours = {k for k in env if k.startswith(settings.ENV_PREFIX)}
-    assert ours - fields == PENDING_ISSUE_7
+    assert ours - fields == set()  # every variable the chart sets is a setting the executor reads
     assert env["MODEL_EXECUTOR_METRICS_PORT"] == str(values["ports"]["metrics"])
 
 

@@ -35,7 +35,9 @@ def test_health_moves_not_serving_serving_not_serving(
             super().warmup()
 
     monkeypatch.setattr(executor.server, "ModelExecutor", SlowToWarm)
-    running = start_server(tiny_config(tmp_path), ServerConfig(port=0, drain_grace_s=10))
+    running = start_server(
+        tiny_config(tmp_path), ServerConfig(port=0, metrics_port=0, drain_grace_s=10)
+    )
     batch = make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
     with ExecutorClient(f"127.0.0.1:{running.port}") as c:
         assert c.health("") == "SERVING"  # alive while loading
@@ -103,6 +105,8 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
         "json",
         "--drain-grace-s",
         "60",
+        "--metrics-port",
+        "0",
     ]
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(
@@ -152,5 +156,10 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     events = [line["event"] for line in lines]
     assert "shutdown signal received" in events
+    # The effective config is logged once, at start-up, with both halves.
+    [starting] = [line for line in lines if line["event"] == "starting"]
+    assert starting["executor_config"]["max_reqs"] == 16
+    assert starting["server_config"]["metrics_port"] == 0
+    assert all({"timestamp", "level"} <= set(line) for line in lines)
     drained = next(line for line in lines if line["event"] == "drained")
     assert drained["finished"] is True

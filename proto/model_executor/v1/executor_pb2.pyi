@@ -22,6 +22,21 @@ class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXTEND: _ClassVar[ForwardMode]
     DECODE: _ClassVar[ForwardMode]
     IDLE: _ClassVar[ForwardMode]
+
+class NeedsCpuSeqLens(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NEEDS_CPU_SEQ_LENS_UNSPECIFIED: _ClassVar[NeedsCpuSeqLens]
+    NEEDS_CPU_SEQ_LENS_AUTO: _ClassVar[NeedsCpuSeqLens]
+    NEEDS_CPU_SEQ_LENS_ON: _ClassVar[NeedsCpuSeqLens]
+    NEEDS_CPU_SEQ_LENS_OFF: _ClassVar[NeedsCpuSeqLens]
+
+class GraphMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAPH_MODE_UNSPECIFIED: _ClassVar[GraphMode]
+    GRAPH_MODE_NONE: _ClassVar[GraphMode]
+    GRAPH_MODE_DECODE: _ClassVar[GraphMode]
+    GRAPH_MODE_EXTEND: _ClassVar[GraphMode]
+    GRAPH_MODE_BOTH: _ClassVar[GraphMode]
 DTYPE_UNSPECIFIED: DType
 INT32: DType
 INT64: DType
@@ -32,6 +47,15 @@ FORWARD_MODE_UNSPECIFIED: ForwardMode
 EXTEND: ForwardMode
 DECODE: ForwardMode
 IDLE: ForwardMode
+NEEDS_CPU_SEQ_LENS_UNSPECIFIED: NeedsCpuSeqLens
+NEEDS_CPU_SEQ_LENS_AUTO: NeedsCpuSeqLens
+NEEDS_CPU_SEQ_LENS_ON: NeedsCpuSeqLens
+NEEDS_CPU_SEQ_LENS_OFF: NeedsCpuSeqLens
+GRAPH_MODE_UNSPECIFIED: GraphMode
+GRAPH_MODE_NONE: GraphMode
+GRAPH_MODE_DECODE: GraphMode
+GRAPH_MODE_EXTEND: GraphMode
+GRAPH_MODE_BOTH: GraphMode
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -96,7 +120,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ...) -> None: ...
 
 class ForwardStats(_message.Message):
-    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns")
+    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs")
     class TimingsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,13 +134,25 @@ class ForwardStats(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PADDED_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_NS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FILL_REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    FILL_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FILL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILL_COPY_CALLS_FIELD_NUMBER: _ClassVar[int]
+    D2H_SYNCS_FIELD_NUMBER: _ClassVar[int]
     path: str
     batch_size: int
     padded_batch_size: int
     num_tokens: int
     padded_num_tokens: int
     timings_ns: _containers.ScalarMap[str, int]
-    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    mode: str
+    fill_registry: str
+    fill_tensors: int
+    fill_bytes: int
+    fill_copy_calls: int
+    d2h_syncs: int
+    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats")
@@ -139,7 +175,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +192,7 @@ class GetInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -172,4 +209,31 @@ class GetInfoResponse(_message.Message):
     server_version: str
     model_spec: str
     bos_token_id: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
+    runtime_config: RuntimeConfig
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ...) -> None: ...
+
+class RuntimeConfig(_message.Message):
+    __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective")
+    EAGER_INPUT_NO_COPY_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_CPU_SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_MODE_FIELD_NUMBER: _ClassVar[int]
+    LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_SAMPLE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_CPU_SEQ_LENS_EFFECTIVE_FIELD_NUMBER: _ClassVar[int]
+    eager_input_no_copy: bool
+    needs_cpu_seq_lens: NeedsCpuSeqLens
+    graph_mode: GraphMode
+    log_level: str
+    trace_sample_ratio: float
+    needs_cpu_seq_lens_effective: bool
+    def __init__(self, eager_input_no_copy: _Optional[bool] = ..., needs_cpu_seq_lens: _Optional[_Union[NeedsCpuSeqLens, str]] = ..., graph_mode: _Optional[_Union[GraphMode, str]] = ..., log_level: _Optional[str] = ..., trace_sample_ratio: _Optional[float] = ..., needs_cpu_seq_lens_effective: _Optional[bool] = ...) -> None: ...
+
+class GetRuntimeConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateRuntimeConfigRequest(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: RuntimeConfig
+    def __init__(self, config: _Optional[_Union[RuntimeConfig, _Mapping]] = ...) -> None: ...

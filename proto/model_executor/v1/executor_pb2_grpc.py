@@ -49,6 +49,16 @@ class ModelExecutorStub:
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.GetRuntimeConfig = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/GetRuntimeConfig',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.GetRuntimeConfigRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.FromString,
+                _registered_method=True)
+        self.UpdateRuntimeConfig = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/UpdateRuntimeConfig',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.UpdateRuntimeConfigRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -76,6 +86,25 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRuntimeConfig(self, request, context):
+        """The runtime toggles as they are now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateRuntimeConfig(self, request, context):
+        """Change runtime toggles without a restart: set fields change, unset fields keep their
+        value. Applied between two batches, never inside one; all fields or none. A value the
+        executor cannot honour now is refused with FAILED_PRECONDITION, a malformed one with
+        INVALID_ARGUMENT, and then nothing changes. Answers the effective config. When the
+        server has a token file, both runtime-config RPCs need `authorization: Bearer <token>`
+        metadata (else UNAUTHENTICATED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +122,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.GetInfoRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'GetRuntimeConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRuntimeConfig,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.GetRuntimeConfigRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.SerializeToString,
+            ),
+            'UpdateRuntimeConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateRuntimeConfig,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.UpdateRuntimeConfigRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +215,60 @@ class ModelExecutor:
             '/model_executor.v1.ModelExecutor/GetInfo',
             model__executor_dot_v1_dot_executor__pb2.GetInfoRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRuntimeConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/GetRuntimeConfig',
+            model__executor_dot_v1_dot_executor__pb2.GetRuntimeConfigRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateRuntimeConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/UpdateRuntimeConfig',
+            model__executor_dot_v1_dot_executor__pb2.UpdateRuntimeConfigRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.FromString,
             options,
             channel_credentials,
             insecure,

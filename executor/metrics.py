@@ -1,0 +1,348 @@
+"""Every Prometheus metric the executor exports, defined here and nowhere else.
+
+Names are an API (dashboards and alerts use them; `docs/metrics.md` lists each one): prefix
+`model_executor_`, base units, `_total` counters. Each server owns one `ExecutorMetrics` with
+its own `CollectorRegistry` (never the process-global one), so several servers can live in
+one process, and serves it on its own HTTP port (`/metrics`).
+
+Per-step recording (`observe_step`) sits on the device thread, so the step families are
+single-writer ones (:mod:`executor.single_writer_metrics`: no lock per update) and their
+series are resolved once per label set; `benchmarks/metrics_overhead.py` measures the cost.
+Gauges that describe state (queue depth, KV slots, rows) and the process-wide device-to-host
+counts (`ops.host_transfer.host_transfers`) are read when scraped, not on the hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from executor.runtime_config import RUNTIME_GRAPH_MODES
+from executor.single_writer_metrics import (
+    CounterChild,
+    HistogramChild,
+    SingleWriterCounter,
+    SingleWriterHistogram,
+)
+from ops.host_transfer import host_transfers
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from executor.model_executor import ExecutorInfo, StepStats
+    from executor.runtime_config import RuntimeConfig
+
+PREFIX = "model_executor_"
+PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")
+MODES = ("decode", "extend", "idle")
+FILL_REGISTRIES = ("eager_decode", "eager_extend", "graph_decode", "graph_extend")
+# 100 us .. 10 s: a CPU decode step of a tiny model is ~1 ms, a long prefill seconds.
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+SIZE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # requests per batch
+CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class _StepSeries:
+    """The series one (path, mode) pair updates each step, resolved once."""
+
+    forward_seconds: HistogramChild
+    batch_size: HistogramChild
+    padded_batch_size: HistogramChild
+    tokens: CounterChild
+    padding_tokens: CounterChild
+
+
+@dataclass
+class _FillSeries:
+    copies: CounterChild
+    bytes: CounterChild
+    calls: CounterChild
+
+
+@dataclass
+class LiveSources:
+    """State read at scrape time (set once the model is loaded)."""
+
+    queue_depth: Callable[[], int]
+    kv_slots_used: Callable[[], int]
+    req_rows_used: Callable[[], int]
+
+
+class _ScrapeTimeCollector(Collector):
+    """Gauges of current state, and the process-wide device-to-host transfer counts."""
+
+    def __init__(self) -> None:
+        self.sources: LiveSources | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(with_values=False)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(with_values=True)
+
+    def _families(self, *, with_values: bool) -> Iterator[Metric]:
+        src = self.sources if with_values else None
+        for name, doc, read in (
+            ("queue_depth", "Batches waiting for the device (not counting the running one).",
+             src.queue_depth if src else None),
+            ("kv_slots_used", "KV slots referenced by resident request rows (sum of their "
+             "resident lengths; a prefix shared by several rows counts once per row).",
+             src.kv_slots_used if src else None),
+            ("req_rows_used", "Request rows holding at least one resident token.",
+             src.req_rows_used if src else None),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(PREFIX + name, doc)
+            if with_values:
+                gauge.add_metric([], float(read() if read else 0))
+            yield gauge
+        syncs_doc = "Device-to-host transfers on the serving path, by reason (process-wide)."
+        bytes_doc = "Bytes moved by device-to-host transfers, by reason (process-wide)."
+        syncs = CounterMetricFamily(PREFIX + "d2h_syncs", syncs_doc, labels=["reason"])
+        nbytes = CounterMetricFamily(PREFIX + "d2h_bytes", bytes_doc, labels=["reason"])
+        if with_values:
+            counts, sizes = host_transfers.snapshot()
+            for reason in sorted(counts):
+                syncs.add_metric([reason], counts[reason])
+                nbytes.add_metric([reason], sizes[reason])
+        yield syncs
+        yield nbytes
+
+
+class ExecutorMetrics:
+    """One server's metrics: its registry, the recording calls, and its `/metrics` endpoint.
+
+    Implements `executor.observer.ExecutorObserver` (graph captures and fallbacks).
+    """
+
+    def __init__(self) -> None:
+        # NOTE: process-wide: no `*_created` series next to counters and histograms (they
+        # double the series count and no dashboard reads them).
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r)
+
+        def histogram(
+            name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+        ) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
+
+        def step_counter(name: str, doc: str, labels: tuple[str, ...]) -> SingleWriterCounter:
+            return SingleWriterCounter(PREFIX + name, doc, labels, r)
+
+        def step_histogram(
+            name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+        ) -> SingleWriterHistogram:
+            return SingleWriterHistogram(PREFIX + name, doc, labels, r, buckets)
+
+        # Steps (recorded on the device thread only: single-writer families).
+        self.forward_seconds = step_histogram(
+            "forward_seconds",
+            "Time of one step on the device thread (validate, stage, forward, sample), by path and mode.",
+            ("path", "mode"), LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.queue_wait_seconds = step_histogram(
+            "queue_wait_seconds", "Time a batch waited in the device queue.", (), LATENCY_BUCKETS
+        )
+        self.batch_size = step_histogram(
+            "batch_size", "Requests per step, by mode.", ("mode",), SIZE_BUCKETS
+        )
+        self.padded_batch_size = step_histogram(
+            "padded_batch_size", "Requests per step after padding to a graph bucket, by path.",
+            ("path",), SIZE_BUCKETS,
+        )  # fmt: skip
+        self.padding_tokens = step_counter(
+            "padding_tokens", "Padding tokens run (padded minus real tokens), by path.", ("path",)
+        )
+        self.tokens = step_counter("tokens", "Tokens run (real, not padding), by mode.", ("mode",))
+        self.fill_copies = step_counter(
+            "fill_copies",
+            "Tensors copied by input staging (fill_from), by registry.",
+            ("registry",),
+        )
+        self.fill_bytes = step_counter(
+            "fill_bytes", "Bytes copied by input staging, by registry.", ("registry",)
+        )
+        self.fill_copy_calls = step_counter(
+            "fill_copy_calls", "Copy calls made by input staging (one grouped copy counts once), "
+            "by registry.", ("registry",),
+        )  # fmt: skip
+        # RPCs (recorded by the gRPC layer).
+        self.rpc_seconds = histogram(
+            "rpc_seconds", "Time from receiving an RPC to its answer, by method.", ("method",),
+            LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.requests = counter(
+            "requests", "RPCs answered, by method and gRPC status code.", ("method", "code")
+        )
+        # Graph runners (through the ExecutorObserver hooks).
+        self.graph_captures = counter(
+            "graph_captures", "Graph captures that succeeded, by kind.", ("kind",)
+        )
+        self.graph_capture_failures = counter(
+            "graph_capture_failures", "Graph captures that failed, by kind.", ("kind",)
+        )
+        self.graph_capture_seconds = histogram(
+            "graph_capture_seconds", "Time of a successful graph capture, by kind.", ("kind",),
+            CAPTURE_BUCKETS,
+        )  # fmt: skip
+        self.graph_fallbacks = counter(
+            "graph_fallbacks", "Batches run eagerly although their graph mode is on, by kind "
+            "and reason.", ("kind", "reason"),
+        )  # fmt: skip
+        # State.
+        self.ready = gauge("ready", "1 when the executor takes batches, else 0.")
+        self.kv_slots_total = gauge("kv_slots_total", "KV slots the cache holds (1..kv_slots).")
+        self.build_info = gauge(
+            "build_info", "Always 1; the labels describe the running executor.",
+            ("version", "model", "device", "dtype", "attention_backend"),
+        )  # fmt: skip
+        self.toggle_eager_input_no_copy = gauge(
+            "toggle_eager_input_no_copy", "1 when eager steps skip input staging (no-copy), else 0."
+        )
+        self.toggle_needs_cpu_seq_lens = gauge(
+            "toggle_needs_cpu_seq_lens",
+            "1 when batches carry the host copy of seq_lens (the effective value), else 0.",
+        )
+        self.toggle_graph_mode_info = gauge(
+            "toggle_graph_mode_info", "1 for the current graph mode, 0 for the others.", ("mode",)
+        )
+        self._scrape_time = _ScrapeTimeCollector()
+        r.register(self._scrape_time)
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+
+        # Series children resolved once per label set. NOTE: no lock: `labels()` is
+        # thread-safe and returns the same child, so a racing double insert is harmless.
+        self._steps: dict[tuple[str, str], _StepSeries] = {}
+        self._fills: dict[str, _FillSeries] = {}
+        self._rpcs: dict[tuple[str, str], tuple[Any, Any]] = {}
+        # Series that exist from the start (at 0), so rate() and absent() behave from the
+        # first scrape; the rest appear with their first event.
+        for registry in FILL_REGISTRIES:
+            self._fill_series(registry)
+        for mode in MODES:
+            self.tokens.labels(mode)
+        for path in PATHS:
+            self.padding_tokens.labels(path)
+        self._queue_wait = self.queue_wait_seconds.labels()
+
+    # --- recording ---
+
+    def observe_step(self, stats: StepStats) -> None:
+        """One finished step. Call it from the device thread only (the step families have
+        one writer), before the step's answer is released."""
+        series = self._steps.get((stats.path, stats.mode)) or self._step_series(stats)
+        timings = stats.timings_ns
+        series.forward_seconds.observe(timings.get("total", 0) * 1e-9)
+        series.batch_size.observe(stats.batch_size)
+        series.padded_batch_size.observe(stats.padded_batch_size)
+        series.tokens.inc(stats.num_tokens)
+        padding = stats.padded_num_tokens - stats.num_tokens
+        if padding > 0:
+            series.padding_tokens.inc(padding)
+        queue = timings.get("queue")
+        if queue is not None:
+            self._queue_wait.observe(queue * 1e-9)
+        if stats.fill_registry is not None:
+            fill = self._fills.get(stats.fill_registry) or self._fill_series(stats.fill_registry)
+            fill.copies.inc(stats.fill_tensors)
+            fill.bytes.inc(stats.fill_bytes)
+            fill.calls.inc(stats.fill_copy_calls)
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        """One answered RPC; `code` is the gRPC status code's name (OK, INVALID_ARGUMENT, ...)."""
+        pair = self._rpcs.get((method, code))
+        if pair is None:
+            pair = (self.rpc_seconds.labels(method), self.requests.labels(method, code))
+            self._rpcs[(method, code)] = pair
+        pair[0].observe(seconds)
+        pair[1].inc()
+
+    def _step_series(self, stats: StepStats) -> _StepSeries:
+        series = _StepSeries(
+            forward_seconds=self.forward_seconds.labels(stats.path, stats.mode),
+            batch_size=self.batch_size.labels(stats.mode),
+            padded_batch_size=self.padded_batch_size.labels(stats.path),
+            tokens=self.tokens.labels(stats.mode),
+            padding_tokens=self.padding_tokens.labels(stats.path),
+        )
+        self._steps[(stats.path, stats.mode)] = series
+        return series
+
+    def _fill_series(self, registry: str) -> _FillSeries:
+        series = _FillSeries(
+            self.fill_copies.labels(registry),
+            self.fill_bytes.labels(registry),
+            self.fill_copy_calls.labels(registry),
+        )
+        self._fills[registry] = series
+        return series
+
+    # --- ExecutorObserver ---
+
+    def on_graph_capture(self, kind: str, seconds: float, ok: bool) -> None:
+        if ok:
+            self.graph_captures.labels(kind).inc()
+            self.graph_capture_seconds.labels(kind).observe(seconds)
+        else:
+            self.graph_capture_failures.labels(kind).inc()
+
+    def on_graph_fallback(self, kind: str, reason: str) -> None:
+        self.graph_fallbacks.labels(kind, reason).inc()
+
+    # --- state ---
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+
+    def set_executor(self, info: ExecutorInfo, sources: LiveSources) -> None:
+        """The model is loaded: describe it, and read live state from `sources` at scrape time."""
+        self.build_info.labels(
+            info.version, info.model_name, info.device, info.dtype, info.attention_backend
+        ).set(1)
+        self.kv_slots_total.set(info.limits.kv_slots)
+        self._scrape_time.sources = sources
+
+    def set_runtime_config(self, config: RuntimeConfig) -> None:
+        """Show the runtime toggles (after start-up and after every accepted change)."""
+        self.toggle_eager_input_no_copy.set(1 if config.eager_input_no_copy else 0)
+        self.toggle_needs_cpu_seq_lens.set(1 if config.needs_cpu_seq_lens_effective else 0)
+        for mode in RUNTIME_GRAPH_MODES:
+            self.toggle_graph_mode_info.labels(mode).set(1 if mode == config.graph_mode else 0)
+
+    # --- the /metrics endpoint ---
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve `/metrics` on `host:port` (0: a free port) in a daemon thread; the port."""
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http[0].server_address[1])
+
+    def close(self) -> None:
+        if self._http is not None:
+            httpd, thread = self._http
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
+            self._http = None

@@ -1,0 +1,77 @@
+"""The RPC side of observability: one scope per RPC that times it, counts its status code and
+holds its server span.
+
+    with telemetry.rpc("Forward", context) as rpc:
+        ...                      # rpc.child("decode"), rpc.record_step(stats, batch_id)
+        abort(context, exc, rpc) # sets rpc.code before the RPC ends
+
+On exit the scope observes `model_executor_rpc_seconds{method}` and
+`model_executor_requests_total{method,code}` and ends the span with the status code. It runs
+before gRPC sends the answer, so a client that got its answer can scrape the count.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+import grpc
+
+from executor.metrics import ExecutorMetrics
+from executor.tracing import SpanScope, Tracing
+from model_executor.v1 import executor_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+
+
+class RpcScope(SpanScope):
+    """An RPC's span and timer, plus the status it will end with (set by `servicer.abort`).
+
+    A context manager (a class, not a generator: every RPC pays for it).
+    """
+
+    def __init__(self, telemetry: Telemetry, method: str, context: grpc.ServicerContext) -> None:
+        self._start = time.perf_counter()
+        self._metrics = telemetry.metrics
+        self.method = method
+        self.code = grpc.StatusCode.OK
+        self.message = ""
+        tracing = telemetry.tracing
+        span = tracing.server_span(f"{SERVICE_NAME}/{method}", context.invocation_metadata())
+        super().__init__(tracing.tracer, span)
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+    def __enter__(self) -> RpcScope:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None and self.code is grpc.StatusCode.OK:
+            if issubclass(exc_type, GeneratorExit):  # a stream's client went away
+                self.fail(grpc.StatusCode.CANCELLED, "the client cancelled the stream")
+            else:  # not aborted by us: gRPC answers UNKNOWN
+                self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
+        name, value = _CODES[self.code]
+        self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)
+        self.finish(name, value, self.message)
+
+
+_CODES = {code: (code.name, code.value[0]) for code in grpc.StatusCode}
+
+
+class Telemetry:
+    """Metrics and tracing of one server, as the gRPC handlers use them."""
+
+    def __init__(self, metrics: ExecutorMetrics, tracing: Tracing) -> None:
+        self.metrics = metrics
+        self.tracing = tracing
+
+    def rpc(self, method: str, context: grpc.ServicerContext) -> RpcScope:
+        """`with telemetry.rpc("Forward", context) as rpc:` around a handler's body."""
+        return RpcScope(self, method, context)
