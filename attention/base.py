@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ops.kv_store import store_kv
+
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
@@ -53,6 +55,8 @@ class AttentionBackend(ABC):
         self.layout = layout
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
+        # Metadata of every captured bucket, bound to slices of the graph buffers.
+        self._graph_metadata: dict[int, Any] = {}
 
     # --- eager -------------------------------------------------------------------------
     @abstractmethod
@@ -67,18 +71,49 @@ class AttentionBackend(ABC):
         )
 
     def init_forward_metadata_capture(self, bs: int, num_tokens: int, fb_view: ForwardBatch) -> Any:
-        """Bind this bucket's buffer slices into a metadata object, then fill them via replay."""
-        raise GraphCaptureUnsupportedError(
-            f"attention backend {self.name!r} does not support graph capture"
-        )
+        """Bind this bucket's buffer slices into a metadata object, then fill them through
+        replay: capture and replay share one code path (the seeds' Pattern A), so what a
+        graph saw at capture is what a replay of the same batch gives it."""
+        md = self.bind_graph_metadata(bs, num_tokens, fb_view)
+        self._graph_metadata[bs] = md
+        self.init_forward_metadata_replay(bs, fb_view)
+        return md
 
     def init_forward_metadata_replay(
         self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
     ) -> None:
         """Refill the bucket's bound buffers in place for this step's (padded) batch."""
+        md = self._graph_metadata.get(bs)
+        if md is None:
+            raise KeyError(
+                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
+            )
+        self.fill_graph_metadata(md, bs, fb_view, seq_lens_cpu)
+
+    def bind_graph_metadata(self, bs: int, num_tokens: int, fb_view: ForwardBatch) -> Any:
+        """A metadata object for one bucket whose tensors are slices of the graph buffers
+        allocated by `init_graph_state` (values are filled by `fill_graph_metadata`)."""
         raise GraphCaptureUnsupportedError(
             f"attention backend {self.name!r} does not support graph capture"
         )
+
+    def fill_graph_metadata(
+        self, md: Any, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None
+    ) -> None:
+        """Write this step's runtime values into a bucket's bound buffers, in place; from
+        device data only when `needs_cpu_seq_lens` is False."""
+        raise GraphCaptureUnsupportedError(
+            f"attention backend {self.name!r} does not support graph capture"
+        )
+
+    def store_kv(
+        self, layer_id: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' K/V at `fb.out_cache_loc`; the layer's (K, V) buffers."""
+        k_buffer = self.kv_pool.k_buffer(layer_id)
+        v_buffer = self.kv_pool.v_buffer(layer_id)
+        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+        return k_buffer, v_buffer
 
     def graph_seq_len_fill_value(self) -> int:
         """`seq_lens` of a padded row: one token, read from the reserved slot 0 via row 0."""

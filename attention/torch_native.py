@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from attention.base import AttentionBackend
 from ops.host_read_guard import host_mirror_read
 from ops.host_transfer import to_host
-from ops.kv_store import store_kv
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
@@ -62,9 +61,7 @@ class TorchNativeBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        k_buffer = self.kv_pool.k_buffer(layer_id)
-        v_buffer = self.kv_pool.v_buffer(layer_id)
-        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
 
         md: TorchNativeMetadata = fb.attn_metadata
         req_to_token = self.req_to_token_pool.req_to_token

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
-from ops.kv_store import store_kv
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
@@ -78,7 +77,6 @@ class TorchPagedBackend(AttentionBackend):
         # Key positions 0..max_context_len-1; every mask compares against a prefix of it.
         self._kv_positions = torch.arange(self.max_context_len, device=self.device)
         self._graph: _GraphBuffers | None = None
-        self._graph_metadata: dict[int, TorchPagedMetadata] = {}
         self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
 
     # --- eager -------------------------------------------------------------------------
@@ -112,7 +110,7 @@ class TorchPagedBackend(AttentionBackend):
         )
         self._graph_metadata.clear()
 
-    def init_forward_metadata_capture(
+    def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch
     ) -> TorchPagedMetadata:
         if self._graph is None:
@@ -125,18 +123,15 @@ class TorchPagedBackend(AttentionBackend):
         if bs > self._graph.kv_slots.shape[0]:
             raise ValueError(f"bucket bs={bs} exceeds max_bs={self._graph.kv_slots.shape[0]}")
         md = TorchPagedMetadata(kv_slots=self._graph.kv_slots[:bs], mask=self._graph.mask[:bs])
-        self._graph_metadata[bs] = md
-        self.init_forward_metadata_replay(bs, fb_view)
         return md
 
-    def init_forward_metadata_replay(
-        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+    def fill_graph_metadata(
+        self,
+        md: TorchPagedMetadata,
+        bs: int,
+        fb_view: ForwardBatch,
+        seq_lens_cpu: torch.Tensor | None,
     ) -> None:
-        md = self._graph_metadata.get(bs)
-        if md is None:
-            raise KeyError(
-                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
-            )
         self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
 
     # --- metadata fills (device-only, in place; shared by eager, capture and replay) ---
@@ -194,9 +189,7 @@ class TorchPagedBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        k_buffer = self.kv_pool.k_buffer(layer_id)
-        v_buffer = self.kv_pool.v_buffer(layer_id)
-        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
 
         md: TorchPagedMetadata = fb.attn_metadata
         bs, kv_bound = md.kv_slots.shape

@@ -21,7 +21,6 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
 from attention.triton import launch
-from ops.kv_store import store_kv
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
@@ -98,7 +97,6 @@ class TritonAttnBackend(AttentionBackend):
             )
         self.num_sms = num_sms
         self._graph: _GraphBuffers | None = None
-        self._graph_metadata: dict[int, TritonDecodeMetadata] = {}
 
     def _decode_launch(self, bs: int) -> launch.DecodeLaunch:
         lay = self.layout
@@ -181,7 +179,7 @@ class TritonAttnBackend(AttentionBackend):
         )
         self._graph_metadata.clear()
 
-    def init_forward_metadata_capture(
+    def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch
     ) -> TritonDecodeMetadata:
         if self._graph is None:
@@ -202,18 +200,15 @@ class TritonAttnBackend(AttentionBackend):
             att_lse=g.att_lse[:bs],
             launch=self._decode_launch(bs),
         )
-        self._graph_metadata[bs] = md
-        self.init_forward_metadata_replay(bs, fb_view)
         return md
 
-    def init_forward_metadata_replay(
-        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+    def fill_graph_metadata(
+        self,
+        md: TritonDecodeMetadata,
+        bs: int,
+        fb_view: ForwardBatch,
+        seq_lens_cpu: torch.Tensor | None,
     ) -> None:
-        md = self._graph_metadata.get(bs)
-        if md is None:
-            raise KeyError(
-                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
-            )
         self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
 
     def _fill_decode(
@@ -240,9 +235,7 @@ class TritonAttnBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        k_buffer = self.kv_pool.k_buffer(layer_id)
-        v_buffer = self.kv_pool.v_buffer(layer_id)
-        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
+        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
         out = torch.empty_like(q)
         md = fb.attn_metadata
         if isinstance(md, TritonDecodeMetadata):
