@@ -131,6 +131,7 @@ def batch_from_proto(msg: pb.ForwardBatch) -> ForwardBatch:
         extend_prefix_lens=_optional(msg, "extend_prefix_lens"),
         extend_seq_lens=_optional(msg, "extend_seq_lens"),
         prefix_cache_loc=_optional(msg, "prefix_cache_loc"),
+        released_req_pool_indices=_optional(msg, "released_req_pool_indices"),
         input_embeds=input_embeds,
         sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
@@ -153,6 +154,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
         "extend_prefix_lens",
         "extend_seq_lens",
         "prefix_cache_loc",
+        "released_req_pool_indices",
         "input_embeds",
     ):
         value = getattr(fb, name)

@@ -138,6 +138,9 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     input_embeds: torch.Tensor | None = None  # [T, hidden] instead of input_ids
     prefix_cache_loc: torch.Tensor | None = None  # EXTEND: [sum(prefix)] slots of a cached prefix
+    # Host only: rows the scheduler freed since its last batch; their resident length drops to
+    # 0 before this step runs (a freed row may be reused by a new request in the same batch).
+    released_req_pool_indices: torch.Tensor | None = None  # [n]
     sampling: SamplingBatch | None = None  # None: greedy for every request
     return_logprob: bool = False
     top_logprobs_num: int = 0

@@ -24,7 +24,9 @@ class RowWrite:
     cols: torch.Tensor  # [n]
     old_values: torch.Tensor  # [n] int32
     touched_rows: np.ndarray  # [bs]
-    old_lens: np.ndarray  # [bs] resident lengths before the write
+    old_lens: np.ndarray  # [bs] resident lengths before the write (after the releases)
+    released_rows: np.ndarray  # [n] rows the batch released first
+    released_old_lens: np.ndarray  # [n] their resident lengths before
 
 
 class ReqToTokenPool:
@@ -48,13 +50,32 @@ class ReqToTokenPool:
         return int(np.count_nonzero(self.resident_lens[1:]))
 
     def write_batch(self, fb: ForwardBatch) -> RowWrite:
-        """`req_to_token[row, prefix:seq_len] = out_cache_loc` for a completed host batch (and
-        `[:prefix] = prefix_cache_loc` when given); the rows then hold `seq_lens` tokens.
+        """For a completed host batch: first its released rows hold nothing, then
+        `req_to_token[row, prefix:seq_len] = out_cache_loc` (and `[:prefix] = prefix_cache_loc`
+        when given); the batch's rows then hold `seq_lens` tokens.
 
         Cells of one batch never collide (rows and their positions are unique), so the
-        returned undo restores the table exactly.
+        returned undo restores the table and the resident lengths exactly.
         """
+        released = (
+            fb.released_req_pool_indices.numpy().copy()
+            if fb.released_req_pool_indices is not None
+            else np.zeros(0, dtype=np.int64)
+        )
+        released_old = self.resident_lens[released].copy()
+        self.resident_lens[released] = 0
         rpi = fb.req_pool_indices
+        if fb.forward_mode is ForwardMode.IDLE:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return RowWrite(
+                empty,
+                empty,
+                torch.zeros(0, dtype=torch.int32, device=self.device),
+                np.zeros(0, dtype=np.int64),
+                np.zeros(0, dtype=np.int64),
+                released,
+                released_old,
+            )
         if fb.forward_mode is ForwardMode.EXTEND:
             assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
             assert fb.extend_start_loc is not None
@@ -82,13 +103,17 @@ class ReqToTokenPool:
         touched = rpi.numpy().copy()
         old_lens = self.resident_lens[touched].copy()
         self.resident_lens[touched] = fb.seq_lens.numpy()
-        return RowWrite(
-            rows=rows, cols=cols, old_values=old_values, touched_rows=touched, old_lens=old_lens
-        )
+        return RowWrite(rows, cols, old_values, touched, old_lens, released, released_old)
 
     def undo(self, write: RowWrite) -> None:
+        """Exactly the state before `write_batch` (the releases are undone last)."""
         self.req_to_token[write.rows, write.cols] = write.old_values
         self.resident_lens[write.touched_rows] = write.old_lens
+        self.resident_lens[write.released_rows] = write.released_old_lens
+
+    def slots_in_use(self) -> int:
+        """Slots referenced by live rows (a slot shared by two rows' prefixes counts twice)."""
+        return int(self.resident_lens[1:].sum())
 
 
 class KVPool:

@@ -102,10 +102,10 @@ class _ScrapeTimeCollector(Collector):
         for name, doc, read in (
             ("queue_depth", "Batches waiting for the device (not counting the running one).",
              src.queue_depth if src else None),
-            ("kv_slots_used", "KV slots referenced by resident request rows (sum of their "
-             "resident lengths; a prefix shared by several rows counts once per row).",
+            ("kv_slots_used", "KV slots referenced by live (unreleased) request rows (sum of "
+             "their resident lengths; a prefix shared by several rows counts once per row).",
              src.kv_slots_used if src else None),
-            ("req_rows_used", "Request rows holding at least one resident token.",
+            ("req_rows_used", "Request rows holding at least one resident token, not released.",
              src.req_rows_used if src else None),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(PREFIX + name, doc)

@@ -429,9 +429,7 @@ class ModelExecutor:
         assert host.sampling is not None
         t0 = time.perf_counter_ns()
         plan = self.sampler.plan(host.sampling)
-        write = (
-            self.req_to_token_pool.write_batch(host) if not host.forward_mode.is_idle() else None
-        )
+        write = self.req_to_token_pool.write_batch(host)  # IDLE too: it may release rows
         try:
             with self.device_step_guard():
                 fb = host.to(self.device)
@@ -449,10 +447,9 @@ class ModelExecutor:
                 )
                 logits = to_host(out.logits, "logits") if return_logits else None
         except BaseException:
-            if write is not None:
-                self.req_to_token_pool.undo(write)
+            self.req_to_token_pool.undo(write)
             raise
-        if write is not None and not keep_rows:
+        if not keep_rows:
             self.req_to_token_pool.undo(write)
         t3 = time.perf_counter_ns()
         return out, sample, logits, {"stage": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}

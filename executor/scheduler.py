@@ -9,19 +9,23 @@ or a remote one through the gRPC client.
 
 Policy: prefill first (one EXTEND batch of waiting chunks), otherwise one DECODE batch of
 every running request. Slots for a request's whole budget (prompt + max_new_tokens) are
-reserved at admission, so a running request never runs out of cache.
+reserved at admission, so a running request never runs out of cache. A finished request's
+row is released to the executor on the next batch (`released_req_pool_indices`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from executor.allocator import KVAllocator
-from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
 
@@ -75,6 +79,9 @@ class ReferenceScheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Rows freed since the last batch: the next batch tells the executor (it then counts
+        # only live rows and refuses a stale prefix in a reused row).
+        self.released_rows: list[int] = []
         self._ids = itertools.count(1)
 
     def add_request(
@@ -119,9 +126,23 @@ class ReferenceScheduler:
         return bool(self.waiting or self.running)
 
     def run(self) -> None:
-        """Step until every request has finished."""
+        """Step until every request has finished, then tell the executor which rows are free."""
         while self.has_work():
             self.step()
+        self.flush_releases()
+
+    def flush_releases(self) -> None:
+        """Send pending row releases now, on an IDLE step (no device work)."""
+        if self.released_rows:
+            self._forward(make_idle_batch())
+
+    def _forward(self, batch: ForwardBatch) -> StepResult:
+        if self.released_rows:
+            released = torch.tensor(self.released_rows, dtype=torch.int64)
+            batch = dataclasses.replace(batch, released_req_pool_indices=released)
+        out = self.forward(batch)
+        self.released_rows.clear()  # only once the executor took them (a refused batch keeps them)
+        return out
 
     def step(self) -> list[Request]:
         """Admit, run one batch, and return the requests that finished in it."""
@@ -131,7 +152,7 @@ class ReferenceScheduler:
             if self.waiting:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
-        out = self.forward(batch)
+        out = self._forward(batch)
         tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
         finished = []
         for req, token, end in zip(members, tokens, chunk_ends, strict=True):
@@ -144,6 +165,7 @@ class ReferenceScheduler:
         for req in finished:
             self.running.remove(req)
             self.allocator.free(req.row, req.slots)
+            self.released_rows.append(req.row)
         return finished
 
     def _admit(self) -> None:

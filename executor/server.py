@@ -196,7 +196,7 @@ def start_server(
                 executor.info,
                 LiveSources(
                     queue_depth=lambda: worker.depth,
-                    kv_slots_used=lambda: int(pool.resident_lens[1:].sum()),
+                    kv_slots_used=pool.slots_in_use,
                     req_rows_used=pool.rows_in_use,
                 ),
             )

@@ -103,6 +103,7 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
             f"the batch has {num_tokens} tokens; must be <= max_tokens_per_batch ({limits.max_tokens_per_batch})",
         )
 
+    released = _check_released(fb, limits)
     if fb.forward_mode is ForwardMode.IDLE:
         if bs != 0 or num_tokens != 0:
             raise BatchValidationError(
@@ -128,6 +129,8 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
         _check_range(positions, "positions", 0, limits.max_context_len - 1)
 
     held = torch.from_numpy(resident_lens[rows.long().numpy()])
+    if released is not None:  # released first: such a row holds nothing for this step
+        held = torch.where(torch.isin(rows, released), 0, held)
     if fb.forward_mode is ForwardMode.EXTEND:
         _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
     else:
@@ -142,6 +145,17 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
         raise BatchValidationError(
             "top_logprobs_num", f"must be in 0..{limits.vocab_size}, got {fb.top_logprobs_num!r}"
         )
+
+
+def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | None:
+    if fb.released_req_pool_indices is None:
+        return None
+    released = _check_tensor(
+        fb.released_req_pool_indices, "released_req_pool_indices", dtypes=_INT_DTYPES, ndim=1
+    )
+    _check_range(released, "released_req_pool_indices", 1, limits.max_reqs)
+    _check_unique(released, "released_req_pool_indices", "released rows")
+    return released
 
 
 def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> None:

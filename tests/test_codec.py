@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -73,6 +74,7 @@ def test_batch_round_trip_keeps_every_field() -> None:
         return_logprob=True,
         top_logprobs_num=5,
     )
+    fb = dataclasses.replace(fb, released_req_pool_indices=torch.tensor([7, 8]))
     back = batch_from_proto(batch_to_proto(fb))
     assert back.forward_mode is ForwardMode.EXTEND and back.batch_size == 2
     for name in (
@@ -83,6 +85,7 @@ def test_batch_round_trip_keeps_every_field() -> None:
         "extend_prefix_lens",
         "extend_seq_lens",
         "prefix_cache_loc",
+        "released_req_pool_indices",
     ):
         assert torch.equal(getattr(back, name), getattr(fb, name)), name
     assert back.positions is None and back.input_embeds is None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.errors import BatchValidationError
 from executor.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.scheduler import ReferenceScheduler, generate
@@ -210,3 +212,70 @@ def test_seeded_generation_is_reproducible_across_batches(make_executor: MakeExe
     sched.run()
     assert mine.output_ids == alone
     assert len(other.output_ids) == 10
+
+
+def test_released_rows_hold_nothing_and_a_stale_prefix_is_refused(
+    make_executor: MakeExecutor,
+) -> None:
+    ex = make_executor()
+    _prefill_logits(ex, [3, 4, 5, 6, 7], row=1, first_slot=1)
+    _prefill_logits(ex, [8, 9], row=2, first_slot=10)
+    pool = ex.req_to_token_pool
+    assert (pool.rows_in_use(), pool.slots_in_use()) == (2, 7)
+    idle = dataclasses.replace(make_idle_batch(), released_req_pool_indices=torch.tensor([1]))
+    ex.forward(idle)
+    assert (pool.rows_in_use(), pool.slots_in_use()) == (1, 2)
+    stale = make_extend_batch(
+        input_ids=[[1]], req_pool_indices=[1], out_cache_loc=[[20]], prefix_lens=[5]
+    )
+    with pytest.raises(BatchValidationError, match="row 1 holds 0 tokens"):
+        ex.forward(stale)
+
+
+def test_a_row_released_and_reused_in_one_batch_starts_fresh(make_executor: MakeExecutor) -> None:
+    ex = make_executor()
+    _prefill_logits(ex, [3, 4, 5, 6, 7], row=1, first_slot=1)
+    fresh = make_extend_batch(
+        input_ids=[[40, 41, 42]], req_pool_indices=[1], out_cache_loc=[[30, 31, 32]]
+    )
+    reused = ex.forward(
+        dataclasses.replace(fresh, released_req_pool_indices=torch.tensor([1])), return_logits=True
+    )
+    assert ex.req_to_token_pool.resident_lens[1] == 3
+    alone = _prefill_logits(make_executor(), [40, 41, 42], row=1, first_slot=30)
+    torch.testing.assert_close(reused.logits[0], alone, atol=1e-5, rtol=0)
+    # A prefix the released row no longer holds is refused even though it held 5 before.
+    both = make_extend_batch(
+        input_ids=[[1]], req_pool_indices=[1], out_cache_loc=[[33]], prefix_lens=[4]
+    )
+    with pytest.raises(BatchValidationError, match="extend_prefix_lens"):
+        ex.forward(dataclasses.replace(both, released_req_pool_indices=torch.tensor([1])))
+    assert ex.req_to_token_pool.resident_lens[1] == 3  # the refused release changed nothing
+
+
+def test_a_failed_step_undoes_its_releases(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ex = make_executor()
+    _prefill_logits(ex, [3, 4, 5], row=1, first_slot=1)
+    _prefill_logits(ex, [6, 7], row=2, first_slot=10)
+    before = ex.req_to_token_pool.resident_lens.copy()
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(ex.sampler, "sample", boom)
+    step = make_decode_batch(input_ids=[9], req_pool_indices=[2], seq_lens=[3], out_cache_loc=[12])
+    with pytest.raises(RuntimeError, match="device fell over"):
+        ex.forward(dataclasses.replace(step, released_req_pool_indices=torch.tensor([1])))
+    assert (ex.req_to_token_pool.resident_lens == before).all()
+
+
+def test_the_reference_scheduler_releases_every_row_it_used(make_executor: MakeExecutor) -> None:
+    ex = make_executor(max_tokens_per_batch=16)
+    sched = ReferenceScheduler(ex.forward, ex.limits)
+    for p in [*PROMPTS, list(range(1, 40))]:
+        sched.add_request(p, max_new_tokens=6, ignore_eos=True)
+    sched.run()
+    assert ex.req_to_token_pool.rows_in_use() == 0 and ex.req_to_token_pool.slots_in_use() == 0
+    assert sched.released_rows == []

@@ -23,7 +23,7 @@ from executor.scheduler import ReferenceScheduler, generate
 from executor.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
-from tests.server_util import running_server, tiny_config
+from tests.server_util import Scrape, running_server, tiny_config
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 77, 250, 12, 9, 31], [9]]
 
@@ -301,3 +301,17 @@ def test_reference_scheduler_through_the_server_equals_in_process(
     expected = generate(ex.forward, ex.limits, PROMPTS, max_new_tokens=12, ignore_eos=True)
     assert [r.output_ids for r in reqs] == expected
     assert [streamed[r.rid] for r in reqs] == expected  # tokens were streamed back as they came
+
+
+def test_rows_the_scheduler_releases_stop_counting_as_used(tmp_path: Path) -> None:
+    with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
+        remote = c.info()
+        sched = ReferenceScheduler(c.forward, remote.info.limits, remote.info.eos_token_ids)
+        for p in PROMPTS:
+            sched.add_request(p, max_new_tokens=4, ignore_eos=True)
+        sched.step()  # the prefill: four rows now hold tokens
+        assert Scrape(srv).get("model_executor_req_rows_used") == 4
+        sched.run()  # finishes, then releases every row on an IDLE step
+        scrape = Scrape(srv)
+        assert scrape.get("model_executor_req_rows_used") == 0
+        assert scrape.get("model_executor_kv_slots_used") == 0

@@ -147,6 +147,31 @@ BAD_DECODES: list[tuple[str, Callable[[int], ForwardBatch], str]] = [
         "forward_mode",
     ),
     ("unknown mode", lambda t: _replace(good_decode(t), forward_mode=7), "forward_mode"),
+    (
+        "release row 0",
+        lambda t: _replace(good_decode(t), released_req_pool_indices=_t([0])),
+        "released_req_pool_indices[0]",
+    ),
+    (
+        "release past max_reqs",
+        lambda t: _replace(good_decode(t), released_req_pool_indices=_t([99])),
+        "released_req_pool_indices[0]",
+    ),
+    (
+        "release twice",
+        lambda t: _replace(good_decode(t), released_req_pool_indices=_t([3, 3])),
+        "released_req_pool_indices",
+    ),
+    (
+        "release float rows",
+        lambda t: _replace(good_decode(t), released_req_pool_indices=torch.tensor([1.0])),
+        "released_req_pool_indices",
+    ),
+    (
+        "release the decoding row",
+        lambda t: _replace(good_decode(t), released_req_pool_indices=_t([1])),
+        "seq_lens[0]",
+    ),
 ]
 
 
