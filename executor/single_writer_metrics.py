@@ -12,6 +12,7 @@ Only the thread that runs steps may call `inc` / `observe`; `labels` may be call
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 
@@ -43,7 +44,7 @@ class HistogramChild:
         self.sum += value
 
 
-class _Family(Collector):
+class _Family(ABC, Collector):
     def __init__(
         self, name: str, doc: str, labelnames: Sequence[str], registry: CollectorRegistry
     ) -> None:
@@ -69,8 +70,9 @@ class _Family(Collector):
     def describe(self) -> Iterator[Metric]:
         yield self._empty()
 
+    @abstractmethod
     def _empty(self) -> Metric:
-        raise NotImplementedError
+        """This family's metric with no samples (its type and help)."""
 
 
 class SingleWriterCounter(_Family):
