@@ -53,7 +53,7 @@ def capture_buckets(
                 log.warning("graph capture failed", kind=kind, size=size, error=report.failed[size])
                 continue
             report.captured.append(size)
-            log.debug(
+            log.info(
                 "graph captured", kind=kind, size=size, seconds=round(time.perf_counter() - t, 4)
             )
     report.seconds = time.perf_counter() - t0
