@@ -90,6 +90,21 @@ class AttentionBackend(ABC):
             )
         self.fill_graph_metadata(md, bs, fb_view, seq_lens_cpu)
 
+    def check_decode_bucket(
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch, graph_state: object, max_bs: int
+    ) -> None:
+        """The precondition of a decode-only capture: graph state allocated, a DECODE batch
+        (one token per request), a bucket within the allocated maximum."""
+        if graph_state is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
+            raise GraphCaptureUnsupportedError(
+                f"attention backend {self.name!r} captures DECODE batches only "
+                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
+            )
+        if bs > max_bs:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={max_bs}")
+
     def bind_graph_metadata(self, bs: int, num_tokens: int, fb_view: ForwardBatch) -> Any:
         """A metadata object for one bucket whose tensors are slices of the graph buffers
         allocated by `init_graph_state` (values are filled by `fill_graph_metadata`)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
+from attention.base import AttentionBackend, AttentionLayout
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
@@ -113,17 +113,10 @@ class TorchPagedBackend(AttentionBackend):
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch
     ) -> TorchPagedMetadata:
-        if self._graph is None:
-            raise RuntimeError("init_graph_state must run before capture")
-        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
-            raise GraphCaptureUnsupportedError(
-                f"attention backend {self.name!r} captures DECODE batches only "
-                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
-            )
-        if bs > self._graph.kv_slots.shape[0]:
-            raise ValueError(f"bucket bs={bs} exceeds max_bs={self._graph.kv_slots.shape[0]}")
-        md = TorchPagedMetadata(kv_slots=self._graph.kv_slots[:bs], mask=self._graph.mask[:bs])
-        return md
+        g = self._graph
+        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.kv_slots.shape[0] if g else 0)
+        assert g is not None
+        return TorchPagedMetadata(kv_slots=g.kv_slots[:bs], mask=g.mask[:bs])
 
     def fill_graph_metadata(
         self,

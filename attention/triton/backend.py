@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupportedError
+from attention.base import AttentionBackend, AttentionLayout
 from attention.triton import launch
 
 if TYPE_CHECKING:
@@ -182,16 +182,9 @@ class TritonAttnBackend(AttentionBackend):
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch
     ) -> TritonDecodeMetadata:
-        if self._graph is None:
-            raise RuntimeError("init_graph_state must run before capture")
-        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
-            raise GraphCaptureUnsupportedError(
-                f"attention backend {self.name!r} captures DECODE batches only "
-                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
-            )
         g = self._graph
-        if bs > g.num_kv_splits.shape[0]:
-            raise ValueError(f"bucket bs={bs} exceeds max_bs={g.num_kv_splits.shape[0]}")
+        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.num_kv_splits.shape[0] if g else 0)
+        assert g is not None
         md = TritonDecodeMetadata(
             kv_indptr=g.kv_indptr[: bs + 1],
             kv_indices=g.kv_indices,
