@@ -20,13 +20,13 @@ from collections.abc import Callable
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
-from executor.codec import batch_from_proto, batch_to_proto
+from executor.client.grpc_client import ExecutorClient
 from executor.config import ExecutorConfig
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
-from executor.server import start_server
-from executor.server_config import ServerConfig
+from executor.service.codec import batch_from_proto, batch_to_proto
+from executor.service.server import start_server
+from executor.service.server_config import ServerConfig
 from model_executor.v1 import executor_pb2 as pb
 
 PROMPT_LEN = 16

@@ -4,7 +4,7 @@
     python docs/gen_configuration.py --check  # exit 1 if they are out of date
 
 Only the text between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED: name -->` is
-replaced (one block per dataclass, from `executor.settings.describe`); the prose around it is
+replaced (one block per dataclass, from `executor.service.settings.describe`); the prose around it is
 written by hand. `tests/test_docs.py` fails when the file is out of date.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor.config import ExecutorConfig
-from executor.server_config import ServerConfig
-from executor.settings import describe
+from executor.service.server_config import ServerConfig
+from executor.service.settings import describe
 
 DOC = Path(__file__).resolve().parent / "configuration.md"
 BLOCKS: dict[str, type] = {"executor": ExecutorConfig, "server": ServerConfig}

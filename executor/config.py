@@ -17,7 +17,10 @@ from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GRAPH_MODES = ("auto", "none", "decode", "extend", "both")
+# The graph modes a running executor is in; `auto` is a start-up value only, resolved before
+# the executor runs.
+RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
+GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
 NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 
 
@@ -31,7 +34,7 @@ class ExecutorConfig:
     """What the executor is built from. Every field has a default a newcomer can run with.
 
     Each field is also a CLI flag (`--kv-slots`) and an environment variable
-    (`MODEL_EXECUTOR_KV_SLOTS`); see :mod:`executor.settings`.
+    (`MODEL_EXECUTOR_KV_SLOTS`); see :mod:`executor.service.settings`.
     """
 
     model: str = setting(

@@ -25,6 +25,7 @@ from attention.selection import SeqLensPolicy
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
+    RUNTIME_GRAPH_MODES,
     ExecutorConfig,
     resolve_cache_dir,
     resolve_device,
@@ -41,12 +42,11 @@ from executor.graphs.buckets import (
 )
 from executor.graphs.capture import CaptureReport
 from executor.kv_cache import KVPool, ReqToTokenPool
-from executor.model_runner import GRAPH_MODES as RUNNER_GRAPH_MODES
 from executor.model_runner import GraphSettings, ModelRunner, RunnerOutput, wants_decode_graphs
 from executor.models.loader import LoadedModel, load_model
+from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.observer import ExecutorObserver, NullObserver
 from executor.sampling import SampleOutput, Sampler
-from executor.tokenizer import Tokenizer, load_tokenizer
 from executor.validation import BatchLimits, validate_batch
 from ops.host_transfer import host_transfers, to_host
 
@@ -236,9 +236,9 @@ class ModelExecutor:
         while needs_cpu_seq_lens is forced off."""
         if mode == "auto":
             mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
-        if mode not in RUNNER_GRAPH_MODES:
+        if mode not in RUNTIME_GRAPH_MODES:
             raise ToggleRefusedError(
-                f"graph_mode must be one of auto, {', '.join(RUNNER_GRAPH_MODES)}, got {mode!r}"
+                f"graph_mode must be one of auto, {', '.join(RUNTIME_GRAPH_MODES)}, got {mode!r}"
             )
         if wants_decode_graphs(mode) and not self.attn_backend.supports_graph_capture:
             raise ToggleRefusedError(

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from attention.base import AttentionBackend
+from executor.config import RUNTIME_GRAPH_MODES
 from executor.eager_inputs import EagerInputs
 from executor.forward_batch import ForwardBatch
 from executor.graphs.capture import CaptureReport
@@ -28,8 +29,6 @@ from executor.runner_output import RunnerOutput
 from registry import FillStats
 
 log = structlog.get_logger(__name__)
-
-GRAPH_MODES = ("none", "decode", "extend", "both")
 
 
 def wants_decode_graphs(mode: str) -> bool:
@@ -80,8 +79,10 @@ class ModelRunner:
     # --- graphs --------------------------------------------------------------------------
     def enable_graphs(self, mode: str, *, progress: bool = True) -> list[CaptureReport]:
         """Switch to `mode`, capturing the runners it needs that were not captured yet."""
-        if mode not in GRAPH_MODES:
-            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+        if mode not in RUNTIME_GRAPH_MODES:
+            raise ValueError(
+                f"graph_mode must be one of {', '.join(RUNTIME_GRAPH_MODES)}, got {mode!r}"
+            )
         reports: list[CaptureReport] = []
         if mode != "none" and self.graph_settings is None:
             raise ValueError("this runner was built without graph settings")

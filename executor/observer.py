@@ -1,6 +1,6 @@
 """What the executor reports while it runs, beyond each step's `StepStats`.
 
-The executor calls these hooks; the server's metrics (:class:`executor.metrics.ExecutorMetrics`)
+The executor calls these hooks; the server's metrics (:class:`executor.observability.metrics.ExecutorMetrics`)
 implement them. In-process users get :class:`NullObserver`, which does nothing. The hooks
 run on the device thread: they must be quick and must not raise.
 """

@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor.config import ExecutorConfig
-from executor.server import RunningServer, start_server
-from executor.server_config import ServerConfig
+from executor.service.server import RunningServer, start_server
+from executor.service.server_config import ServerConfig
 
 
 def free_port() -> int:

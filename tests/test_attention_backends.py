@@ -19,9 +19,9 @@ from attention import (
     create_backend,
 )
 from executor.batch_prep import length_bound, make_decode_batch, make_extend_batch
+from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.model_executor import ModelExecutor
-from executor.scheduler import generate
 from ops.host_read_guard import ForbiddenValue, HostReadGuard
 from tests.attention_cases import Case, make_case, make_layout, random_lengths, run
 

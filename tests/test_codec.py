@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.codec import (
+from executor.errors import BatchValidationError
+from executor.forward_batch import ForwardMode, SamplingParams
+from executor.model_executor import ForwardOutput, StepStats
+from executor.service.codec import (
     batch_from_proto,
     batch_to_proto,
     response_from_proto,
@@ -18,9 +21,6 @@ from executor.codec import (
     tensor_from_proto,
     tensor_to_proto,
 )
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardMode, SamplingParams
-from executor.model_executor import ForwardOutput, StepStats
 from model_executor.v1 import executor_pb2 as pb
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 from grpc_health.v1 import health_pb2
 
-from executor.server import SERVICE_NAME
-from executor.server_config import ServerConfig
+from executor.service.server import SERVICE_NAME
+from executor.service.server_config import ServerConfig
 from tests.server_util import free_port, running_server, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

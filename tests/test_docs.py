@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from executor.metrics import ExecutorMetrics
+from executor.observability.metrics import ExecutorMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,8 +32,8 @@ def test_configuration_md_is_up_to_date() -> None:
 
 def test_configuration_md_lists_every_flag_and_env_var() -> None:
     from executor.config import ExecutorConfig
-    from executor.server_config import ServerConfig
-    from executor.settings import describe
+    from executor.service.server_config import ServerConfig
+    from executor.service.settings import describe
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     for cls in (ExecutorConfig, ServerConfig):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.client.scheduler import ReferenceScheduler, generate
 from executor.errors import BatchValidationError
 from executor.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
-from executor.scheduler import ReferenceScheduler, generate
 
 MakeExecutor = Callable[..., ModelExecutor]
 PROMPTS = [

@@ -18,10 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from executor import settings
 from executor.config import ExecutorConfig
-from executor.server import SERVICE_NAME
-from executor.server_config import ServerConfig
+from executor.service import settings
+from executor.service.server import SERVICE_NAME
+from executor.service.server_config import ServerConfig
 from tests.helm_render import (
     ALL_OPTIONS,
     CHART,

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from executor.batch_prep import make_extend_batch
+from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
 from executor.models.hf_loader import save_hf_directory
 from executor.models.loader import packaged_smollm2_path
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
-from executor.scheduler import generate
 
 transformers = pytest.importorskip("transformers")
 

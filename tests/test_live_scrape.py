@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
-from executor.runtime_config import RuntimeConfigUpdate
+from executor.client.grpc_client import ExecutorClient
+from executor.service.runtime_config import RuntimeConfigUpdate
 from tests.prometheus_tools import PrometheusBinaries, running_prometheus
 from tests.promql_sources import RULES, all_queries, metric_names
 from tests.server_util import running_server, tiny_config

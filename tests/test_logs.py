@@ -12,12 +12,12 @@ import grpc
 import pytest
 import structlog
 
-import executor.logs
+import executor.observability.logs
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
-from executor.codec import batch_to_proto
-from executor.logs import configure_logging
-from executor.runtime_config import RuntimeConfigUpdate
+from executor.client.grpc_client import ExecutorClient
+from executor.observability.logs import configure_logging
+from executor.service.codec import batch_to_proto
+from executor.service.runtime_config import RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import running_server, tiny_config
@@ -28,14 +28,14 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 @pytest.fixture
 def json_logs() -> Iterator[io.StringIO]:
     """structlog writing JSON lines at debug level into a buffer; the old set-up restored."""
-    saved, level = structlog.get_config(), executor.logs._current_level
+    saved, level = structlog.get_config(), executor.observability.logs._current_level
     buffer = io.StringIO()
     configure_logging("debug", "json", stream=buffer)
     try:
         yield buffer
     finally:
         structlog.configure(**saved)
-        executor.logs._current_level = level
+        executor.observability.logs._current_level = level
 
 
 def test_every_line_is_json_and_step_lines_carry_batch_and_trace_ids(

@@ -12,13 +12,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
-from executor.codec import batch_to_proto
-from executor.metrics import ExecutorMetrics
+from executor.client.grpc_client import ExecutorClient
 from executor.model_executor import ForwardOutput, StepStats
-from executor.runtime_config import RuntimeConfigUpdate
-from executor.server import RunningServer
-from executor.single_writer_metrics import SingleWriterCounter, SingleWriterHistogram
+from executor.observability.metrics import ExecutorMetrics
+from executor.observability.single_writer_metrics import SingleWriterCounter, SingleWriterHistogram
+from executor.service.codec import batch_to_proto
+from executor.service.runtime_config import RuntimeConfigUpdate
+from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import Scrape, running_server, tiny_config

@@ -11,15 +11,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-import executor.logs
-from executor import cli
-from executor.auth import TokenCheck, read_token
+import executor.observability.logs
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
+from executor.client import cli
+from executor.client.grpc_client import ExecutorClient
 from executor.errors import RuntimeConfigError, ToggleRefusedError
 from executor.model_executor import ModelExecutor
-from executor.runtime_config import RuntimeConfig, RuntimeConfigUpdate, parse_assignments
-from executor.server import RunningServer
+from executor.service.auth import TokenCheck, read_token
+from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate, parse_assignments
+from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import running_server, tiny_config
@@ -374,7 +374,7 @@ def test_cli_config_get_and_set(
     target = ["--target", f"127.0.0.1:{server.port}"]
     assert cli.main(["config", "get", *target]) == 0
     assert _printed_json(capsys) == DEFAULTS.__dict__
-    level = executor.logs.current_level()
+    level = executor.observability.logs.current_level()
     try:
         assert (
             cli.main(["config", "set", "eager_input_no_copy=true", "log_level=warning", *target])

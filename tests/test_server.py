@@ -16,11 +16,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
-from executor.codec import batch_to_proto
+from executor.client.grpc_client import ExecutorClient
+from executor.client.scheduler import ReferenceScheduler, generate
 from executor.model_executor import ModelExecutor
-from executor.scheduler import ReferenceScheduler, generate
-from executor.server import RunningServer
+from executor.service.codec import batch_to_proto
+from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import Scrape, running_server, tiny_config

@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-import executor.server
+import executor.service.server
 from executor.batch_prep import make_extend_batch
-from executor.client import ExecutorClient
+from executor.client.grpc_client import ExecutorClient
 from executor.model_executor import ModelExecutor
-from executor.server import start_server
-from executor.server_config import ServerConfig
+from executor.service.server import start_server
+from executor.service.server_config import ServerConfig
 from tests.server_util import free_port, tiny_config
 
 
@@ -34,7 +34,7 @@ def test_health_moves_not_serving_serving_not_serving(
             warmup_gate.wait(30)
             super().warmup()
 
-    monkeypatch.setattr(executor.server, "ModelExecutor", SlowToWarm)
+    monkeypatch.setattr(executor.service.server, "ModelExecutor", SlowToWarm)
     running = start_server(
         tiny_config(tmp_path), ServerConfig(port=0, metrics_port=0, drain_grace_s=10)
     )

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from executor import settings
-from executor.cli import build_parser
+from executor.client.cli import build_parser
 from executor.config import ExecutorConfig
-from executor.server_config import ServerConfig
+from executor.service import settings
+from executor.service.server_config import ServerConfig
 
 
 def _serve_args(*argv: str) -> dict:

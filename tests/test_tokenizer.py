@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from executor.models.loader import packaged_smollm2_path, resolve_model_spec
-from executor.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+from executor.models.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client import ExecutorClient
-from executor.codec import batch_to_proto
-from executor.runtime_config import RuntimeConfigUpdate
-from executor.server import RunningServer
-from executor.tracing import Tracing, make_exporter
+from executor.client.grpc_client import ExecutorClient
+from executor.observability.tracing import Tracing, make_exporter
+from executor.service.codec import batch_to_proto
+from executor.service.runtime_config import RuntimeConfigUpdate
+from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import running_server, tiny_config

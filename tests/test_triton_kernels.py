@@ -22,9 +22,9 @@ from attention import TorchNativeBackend, TritonAttnBackend
 from attention.base import AttentionLayout
 from attention.triton.backend import TritonDecodeMetadata
 from executor.batch_prep import length_bound
+from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.model_executor import ModelExecutor
-from executor.scheduler import generate
 from tests.attention_cases import Case, make_case, make_layout, run
 from tests.test_attention_backends import padded_decode_view
 

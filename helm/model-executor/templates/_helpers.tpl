@@ -47,7 +47,7 @@ app.kubernetes.io/component: model-executor
 {{- end }}
 
 {{/*
-The readiness service name of grpc.health.v1 (executor/server.py SERVICE_NAME): SERVING once
+The readiness service name of grpc.health.v1 (executor/service/server.py SERVICE_NAME): SERVING once
 the model is loaded and warmed up, NOT_SERVING while loading and draining.
 */}}
 {{- define "model-executor.readinessService" -}}

@@ -6,7 +6,7 @@ its own `CollectorRegistry` (never the process-global one), so several servers c
 one process, and serves it on its own HTTP port (`/metrics`).
 
 Per-step recording (`observe_step`) sits on the device thread, so the step families are
-single-writer ones (:mod:`executor.single_writer_metrics`: no lock per update) and their
+single-writer ones (:mod:`executor.observability.single_writer_metrics`: no lock per update) and their
 series are resolved once per label set; `benchmarks/metrics_overhead.py` measures the cost.
 Gauges that describe state (queue depth, KV slots, rows) and the process-wide device-to-host
 counts (`ops.host_transfer.host_transfers`) are read when scraped, not on the hot path.
@@ -30,8 +30,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from executor.runtime_config import RUNTIME_GRAPH_MODES
-from executor.single_writer_metrics import (
+from executor.config import RUNTIME_GRAPH_MODES
+from executor.observability.single_writer_metrics import (
     CounterChild,
     HistogramChild,
     SingleWriterCounter,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from executor.model_executor import ExecutorInfo, StepStats
-    from executor.runtime_config import RuntimeConfig
+    from executor.service.runtime_config import RuntimeConfig
 
 PREFIX = "model_executor_"
 PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")

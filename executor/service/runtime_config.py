@@ -14,16 +14,12 @@ from dataclasses import asdict, dataclass, fields
 
 import structlog
 
-from executor.config import NEEDS_CPU_SEQ_LENS_VALUES
+from executor.config import NEEDS_CPU_SEQ_LENS_VALUES, RUNTIME_GRAPH_MODES
 from executor.errors import RuntimeConfigError
-from executor.logs import LEVELS, current_level, set_log_level
 from executor.model_executor import ModelExecutor
+from executor.observability.logs import LEVELS, current_level, set_log_level
 
 log = structlog.get_logger(__name__)
-
-# The graph modes a running executor is in (a start-up `auto`, where the config has one, is
-# resolved before the executor runs, so it is never a runtime value).
-RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
 
 
 @dataclass(frozen=True)

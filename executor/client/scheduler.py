@@ -24,8 +24,8 @@ from typing import Protocol
 
 import torch
 
-from executor.allocator import KVAllocator
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.client.allocator import KVAllocator
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
 

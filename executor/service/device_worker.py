@@ -25,8 +25,8 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from executor.forward_batch import ForwardBatch
-from executor.logs import debug_enabled
 from executor.model_executor import ForwardOutput, ModelExecutor, StepStats
+from executor.observability.logs import debug_enabled
 
 log = structlog.get_logger(__name__)
 

@@ -25,16 +25,16 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor.codec import (
+from executor.forward_batch import ForwardBatch
+from executor.model_executor import ExecutorInfo, ForwardOutput
+from executor.service.codec import (
     batch_to_proto,
     info_from_proto,
     response_from_proto,
     runtime_config_from_proto,
     runtime_update_to_proto,
 )
-from executor.forward_batch import ForwardBatch
-from executor.model_executor import ExecutorInfo, ForwardOutput
-from executor.runtime_config import RuntimeConfig, RuntimeConfigUpdate
+from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

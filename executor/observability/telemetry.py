@@ -17,8 +17,8 @@ from types import TracebackType
 
 import grpc
 
-from executor.metrics import ExecutorMetrics
-from executor.tracing import SpanScope, Tracing
+from executor.observability.metrics import ExecutorMetrics
+from executor.observability.tracing import SpanScope, Tracing
 from model_executor.v1 import executor_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name

@@ -22,13 +22,13 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from typing import Any
 
-from executor import settings
-from executor.auth import read_token
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.forward_batch import SamplingParams
-from executor.logs import configure_logging
-from executor.runtime_config import parse_assignments
-from executor.server_config import ServerConfig
+from executor.observability.logs import configure_logging
+from executor.service import settings
+from executor.service.auth import read_token
+from executor.service.runtime_config import parse_assignments
+from executor.service.server_config import ServerConfig
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -47,7 +47,7 @@ def _configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfig]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from executor.server import serve
+    from executor.service.server import serve
 
     executor_cfg, server_cfg = _configs(args)
     configure_logging(server_cfg.log_level, server_cfg.log_format)
@@ -55,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from executor.client import ExecutorClient
+    from executor.client.grpc_client import ExecutorClient
 
     with ExecutorClient(args.target) as client:
         remote = client.info()
@@ -69,7 +69,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     import grpc
 
-    from executor.client import ExecutorClient
+    from executor.client.grpc_client import ExecutorClient
 
     if args.action == "set" and not args.assignments:
         raise ValueError("config set: give at least one key=value")
@@ -91,11 +91,11 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from executor.client import ExecutorClient
+    from executor.client.grpc_client import ExecutorClient
+    from executor.client.scheduler import ReferenceScheduler, Request
     from executor.models.loader import resolve_model_spec
-    from executor.scheduler import ReferenceScheduler, Request
-    from executor.server import start_server
-    from executor.tokenizer import load_tokenizer
+    from executor.models.tokenizer import load_tokenizer
+    from executor.service.server import start_server
 
     executor_cfg, server_cfg = _configs(args)
     # stdout carries the generated text only; logs go to stderr.

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from executor.config import setting
-from executor.logs import FORMATS, LEVELS
-from executor.tracing import TRACE_EXPORTERS
+from executor.observability.logs import FORMATS, LEVELS
+from executor.observability.tracing import TRACE_EXPORTERS
 
 
 @dataclass(frozen=True)

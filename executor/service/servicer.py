@@ -23,24 +23,24 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from executor.auth import TokenCheck, UnauthenticatedError
-from executor.codec import (
-    batch_from_proto,
-    info_to_proto,
-    response_to_proto,
-    runtime_config_to_proto,
-    runtime_update_from_proto,
-)
-from executor.device_worker import DeviceWorker, Job, QueueFullError
 from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
     RuntimeConfigError,
     ToggleRefusedError,
 )
-from executor.runtime_config import RuntimeControl
-from executor.telemetry import RpcScope, Telemetry
-from executor.tracing import SpanScope
+from executor.observability.telemetry import RpcScope, Telemetry
+from executor.observability.tracing import SpanScope
+from executor.service.auth import TokenCheck, UnauthenticatedError
+from executor.service.codec import (
+    batch_from_proto,
+    info_to_proto,
+    response_to_proto,
+    runtime_config_to_proto,
+    runtime_update_from_proto,
+)
+from executor.service.device_worker import DeviceWorker, Job, QueueFullError
+from executor.service.runtime_config import RuntimeControl
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

@@ -25,17 +25,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from executor.auth import TokenCheck, read_token
 from executor.config import ExecutorConfig
-from executor.device_worker import DeviceWorker
-from executor.metrics import ExecutorMetrics, LiveSources
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
-from executor.runtime_config import RuntimeControl
-from executor.server_config import ServerConfig
-from executor.servicer import ExecutorServicer
-from executor.telemetry import Telemetry
-from executor.tracing import Tracing
+from executor.observability.metrics import ExecutorMetrics, LiveSources
+from executor.observability.telemetry import Telemetry
+from executor.observability.tracing import Tracing
+from executor.service.auth import TokenCheck, read_token
+from executor.service.device_worker import DeviceWorker
+from executor.service.runtime_config import RuntimeControl
+from executor.service.server_config import ServerConfig
+from executor.service.servicer import ExecutorServicer
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

@@ -1,0 +1,1 @@
+"""The gRPC service around the engine: server, handlers, wire codec, device worker, auth, settings."""
