@@ -16,8 +16,8 @@ import torch
 
 from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.buckets import pad_to_bucket
-from executor.graphs.capture import CaptureReport, capture_buckets
 from executor.graphs.graph import Graph, GraphFactory
 from executor.models.llama import LlamaForCausalLM
 from executor.runner_output import RunnerOutput
@@ -32,7 +32,7 @@ class _Captured:
     view: ForwardBatch  # the registry view the graph reads (static buffer slices)
 
 
-class DecodeGraphRunner:
+class DecodeGraphRunner(BucketGraphRunner[_Captured]):
     kind = "decode"
 
     def __init__(
@@ -45,12 +45,8 @@ class DecodeGraphRunner:
         needs_cpu_seq_lens: bool,
         factory: GraphFactory,
     ) -> None:
-        self.model = model
-        self.attn_backend = attn_backend
-        self.device = device
-        self.buckets = buckets
+        super().__init__(model, attn_backend, device=device, buckets=buckets, factory=factory)
         self.max_bs = buckets[-1]
-        self.factory = factory
         self.fill_value = attn_backend.graph_seq_len_fill_value()
         self.registry = build_decode_registry(
             device=device,
@@ -64,16 +60,12 @@ class DecodeGraphRunner:
         self.hidden = torch.zeros(
             self.max_bs, model.config.hidden_size, dtype=model.lm_head_weight.dtype, device=device
         )
-        self.captured: dict[int, _Captured] = {}
-        self.report: CaptureReport | None = None
 
-    def capture(self, *, progress: bool = True) -> CaptureReport:
+    def _prepare_capture(self) -> None:
         self.attn_backend.init_graph_state(self.max_bs, self.max_bs)
-        self.captured.clear()
-        self.report = capture_buckets(
-            self.kind, self.buckets, self._capture_one, self.factory, progress=progress
-        )
-        return self.report
+
+    def bucket_size(self, fb: ForwardBatch) -> int:
+        return fb.batch_size
 
     def _synthetic_batch(self, bs: int) -> ForwardBatch:
         """A batch of `bs` padded requests: what capture stages through `fill_from`."""
@@ -90,17 +82,16 @@ class DecodeGraphRunner:
             seq_lens_cpu=seq_lens.cpu() if self.registry.has_slot("seq_lens_cpu") else None,
         )
 
-    def _stage(self, fb: ForwardBatch, bs: int, padded: int) -> tuple[ForwardBatch, FillStats]:
-        stats = self.registry.fill_from(
+    def _stage_decode(
+        self, fb: ForwardBatch, bs: int, padded: int
+    ) -> tuple[ForwardBatch, FillStats]:
+        """DECODE has one token per request: both axes pad from `bs` to `padded`."""
+        return self._stage(
             fb, raw_bs=bs, padded_bs=padded, raw_num_tokens=bs, padded_num_tokens=padded
         )
-        view = self.registry.extract_buffer(
-            padded_bs=padded, padded_num_tokens=padded, forward_batch_template=fb
-        )
-        return view, stats
 
     def _capture_one(self, bs: int) -> None:
-        view, _ = self._stage(self._synthetic_batch(bs), bs, bs)
+        view, _ = self._stage_decode(self._synthetic_batch(bs), bs, bs)
         view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view)
         out = self.hidden[:bs]
 
@@ -113,23 +104,15 @@ class DecodeGraphRunner:
         self.captured[bs] = _Captured(graph, view)
 
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        """None if this batch can replay a captured graph, else why not."""
         if not self.attn_backend.supports_graph_capture:
             return "backend_unsupported"
-        if fb.input_embeds is not None:
-            return "input_embeds"
-        padded = pad_to_bucket(fb.batch_size, self.buckets)
-        if padded is None:
-            return "batch_too_large"
-        if padded not in self.captured:
-            return "capture_failed"
-        return None
+        return super().fallback_reason(fb)
 
     def replay(self, fb: ForwardBatch) -> RunnerOutput:
         bs = fb.batch_size
         padded = pad_to_bucket(bs, self.buckets)
         assert padded is not None and padded in self.captured
-        view, stats = self._stage(fb, bs, padded)
+        view, stats = self._stage_decode(fb, bs, padded)
         self.attn_backend.init_forward_metadata_replay(padded, view, seq_lens_cpu=view.seq_lens_cpu)
         self.captured[padded].graph.replay()
         # The head runs on the real rows only; the hidden buffer is consumed right here.

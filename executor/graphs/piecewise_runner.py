@@ -24,8 +24,8 @@ import torch
 
 from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.buckets import pad_to_bucket
-from executor.graphs.capture import CaptureReport, capture_buckets
 from executor.graphs.graph import Graph, GraphFactory
 from executor.models.llama import LlamaForCausalLM
 from executor.runner_output import RunnerOutput
@@ -46,7 +46,7 @@ class _Activations:
     hidden: torch.Tensor  # [T, hidden], the final-normed output
 
 
-class PiecewiseGraphRunner:
+class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
     kind = "piecewise"
 
     def __init__(
@@ -59,12 +59,8 @@ class PiecewiseGraphRunner:
         max_bs: int,
         factory: GraphFactory,
     ) -> None:
-        self.model = model
-        self.attn_backend = attn_backend
-        self.device = device
-        self.buckets = buckets
+        super().__init__(model, attn_backend, device=device, buckets=buckets, factory=factory)
         self.max_tokens = buckets[-1]
-        self.factory = factory
         self.registry = build_prefill_registry(
             device=device,
             max_bs=max_bs,
@@ -82,30 +78,21 @@ class PiecewiseGraphRunner:
             attn_out=torch.zeros(t, cfg.num_heads, cfg.head_dim, **dd),
             hidden=torch.zeros(t, cfg.hidden_size, **dd),
         )
-        self.captured: dict[int, list[Graph]] = {}
-        self.report: CaptureReport | None = None
 
-    def capture(self, *, progress: bool = True) -> CaptureReport:
-        self.captured.clear()
-        self.report = capture_buckets(
-            self.kind, self.buckets, self._capture_one, self.factory, progress=progress
-        )
-        return self.report
+    def bucket_size(self, fb: ForwardBatch) -> int:
+        return fb.num_tokens
 
-    def _stage(
+    def _stage_tokens(
         self, fb: ForwardBatch, num_tokens: int, padded: int
     ) -> tuple[ForwardBatch, FillStats]:
-        stats = self.registry.fill_from(
+        """EXTEND pads the token axis only; the requests stay as they are."""
+        return self._stage(
             fb,
             raw_bs=fb.batch_size,
             padded_bs=fb.batch_size,
             raw_num_tokens=num_tokens,
             padded_num_tokens=padded,
         )
-        view = self.registry.extract_buffer(
-            padded_bs=fb.batch_size, padded_num_tokens=padded, forward_batch_template=fb
-        )
-        return view, stats
 
     def _pieces(self, n: int, view: ForwardBatch) -> list[Callable[[], None]]:
         """The L + 1 captured callables of an `n`-token bucket, over the static buffers."""
@@ -154,7 +141,7 @@ class PiecewiseGraphRunner:
         )
 
     def _capture_one(self, n: int) -> None:
-        view, _ = self._stage(self._synthetic_batch(n), n, n)
+        view, _ = self._stage_tokens(self._synthetic_batch(n), n, n)
         graphs = []
         for piece in self._pieces(n, view):
             graph = self.factory.new()
@@ -162,22 +149,11 @@ class PiecewiseGraphRunner:
             graphs.append(graph)
         self.captured[n] = graphs
 
-    def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        """None if this batch can replay captured pieces, else why not."""
-        if fb.input_embeds is not None:
-            return "input_embeds"
-        padded = pad_to_bucket(fb.num_tokens, self.buckets)
-        if padded is None:
-            return "batch_too_large"
-        if padded not in self.captured:
-            return "capture_failed"
-        return None
-
     def replay(self, fb: ForwardBatch) -> RunnerOutput:
         n = fb.num_tokens
         padded = pad_to_bucket(n, self.buckets)
         assert padded is not None and padded in self.captured
-        _, stats = self._stage(fb, n, padded)
+        _, stats = self._stage_tokens(fb, n, padded)
         # Attention plans and runs on the real batch: real shapes, real slots only.
         real = dataclasses.replace(fb, attn_metadata=self.attn_backend.init_forward_metadata(fb))
         graphs, a = self.captured[padded], self.acts

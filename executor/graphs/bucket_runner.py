@@ -1,0 +1,105 @@
+"""What both graph runners share: bucketed capture, registry staging and the fallback rules.
+
+A runner keeps one captured entry per bucket size (a batch size for full-graph DECODE, a token
+count for piecewise EXTEND). Capture and replay stage their inputs through the same registry
+`fill_from` (the seeds' rule), here in one place. A subclass says how one bucket is captured,
+which size picks a batch's bucket, and how a replay runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
+
+import torch
+
+from attention.base import AttentionBackend
+from executor.forward_batch import ForwardBatch
+from executor.graphs.buckets import pad_to_bucket
+from executor.graphs.capture import CaptureReport, capture_buckets
+from executor.graphs.graph import GraphFactory
+from executor.models.llama import LlamaForCausalLM
+from executor.runner_output import RunnerOutput
+from registry import BufferRegistry, FillStats
+
+CapturedT = TypeVar("CapturedT")
+
+
+class BucketGraphRunner(ABC, Generic[CapturedT]):
+    kind: str  # decode | piecewise: the label of its captures and fallbacks
+    registry: BufferRegistry  # built by the subclass, sized for its largest bucket
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn_backend: AttentionBackend,
+        *,
+        device: torch.device,
+        buckets: list[int],
+        factory: GraphFactory,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.device = device
+        self.buckets = buckets
+        self.factory = factory
+        self.captured: dict[int, CapturedT] = {}
+        self.report: CaptureReport | None = None
+
+    def capture(self, *, progress: bool = True) -> CaptureReport:
+        """Capture every bucket, largest first; a failed bucket is left out (eager for it)."""
+        self._prepare_capture()
+        self.captured.clear()
+        self.report = capture_buckets(
+            self.kind, self.buckets, self._capture_one, self.factory, progress=progress
+        )
+        return self.report
+
+    def _prepare_capture(self) -> None:
+        """Runs once before the first bucket is captured (e.g. the backend's graph buffers)."""
+
+    @abstractmethod
+    def _capture_one(self, size: int) -> None:
+        """Capture the bucket of `size` into `self.captured[size]`."""
+
+    @abstractmethod
+    def bucket_size(self, fb: ForwardBatch) -> int:
+        """The size that picks `fb`'s bucket."""
+
+    @abstractmethod
+    def replay(self, fb: ForwardBatch) -> RunnerOutput:
+        """Run `fb` on its bucket's captured graph(s); only after `fallback_reason` is None."""
+
+    def fallback_reason(self, fb: ForwardBatch) -> str | None:
+        """None if this batch can replay a captured bucket, else why not (a metric label)."""
+        if fb.input_embeds is not None:
+            return "input_embeds"
+        padded = pad_to_bucket(self.bucket_size(fb), self.buckets)
+        if padded is None:
+            return "batch_too_large"
+        if padded not in self.captured:
+            return "capture_failed"
+        return None
+
+    def _stage(
+        self,
+        fb: ForwardBatch,
+        *,
+        raw_bs: int,
+        padded_bs: int,
+        raw_num_tokens: int,
+        padded_num_tokens: int,
+    ) -> tuple[ForwardBatch, FillStats]:
+        """Fill the registry from `fb` (padding tails by policy) and return the batch view the
+        graph reads, with what the fill copied."""
+        stats = self.registry.fill_from(
+            fb,
+            raw_bs=raw_bs,
+            padded_bs=padded_bs,
+            raw_num_tokens=raw_num_tokens,
+            padded_num_tokens=padded_num_tokens,
+        )
+        view = self.registry.extract_buffer(
+            padded_bs=padded_bs, padded_num_tokens=padded_num_tokens, forward_batch_template=fb
+        )
+        return view, stats
