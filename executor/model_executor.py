@@ -171,6 +171,7 @@ class ModelExecutor:
             hidden_size=mcfg.hidden_size,
             max_batch_size=config.max_batch_size or config.max_reqs,
             max_tokens_per_batch=config.max_tokens_per_batch,
+            max_top_logprobs=config.max_top_logprobs,
         )
         self.req_to_token_pool = ReqToTokenPool(config.max_reqs, max_context_len, self.device)
         self.kv_pool = KVPool(

@@ -31,6 +31,7 @@ class BatchLimits:
     hidden_size: int
     max_batch_size: int
     max_tokens_per_batch: int
+    max_top_logprobs: int = 20  # most top_logprobs_num a batch may ask for
 
 
 def _check_tensor(
@@ -138,12 +139,11 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
 
     if fb.sampling is not None:
         _check_sampling(fb.sampling, bs)
-    if (
-        not isinstance(fb.top_logprobs_num, int)
-        or not 0 <= fb.top_logprobs_num <= limits.vocab_size
-    ):
+    cap = min(limits.max_top_logprobs, limits.vocab_size)
+    if not isinstance(fb.top_logprobs_num, int) or not 0 <= fb.top_logprobs_num <= cap:
         raise BatchValidationError(
-            "top_logprobs_num", f"must be in 0..{limits.vocab_size}, got {fb.top_logprobs_num!r}"
+            "top_logprobs_num",
+            f"must be in 0..{cap} (max_top_logprobs), got {fb.top_logprobs_num!r}",
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -70,7 +71,9 @@ class ExecutorClient:
         )
         self.stub = pb_grpc.ModelExecutorStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self._ids = itertools.count(1)
+        # Batch ids from a random 62-bit start: the executor remembers applied ids across all
+        # its callers (exactly-once retries), so two clients must not count from the same place.
+        self._ids = itertools.count(secrets.randbits(62) + 1)
         self._ids_lock = threading.Lock()
 
     def _next_id(self) -> int:
@@ -99,7 +102,7 @@ class ExecutorClient:
         raise TimeoutError(f"{self.target} not ready after {timeout} s (last: {last})")
 
     def info(self, timeout: float | None = 30.0) -> RemoteInfo:
-        msg = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+        msg = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=self._auth)
         info, spec = info_from_proto(msg)
         runtime = (
             runtime_config_from_proto(msg.runtime_config)

@@ -22,6 +22,11 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT, seconds to finish queued and running batches"
     )
     rpc_threads: int = setting(16, "gRPC handler threads (the device itself is one thread)")
+    retry_memory: int = setting(
+        1024,
+        "batch_ids of the last applied batches kept with their responses: a retry with the "
+        "same batch_id gets the stored response and is not applied again; 0 turns it off",
+    )
     log_level: str = setting("info", "debug | info | warning | error; a runtime toggle too")
     log_format: str = setting(
         "auto", "auto (console on a terminal, else JSON lines) | json | console"
@@ -52,6 +57,8 @@ class ServerConfig:
         for name in ("queue_size", "stream_window", "rpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retry_memory < 0:
+            raise ValueError(f"retry_memory must be >= 0, got {self.retry_memory}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.log_level not in LEVELS:

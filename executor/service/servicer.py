@@ -6,8 +6,14 @@
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
-| not ready / draining                   | UNAVAILABLE         |
+| not ready / draining, WorkerClosedError | UNAVAILABLE        |
+| RpcEndedError (deadline / cancelled)   | DEADLINE_EXCEEDED / CANCELLED (not run) |
+| CancelledError (the job was dropped)   | CANCELLED (not run) |
+| StreamFailedError                      | ABORTED             |
 | anything else (a bug)                  | INTERNAL, logged with its stack trace |
+
+A batch's status message starts with `batch_id N:`. On a stream, the first batch refused or
+failed ends the stream with its status; the device worker runs nothing after it.
 
 Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
 """
@@ -16,8 +22,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import grpc
@@ -31,6 +39,7 @@ from executor.errors import (
 )
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
+from executor.service.applied_batches import fingerprint
 from executor.service.auth import TokenCheck, UnauthenticatedError
 from executor.service.codec import (
     batch_from_proto,
@@ -39,7 +48,15 @@ from executor.service.codec import (
     runtime_config_to_proto,
     runtime_update_from_proto,
 )
-from executor.service.device_worker import DeviceWorker, Job, QueueFullError
+from executor.service.device_worker import (
+    DeviceWorker,
+    Job,
+    QueueFullError,
+    RpcEndedError,
+    StreamFailedError,
+    StreamState,
+    WorkerClosedError,
+)
 from executor.service.runtime_config import RuntimeControl
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -60,8 +77,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, NotServingError):
+    if isinstance(exc, NotServingError | WorkerClosedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, RpcEndedError):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.deadline else grpc.StatusCode.CANCELLED
+        return code, str(exc)
+    if isinstance(exc, CancelledError):  # the RPC ended while its job waited: never run
+        return (
+            grpc.StatusCode.CANCELLED,
+            "the RPC ended before the device reached the batch; it was not applied",
+        )
+    if isinstance(exc, StreamFailedError):
+        return grpc.StatusCode.ABORTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
@@ -74,6 +101,12 @@ def abort(
 ) -> None:
     """Answer the RPC with the status `exc` maps to (logged with the code and trace ids)."""
     code, message = status_for(exc)
+    if (
+        batch_id is not None
+        and f"batch_id {batch_id}" not in message
+        and not message.startswith("batch_id:")
+    ):
+        message = f"batch_id {batch_id}: {message}"
     rpc.fail(code, message)
     ids = (span or rpc).log_ids()
     if code is grpc.StatusCode.INTERNAL:
@@ -124,22 +157,43 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             raise NotServingError("the executor is still loading its model; wait for readiness")
         return self.worker, self.runtime
 
-    def _submit(self, request: pb.ForwardRequest, span: SpanScope) -> Job:
+    def _submit(
+        self,
+        request: pb.ForwardRequest,
+        span: SpanScope,
+        context: grpc.ServicerContext,
+        stream: StreamState | None = None,
+    ) -> Job:
+        """Decode and queue one batch. The device thread runs it only while `context` is
+        active and before its deadline, and (on a stream) only if no batch before it failed."""
         worker = self._accepting()
         with span.child("decode"):
-            batch = batch_from_proto(request.batch)
-        return worker.submit(batch, request.batch_id, trace_context=span.context)
+            batch = batch_from_proto(request.batch, worker.executor.limits)
+        remaining = context.time_remaining()
+        return worker.submit(
+            batch,
+            request.batch_id,
+            trace_context=span.context,
+            stream=stream,
+            is_active=context.is_active,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+            fingerprint=fingerprint(request.batch) if worker.applied.capacity else b"",
+        )
 
     def Forward(
         self, request: pb.ForwardRequest, context: grpc.ServicerContext
     ) -> pb.ForwardResponse:
         with self.telemetry.rpc("Forward", context) as rpc:
             try:
-                out = self._submit(request, rpc).future.result()
+                job = self._submit(request, rpc, context)
+                # A client that goes away frees this thread: its job, not started, never runs.
+                context.add_callback(job.future.cancel)
+                out = job.future.result()
             except BaseException as exc:
                 abort(context, exc, rpc, request.batch_id)
                 raise  # unreachable: abort raises
-            rpc.record_step(out.stats, request.batch_id)
+            if not job.replayed:
+                rpc.record_step(out.stats, request.batch_id)
             with rpc.child("encode"):
                 return response_to_proto(out, request.batch_id)
 
@@ -156,9 +210,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         context: grpc.ServicerContext,
         rpc: RpcScope,
     ) -> Iterator[pb.ForwardResponse]:
-        pending: queue.Queue[_StreamStep | BaseException | None] = queue.Queue()
+        pending: queue.Queue[_StreamStep | tuple[int, BaseException] | None] = queue.Queue()
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
+        state = StreamState()  # the device thread runs nothing after a failed batch
         # Jobs submitted but not yet answered (at most the window): a stream may live for
         # millions of steps, so answered jobs must not be kept.
         in_flight: deque[Job] = deque()
@@ -177,14 +232,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                         return
                     step = rpc.step(request.batch_id)
                     try:
-                        job = self._submit(request, step)
-                    except BaseException:
+                        job = self._submit(request, step, context, state)
+                    except BaseException as exc:
                         step.span.end()
-                        raise
+                        pending.put((request.batch_id, exc))
+                        return
                     in_flight.append(job)
                     pending.put(_StreamStep(job, step))
-            except BaseException as exc:
-                pending.put(exc)
+            except BaseException as exc:  # reading the next request failed
+                pending.put((0, exc))
             finally:
                 pending.put(None)
 
@@ -194,11 +250,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             item = pending.get()
             if item is None:
                 return
-            if isinstance(item, BaseException):
+            if isinstance(item, tuple):
                 cancel_pending()
-                abort(context, item, rpc)
+                batch_id, exc = item
+                abort(context, exc, rpc, batch_id or None)
                 return
-            step, batch_id = item.span, item.job.batch_id
+            step, batch_id, job = item.span, item.job.batch_id, item.job
             try:
                 out = item.job.future.result()
             except BaseException as exc:
@@ -208,7 +265,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 return
             in_flight.popleft()  # answered in order: it is the oldest
             window.release()
-            step.record_step(out.stats, batch_id)
+            if not job.replayed:
+                step.record_step(out.stats, batch_id)
             with step.child("encode"):
                 response = response_to_proto(out, batch_id)
             step.span.end()
@@ -223,7 +281,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             except BaseException as exc:
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
-            return info_to_proto(worker.executor.info, self.model_spec, runtime.current())
+            try:  # the runtime config only to a caller that could read it with GetRuntimeConfig
+                self.token_check.check(context.invocation_metadata())
+                config = runtime.current()
+            except UnauthenticatedError:
+                config = None
+            return info_to_proto(worker.executor.info, self.model_spec, config)
 
     def GetRuntimeConfig(
         self, request: pb.GetRuntimeConfigRequest, context: grpc.ServicerContext
