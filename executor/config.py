@@ -86,6 +86,12 @@ class ExecutorConfig:
         "most top_logprobs_num a batch may ask for (each request's answer grows by 12 bytes per "
         "entry; the send limit is derived from it); reported by GetInfo",
     )
+    allow_custom_positions: bool = setting(
+        False,
+        "accept explicit positions that differ from each token's index in its request "
+        "(models with non-sequential positions, e.g. multimodal M-RoPE or position-id "
+        "offsets for packed sequences, would need it); off: such a batch is refused",
+    )
     eager_input_no_copy: bool = setting(
         False,
         "run eager steps on the batch's own tensors instead of staging them through the eager "

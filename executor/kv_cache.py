@@ -14,6 +14,7 @@ import torch
 
 from executor.batch_prep import extend_positions
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.slot_owners import OwnerChange, SlotOwners, StepCells
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RowWrite:
     old_lens: np.ndarray  # [bs] resident lengths before the write (after the releases)
     released_rows: np.ndarray  # [n] rows the batch released first
     released_old_lens: np.ndarray  # [n] their resident lengths before
+    owners: OwnerChange | None = None  # the slot-owner map's change (None: no owner map)
 
 
 class ReqToTokenPool:
@@ -35,9 +37,14 @@ class ReqToTokenPool:
     Shape [max_reqs + 1, max_context_len], int32. Valid rows are 1..max_reqs.
     `resident_lens[row]` (host) is how many leading positions of the row hold valid slots,
     so an EXTEND whose prefix the row does not hold can be refused before it runs.
+    With `kv_slots`, `owners` (:class:`SlotOwners`) mirrors the table on the host and
+    refuses a new token written into a slot a live row holds; 0 leaves it out (a bare
+    table, as attention tests build).
     """
 
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
+    def __init__(
+        self, max_reqs: int, max_context_len: int, device: torch.device, kv_slots: int = 0
+    ) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = device
@@ -45,6 +52,7 @@ class ReqToTokenPool:
             (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
         self.resident_lens = np.zeros(max_reqs + 1, dtype=np.int64)
+        self.owners = SlotOwners(max_reqs, max_context_len, kv_slots) if kv_slots else None
 
     def rows_in_use(self) -> int:
         return int(np.count_nonzero(self.resident_lens[1:]))
@@ -55,28 +63,21 @@ class ReqToTokenPool:
         when given); the batch's rows then hold `seq_lens` tokens.
 
         Cells of one batch never collide (rows and their positions are unique), so the
-        returned undo restores the table and the resident lengths exactly.
+        returned undo restores the table and the resident lengths exactly. A new token
+        whose slot a live row holds is refused (BatchValidationError) before anything
+        changes.
         """
         released = (
-            fb.released_req_pool_indices.numpy().copy()
+            fb.released_req_pool_indices.numpy().astype(np.int64)
             if fb.released_req_pool_indices is not None
             else np.zeros(0, dtype=np.int64)
         )
         released_old = self.resident_lens[released].copy()
-        self.resident_lens[released] = 0
         rpi = fb.req_pool_indices
+        n_shared = 0
         if fb.forward_mode is ForwardMode.IDLE:
-            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return RowWrite(
-                empty,
-                empty,
-                torch.zeros(0, dtype=torch.int32, device=self.device),
-                np.zeros(0, dtype=np.int64),
-                np.zeros(0, dtype=np.int64),
-                released,
-                released_old,
-            )
-        if fb.forward_mode is ForwardMode.EXTEND:
+            rows = cols = values = torch.zeros(0, dtype=torch.int64)
+        elif fb.forward_mode is ForwardMode.EXTEND:
             assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
             assert fb.extend_start_loc is not None
             rows = torch.repeat_interleave(rpi, fb.extend_seq_lens, output_size=fb.num_tokens)
@@ -85,31 +86,55 @@ class ReqToTokenPool:
             )
             values = fb.out_cache_loc
             if fb.prefix_cache_loc is not None:
-                n_prefix = int(fb.prefix_cache_loc.shape[0])
+                n_shared = int(fb.prefix_cache_loc.shape[0])
                 prefix_rows = torch.repeat_interleave(
-                    rpi, fb.extend_prefix_lens, output_size=n_prefix
+                    rpi, fb.extend_prefix_lens, output_size=n_shared
                 )
                 zeros = torch.zeros_like(fb.extend_prefix_lens)
                 prefix_start = torch.cumsum(fb.extend_prefix_lens, 0) - fb.extend_prefix_lens
-                prefix_cols = extend_positions(zeros, fb.extend_prefix_lens, prefix_start, n_prefix)
+                prefix_cols = extend_positions(zeros, fb.extend_prefix_lens, prefix_start, n_shared)
                 rows = torch.cat([prefix_rows, rows])
                 cols = torch.cat([prefix_cols, cols])
                 values = torch.cat([fb.prefix_cache_loc, values])
         else:
             rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
-        rows, cols = rows.to(self.device), cols.to(self.device)
-        old_values = self.req_to_token[rows, cols]  # advanced indexing: a copy
-        self.req_to_token[rows, cols] = values.to(device=self.device, dtype=torch.int32)
-        touched = rpi.numpy().copy()
-        old_lens = self.resident_lens[touched].copy()
-        self.resident_lens[touched] = fb.seq_lens.numpy()
-        return RowWrite(rows, cols, old_values, touched, old_lens, released, released_old)
+        touched = rpi.numpy().astype(np.int64)
+        new_lens = fb.seq_lens.numpy().astype(np.int64)
+        lens = self.resident_lens.copy()
+        lens[released] = 0
+        old_lens = lens[touched]
+        owners = None
+        if self.owners is not None:  # raises, with nothing changed, for an owned slot
+            owners = self.owners.apply(
+                StepCells(
+                    rows=rows.numpy().astype(np.int64),
+                    cols=cols.numpy().astype(np.int64),
+                    values=values.numpy().astype(np.int64),
+                    n_shared=n_shared,
+                    released=released,
+                    released_lens=released_old,
+                    touched=touched,
+                    old_lens=old_lens,
+                    new_lens=new_lens,
+                    lens=lens,
+                )
+            )
+        self.resident_lens[released] = 0
+        rows_d, cols_d = rows.to(self.device), cols.to(self.device)
+        old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
+        self.req_to_token[rows_d, cols_d] = values.to(device=self.device, dtype=torch.int32)
+        self.resident_lens[touched] = new_lens
+        return RowWrite(
+            rows_d, cols_d, old_values, touched, old_lens, released, released_old, owners
+        )
 
     def undo(self, write: RowWrite) -> None:
         """Exactly the state before `write_batch` (the releases are undone last)."""
         self.req_to_token[write.rows, write.cols] = write.old_values
         self.resident_lens[write.touched_rows] = write.old_lens
         self.resident_lens[write.released_rows] = write.released_old_lens
+        if self.owners is not None and write.owners is not None:
+            self.owners.undo(write.owners)
 
     def slots_in_use(self) -> int:
         """Slots referenced by live rows (a slot shared by two rows' prefixes counts twice)."""

@@ -476,3 +476,147 @@ def test_a_tiny_temperature_is_greedy(tmp_path: Path) -> None:
         )
         assert out.next_token_ids.tolist() == [int(greedy.logits[0].argmax())], temperature
         assert int(out.next_token_ids[0]) != 511  # the issue: the last vocabulary id
+
+
+# --- 7. KV slot ownership and positions -----------------------------------------------------
+
+
+def test_a_new_token_may_not_overwrite_a_slot_a_live_row_holds(tmp_path: Path) -> None:
+    """The issue's reproduction: a token written into another live request's prefix slot
+    was accepted and changed that request's next token. Now refused, naming slot and
+    holder; shared prefix reads stay allowed; a slot is free again once no row holds it."""
+    with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
+        first = c.forward(_extend(1, 4, 101))  # row 1 holds slots 101..104
+        decode_row1 = make_decode_batch(
+            input_ids=[int(first.next_token_ids[0])],
+            req_pool_indices=[1],
+            seq_lens=[5],
+            out_cache_loc=[105],
+        )
+        expected = ModelExecutorRef(tmp_path).run([_extend(1, 4, 101), decode_row1])
+
+        def refused(batch: ForwardBatch, *needles: str) -> None:
+            before = _resident(srv)
+            with pytest.raises(grpc.RpcError) as err:
+                c.forward(batch)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for needle in needles:
+                assert needle in err.value.details(), err.value.details()
+            assert (_resident(srv) == before).all()
+
+        # Another row writes a new token into row 1's prefix slot 102.
+        refused(_extend(2, 2, 102), "out_cache_loc[0]", "slot 102", "row 1 at position 1")
+        # Row 1 itself writes its next token into its own prefix.
+        own = make_decode_batch(
+            input_ids=[7], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[103]
+        )
+        refused(own, "slot 103", "own prefix")
+        # Reading row 1's slots as a shared prefix is fine.
+        shared = make_extend_batch(
+            input_ids=[[9]],
+            req_pool_indices=[3],
+            out_cache_loc=[[200]],
+            prefix_lens=[4],
+            prefix_cache_loc=[[101, 102, 103, 104]],
+        )
+        c.forward(shared)
+        # Row 1's next token is what it would have been: nothing above touched its KV.
+        assert c.forward(decode_row1).next_token_ids.tolist() == expected
+        # Row 1 released: row 3 still holds 101..104 through its prefix.
+        c.forward(_release(1))
+        refused(_extend(4, 1, 102), "slot 102", "row 3 at position 1")
+        c.forward(_release(3))
+        c.forward(_extend(4, 1, 102))  # nobody holds it now
+        # A row rewound and re-extended over its own positions may reuse their slots.
+        c.forward(_extend(5, 3, 300))
+        rewind = make_extend_batch(
+            input_ids=[[1, 2]], req_pool_indices=[5], out_cache_loc=[[301, 302]], prefix_lens=[1]
+        )
+        c.forward(rewind)
+        assert _resident(srv)[5] == 3
+
+
+class ModelExecutorRef:
+    """The same steps in process: the tokens a remote run must reproduce."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        from executor.model_executor import ModelExecutor
+
+        self.ex = ModelExecutor(tiny_config(tmp_path))
+
+    def run(self, batches: list[ForwardBatch]) -> list[int]:
+        out = None
+        for b in batches:
+            out = self.ex.forward(b)
+        assert out is not None
+        return [int(t) for t in out.next_token_ids]
+
+
+def test_explicit_positions_must_be_the_derived_ones(tmp_path: Path) -> None:
+    """`positions=[900]` with `seq_lens=[5]` was accepted and changed the token."""
+    with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
+        c.forward(_extend(1, 4, 1))
+        decode = make_decode_batch(
+            input_ids=[7], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[5]
+        )
+        wrong = dataclasses.replace(decode, positions=torch.tensor([900]))
+        with pytest.raises(grpc.RpcError) as err:
+            c.forward(wrong)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "positions[0]: must be 4" in err.value.details()
+        assert _resident(srv)[1] == 4
+        right = dataclasses.replace(decode, positions=torch.tensor([4]))
+        assert c.forward(right).next_token_ids.shape == (1,)  # the derived one is accepted
+        assert _resident(srv)[1] == 5
+    with (
+        running_server(tiny_config(tmp_path, allow_custom_positions=True)) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as c,
+    ):
+        c.forward(_extend(1, 4, 1))
+        assert c.forward(wrong).next_token_ids.shape == (1,)  # the start-up flag allows it
+
+
+def test_a_failed_step_leaves_the_owner_map_exactly_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from executor.model_executor import ModelExecutor
+
+    ex = ModelExecutor(tiny_config(tmp_path))
+    ex.forward(_extend(1, 4, 1))
+    ex.forward(_extend(2, 3, 10))
+    owners = ex.req_to_token_pool.owners
+    assert owners is not None
+    table, refs = owners.table.copy(), owners.refs.copy()
+
+    def broken(*args: object, **kw: object) -> None:
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(ex.runner, "forward", broken)
+    step = dataclasses.replace(
+        make_extend_batch(
+            input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[20, 21]], prefix_lens=[2]
+        ),
+        released_req_pool_indices=torch.tensor([2]),
+    )
+    with pytest.raises(RuntimeError, match="device fault"):
+        ex.forward(step)  # releases row 2, rewinds row 1 to 2 tokens, writes 2: all undone
+    assert (owners.table == table).all() and (owners.refs == refs).all()
+    monkeypatch.undo()
+    ex.forward(step)
+    assert owners.refs[[3, 4, 10, 11, 12]].tolist() == [0, 0, 0, 0, 0]  # dropped
+    assert owners.refs[[1, 2, 20, 21]].tolist() == [1, 1, 1, 1]
+
+
+def test_a_failing_post_step_hook_does_not_report_an_applied_batch_as_failed(
+    tmp_path: Path,
+) -> None:
+    with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
+        assert srv.worker is not None
+
+        def broken_hook(stats: object) -> None:
+            raise RuntimeError("metrics backend fault")
+
+        srv.worker.on_step = broken_hook
+        out = c.forward(_extend(1, 3, 1))  # applied: the answer says so
+        assert out.next_token_ids.shape == (1,)
+        assert _resident(srv)[1] == 3
