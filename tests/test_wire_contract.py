@@ -620,3 +620,69 @@ def test_a_failing_post_step_hook_does_not_report_an_applied_batch_as_failed(
         out = c.forward(_extend(1, 3, 1))  # applied: the answer says so
         assert out.next_token_ids.shape == (1,)
         assert _resident(srv)[1] == 3
+
+
+# --- 4. capacity ----------------------------------------------------------------------------
+
+
+def test_open_streams_never_starve_health_or_get_info(tmp_path: Path) -> None:
+    """The issue: 16 idle streams held all 16 handler threads and readiness timed out. With
+    6 threads, at most 4 Forward/ForwardStream calls are admitted; the rest are refused at
+    once, and health and GetInfo keep answering."""
+    with (
+        running_server(tiny_config(tmp_path), rpc_threads=6) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as c,
+    ):
+        sessions = [c.open_stream() for _ in range(10)]
+        calls = [s._responses for s in sessions]
+        _wait(lambda: sum(call.done() for call in calls) == 6)
+        refused = [call for call in calls if call.done()]
+        assert {call.code() for call in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert "max_forward_calls" in refused[0].details()
+        assert c.health(timeout=2) == "SERVING"
+        assert c.info(timeout=2).info.vocab_size == 512
+        with pytest.raises(grpc.RpcError) as err:  # a unary Forward is refused, not left waiting
+            c.forward(_extend(1, 1, 1), timeout=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for s in sessions:
+            s._outbox.put(s._END)
+        _wait(lambda: all(call.done() for call in calls))
+        assert c.forward(_extend(1, 1, 1)).next_token_ids.shape == (1,)  # places are given back
+
+
+def test_an_idle_stream_is_closed_and_a_busy_one_is_not(tmp_path: Path) -> None:
+    with (
+        running_server(tiny_config(tmp_path), stream_idle_timeout_s=0.5) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as c,
+    ):
+        busy = c.open_stream()
+        for step in range(4):  # each step well inside the idle timeout
+            busy.send(_extend(1 + step, 1, 1 + step))
+            assert busy.recv().next_token_ids.shape == (1,)
+            time.sleep(0.2)
+        busy.close()
+        idle = c.open_stream()
+        with pytest.raises(grpc.RpcError) as err:
+            idle.recv()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "stream_idle_timeout_s" in err.value.details()
+
+
+def test_unary_back_pressure_fires_when_the_device_is_behind(tmp_path: Path) -> None:
+    """The issue: a flood of Forwards all waited and RESOURCE_EXHAUSTED never fired. A batch
+    still queued after queue_wait_s is dropped (never run) and answered RESOURCE_EXHAUSTED."""
+    with running_server(tiny_config(tmp_path), queue_wait_s=0.3) as srv:
+        with (
+            DeviceGate(srv) as gate,
+            ExecutorClient(f"127.0.0.1:{srv.port}") as c,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            running = pool.submit(c.forward, _extend(1, 1, 1))
+            _wait(gate.entered.is_set)
+            with pytest.raises(grpc.RpcError) as err:
+                c.forward(_extend(2, 2, 10))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue_wait_s" in err.value.details()
+            gate.open.set()
+            assert running.result(10).next_token_ids.shape == (1,)  # running: always answered
+        assert _resident(srv)[2] == 0 and gate.calls == 1

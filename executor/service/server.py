@@ -32,6 +32,7 @@ from executor.models.loader import read_model_config
 from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
+from executor.service.admission import CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
@@ -183,7 +184,15 @@ def start_server(
     )
     telemetry = Telemetry(metrics, tracing)
     servicer = ExecutorServicer(
-        config.model, server_config.stream_window, telemetry, TokenCheck(token)
+        config.model,
+        server_config.stream_window,
+        telemetry,
+        TokenCheck(token),
+        call_limit=CallLimit(
+            forward_call_limit(server_config.rpc_threads, server_config.max_forward_calls)
+        ),
+        queue_wait_s=server_config.queue_wait_s,
+        stream_idle_timeout_s=server_config.stream_idle_timeout_s,
     )
     pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

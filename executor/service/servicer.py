@@ -2,7 +2,8 @@
 
 | error                                  | status              |
 |----------------------------------------|---------------------|
-| BatchTooLargeError, QueueFullError     | RESOURCE_EXHAUSTED  |
+| BatchTooLargeError, QueueFullError, CapacityError | RESOURCE_EXHAUSTED |
+| StreamIdleError                        | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
@@ -37,8 +38,10 @@ from executor.errors import (
     RuntimeConfigError,
     ToggleRefusedError,
 )
+from executor.model_executor import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
+from executor.service.admission import CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
 from executor.service.auth import TokenCheck, UnauthenticatedError
 from executor.service.codec import (
@@ -69,7 +72,7 @@ class NotServingError(RuntimeError):
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, BatchTooLargeError | QueueFullError):
+    if isinstance(exc, BatchTooLargeError | QueueFullError | CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -87,6 +90,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             grpc.StatusCode.CANCELLED,
             "the RPC ended before the device reached the batch; it was not applied",
         )
+    if isinstance(exc, StreamIdleError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, StreamFailedError):
         return grpc.StatusCode.ABORTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
@@ -129,9 +134,16 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         stream_window: int,
         telemetry: Telemetry,
         token_check: TokenCheck | None = None,
+        *,
+        call_limit: CallLimit | None = None,
+        queue_wait_s: float = 0.0,
+        stream_idle_timeout_s: float = 0.0,
     ) -> None:
         self.model_spec = model_spec
         self.stream_window = stream_window
+        self.call_limit = call_limit
+        self.queue_wait_s = queue_wait_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.telemetry = telemetry
         self.token_check = token_check or TokenCheck(None)
         self.worker: DeviceWorker | None = None
@@ -185,10 +197,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     ) -> pb.ForwardResponse:
         with self.telemetry.rpc("Forward", context) as rpc:
             try:
-                job = self._submit(request, rpc, context)
-                # A client that goes away frees this thread: its job, not started, never runs.
-                context.add_callback(job.future.cancel)
-                out = job.future.result()
+                self._enter("Forward")
+                try:
+                    job = self._submit(request, rpc, context)
+                    # A client that goes away frees this thread: its job, not started, never runs.
+                    context.add_callback(job.future.cancel)
+                    out = self._wait(job)
+                finally:
+                    self._leave()
             except BaseException as exc:
                 abort(context, exc, rpc, request.batch_id)
                 raise  # unreachable: abort raises
@@ -202,7 +218,37 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     ) -> Iterator[pb.ForwardResponse]:
         """Responses in request order; up to `stream_window` batches queued or running at once."""
         with self.telemetry.rpc("ForwardStream", context) as rpc:
-            yield from self._stream(request_iterator, context, rpc)
+            try:
+                self._enter("ForwardStream")
+            except CapacityError as exc:
+                abort(context, exc, rpc)
+            try:
+                yield from self._stream(request_iterator, context, rpc)
+            finally:
+                self._leave()
+
+    def _enter(self, what: str) -> None:
+        if self.call_limit is not None:
+            self.call_limit.enter(what)
+
+    def _leave(self) -> None:
+        if self.call_limit is not None:
+            self.call_limit.leave()
+
+    def _wait(self, job: Job) -> ForwardOutput:
+        """The job's output; a job still queued after `queue_wait_s` is dropped (never run)
+        and answered RESOURCE_EXHAUSTED: the device is behind."""
+        if not self.queue_wait_s:
+            return job.future.result()
+        try:
+            return job.future.result(timeout=self.queue_wait_s)
+        except TimeoutError:
+            if job.future.cancel():
+                raise CapacityError(
+                    f"batch_id {job.batch_id} waited {self.queue_wait_s:g} s for the device "
+                    "(queue_wait_s) and was not applied: the device is behind; retry later"
+                ) from None
+            return job.future.result()  # it is running: its answer is coming
 
     def _stream(
         self,
@@ -246,8 +292,21 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
         context.add_callback(cancel_pending)  # the client went away or the RPC ended
         threading.Thread(target=read, name="stream-reader", daemon=True).start()
+        idle = self.stream_idle_timeout_s or None
         while True:
-            item = pending.get()
+            try:  # the idle clock runs only while nothing is in flight
+                item = pending.get(timeout=None if in_flight else idle)
+            except queue.Empty:
+                cancel_pending()
+                abort(
+                    context,
+                    StreamIdleError(
+                        f"the stream sent no batch for {idle:g} s (stream_idle_timeout_s) and "
+                        "was closed to free its handler thread; open a new one"
+                    ),
+                    rpc,
+                )
+                return
             if item is None:
                 return
             if isinstance(item, tuple):
