@@ -686,3 +686,39 @@ def test_unary_back_pressure_fires_when_the_device_is_behind(tmp_path: Path) -> 
             gate.open.set()
             assert running.result(10).next_token_ids.shape == (1,)  # running: always answered
         assert _resident(srv)[2] == 0 and gate.calls == 1
+
+
+def test_the_reference_scheduler_retries_with_the_same_batch_id(tmp_path: Path) -> None:
+    """Every step's first answer is lost to a deadline while the step runs; the scheduler's
+    retries under the same batch_id get the stored answers: the same tokens as in process,
+    and each step applied exactly once."""
+    from executor.client.scheduler import ReferenceScheduler, generate
+    from executor.model_executor import ModelExecutor
+
+    prompts = [[5, 6, 7], [40, 41]]
+    ex = ModelExecutor(tiny_config(tmp_path))
+    expected = generate(ex.forward, ex.limits, prompts, max_new_tokens=4, ignore_eos=True)
+    with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
+        assert srv.worker is not None
+        real = srv.worker.executor.forward
+        applied: list[int] = []
+
+        def slow(batch: ForwardBatch, **kw: Any) -> Any:
+            applied.append(batch.batch_size)
+            time.sleep(0.4)  # longer than the call's deadline: the first answer is lost
+            return real(batch, **kw)
+
+        srv.worker.executor.forward = slow  # type: ignore[method-assign]
+        remote = c.info()
+        sched = ReferenceScheduler(
+            c.retrying(timeout=0.25, attempts=8, backoff_s=0.05),
+            remote.info.limits,
+            remote.info.eos_token_ids,
+        )
+        reqs = [sched.add_request(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
+        steps = 0
+        while sched.has_work():
+            sched.step()
+            steps += 1
+        assert [r.output_ids for r in reqs] == expected
+        assert len(applied) == steps  # one application per step, whatever the retries
