@@ -242,8 +242,10 @@ def test_a_retry_after_deadline_exceeded_gets_the_stored_answer(server: RunningS
         server.worker.wait_idle(10)
         assert _resident(server)[row] == 3  # it was applied
         first_calls = gate.calls
+        replayed = Scrape(server).get("model_executor_batches_replayed_total")
         retry = c.forward(batch, batch_id=424242)
         assert gate.calls == first_calls  # not applied again
+        assert Scrape(server).get("model_executor_batches_replayed_total") == replayed + 1
         decode = make_decode_batch(
             input_ids=[int(retry.next_token_ids[0])],
             req_pool_indices=[row],

@@ -18,20 +18,13 @@ from collections import OrderedDict
 
 from executor.errors import BatchValidationError
 from executor.model_executor import ForwardOutput
+from executor.service.codec import BATCH_TENSOR_FIELDS
 from model_executor.v1 import executor_pb2 as pb
 
-# The fields that decide what a batch writes into the KV cache and which tokens it feeds.
-_FINGERPRINT_FIELDS = (
-    "input_ids",
-    "req_pool_indices",
-    "seq_lens",
-    "out_cache_loc",
-    "positions",
-    "extend_prefix_lens",
-    "extend_seq_lens",
-    "prefix_cache_loc",
-    "released_req_pool_indices",
-)
+# The fields that decide what a batch writes into the KV cache and which tokens it feeds
+# (embeddings are left out, being large: an id reused for a batch that differs only in its
+# embeddings is not detected).
+_FINGERPRINT_FIELDS = tuple(f for f in BATCH_TENSOR_FIELDS if f != "input_embeds")
 
 
 def fingerprint(msg: pb.ForwardBatch) -> bytes:

@@ -33,6 +33,19 @@ _TO_PB = {v: k for k, v in _TO_TORCH.items()}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _TO_TORCH.values()}
+# The ForwardBatch message's tensor fields.
+BATCH_TENSOR_FIELDS = (
+    "input_ids",
+    "req_pool_indices",
+    "seq_lens",
+    "out_cache_loc",
+    "positions",
+    "extend_prefix_lens",
+    "extend_seq_lens",
+    "prefix_cache_loc",
+    "released_req_pool_indices",
+    "input_embeds",
+)
 _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
 
@@ -190,18 +203,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
         return_logprob=fb.return_logprob,
         top_logprobs_num=fb.top_logprobs_num,
     )
-    for name in (
-        "input_ids",
-        "req_pool_indices",
-        "seq_lens",
-        "out_cache_loc",
-        "positions",
-        "extend_prefix_lens",
-        "extend_seq_lens",
-        "prefix_cache_loc",
-        "released_req_pool_indices",
-        "input_embeds",
-    ):
+    for name in BATCH_TENSOR_FIELDS:
         value = getattr(fb, name)
         if value is not None:
             getattr(msg, name).CopyFrom(tensor_to_proto(value))

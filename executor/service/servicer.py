@@ -208,7 +208,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             except BaseException as exc:
                 abort(context, exc, rpc, request.batch_id)
                 raise  # unreachable: abort raises
-            if not job.replayed:
+            if job.replayed:
+                self.telemetry.metrics.count_replay()
+            else:
                 rpc.record_step(out.stats, request.batch_id)
             with rpc.child("encode"):
                 return response_to_proto(out, request.batch_id)
@@ -324,7 +326,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 return
             in_flight.popleft()  # answered in order: it is the oldest
             window.release()
-            if not job.replayed:
+            if job.replayed:
+                self.telemetry.metrics.count_replay()
+            else:
                 step.record_step(out.stats, batch_id)
             with step.child("encode"):
                 response = response_to_proto(out, batch_id)
