@@ -29,7 +29,7 @@ class ServerConfig:
         "threads; 0 = rpc_threads less a quarter (at least 2 kept free)",
     )
     queue_wait_s: float = setting(
-        10.0,
+        30.0,
         "longest a unary Forward's batch waits for the device before it is answered "
         "RESOURCE_EXHAUSTED (not applied); 0 = as long as the call's deadline allows",
     )
