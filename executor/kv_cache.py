@@ -88,15 +88,16 @@ class SlotOwners:
     def _dropped(self, step: StepCells) -> np.ndarray:
         """Slots of the cells this step releases, overwrites, or cuts off a row's tail."""
         parts = [self.table[r, :n] for r, n in zip(step.released, step.released_lens, strict=True)]
-        if step.touched.size:
-            held = np.zeros(self.table.shape[0], dtype=np.int64)
-            held[step.touched] = step.old_lens
-            over = step.cols < held[step.rows]
+        over = step.cols < step.lens[step.rows]  # cells the row held before this step
+        if over.any():
             parts.append(self.table[step.rows[over], step.cols[over]])
-            for r, old, new in zip(step.touched, step.old_lens, step.new_lens, strict=True):
-                if old > new:  # the row was rewound: its tail is no longer resident
-                    parts.append(self.table[r, new:old])
-        return np.concatenate(parts) if parts else _EMPTY
+        cut = step.old_lens > step.new_lens  # rows rewound: their tails are no longer resident
+        if cut.any():
+            rewound = zip(step.touched[cut], step.old_lens[cut], step.new_lens[cut], strict=True)
+            parts.extend(self.table[r, new:old] for r, old, new in rewound)
+        if not parts:
+            return _EMPTY
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _refusal(self, step: StepCells, i: int, slot: int) -> BatchValidationError:
         """Name the slot and one live cell that holds it (error path: a full-table search)."""
@@ -117,6 +118,11 @@ class SlotOwners:
         return BatchValidationError(  # unreachable while refs and the table agree
             f"out_cache_loc[{i}]", f"slot {slot} is held by a live row"
         )
+
+
+def _host_i64(t: torch.Tensor) -> np.ndarray:
+    """A host index tensor as an int64 numpy array (no copy when it already is one)."""
+    return t.numpy().astype(np.int64, copy=False)
 
 
 @dataclass
@@ -170,7 +176,7 @@ class ReqToTokenPool:
         changes.
         """
         released = (
-            fb.released_req_pool_indices.numpy().astype(np.int64)
+            _host_i64(fb.released_req_pool_indices)
             if fb.released_req_pool_indices is not None
             else np.zeros(0, dtype=np.int64)
         )
@@ -200,8 +206,8 @@ class ReqToTokenPool:
                 values = torch.cat([fb.prefix_cache_loc, values])
         else:
             rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
-        touched = rpi.numpy().astype(np.int64)
-        new_lens = fb.seq_lens.numpy().astype(np.int64)
+        touched = _host_i64(rpi)
+        new_lens = _host_i64(fb.seq_lens)
         lens = self.resident_lens.copy()
         lens[released] = 0
         old_lens = lens[touched]
@@ -209,9 +215,9 @@ class ReqToTokenPool:
         if self.owners is not None:  # raises, with nothing changed, for an owned slot
             owners = self.owners.apply(
                 StepCells(
-                    rows=rows.numpy().astype(np.int64),
-                    cols=cols.numpy().astype(np.int64),
-                    values=values.numpy().astype(np.int64),
+                    rows=_host_i64(rows),
+                    cols=_host_i64(cols),
+                    values=_host_i64(values),
                     n_shared=n_shared,
                     released=released,
                     released_lens=released_old,
