@@ -160,6 +160,28 @@ def test_a_batch_failing_on_the_device_stops_the_queued_ones_behind_it(
         c.forward(_release(20))
 
 
+def test_a_cancelled_stream_applies_nothing_queued_behind_the_running_batch(
+    server: RunningServer,
+) -> None:
+    rows = [14, 15, 16]
+    with DeviceGate(server) as gate, ExecutorClient(f"127.0.0.1:{server.port}") as c:
+        session = c.open_stream()
+        for i, row in enumerate(rows):
+            session.send(_extend(row, 2, 6000 + 10 * i))
+        _wait(gate.entered.is_set)
+        _wait(lambda: server.worker is not None and server.worker.depth == 2)
+        session._responses.cancel()  # the scheduler gives up on the stream
+        assert server.worker is not None
+        queued = [j for j in list(server.worker._queue.queue) if j is not None]
+        _wait(lambda: all(j.future.cancelled() for j in queued))  # the server saw it
+        gate.open.set()
+    held = _resident(server)
+    assert [held[r] for r in rows] == [2, 0, 0]  # the running one finished; nothing after it
+    assert gate.calls == 1
+    with ExecutorClient(f"127.0.0.1:{server.port}") as c:
+        c.forward(_release(14))
+
+
 # --- 2. deadlines and cancellation ----------------------------------------------------------
 
 
