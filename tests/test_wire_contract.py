@@ -391,7 +391,7 @@ def test_readiness_never_returns_to_serving_once_draining(
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_nothing_is_accepted_after_the_stop_marker(server: RunningServer, tmp_path: Path) -> None:
+def test_nothing_is_accepted_after_the_stop_marker(tmp_path: Path) -> None:
     with running_server(tiny_config(tmp_path)) as srv:
         assert srv.worker is not None
         srv.worker.close()  # the marker: a handler that passed the draining check is refused too
