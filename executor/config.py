@@ -81,6 +81,17 @@ class ExecutorConfig:
         "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
     )
     seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
+    max_top_logprobs: int = setting(
+        20,
+        "most top_logprobs_num a batch may ask for (each request's answer grows by 12 bytes per "
+        "entry; the send limit is derived from it); reported by GetInfo",
+    )
+    allow_custom_positions: bool = setting(
+        False,
+        "accept explicit positions that differ from each token's index in its request "
+        "(models with non-sequential positions, e.g. multimodal M-RoPE or position-id "
+        "offsets for packed sequences, would need it); off: such a batch is refused",
+    )
     eager_input_no_copy: bool = setting(
         False,
         "run eager steps on the batch's own tensors instead of staging them through the eager "
@@ -96,7 +107,13 @@ class ExecutorConfig:
         for name in ("max_reqs", "kv_slots", "max_tokens_per_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_context_len", "max_batch_size", "graph_max_bs", "piecewise_max_tokens"):
+        for name in (
+            "max_context_len",
+            "max_batch_size",
+            "graph_max_bs",
+            "piecewise_max_tokens",
+            "max_top_logprobs",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derived), got {getattr(self, name)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

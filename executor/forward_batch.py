@@ -36,7 +36,7 @@ class ForwardMode(IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's sampling parameters. Temperature 0 means greedy."""
+    """One request's sampling parameters. Temperature 0 (or below 1e-5) means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -1,6 +1,7 @@
 """The paged KV cache: the request-to-token table and the per-layer K/V slot pool.
 
-The scheduler allocates rows and slots; the executor only stores and reads them.
+The scheduler allocates rows and slots; the executor stores and reads them, and refuses a
+new token written into a slot a live row holds (`SlotOwners`).
 Row 0 of the table and slot 0 of the pool are reserved: padded requests point at row 0,
 whose entries are all 0, and padded tokens write their K/V into slot 0.
 """
@@ -13,7 +14,115 @@ import numpy as np
 import torch
 
 from executor.batch_prep import extend_positions
+from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode
+
+# --- the slot-owner map ------------------------------------------------------------------
+# Who holds each KV slot: a host mirror of the row table and a live-reference count per
+# slot. The scheduler allocates slots; the executor only checks that a new token never lands
+# in a slot whose K/V a live request still reads. A slot is held by every cell `(row, pos)`
+# with `pos < resident_lens[row]`; several rows may hold one slot (a shared prefix, sent as
+# `prefix_cache_loc`). A step first drops the cells it releases, overwrites or truncates,
+# then refuses (BatchValidationError naming the slot and a holder) any new token whose slot
+# is still held, then adds its own cells; `undo` restores exactly the state before. Slot 0
+# (the padding sink) is never refused. numpy on the host: no device reads, O(cells written).
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class OwnerChange:
+    """What one step changed in the owner map, to undo it."""
+
+    rows: np.ndarray  # cells written
+    cols: np.ndarray
+    old_values: np.ndarray
+    dropped: np.ndarray  # slots that lost a reference
+    added: np.ndarray  # slots that gained one
+
+
+@dataclass(frozen=True)
+class StepCells:
+    """The cells one step writes and how the rows it touches change length (host arrays)."""
+
+    rows: np.ndarray  # [n] the row of each written cell
+    cols: np.ndarray  # [n] its position
+    values: np.ndarray  # [n] its slot
+    n_shared: (
+        int  # the first n_shared cells are prefix_cache_loc (shared reads), the rest new tokens
+    )
+    released: np.ndarray  # rows released first
+    released_lens: np.ndarray  # their lengths before
+    touched: np.ndarray  # rows the batch runs
+    old_lens: np.ndarray  # their lengths after the releases
+    new_lens: np.ndarray  # and after the step
+    lens: np.ndarray  # every row's resident length after the releases, before the step
+
+
+class SlotOwners:
+    def __init__(self, max_reqs: int, max_context_len: int, kv_slots: int) -> None:
+        self.table = np.zeros((max_reqs + 1, max_context_len), dtype=np.int64)
+        self.refs = np.zeros(kv_slots + 1, dtype=np.int64)
+
+    def apply(self, step: StepCells) -> OwnerChange:
+        """Drop, check, add. Raises BatchValidationError (nothing changed) when a new token's
+        slot is held by a live row, or by the request's own prefix."""
+        dropped = self._dropped(step)
+        np.subtract.at(self.refs, dropped, 1)
+        new_slots = step.values[step.n_shared :]
+        busy = (self.refs[new_slots] > 0) & (new_slots != 0)
+        if busy.any():
+            np.add.at(self.refs, dropped, 1)
+            i = int(np.flatnonzero(busy)[0])
+            raise self._refusal(step, i, int(new_slots[i]))
+        old_values = self.table[step.rows, step.cols]
+        self.table[step.rows, step.cols] = step.values
+        np.add.at(self.refs, step.values, 1)
+        return OwnerChange(step.rows, step.cols, old_values, dropped, step.values)
+
+    def undo(self, change: OwnerChange) -> None:
+        self.table[change.rows, change.cols] = change.old_values
+        np.subtract.at(self.refs, change.added, 1)
+        np.add.at(self.refs, change.dropped, 1)
+
+    def _dropped(self, step: StepCells) -> np.ndarray:
+        """Slots of the cells this step releases, overwrites, or cuts off a row's tail."""
+        parts = [self.table[r, :n] for r, n in zip(step.released, step.released_lens, strict=True)]
+        over = step.cols < step.lens[step.rows]  # cells the row held before this step
+        if over.any():
+            parts.append(self.table[step.rows[over], step.cols[over]])
+        cut = step.old_lens > step.new_lens  # rows rewound: their tails are no longer resident
+        if cut.any():
+            rewound = zip(step.touched[cut], step.old_lens[cut], step.new_lens[cut], strict=True)
+            parts.extend(self.table[r, new:old] for r, old, new in rewound)
+        if not parts:
+            return _EMPTY
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _refusal(self, step: StepCells, i: int, slot: int) -> BatchValidationError:
+        """Name the slot and one live cell that holds it (error path: a full-table search)."""
+        lens = step.lens.copy()
+        lens[step.touched] = np.minimum(step.old_lens, step.new_lens)
+        written = set(zip(step.rows.tolist(), step.cols.tolist(), strict=True))
+        row_of_token = int(step.rows[step.n_shared + i])
+        rows, cols = np.nonzero(self.table == slot)
+        for r, p in zip(rows.tolist(), cols.tolist(), strict=True):
+            if r != 0 and p < lens[r] and (r, p) not in written:
+                whose = "this request's own prefix" if r == row_of_token else "a live request"
+                return BatchValidationError(
+                    f"out_cache_loc[{i}]",
+                    f"slot {slot} holds the KV of row {r} at position {p} ({whose}); a new "
+                    "token needs a slot no live row holds (reading it through "
+                    "prefix_cache_loc is allowed)",
+                )
+        return BatchValidationError(  # unreachable while refs and the table agree
+            f"out_cache_loc[{i}]", f"slot {slot} is held by a live row"
+        )
+
+
+def _host_i64(t: torch.Tensor) -> np.ndarray:
+    """A host index tensor as an int64 numpy array (no copy when it already is one)."""
+    return t.numpy().astype(np.int64, copy=False)
 
 
 @dataclass
@@ -27,6 +136,7 @@ class RowWrite:
     old_lens: np.ndarray  # [bs] resident lengths before the write (after the releases)
     released_rows: np.ndarray  # [n] rows the batch released first
     released_old_lens: np.ndarray  # [n] their resident lengths before
+    owners: OwnerChange | None = None  # the slot-owner map's change (None: no owner map)
 
 
 class ReqToTokenPool:
@@ -35,9 +145,14 @@ class ReqToTokenPool:
     Shape [max_reqs + 1, max_context_len], int32. Valid rows are 1..max_reqs.
     `resident_lens[row]` (host) is how many leading positions of the row hold valid slots,
     so an EXTEND whose prefix the row does not hold can be refused before it runs.
+    With `kv_slots`, `owners` (:class:`SlotOwners`) mirrors the table on the host and
+    refuses a new token written into a slot a live row holds; 0 leaves it out (a bare
+    table, as attention tests build).
     """
 
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
+    def __init__(
+        self, max_reqs: int, max_context_len: int, device: torch.device, kv_slots: int = 0
+    ) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = device
@@ -45,6 +160,7 @@ class ReqToTokenPool:
             (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
         self.resident_lens = np.zeros(max_reqs + 1, dtype=np.int64)
+        self.owners = SlotOwners(max_reqs, max_context_len, kv_slots) if kv_slots else None
 
     def rows_in_use(self) -> int:
         return int(np.count_nonzero(self.resident_lens[1:]))
@@ -55,28 +171,21 @@ class ReqToTokenPool:
         when given); the batch's rows then hold `seq_lens` tokens.
 
         Cells of one batch never collide (rows and their positions are unique), so the
-        returned undo restores the table and the resident lengths exactly.
+        returned undo restores the table and the resident lengths exactly. A new token
+        whose slot a live row holds is refused (BatchValidationError) before anything
+        changes.
         """
         released = (
-            fb.released_req_pool_indices.numpy().copy()
+            _host_i64(fb.released_req_pool_indices)
             if fb.released_req_pool_indices is not None
             else np.zeros(0, dtype=np.int64)
         )
         released_old = self.resident_lens[released].copy()
-        self.resident_lens[released] = 0
         rpi = fb.req_pool_indices
+        n_shared = 0
         if fb.forward_mode is ForwardMode.IDLE:
-            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return RowWrite(
-                empty,
-                empty,
-                torch.zeros(0, dtype=torch.int32, device=self.device),
-                np.zeros(0, dtype=np.int64),
-                np.zeros(0, dtype=np.int64),
-                released,
-                released_old,
-            )
-        if fb.forward_mode is ForwardMode.EXTEND:
+            rows = cols = values = torch.zeros(0, dtype=torch.int64)
+        elif fb.forward_mode is ForwardMode.EXTEND:
             assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
             assert fb.extend_start_loc is not None
             rows = torch.repeat_interleave(rpi, fb.extend_seq_lens, output_size=fb.num_tokens)
@@ -85,31 +194,55 @@ class ReqToTokenPool:
             )
             values = fb.out_cache_loc
             if fb.prefix_cache_loc is not None:
-                n_prefix = int(fb.prefix_cache_loc.shape[0])
+                n_shared = int(fb.prefix_cache_loc.shape[0])
                 prefix_rows = torch.repeat_interleave(
-                    rpi, fb.extend_prefix_lens, output_size=n_prefix
+                    rpi, fb.extend_prefix_lens, output_size=n_shared
                 )
                 zeros = torch.zeros_like(fb.extend_prefix_lens)
                 prefix_start = torch.cumsum(fb.extend_prefix_lens, 0) - fb.extend_prefix_lens
-                prefix_cols = extend_positions(zeros, fb.extend_prefix_lens, prefix_start, n_prefix)
+                prefix_cols = extend_positions(zeros, fb.extend_prefix_lens, prefix_start, n_shared)
                 rows = torch.cat([prefix_rows, rows])
                 cols = torch.cat([prefix_cols, cols])
                 values = torch.cat([fb.prefix_cache_loc, values])
         else:
             rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
-        rows, cols = rows.to(self.device), cols.to(self.device)
-        old_values = self.req_to_token[rows, cols]  # advanced indexing: a copy
-        self.req_to_token[rows, cols] = values.to(device=self.device, dtype=torch.int32)
-        touched = rpi.numpy().copy()
-        old_lens = self.resident_lens[touched].copy()
-        self.resident_lens[touched] = fb.seq_lens.numpy()
-        return RowWrite(rows, cols, old_values, touched, old_lens, released, released_old)
+        touched = _host_i64(rpi)
+        new_lens = _host_i64(fb.seq_lens)
+        lens = self.resident_lens.copy()
+        lens[released] = 0
+        old_lens = lens[touched]
+        owners = None
+        if self.owners is not None:  # raises, with nothing changed, for an owned slot
+            owners = self.owners.apply(
+                StepCells(
+                    rows=_host_i64(rows),
+                    cols=_host_i64(cols),
+                    values=_host_i64(values),
+                    n_shared=n_shared,
+                    released=released,
+                    released_lens=released_old,
+                    touched=touched,
+                    old_lens=old_lens,
+                    new_lens=new_lens,
+                    lens=lens,
+                )
+            )
+        self.resident_lens[released] = 0
+        rows_d, cols_d = rows.to(self.device), cols.to(self.device)
+        old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
+        self.req_to_token[rows_d, cols_d] = values.to(device=self.device, dtype=torch.int32)
+        self.resident_lens[touched] = new_lens
+        return RowWrite(
+            rows_d, cols_d, old_values, touched, old_lens, released, released_old, owners
+        )
 
     def undo(self, write: RowWrite) -> None:
         """Exactly the state before `write_batch` (the releases are undone last)."""
         self.req_to_token[write.rows, write.cols] = write.old_values
         self.resident_lens[write.touched_rows] = write.old_lens
         self.resident_lens[write.released_rows] = write.released_old_lens
+        if self.owners is not None and write.owners is not None:
+            self.owners.undo(write.owners)
 
     def slots_in_use(self) -> int:
         """Slots referenced by live rows (a slot shared by two rows' prefixes counts twice)."""

@@ -171,8 +171,11 @@ class ModelExecutor:
             hidden_size=mcfg.hidden_size,
             max_batch_size=config.max_batch_size or config.max_reqs,
             max_tokens_per_batch=config.max_tokens_per_batch,
+            max_top_logprobs=config.max_top_logprobs,
         )
-        self.req_to_token_pool = ReqToTokenPool(config.max_reqs, max_context_len, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            config.max_reqs, max_context_len, self.device, kv_slots=config.kv_slots
+        )
         self.kv_pool = KVPool(
             config.kv_slots,
             mcfg.num_layers,
@@ -364,7 +367,12 @@ class ModelExecutor:
 
     def validate(self, batch: ForwardBatch) -> None:
         """Raise BatchValidationError if the batch breaks a rule; changes nothing."""
-        validate_batch(batch, self.limits, self.req_to_token_pool.resident_lens)
+        validate_batch(
+            batch,
+            self.limits,
+            self.req_to_token_pool.resident_lens,
+            allow_custom_positions=self.config.allow_custom_positions,
+        )
 
     def forward(self, batch: ForwardBatch, *, return_logits: bool = False) -> ForwardOutput:
         """Run one step. A refused or failed batch leaves the row table as it was.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor.batch_prep import extend_positions
 from executor.errors import BatchTooLargeError, BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 
@@ -31,6 +32,7 @@ class BatchLimits:
     hidden_size: int
     max_batch_size: int
     max_tokens_per_batch: int
+    max_top_logprobs: int = 20  # most top_logprobs_num a batch may ask for
 
 
 def _check_tensor(
@@ -77,8 +79,18 @@ def _check_unique(t: torch.Tensor, field: str, what: str) -> None:
         )
 
 
-def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndarray) -> None:
-    """Raise if `fb` breaks any rule; `resident_lens[row]` is how many positions `row` holds."""
+def validate_batch(
+    fb: ForwardBatch,
+    limits: BatchLimits,
+    resident_lens: np.ndarray,
+    *,
+    allow_custom_positions: bool = False,
+) -> None:
+    """Raise if `fb` breaks any rule; `resident_lens[row]` is how many positions `row` holds.
+
+    Explicit `positions` must be the ones the executor derives (each token's index in its
+    request) unless `allow_custom_positions`: they decide the rotary phase of the K/V the
+    step stores, so a wrong one silently changes every later token of that request."""
     if not isinstance(fb.forward_mode, ForwardMode):
         raise BatchValidationError(
             "forward_mode", f"must be EXTEND, DECODE or IDLE, got {fb.forward_mode!r}"
@@ -135,15 +147,16 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
         _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
     else:
         _check_decode(fb, num_tokens, seq_lens, held, bs)
+    if fb.positions is not None and not allow_custom_positions:
+        _check_positions(fb, num_tokens)
 
     if fb.sampling is not None:
         _check_sampling(fb.sampling, bs)
-    if (
-        not isinstance(fb.top_logprobs_num, int)
-        or not 0 <= fb.top_logprobs_num <= limits.vocab_size
-    ):
+    cap = min(limits.max_top_logprobs, limits.vocab_size)
+    if not isinstance(fb.top_logprobs_num, int) or not 0 <= fb.top_logprobs_num <= cap:
         raise BatchValidationError(
-            "top_logprobs_num", f"must be in 0..{limits.vocab_size}, got {fb.top_logprobs_num!r}"
+            "top_logprobs_num",
+            f"must be in 0..{cap} (max_top_logprobs), got {fb.top_logprobs_num!r}",
         )
 
 
@@ -236,6 +249,26 @@ def _check_extend(
                 f"row {int(rows[i])} holds {int(held[i])} tokens but the prefix is {int(prefix[i])}; "
                 "send prefix_cache_loc with the prefix's slots or extend the row first",
             )
+
+
+def _check_positions(fb: ForwardBatch, num_tokens: int) -> None:
+    assert fb.positions is not None
+    if fb.forward_mode is ForwardMode.EXTEND:
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        prefix, extend = fb.extend_prefix_lens.long(), fb.extend_seq_lens.long()
+        start = torch.cumsum(extend, 0) - extend
+        derived = extend_positions(prefix, extend, start, num_tokens)
+    else:
+        derived = fb.seq_lens.long() - 1
+    wrong = fb.positions.long() != derived
+    if bool(wrong.any()):
+        i = _first(wrong)
+        raise BatchValidationError(
+            f"positions[{i}]",
+            f"must be {int(derived[i])} (the token's index in its request), got "
+            f"{int(fb.positions[i])}; leave positions out, or start the executor with "
+            "allow_custom_positions",
+        )
 
 
 def _check_decode(

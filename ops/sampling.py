@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 _U64 = 1 << 64
+# Temperatures below this are greedy: dividing logits by a smaller one overflows float32
+# (1e-38 turns every logit into inf or NaN), and the distribution is already a point mass.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _signed(x: int) -> int:
@@ -63,7 +66,7 @@ class SamplingPlan:
         min_ps: torch.Tensor,
         has_seed: torch.Tensor | None = None,
     ) -> SamplingPlan:
-        sampled = temperatures > 0
+        sampled = temperatures >= GREEDY_BELOW_TEMPERATURE
         ks = top_ks[sampled]
         return cls(
             all_greedy=not bool(sampled.any()),
@@ -85,7 +88,8 @@ def sample_tokens(
     uniforms: torch.Tensor,
     plan: SamplingPlan,
 ) -> torch.Tensor:
-    """Next token per row of logits [n, V]: argmax where temperature is 0, else a draw.
+    """Next token per row of logits [n, V]: argmax where the temperature is below
+    GREEDY_BELOW_TEMPERATURE (0 included), else a draw.
 
     Order: temperature, then top-k, then top-p on the top-k-renormalized distribution, then
     min-p relative to the most likely token. The most likely token is never excluded.
@@ -94,7 +98,7 @@ def sample_tokens(
     if plan.all_greedy:
         return greedy_ids
     vocab = logits.shape[-1]
-    greedy = temperatures == 0
+    greedy = temperatures < GREEDY_BELOW_TEMPERATURE
     scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
 
     cand_ids: torch.Tensor | None = None  # None: candidates are the whole vocab, in vocab order

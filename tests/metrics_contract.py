@@ -29,6 +29,7 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_queue_wait_seconds": _m("histogram"),
     "model_executor_rpc_seconds": _m("histogram", "method"),
     "model_executor_requests_total": _m("counter", "method", "code"),
+    "model_executor_batches_replayed_total": _m("counter"),
     "model_executor_fill_copies_total": _m("counter", "registry"),
     "model_executor_fill_bytes_total": _m("counter", "registry"),
     "model_executor_fill_copy_calls_total": _m("counter", "registry"),

@@ -27,7 +27,9 @@ class BatchGenerator:
 
     Sizes grow with the step number, so registries sized by early batches are outgrown.
     EXTEND batches mix fresh prompts, continued (chunked) prefills and, with
-    `prefix_cache_loc`, new requests reusing another request's prefix slots.
+    `prefix_cache_loc`, new requests reusing another request's prefix slots. Finished
+    requests' rows are released on the next batch (`released_req_pool_indices`), as the
+    executor's slot-owner map requires before their slots are reused.
     """
 
     seed: int
@@ -42,6 +44,8 @@ class BatchGenerator:
     refs: Counter[int] = field(default_factory=Counter)
     reqs: dict[int, _Request] = field(default_factory=dict)
     kinds: Counter[str] = field(default_factory=Counter)
+    released: list[int] = field(default_factory=list)  # finished rows the executor still holds
+    building: set[int] = field(default_factory=set)  # rows in the batch being built
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -52,13 +56,15 @@ class BatchGenerator:
     def _finish(self, req: _Request) -> None:
         del self.reqs[req.row]
         self.free_rows.append(req.row)
+        self.released.append(req.row)
         for s in req.slots:
             self.refs[s] -= 1
             if self.refs[s] == 0:
                 self.free_slots.append(s)
 
     def _finish_random(self) -> None:
-        self._finish(self.rng.choice(list(self.reqs.values())))
+        # Never a request the batch being built runs: its slots are in that batch.
+        self._finish(self.rng.choice([r for r in self.reqs.values() if r.row not in self.building]))
 
     def _take(self, n: int) -> list[int]:
         while len(self.free_slots) < n:
@@ -85,6 +91,17 @@ class BatchGenerator:
 
     # --- batches -------------------------------------------------------------------------
     def next_batch(self, step: int) -> ForwardBatch:
+        fb = self._next_batch(step)
+        self.building.clear()
+        released = self.released
+        self.released = []
+        if not released:
+            return fb
+        return dataclasses.replace(
+            fb, released_req_pool_indices=torch.tensor(released, dtype=torch.int64)
+        )
+
+    def _next_batch(self, step: int) -> ForwardBatch:
         grow = 1 + step // 12
         for req in [r for r in self.reqs.values() if len(r.slots) >= self.max_request_len - 80]:
             self._finish(req)
@@ -102,6 +119,7 @@ class BatchGenerator:
         reqs = self.rng.sample(
             list(self.reqs.values()), self.rng.randint(1, min(len(self.reqs), grow))
         )
+        self.building.update(r.row for r in reqs)
         slots = self._take(len(reqs))
         for req, slot in zip(reqs, slots, strict=True):
             req.slots.append(slot)
@@ -150,6 +168,7 @@ class BatchGenerator:
                 req = _Request(row, list(prefix), last_token=0)
                 self.reqs[row] = req
             self.kinds[kind] += 1
+            self.building.add(req.row)
             new = self._take(n)
             req.slots.extend(new)
             chosen.add(req.row)

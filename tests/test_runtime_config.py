@@ -342,12 +342,14 @@ def test_the_token_guards_both_runtime_config_rpcs_and_nothing_else(tmp_path: Pa
                     with pytest.raises(grpc.RpcError) as err:
                         call()
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                assert c.info().runtime_config is not None  # GetInfo needs no token
+                # GetInfo needs no token, but keeps the guarded runtime config to itself.
+                assert c.info().info.vocab_size == 512 and c.info().runtime_config is None
                 out = c.forward(
                     make_extend_batch(input_ids=[[1]], req_pool_indices=[1], out_cache_loc=[[1]])
                 )
                 assert out.next_token_ids.shape == (1,)  # neither does Forward
         with ExecutorClient(target, token="s3cret") as c:
+            assert c.info().runtime_config is not None  # the token holder sees it there too
             assert (
                 c.get_runtime_config().eager_input_no_copy is False
             )  # the refusals changed nothing

@@ -107,6 +107,10 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
         "60",
         "--metrics-port",
         "0",
+        # Every accepted batch must finish however slow this machine is: no queue-wait bound
+        # (test_wire_contract.py tests that bound).
+        "--queue-wait-s",
+        "0",
     ]
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(

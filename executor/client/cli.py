@@ -145,7 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=args.sampling_seed,
         )
         scheduler = ReferenceScheduler(
-            client.forward, remote.info.limits, remote.info.eos_token_ids
+            client.retrying(), remote.info.limits, remote.info.eos_token_ids
         )
         streaming = len(prompts) == 1 and sys.stdout.isatty()
         printed = [""]

@@ -14,11 +14,13 @@ as raw little-endian bytes (one `tobytes()` per field, no per-element loops).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
+import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -38,6 +40,15 @@ from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
+# Codes after which the batch may or may not have been applied, or was not: safe to resend
+# under the same batch_id (the executor's retry memory answers one it already applied).
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 READINESS_SERVICE = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
@@ -70,7 +81,9 @@ class ExecutorClient:
         )
         self.stub = pb_grpc.ModelExecutorStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self._ids = itertools.count(1)
+        # Batch ids from a random 62-bit start: the executor remembers applied ids across all
+        # its callers (exactly-once retries), so two clients must not count from the same place.
+        self._ids = itertools.count(secrets.randbits(62) + 1)
         self._ids_lock = threading.Lock()
 
     def _next_id(self) -> int:
@@ -99,7 +112,7 @@ class ExecutorClient:
         raise TimeoutError(f"{self.target} not ready after {timeout} s (last: {last})")
 
     def info(self, timeout: float | None = 30.0) -> RemoteInfo:
-        msg = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+        msg = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, metadata=self._auth)
         info, spec = info_from_proto(msg)
         runtime = (
             runtime_config_from_proto(msg.runtime_config)
@@ -125,12 +138,36 @@ class ExecutorClient:
         return runtime_config_from_proto(msg)
 
     def forward(
-        self, batch: ForwardBatch, *, batch_id: int | None = None, timeout: float | None = None
+        self,
+        batch: ForwardBatch,
+        *,
+        batch_id: int | None = None,
+        timeout: float | None = None,
+        attempts: int = 1,
+        backoff_s: float = 0.05,
     ) -> ForwardOutput:
+        """One step. With `attempts` > 1, a call that ended DEADLINE_EXCEEDED, UNAVAILABLE or
+        RESOURCE_EXHAUSTED is sent again with the same batch_id: the executor answers a
+        batch it already applied from its memory, so a retry never applies it twice."""
         request = pb.ForwardRequest(
             batch_id=batch_id or self._next_id(), batch=batch_to_proto(batch)
         )
-        return response_from_proto(self.stub.Forward(request, timeout=timeout))
+        for attempt in range(attempts):
+            try:
+                return response_from_proto(self.stub.Forward(request, timeout=timeout))
+            except grpc.RpcError as exc:
+                if attempt + 1 == attempts or exc.code() not in RETRYABLE:
+                    raise
+                time.sleep(backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def retrying(
+        self, *, timeout: float | None = None, attempts: int = 5, backoff_s: float = 0.05
+    ) -> Callable[[ForwardBatch], ForwardOutput]:
+        """`forward` with retries under one batch_id per batch: what a scheduler drives."""
+        return functools.partial(
+            self.forward, timeout=timeout, attempts=attempts, backoff_s=backoff_s
+        )
 
     def stream(
         self, batches: Iterable[ForwardBatch], *, timeout: float | None = None

@@ -5,7 +5,9 @@ executor's limits, prefills (in chunks when a prompt exceeds the per-batch token
 decodes the running requests together, stops on a stop token or max tokens, and frees
 what a finished request held. It talks to an executor only through a `forward` callable
 (`ForwardBatch -> ForwardOutput`), so the same code drives an in-process `ModelExecutor`
-or a remote one through the gRPC client.
+or a remote one through the gRPC client. Remotely, give it `ExecutorClient.retrying()`: each
+batch keeps one batch_id across its retries, so a step whose answer was lost (deadline,
+UNAVAILABLE) is answered from the executor's retry memory and never applied twice.
 
 Policy: prefill first (one EXTEND batch of waiting chunks), otherwise one DECODE batch of
 every running request. Slots for a request's whole budget (prompt + max_new_tokens) are

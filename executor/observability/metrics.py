@@ -197,6 +197,11 @@ class ExecutorMetrics:
         self.requests = counter(
             "requests", "RPCs answered, by method and gRPC status code.", ("method", "code")
         )
+        self.batches_replayed = counter(
+            "batches_replayed",
+            "Retried batches answered from the retry memory (their batch_id was already "
+            "applied), not applied again.",
+        )
         # Graph runners (through the ExecutorObserver hooks).
         self.graph_captures = counter(
             "graph_captures", "Graph captures that succeeded, by kind.", ("kind",)
@@ -270,6 +275,10 @@ class ExecutorMetrics:
             fill.copies.inc(stats.fill_tensors)
             fill.bytes.inc(stats.fill_bytes)
             fill.calls.inc(stats.fill_copy_calls)
+
+    def count_replay(self) -> None:
+        """A retried batch answered from the retry memory."""
+        self.batches_replayed.inc()
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         """One answered RPC; `code` is the gRPC status code's name (OK, INVALID_ARGUMENT, ...)."""

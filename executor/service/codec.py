@@ -7,6 +7,7 @@ BatchValidationError that names the field, so the server answers INVALID_ARGUMEN
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchValidationError, RuntimeConfigError
+from executor.errors import BatchTooLargeError, BatchValidationError, RuntimeConfigError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.model_executor import ExecutorInfo, ForwardOutput, StepStats
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
@@ -31,6 +32,21 @@ _TO_TORCH = {
 _TO_PB = {v: k for k, v in _TO_TORCH.items()}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _TO_TORCH.values()}
+# The ForwardBatch message's tensor fields.
+BATCH_TENSOR_FIELDS = (
+    "input_ids",
+    "req_pool_indices",
+    "seq_lens",
+    "out_cache_loc",
+    "positions",
+    "extend_prefix_lens",
+    "extend_seq_lens",
+    "prefix_cache_loc",
+    "released_req_pool_indices",
+    "input_embeds",
+)
+_MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
 
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
@@ -51,11 +67,13 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
             field, f"dtype must be one of INT32, INT64, FLOAT32, BFLOAT16, FLOAT16, got {msg.dtype}"
         )
     dtype = _TO_TORCH[msg.dtype]
+    if len(msg.shape) > _MAX_RANK:  # before any per-dimension work
+        raise BatchValidationError(field, f"rank must be <= {_MAX_RANK}, got {len(msg.shape)}")
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
-    numel = int(np.prod(shape)) if shape else 1
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
+    itemsize = _ITEMSIZE[dtype]
     if len(msg.data) != numel * itemsize:
         raise BatchValidationError(
             field,
@@ -101,12 +119,52 @@ def sampling_from_proto(params: Any, bs: int) -> SamplingBatch | None:
     )
 
 
-def batch_from_proto(msg: pb.ForwardBatch) -> ForwardBatch:
-    """Decode a wire batch into a host ForwardBatch (validation happens on the device thread)."""
+def _element_count(msg: pb.Tensor) -> int:
+    """The element count a tensor's bytes hold (header math: no per-element work)."""
+    return len(msg.data) // _ITEMSIZE.get(_TO_TORCH.get(msg.dtype, torch.int64), 8)
+
+
+def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
+    """Refuse a batch whose requests or tokens exceed the limits before anything is built:
+    lengths of repeated fields and tensor byte counts only (BatchTooLargeError)."""
+    n_params = len(msg.sampling_params)
+    if n_params > limits.max_batch_size:
+        raise BatchTooLargeError(
+            "sampling_params",
+            f"has {n_params} entries; must be <= max_batch_size ({limits.max_batch_size})",
+        )
+    for name in ("req_pool_indices", "seq_lens"):
+        if msg.HasField(name):
+            n = _element_count(getattr(msg, name))
+            if n > limits.max_batch_size:
+                raise BatchTooLargeError(
+                    name, f"has {n} entries; must be <= max_batch_size ({limits.max_batch_size})"
+                )
+    for name in ("input_ids", "out_cache_loc", "positions"):
+        if msg.HasField(name):
+            n = _element_count(getattr(msg, name))
+            if n > limits.max_tokens_per_batch:
+                raise BatchTooLargeError(
+                    name,
+                    f"has {n} tokens; must be <= max_tokens_per_batch ({limits.max_tokens_per_batch})",
+                )
+    if msg.top_logprobs_num > limits.max_top_logprobs:
+        raise BatchValidationError(
+            "top_logprobs_num",
+            f"must be in 0..{limits.max_top_logprobs} (max_top_logprobs), got {msg.top_logprobs_num}",
+        )
+
+
+def batch_from_proto(msg: pb.ForwardBatch, limits: BatchLimits | None = None) -> ForwardBatch:
+    """Decode a wire batch into a host ForwardBatch (validation happens on the device thread).
+
+    With `limits`, size claims beyond them are refused first, from the header alone."""
     if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE):
         raise BatchValidationError(
             "forward_mode", f"must be EXTEND, DECODE or IDLE, got {msg.forward_mode}"
         )
+    if limits is not None:
+        check_size_claims(msg, limits)
     mode = ForwardMode(msg.forward_mode)
     if mode is ForwardMode.IDLE and not msg.HasField("req_pool_indices"):
         empty = torch.zeros(0, dtype=torch.int64)
@@ -145,18 +203,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
         return_logprob=fb.return_logprob,
         top_logprobs_num=fb.top_logprobs_num,
     )
-    for name in (
-        "input_ids",
-        "req_pool_indices",
-        "seq_lens",
-        "out_cache_loc",
-        "positions",
-        "extend_prefix_lens",
-        "extend_seq_lens",
-        "prefix_cache_loc",
-        "released_req_pool_indices",
-        "input_embeds",
-    ):
+    for name in BATCH_TENSOR_FIELDS:
         value = getattr(fb, name)
         if value is not None:
             getattr(msg, name).CopyFrom(tensor_to_proto(value))
@@ -252,6 +299,7 @@ def info_to_proto(
         max_context_len=lim.max_context_len,
         max_batch_size=lim.max_batch_size,
         max_tokens_per_batch=lim.max_tokens_per_batch,
+        max_top_logprobs=lim.max_top_logprobs,
         eos_token_ids=list(info.eos_token_ids),
         attention_backend=info.attention_backend,
         server_version=info.version,
@@ -273,6 +321,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         hidden_size=msg.hidden_size,
         max_batch_size=msg.max_batch_size,
         max_tokens_per_batch=msg.max_tokens_per_batch,
+        max_top_logprobs=msg.max_top_logprobs,
     )
     info = ExecutorInfo(
         model_name=msg.model_name,

@@ -4,7 +4,8 @@ Start-up: the port opens first with liveness ("") SERVING and readiness
 (`model_executor.v1.ModelExecutor`) NOT_SERVING; the model loads and warms up; then
 readiness turns SERVING. On SIGTERM/SIGINT (or `drain()`), readiness turns NOT_SERVING,
 new batches get UNAVAILABLE, and everything already accepted finishes within the grace
-period before the port closes.
+period before the port closes; what is still queued at its end is answered UNAVAILABLE,
+so the process always exits within the grace plus a bounded margin.
 
 Observability is per server: its own metrics registry served on `metrics_port` (`/metrics`),
 its own tracer provider (exporter and sampling from `ServerConfig`), and the runtime toggles
@@ -31,6 +32,8 @@ from executor.models.loader import read_model_config
 from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
+from executor.service.admission import CallLimit, forward_call_limit
+from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
 from executor.service.runtime_config import RuntimeControl
@@ -56,9 +59,46 @@ def message_limits(
     receive = (
         tokens * (3 * 8 + hidden_size * 4) + bs * (4 * 8 + 48) + bs * max_context_len * 8 + _SLACK
     )
-    # next ids and logprobs, and top-k ids + logprobs with k up to the vocabulary.
-    send = bs * (8 + 4) + bs * vocab_size * (8 + 4) + _SLACK
+    # next ids and logprobs, and top-k ids + logprobs with k up to max_top_logprobs.
+    k = min(config.max_top_logprobs, vocab_size)
+    send = bs * (8 + 4) + bs * k * (8 + 4) + _SLACK
     return receive, send
+
+
+# How long a drain waits, after the grace and the port's close, for a device step that is
+# still running: the device thread is a daemon, so the process exits even if it never ends.
+DRAIN_MARGIN_S = 2.0
+
+
+class Readiness:
+    """Readiness and draining, changed under one lock: once draining, never SERVING again
+    (the loader's "attach, then SERVING unless draining" cannot interleave with a drain)."""
+
+    def __init__(
+        self, health: health.HealthServicer, servicer: ExecutorServicer, metrics: ExecutorMetrics
+    ) -> None:
+        self._lock = threading.Lock()
+        self._health = health
+        self._servicer = servicer
+        self._metrics = metrics
+
+    def serve(self, worker: DeviceWorker, runtime: RuntimeControl) -> bool:
+        """Attach the loaded worker and turn SERVING; False (nothing attached) when draining."""
+        with self._lock:
+            if self._servicer.draining.is_set():
+                return False
+            self._servicer.attach(worker, runtime)
+            self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            self._metrics.set_ready(True)
+            return True
+
+    def drain(self) -> DeviceWorker | None:
+        """Turn NOT_SERVING for good; the worker to drain (None: the model never attached)."""
+        with self._lock:
+            self._servicer.draining.set()
+            self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._metrics.set_ready(False)
+            return self._servicer.worker
 
 
 @dataclass
@@ -74,6 +114,7 @@ class RunningServer:
     server_config: ServerConfig
     telemetry: Telemetry
     metrics_port: int | None  # None: the /metrics endpoint is off
+    readiness: Readiness
 
     @property
     def worker(self) -> DeviceWorker | None:
@@ -86,18 +127,27 @@ class RunningServer:
             raise RuntimeError("the executor failed to start") from self.load_error[0]
 
     def drain(self, grace_s: float | None = None) -> bool:
-        """Stop taking batches, finish what was accepted, close the port. True if all finished in time."""
+        """Stop taking batches, finish what was accepted within the grace, close the port.
+
+        The worker's stop marker goes in first, so nothing is accepted after it. Whatever is
+        still queued when the grace ends is answered UNAVAILABLE (and not run), as is a step
+        still running (its handler stops waiting); the call returns within the grace plus
+        DRAIN_MARGIN_S plus the port's close (at most 1 s). True if everything finished."""
         grace = self.server_config.drain_grace_s if grace_s is None else grace_s
         start = time.monotonic()
-        self.servicer.draining.set()
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.telemetry.metrics.set_ready(False)
-        log.info("draining", grace_s=grace, queued=self.worker.depth if self.worker else 0)
-        finished = self.worker.wait_idle(grace) if self.worker else True
+        worker = self.readiness.drain()
+        log.info("draining", grace_s=grace, queued=worker.depth if worker else 0)
+        finished = True
+        if worker is not None:
+            worker.close()
+            finished = worker.wait_idle(grace)
+            if not finished:
+                answered = worker.abandon("the executor shut down before this batch ran")
+                log.warning("drain grace ended", answered_unavailable=answered)
         remaining = max(0.0, grace - (time.monotonic() - start))
         self.server.stop(grace=min(remaining, 1.0)).wait()
-        if self.worker is not None and finished:
-            self.worker.stop()
+        if worker is not None and not worker.stop(timeout=DRAIN_MARGIN_S):
+            log.warning("a device step outlived the drain; exiting without it")
         self.telemetry.metrics.close()
         self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
@@ -134,7 +184,15 @@ def start_server(
     )
     telemetry = Telemetry(metrics, tracing)
     servicer = ExecutorServicer(
-        config.model, server_config.stream_window, telemetry, TokenCheck(token)
+        config.model,
+        server_config.stream_window,
+        telemetry,
+        TokenCheck(token),
+        call_limit=CallLimit(
+            forward_call_limit(server_config.rpc_threads, server_config.max_forward_calls)
+        ),
+        queue_wait_s=server_config.queue_wait_s,
+        stream_idle_timeout_s=server_config.stream_idle_timeout_s,
     )
     pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -177,6 +235,7 @@ def start_server(
         server_config,
         telemetry,
         metrics_port,
+        Readiness(health_servicer, servicer, metrics),
     )
 
     def load() -> None:
@@ -184,7 +243,12 @@ def start_server(
             t0 = time.perf_counter()
             executor = ModelExecutor(config, observer=metrics)
             executor.warmup()
-            worker = DeviceWorker(executor, server_config.queue_size, on_step=metrics.observe_step)
+            worker = DeviceWorker(
+                executor,
+                server_config.queue_size,
+                on_step=metrics.observe_step,
+                applied=AppliedBatches(server_config.retry_memory),
+            )
             runtime = RuntimeControl(
                 executor,
                 trace_sample_ratio=server_config.trace_sample_ratio,
@@ -201,11 +265,10 @@ def start_server(
                 ),
             )
             worker.start()
-            servicer.attach(worker, runtime)
-            if not servicer.draining.is_set():
-                health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-                metrics.set_ready(True)
-            log.info("ready", seconds=round(time.perf_counter() - t0, 3))
+            if running.readiness.serve(worker, runtime):
+                log.info("ready", seconds=round(time.perf_counter() - t0, 3))
+            else:  # a drain began while the model loaded: it never serves
+                worker.stop()
         except BaseException as exc:
             log.error("start-up failed", exc_info=exc)
             running.load_error.append(exc)

@@ -22,6 +22,27 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT, seconds to finish queued and running batches"
     )
     rpc_threads: int = setting(16, "gRPC handler threads (the device itself is one thread)")
+    max_forward_calls: int = setting(
+        0,
+        "Forward/ForwardStream calls in progress at once (each holds a handler thread); more "
+        "get RESOURCE_EXHAUSTED; must be < rpc_threads so health and GetInfo always have "
+        "threads; 0 = rpc_threads less a quarter (at least 2 kept free)",
+    )
+    queue_wait_s: float = setting(
+        30.0,
+        "longest a unary Forward's batch waits for the device before it is answered "
+        "RESOURCE_EXHAUSTED (not applied); 0 = as long as the call's deadline allows",
+    )
+    stream_idle_timeout_s: float = setting(
+        300.0,
+        "a ForwardStream that sends no batch for this long, with none in flight, is ended "
+        "(DEADLINE_EXCEEDED) and its handler thread freed; 0 = never",
+    )
+    retry_memory: int = setting(
+        1024,
+        "batch_ids of the last applied batches kept with their responses: a retry with the "
+        "same batch_id gets the stored response and is not applied again; 0 turns it off",
+    )
     log_level: str = setting("info", "debug | info | warning | error; a runtime toggle too")
     log_format: str = setting(
         "auto", "auto (console on a terminal, else JSON lines) | json | console"
@@ -52,6 +73,16 @@ class ServerConfig:
         for name in ("queue_size", "stream_window", "rpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_forward_calls < self.rpc_threads:
+            raise ValueError(
+                f"max_forward_calls must be in 0..rpc_threads-1 ({self.rpc_threads - 1}), "
+                f"got {self.max_forward_calls}"
+            )
+        for name in ("queue_wait_s", "stream_idle_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.retry_memory < 0:
+            raise ValueError(f"retry_memory must be >= 0, got {self.retry_memory}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.log_level not in LEVELS:

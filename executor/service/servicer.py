@@ -2,12 +2,19 @@
 
 | error                                  | status              |
 |----------------------------------------|---------------------|
-| BatchTooLargeError, QueueFullError     | RESOURCE_EXHAUSTED  |
+| BatchTooLargeError, QueueFullError, CapacityError | RESOURCE_EXHAUSTED |
+| StreamIdleError                        | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
-| not ready / draining                   | UNAVAILABLE         |
+| not ready / draining, WorkerClosedError | UNAVAILABLE        |
+| RpcEndedError (deadline / cancelled)   | DEADLINE_EXCEEDED / CANCELLED (not run) |
+| CancelledError (the job was dropped)   | CANCELLED (not run) |
+| StreamFailedError                      | ABORTED             |
 | anything else (a bug)                  | INTERNAL, logged with its stack trace |
+
+A batch's status message starts with `batch_id N:`. On a stream, the first batch refused or
+failed ends the stream with its status; the device worker runs nothing after it.
 
 Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
 """
@@ -16,8 +23,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import grpc
@@ -29,8 +38,11 @@ from executor.errors import (
     RuntimeConfigError,
     ToggleRefusedError,
 )
+from executor.model_executor import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
+from executor.service.admission import CallLimit, CapacityError, StreamIdleError
+from executor.service.applied_batches import fingerprint
 from executor.service.auth import TokenCheck, UnauthenticatedError
 from executor.service.codec import (
     batch_from_proto,
@@ -39,7 +51,15 @@ from executor.service.codec import (
     runtime_config_to_proto,
     runtime_update_from_proto,
 )
-from executor.service.device_worker import DeviceWorker, Job, QueueFullError
+from executor.service.device_worker import (
+    DeviceWorker,
+    Job,
+    QueueFullError,
+    RpcEndedError,
+    StreamFailedError,
+    StreamState,
+    WorkerClosedError,
+)
 from executor.service.runtime_config import RuntimeControl
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -52,7 +72,7 @@ class NotServingError(RuntimeError):
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, BatchTooLargeError | QueueFullError):
+    if isinstance(exc, BatchTooLargeError | QueueFullError | CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -60,8 +80,20 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, NotServingError):
+    if isinstance(exc, NotServingError | WorkerClosedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, RpcEndedError):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.deadline else grpc.StatusCode.CANCELLED
+        return code, str(exc)
+    if isinstance(exc, CancelledError):  # the RPC ended while its job waited: never run
+        return (
+            grpc.StatusCode.CANCELLED,
+            "the RPC ended before the device reached the batch; it was not applied",
+        )
+    if isinstance(exc, StreamIdleError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, StreamFailedError):
+        return grpc.StatusCode.ABORTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
@@ -74,6 +106,12 @@ def abort(
 ) -> None:
     """Answer the RPC with the status `exc` maps to (logged with the code and trace ids)."""
     code, message = status_for(exc)
+    if (
+        batch_id is not None
+        and f"batch_id {batch_id}" not in message
+        and not message.startswith("batch_id:")
+    ):
+        message = f"batch_id {batch_id}: {message}"
     rpc.fail(code, message)
     ids = (span or rpc).log_ids()
     if code is grpc.StatusCode.INTERNAL:
@@ -96,9 +134,16 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         stream_window: int,
         telemetry: Telemetry,
         token_check: TokenCheck | None = None,
+        *,
+        call_limit: CallLimit | None = None,
+        queue_wait_s: float = 0.0,
+        stream_idle_timeout_s: float = 0.0,
     ) -> None:
         self.model_spec = model_spec
         self.stream_window = stream_window
+        self.call_limit = call_limit
+        self.queue_wait_s = queue_wait_s
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.telemetry = telemetry
         self.token_check = token_check or TokenCheck(None)
         self.worker: DeviceWorker | None = None
@@ -124,22 +169,49 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             raise NotServingError("the executor is still loading its model; wait for readiness")
         return self.worker, self.runtime
 
-    def _submit(self, request: pb.ForwardRequest, span: SpanScope) -> Job:
+    def _submit(
+        self,
+        request: pb.ForwardRequest,
+        span: SpanScope,
+        context: grpc.ServicerContext,
+        stream: StreamState | None = None,
+    ) -> Job:
+        """Decode and queue one batch. The device thread runs it only while `context` is
+        active and before its deadline, and (on a stream) only if no batch before it failed."""
         worker = self._accepting()
         with span.child("decode"):
-            batch = batch_from_proto(request.batch)
-        return worker.submit(batch, request.batch_id, trace_context=span.context)
+            batch = batch_from_proto(request.batch, worker.executor.limits)
+        remaining = context.time_remaining()
+        return worker.submit(
+            batch,
+            request.batch_id,
+            trace_context=span.context,
+            stream=stream,
+            is_active=context.is_active,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+            fingerprint=fingerprint(request.batch) if worker.applied.capacity else b"",
+        )
 
     def Forward(
         self, request: pb.ForwardRequest, context: grpc.ServicerContext
     ) -> pb.ForwardResponse:
         with self.telemetry.rpc("Forward", context) as rpc:
             try:
-                out = self._submit(request, rpc).future.result()
+                self._enter("Forward")
+                try:
+                    job = self._submit(request, rpc, context)
+                    # A client that goes away frees this thread: its job, not started, never runs.
+                    context.add_callback(job.future.cancel)
+                    out = self._wait(job)
+                finally:
+                    self._leave()
             except BaseException as exc:
                 abort(context, exc, rpc, request.batch_id)
                 raise  # unreachable: abort raises
-            rpc.record_step(out.stats, request.batch_id)
+            if job.replayed:
+                self.telemetry.metrics.count_replay()
+            else:
+                rpc.record_step(out.stats, request.batch_id)
             with rpc.child("encode"):
                 return response_to_proto(out, request.batch_id)
 
@@ -148,7 +220,37 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     ) -> Iterator[pb.ForwardResponse]:
         """Responses in request order; up to `stream_window` batches queued or running at once."""
         with self.telemetry.rpc("ForwardStream", context) as rpc:
-            yield from self._stream(request_iterator, context, rpc)
+            try:
+                self._enter("ForwardStream")
+            except CapacityError as exc:
+                abort(context, exc, rpc)
+            try:
+                yield from self._stream(request_iterator, context, rpc)
+            finally:
+                self._leave()
+
+    def _enter(self, what: str) -> None:
+        if self.call_limit is not None:
+            self.call_limit.enter(what)
+
+    def _leave(self) -> None:
+        if self.call_limit is not None:
+            self.call_limit.leave()
+
+    def _wait(self, job: Job) -> ForwardOutput:
+        """The job's output; a job still queued after `queue_wait_s` is dropped (never run)
+        and answered RESOURCE_EXHAUSTED: the device is behind."""
+        if not self.queue_wait_s:
+            return job.future.result()
+        try:
+            return job.future.result(timeout=self.queue_wait_s)
+        except TimeoutError:
+            if job.future.cancel():
+                raise CapacityError(
+                    f"batch_id {job.batch_id} waited {self.queue_wait_s:g} s for the device "
+                    "(queue_wait_s) and was not applied: the device is behind; retry later"
+                ) from None
+            return job.future.result()  # it is running: its answer is coming
 
     def _stream(
         self,
@@ -156,9 +258,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         context: grpc.ServicerContext,
         rpc: RpcScope,
     ) -> Iterator[pb.ForwardResponse]:
-        pending: queue.Queue[_StreamStep | BaseException | None] = queue.Queue()
+        pending: queue.Queue[_StreamStep | tuple[int, BaseException] | None] = queue.Queue()
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
+        state = StreamState()  # the device thread runs nothing after a failed batch
         # Jobs submitted but not yet answered (at most the window): a stream may live for
         # millions of steps, so answered jobs must not be kept.
         in_flight: deque[Job] = deque()
@@ -177,28 +280,43 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                         return
                     step = rpc.step(request.batch_id)
                     try:
-                        job = self._submit(request, step)
-                    except BaseException:
+                        job = self._submit(request, step, context, state)
+                    except BaseException as exc:
                         step.span.end()
-                        raise
+                        pending.put((request.batch_id, exc))
+                        return
                     in_flight.append(job)
                     pending.put(_StreamStep(job, step))
-            except BaseException as exc:
-                pending.put(exc)
+            except BaseException as exc:  # reading the next request failed
+                pending.put((0, exc))
             finally:
                 pending.put(None)
 
         context.add_callback(cancel_pending)  # the client went away or the RPC ended
         threading.Thread(target=read, name="stream-reader", daemon=True).start()
+        idle = self.stream_idle_timeout_s or None
         while True:
-            item = pending.get()
+            try:  # the idle clock runs only while nothing is in flight
+                item = pending.get(timeout=None if in_flight else idle)
+            except queue.Empty:
+                cancel_pending()
+                abort(
+                    context,
+                    StreamIdleError(
+                        f"the stream sent no batch for {idle:g} s (stream_idle_timeout_s) and "
+                        "was closed to free its handler thread; open a new one"
+                    ),
+                    rpc,
+                )
+                return
             if item is None:
                 return
-            if isinstance(item, BaseException):
+            if isinstance(item, tuple):
                 cancel_pending()
-                abort(context, item, rpc)
+                batch_id, exc = item
+                abort(context, exc, rpc, batch_id or None)
                 return
-            step, batch_id = item.span, item.job.batch_id
+            step, batch_id, job = item.span, item.job.batch_id, item.job
             try:
                 out = item.job.future.result()
             except BaseException as exc:
@@ -208,7 +326,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 return
             in_flight.popleft()  # answered in order: it is the oldest
             window.release()
-            step.record_step(out.stats, batch_id)
+            if job.replayed:
+                self.telemetry.metrics.count_replay()
+            else:
+                step.record_step(out.stats, batch_id)
             with step.child("encode"):
                 response = response_to_proto(out, batch_id)
             step.span.end()
@@ -223,7 +344,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             except BaseException as exc:
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
-            return info_to_proto(worker.executor.info, self.model_spec, runtime.current())
+            try:  # the runtime config only to a caller that could read it with GetRuntimeConfig
+                self.token_check.check(context.invocation_metadata())
+                config = runtime.current()
+            except UnauthenticatedError:
+                config = None
+            return info_to_proto(worker.executor.info, self.model_spec, config)
 
     def GetRuntimeConfig(
         self, request: pb.GetRuntimeConfigRequest, context: grpc.ServicerContext

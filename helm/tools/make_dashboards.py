@@ -684,6 +684,25 @@ def internals() -> dict[str, Any]:
             ],
         ),
         Row(
+            "Retries",
+            [
+                Panel(
+                    "Retries answered from memory/s",
+                    "Retried batches whose batch_id the executor had already applied: answered "
+                    "with the stored response, not applied again (retry_memory). A steady rate "
+                    "means schedulers lose answers (deadlines, disconnects) and resend.",
+                    [
+                        Target(
+                            f"sum(rate(model_executor_batches_replayed_total{{{SEL}}}[{RATE}]))",
+                            "replayed",
+                        )
+                    ],
+                    unit="ops",
+                    width=24,
+                ),
+            ],
+        ),
+        Row(
             "Configuration",
             [
                 Panel(
@@ -737,8 +756,8 @@ def internals() -> dict[str, Any]:
     return dashboard(
         "model-executor-internals",
         "Model executor / Internals",
-        "Input staging copies, device-to-host syncs, graph captures and fallbacks, toggles "
-        "and build info of model-executor.",
+        "Input staging copies, device-to-host syncs, graph captures and fallbacks, replayed "
+        "retries, toggles and build info of model-executor.",
         rows,
     )
 

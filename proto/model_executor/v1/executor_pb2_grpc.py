@@ -26,7 +26,21 @@ if _version_not_supported:
 
 
 class ModelExecutorStub:
-    """Missing associated documentation comment in .proto file."""
+    """What a failure leaves behind (the scheduler and the executor must always agree on what
+    the KV cache holds):
+    - A batch whose call is no longer active (deadline passed, cancelled) when the device
+    reaches it is not run: nothing changes. One already running finishes and is applied.
+    - Exactly once: the executor remembers the last N applied batch_ids (server setting
+    retry_memory, all calls together) with their responses. A batch resent under an id it
+    applied gets the stored response and is not applied again, so after DEADLINE_EXCEEDED,
+    CANCELLED, UNAVAILABLE or RESOURCE_EXHAUSTED resend the same batch with the same id.
+    An id reused for a different batch is refused (INVALID_ARGUMENT). batch_id 0 opts out.
+    - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
+    (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
+    answered UNAVAILABLE and not run.
+    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +76,21 @@ class ModelExecutorStub:
 
 
 class ModelExecutorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """What a failure leaves behind (the scheduler and the executor must always agree on what
+    the KV cache holds):
+    - A batch whose call is no longer active (deadline passed, cancelled) when the device
+    reaches it is not run: nothing changes. One already running finishes and is applied.
+    - Exactly once: the executor remembers the last N applied batch_ids (server setting
+    retry_memory, all calls together) with their responses. A batch resent under an id it
+    applied gets the stored response and is not applied again, so after DEADLINE_EXCEEDED,
+    CANCELLED, UNAVAILABLE or RESOURCE_EXHAUSTED resend the same batch with the same id.
+    An id reused for a different batch is refused (INVALID_ARGUMENT). batch_id 0 opts out.
+    - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
+    (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
+    answered UNAVAILABLE and not run.
+    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
+    """
 
     def Forward(self, request, context):
         """Run one step: the batch's next tokens. Unary: one batch per call.
@@ -73,7 +101,11 @@ class ModelExecutorServicer:
 
     def ForwardStream(self, request_iterator, context):
         """Many steps over one stream, answered in request order. A scheduler may send step N+1
-        while step N runs (pipelining). An error ends this stream with a status, never the server.
+        while step N runs (pipelining). When a batch is refused or fails, nothing after it on
+        this stream is applied: the stream ends with that status, its message starting
+        "batch_id N:", and every batch before it was applied and answered. A stream with nothing
+        in flight that sends no batch for stream_idle_timeout_s ends DEADLINE_EXCEEDED. An error
+        ends this stream, never the server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,7 +174,21 @@ def add_ModelExecutorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ModelExecutor:
-    """Missing associated documentation comment in .proto file."""
+    """What a failure leaves behind (the scheduler and the executor must always agree on what
+    the KV cache holds):
+    - A batch whose call is no longer active (deadline passed, cancelled) when the device
+    reaches it is not run: nothing changes. One already running finishes and is applied.
+    - Exactly once: the executor remembers the last N applied batch_ids (server setting
+    retry_memory, all calls together) with their responses. A batch resent under an id it
+    applied gets the stored response and is not applied again, so after DEADLINE_EXCEEDED,
+    CANCELLED, UNAVAILABLE or RESOURCE_EXHAUSTED resend the same batch with the same id.
+    An id reused for a different batch is refused (INVALID_ARGUMENT). batch_id 0 opts out.
+    - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
+    (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
+    answered UNAVAILABLE and not run.
+    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
+    """
 
     @staticmethod
     def Forward(request,

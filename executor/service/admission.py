@@ -1,0 +1,49 @@
+"""Admission: how many Forward/ForwardStream calls may hold a handler thread at once.
+
+Every RPC, health checks included, runs on the server's one pool of `rpc_threads` handler
+threads. A stream holds its thread for as long as it is open, a unary Forward while its
+batch waits for the device, so without a cap 16 idle streams starve readiness probes and
+GetInfo. `CallLimit` admits at most `limit` such calls (fewer than the pool, so the rest is
+always free for health, GetInfo and refusals); one more is answered RESOURCE_EXHAUSTED at
+once (`CapacityError`), before it waits for anything.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class CapacityError(RuntimeError):
+    """Too many calls in progress, or the device too far behind; retry later."""
+
+
+class StreamIdleError(RuntimeError):
+    """A stream sent no batch for `stream_idle_timeout_s` with nothing in flight: closed."""
+
+
+def forward_call_limit(rpc_threads: int, configured: int) -> int:
+    """The cap: `configured`, or by default the pool less a quarter of it (at least 2)."""
+    if configured:
+        return configured
+    return max(1, rpc_threads - max(2, rpc_threads // 4))
+
+
+class CallLimit:
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._free = threading.BoundedSemaphore(limit)
+
+    def enter(self, what: str) -> None:
+        """Take one of the `limit` places (give it back with `leave`); CapacityError when none
+        is free."""
+        if not self._free.acquire(blocking=False):
+            raise CapacityError(
+                f"{self.limit} Forward/ForwardStream calls are in progress "
+                f"(max_forward_calls); this {what} was not started: retry later, or send "
+                "more batches per call"
+            )
+
+    def leave(self) -> None:
+        self._free.release()
