@@ -152,7 +152,10 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
             assert [r.next_token_ids.shape for r in results] == [(1,)] * 6
             with pytest.raises(grpc.RpcError) as err:  # nothing new is accepted
                 c.forward(batches[0], timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # UNAVAILABLE from the draining servicer, or, once the drain has closed the port,
+            # from the channel. In the moment between, while `server.stop` runs, gRPC itself
+            # cancels calls that arrive (CANCELLED): refused all the same, never run.
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
