@@ -36,6 +36,7 @@ from executor.service.device_worker import DeviceWorker
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
+from executor.service.tls import CertificateFiles, is_loopback
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -74,6 +75,9 @@ class RunningServer:
     server_config: ServerConfig
     telemetry: Telemetry
     metrics_port: int | None  # None: the /metrics endpoint is off
+    health_server: grpc.Server | None = None  # the plaintext probe port, when one is open
+    health_port: int | None = None
+    certificates: CertificateFiles | None = None  # the TLS files, when the port is TLS
 
     @property
     def worker(self) -> DeviceWorker | None:
@@ -96,12 +100,27 @@ class RunningServer:
         finished = self.worker.wait_idle(grace) if self.worker else True
         remaining = max(0.0, grace - (time.monotonic() - start))
         self.server.stop(grace=min(remaining, 1.0)).wait()
+        if self.health_server is not None:
+            self.health_server.stop(grace=None).wait()
         if self.worker is not None and finished:
             self.worker.stop()
         self.telemetry.metrics.close()
         self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
         return finished
+
+
+def _health_only_server(
+    server_config: ServerConfig, health_servicer: health.HealthServicer
+) -> tuple[grpc.Server, int]:
+    """A plaintext port with grpc.health.v1 only (the same statuses as the main port): what
+    the kubelet's gRPC probes can reach when the main port is TLS. It carries no batches."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{server_config.host}:{server_config.health_port}")
+    if port == 0:
+        raise OSError(f"could not listen on {server_config.host}:{server_config.health_port}")
+    return server, port
 
 
 def start_server(
@@ -142,25 +161,46 @@ def start_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+    address = f"{server_config.host}:{server_config.port}"
+    tls = server_config.tls
+    certificates = CertificateFiles(tls) if tls is not None else None
+    if certificates is None:
+        port = server.add_insecure_port(address)
+        if not is_loopback(server_config.host):
+            log.warning(
+                "plaintext gRPC on a non-loopback address: batches and the runtime-config "
+                "token travel unencrypted; set tls_cert_file and tls_key_file",
+                host=server_config.host,
+            )
+    else:
+        port = server.add_secure_port(address, certificates.server_credentials())
     if port == 0:
-        raise OSError(f"could not listen on {server_config.host}:{server_config.port}")
+        raise OSError(f"could not listen on {address}")
+    health_server, health_port = None, None
+    if server_config.health_port >= 0:
+        health_server, health_port = _health_only_server(server_config, health_servicer)
     metrics_port = None
     if server_config.metrics_port >= 0:
         try:
             metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
         except OSError as exc:
             server.stop(grace=None)
+            if health_server is not None:
+                health_server.stop(grace=None)
             raise OSError(
                 f"could not serve metrics on {server_config.host}:{server_config.metrics_port}: {exc}"
             ) from exc
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
+    if health_server is not None:
+        health_server.start()
     log.info(
         "listening",
         host=server_config.host,
         port=port,
+        tls="mtls" if tls is not None and tls.mutual else "tls" if tls is not None else "off",
+        health_port=health_port,
         metrics_port=metrics_port,
         max_receive_bytes=receive,
         max_send_bytes=send,
@@ -177,6 +217,9 @@ def start_server(
         server_config,
         telemetry,
         metrics_port,
+        health_server,
+        health_port,
+        certificates,
     )
 
     def load() -> None:
