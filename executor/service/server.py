@@ -33,12 +33,12 @@ from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
 from executor.service.auth import TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
+from executor.service.handlers import add_executor_servicer
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tls import CertificateFiles, is_loopback
 from model_executor.v1 import executor_pb2 as pb
-from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -155,7 +155,7 @@ def start_server(
     servicer = ExecutorServicer(
         config.model, server_config.stream_window, telemetry, TokenCheck(token)
     )
-    pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
+    add_executor_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

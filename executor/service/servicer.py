@@ -4,10 +4,15 @@
 |----------------------------------------|---------------------|
 | BatchTooLargeError, QueueFullError     | RESOURCE_EXHAUSTED  |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
+| UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining                   | UNAVAILABLE         |
 | anything else (a bug)                  | INTERNAL, logged with its stack trace |
+
+Whatever the error, a caller that stopped waiting (cancelled, went away, or its deadline
+passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its doing, not a
+failure of the executor (the error-ratio alert leaves both out).
 
 Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
 """
@@ -29,7 +34,7 @@ from executor.errors import (
     RuntimeConfigError,
     ToggleRefusedError,
 )
-from executor.observability.telemetry import RpcScope, Telemetry
+from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
 from executor.observability.tracing import SpanScope
 from executor.service.auth import TokenCheck, UnauthenticatedError
 from executor.service.codec import (
@@ -40,6 +45,7 @@ from executor.service.codec import (
     runtime_update_from_proto,
 )
 from executor.service.device_worker import DeviceWorker, Job, QueueFullError
+from executor.service.handlers import UndecodableRequest, UndecodableRequestError
 from executor.service.runtime_config import RuntimeControl
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -54,7 +60,7 @@ class NotServingError(RuntimeError):
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BatchTooLargeError | QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, BatchValidationError | RuntimeConfigError):
+    if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ToggleRefusedError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
@@ -73,11 +79,17 @@ def abort(
     span: SpanScope | None = None,
 ) -> None:
     """Answer the RPC with the status `exc` maps to (logged with the code and trace ids)."""
+    gone = caller_gone(context)
+    if gone is not None:  # whatever failed, the caller had already left
+        rpc.caller_left(gone, batch_id)
+        context.abort(gone, rpc.message)
     code, message = status_for(exc)
     rpc.fail(code, message)
     ids = (span or rpc).log_ids()
     if code is grpc.StatusCode.INTERNAL:
         log.error("request failed", batch_id=batch_id, code=code.name, exc_info=exc, **ids)
+    elif isinstance(exc, UndecodableRequestError):  # no stack trace: nothing of ours failed
+        log.warning("undecodable request", code=code.name, reason=message, **ids)
     else:
         log.info("request refused", batch_id=batch_id, code=code.name, reason=message, **ids)
     context.abort(code, message)
@@ -124,27 +136,34 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             raise NotServingError("the executor is still loading its model; wait for readiness")
         return self.worker, self.runtime
 
-    def _submit(self, request: pb.ForwardRequest, span: SpanScope) -> Job:
+    def _submit(self, request: pb.ForwardRequest | UndecodableRequest, span: SpanScope) -> Job:
+        if isinstance(request, UndecodableRequest):
+            raise request.error
         worker = self._accepting()
         with span.child("decode"):
             batch = batch_from_proto(request.batch)
         return worker.submit(batch, request.batch_id, trace_context=span.context)
 
     def Forward(
-        self, request: pb.ForwardRequest, context: grpc.ServicerContext
+        self, request: pb.ForwardRequest | UndecodableRequest, context: grpc.ServicerContext
     ) -> pb.ForwardResponse:
+        """`request` is an `UndecodableRequest` when its bytes did not parse (handlers.py)."""
         with self.telemetry.rpc("Forward", context) as rpc:
+            batch_id = None if isinstance(request, UndecodableRequest) else request.batch_id
             try:
                 out = self._submit(request, rpc).future.result()
             except BaseException as exc:
-                abort(context, exc, rpc, request.batch_id)
+                abort(context, exc, rpc, batch_id)
                 raise  # unreachable: abort raises
-            rpc.record_step(out.stats, request.batch_id)
+            assert batch_id is not None  # a job ran, so the request decoded
+            rpc.record_step(out.stats, batch_id)
             with rpc.child("encode"):
-                return response_to_proto(out, request.batch_id)
+                return response_to_proto(out, batch_id)
 
     def ForwardStream(
-        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[pb.ForwardRequest | UndecodableRequest],
+        context: grpc.ServicerContext,
     ) -> Iterator[pb.ForwardResponse]:
         """Responses in request order; up to `stream_window` batches queued or running at once."""
         with self.telemetry.rpc("ForwardStream", context) as rpc:
@@ -152,7 +171,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
     def _stream(
         self,
-        request_iterator: Iterator[pb.ForwardRequest],
+        request_iterator: Iterator[pb.ForwardRequest | UndecodableRequest],
         context: grpc.ServicerContext,
         rpc: RpcScope,
     ) -> Iterator[pb.ForwardResponse]:
@@ -172,6 +191,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         def read() -> None:
             try:
                 for request in request_iterator:
+                    if isinstance(request, UndecodableRequest):
+                        raise request.error
                     window.acquire()
                     if failed.is_set():
                         return
