@@ -26,6 +26,11 @@ class ToggleRefusedError(RuntimeError):
     Maps to FAILED_PRECONDITION."""
 
 
+class StartupCancelled(Exception):
+    """Start-up was asked to stop (a shutdown signal while loading or capturing graphs): the
+    executor stops at the next graph bucket and is never used."""
+
+
 class RuntimeConfigError(ValueError):
     """A runtime-config update with a malformed value (unknown log level, ratio outside 0..1);
     nothing was changed. Maps to INVALID_ARGUMENT."""

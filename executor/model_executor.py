@@ -11,6 +11,7 @@ or all at once with `apply_toggles`) are called on that same thread between two 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -141,7 +142,10 @@ class ModelExecutor:
         loaded: LoadedModel | None = None,
         *,
         observer: ExecutorObserver | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
+        """`stop`, when set by the host (a shutdown during start-up), ends graph capture at
+        the next bucket with StartupCancelled."""
         self.config = config
         # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
         self.observer: ExecutorObserver = observer or NullObserver()
@@ -206,6 +210,7 @@ class ModelExecutor:
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             eager_input_no_copy=config.eager_input_no_copy,
             graphs=graph_settings(config, self.limits),
+            stop=stop,
         )
         self.capture_reports: list[CaptureReport] = []
         if graph_mode != "none":

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
+from executor.errors import StartupCancelled
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
 from executor.observability.metrics import ExecutorMetrics, LiveSources
@@ -78,6 +79,9 @@ class RunningServer:
     health_server: grpc.Server | None = None  # the plaintext probe port, when one is open
     health_port: int | None = None
     certificates: CertificateFiles | None = None  # the TLS files, when the port is TLS
+    # Set by `drain`: a start-up still loading or capturing graphs stops at the next bucket.
+    stop_loading: threading.Event = field(default_factory=threading.Event)
+    loader: threading.Thread | None = None
 
     @property
     def worker(self) -> DeviceWorker | None:
@@ -94,6 +98,7 @@ class RunningServer:
         grace = self.server_config.drain_grace_s if grace_s is None else grace_s
         start = time.monotonic()
         self.servicer.draining.set()
+        self.stop_loading.set()
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.telemetry.metrics.set_ready(False)
         log.info("draining", grace_s=grace, queued=self.worker.depth if self.worker else 0)
@@ -102,6 +107,11 @@ class RunningServer:
         self.server.stop(grace=min(remaining, 1.0)).wait()
         if self.health_server is not None:
             self.health_server.stop(grace=None).wait()
+        if self.loader is not None:  # a start-up cut short ends at its next bucket
+            self.loader.join(max(0.0, grace - (time.monotonic() - start)))
+            if self.loader.is_alive():
+                finished = False
+                log.warning("start-up did not stop within the drain grace", grace_s=grace)
         if self.worker is not None and finished:
             self.worker.stop()
         self.telemetry.metrics.close()
@@ -225,8 +235,12 @@ def start_server(
     def load() -> None:
         try:
             t0 = time.perf_counter()
-            executor = ModelExecutor(config, observer=metrics)
+            executor = ModelExecutor(config, observer=metrics, stop=running.stop_loading)
+            if running.stop_loading.is_set():
+                raise StartupCancelled("shutdown requested after the model loaded")
             executor.warmup()
+            if running.stop_loading.is_set():
+                raise StartupCancelled("shutdown requested after warm-up")
             worker = DeviceWorker(executor, server_config.queue_size, on_step=metrics.observe_step)
             runtime = RuntimeControl(
                 executor,
@@ -249,13 +263,17 @@ def start_server(
                 health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
                 metrics.set_ready(True)
             log.info("ready", seconds=round(time.perf_counter() - t0, 3))
+        except StartupCancelled as exc:  # drain() during start-up: never ready, not an error
+            log.info("start-up cancelled", reason=str(exc))
+            running.load_error.append(exc)
         except BaseException as exc:
             log.error("start-up failed", exc_info=exc)
             running.load_error.append(exc)
         finally:
             running.ready.set()
 
-    threading.Thread(target=load, name="model-loader", daemon=True).start()
+    running.loader = threading.Thread(target=load, name="model-loader", daemon=True)
+    running.loader.start()
     if block_until_ready:
         running.wait_ready()
     return running
