@@ -35,6 +35,7 @@ from executor.config import (
     resolve_max_context_len,
 )
 from executor.errors import ToggleRefusedError
+from executor.faults import FaultInjector
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import (
     default_decode_buckets,
@@ -219,6 +220,8 @@ class ModelExecutor:
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
         self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
+        # Tests only (executor/faults.py): make the forward or the sampler raise on a chosen step.
+        self.faults: FaultInjector | None = None
         log.info(
             "executor ready",
             model=mcfg.name,
@@ -440,8 +443,12 @@ class ModelExecutor:
                 fb = host.to(self.device)
                 t1 = time.perf_counter_ns()
                 out = self.runner.forward(fb)
+                if self.faults is not None:
+                    self.faults.check("forward")
                 t2 = time.perf_counter_ns()
                 assert fb.sampling is not None
+                if self.faults is not None:
+                    self.faults.check("sampler")
                 sample = self.sampler.sample(
                     out.logits,
                     plan,

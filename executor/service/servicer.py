@@ -34,6 +34,8 @@ from executor.errors import (
     RuntimeConfigError,
     ToggleRefusedError,
 )
+from executor.faults import FaultInjector
+from executor.model_executor import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
 from executor.observability.tracing import SpanScope
 from executor.service.auth import TokenCheck, UnauthenticatedError
@@ -116,6 +118,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.worker: DeviceWorker | None = None
         self.runtime: RuntimeControl | None = None
         self.draining = threading.Event()
+        # Tests only (executor/faults.py): make encoding a chosen answer raise.
+        self.faults: FaultInjector | None = None
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
@@ -157,8 +161,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 raise  # unreachable: abort raises
             assert batch_id is not None  # a job ran, so the request decoded
             rpc.record_step(out.stats, batch_id)
-            with rpc.child("encode"):
-                return response_to_proto(out, batch_id)
+            try:
+                return self._encode(out, batch_id, rpc)
+            except BaseException as exc:
+                abort(context, exc, rpc, batch_id)
+                raise  # unreachable: abort raises
 
     def ForwardStream(
         self,
@@ -230,10 +237,21 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             in_flight.popleft()  # answered in order: it is the oldest
             window.release()
             step.record_step(out.stats, batch_id)
-            with step.child("encode"):
-                response = response_to_proto(out, batch_id)
+            try:
+                response = self._encode(out, batch_id, step)
+            except BaseException as exc:
+                cancel_pending()
+                step.span.end()
+                abort(context, exc, rpc, batch_id, step)
+                return
             step.span.end()
             yield response
+
+    def _encode(self, out: ForwardOutput, batch_id: int, span: SpanScope) -> pb.ForwardResponse:
+        with span.child("encode"):
+            if self.faults is not None:
+                self.faults.check("encoder")
+            return response_to_proto(out, batch_id)
 
     def GetInfo(
         self, request: pb.GetInfoRequest, context: grpc.ServicerContext
