@@ -34,8 +34,7 @@ from executor.config import (
     resolve_graph_mode,
     resolve_max_context_len,
 )
-from executor.errors import ToggleRefusedError
-from executor.faults import FaultInjector
+from executor.errors import FaultInjector, ToggleRefusedError
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import (
     default_decode_buckets,
@@ -220,7 +219,7 @@ class ModelExecutor:
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
         self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
-        # Tests only (executor/faults.py): make the forward or the sampler raise on a chosen step.
+        # Tests only (executor/errors.py): make the forward or the sampler raise on a chosen step.
         self.faults: FaultInjector | None = None
         log.info(
             "executor ready",

@@ -1,4 +1,4 @@
-"""Injected faults (executor/faults.py) on a live server: the model's forward, the sampler or
+"""Injected faults (executor/errors.py) on a live server: the model's forward, the sampler or
 the response encoder raises on a chosen step. The answer is INTERNAL, the server stays
 SERVING, and the tokens afterwards are those of a run without the fault; for faults inside
 the step the row table, resident lengths and K/V of live rows are exactly as before."""
@@ -12,7 +12,7 @@ import pytest
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.faults import FaultInjector
+from executor.errors import FaultInjector
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.model_executor import ForwardOutput, ModelExecutor
 from executor.service.server import RunningServer

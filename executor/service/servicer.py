@@ -31,10 +31,10 @@ import structlog
 from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
+    FaultInjector,
     RuntimeConfigError,
     ToggleRefusedError,
 )
-from executor.faults import FaultInjector
 from executor.model_executor import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
 from executor.observability.tracing import SpanScope
@@ -118,7 +118,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.worker: DeviceWorker | None = None
         self.runtime: RuntimeControl | None = None
         self.draining = threading.Event()
-        # Tests only (executor/faults.py): make encoding a chosen answer raise.
+        # Tests only (executor/errors.py): make encoding a chosen answer raise.
         self.faults: FaultInjector | None = None
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
