@@ -104,6 +104,15 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
         )
 
     released = _check_released(fb, limits)
+    # Before the IDLE return: an IDLE step runs the sampler on no rows, and topk beyond the
+    # vocabulary fails even then (found by tests/test_fuzz.py).
+    if (
+        not isinstance(fb.top_logprobs_num, int)
+        or not 0 <= fb.top_logprobs_num <= limits.vocab_size
+    ):
+        raise BatchValidationError(
+            "top_logprobs_num", f"must be in 0..{limits.vocab_size}, got {fb.top_logprobs_num!r}"
+        )
     if fb.forward_mode is ForwardMode.IDLE:
         if bs != 0 or num_tokens != 0:
             raise BatchValidationError(
@@ -138,13 +147,6 @@ def validate_batch(fb: ForwardBatch, limits: BatchLimits, resident_lens: np.ndar
 
     if fb.sampling is not None:
         _check_sampling(fb.sampling, bs)
-    if (
-        not isinstance(fb.top_logprobs_num, int)
-        or not 0 <= fb.top_logprobs_num <= limits.vocab_size
-    ):
-        raise BatchValidationError(
-            "top_logprobs_num", f"must be in 0..{limits.vocab_size}, got {fb.top_logprobs_num!r}"
-        )
 
 
 def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | None:

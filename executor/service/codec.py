@@ -7,6 +7,7 @@ BatchValidationError that names the field, so the server answers INVALID_ARGUMEN
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Any
@@ -30,6 +31,7 @@ _TO_TORCH = {
 }
 _TO_PB = {v: k for k, v in _TO_TORCH.items()}
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_MAX_EXTENT = 2**62
 _NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
 
 
@@ -54,6 +56,10 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+    # An empty tensor's other dimensions can be anything; their product still has to fit the
+    # strides torch computes (found by tests/test_fuzz.py: a flipped bit made one overflow).
+    if math.prod(max(d, 1) for d in shape) > _MAX_EXTENT:
+        raise BatchValidationError(field, f"shape {list(shape)} is too large")
     numel = int(np.prod(shape)) if shape else 1
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(msg.data) != numel * itemsize:
