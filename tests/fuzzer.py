@@ -37,17 +37,11 @@ FORWARD = "/model_executor.v1.ModelExecutor/Forward"
 ALLOWED = frozenset(
     {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
-TENSORS = (
-    "input_ids",
-    "req_pool_indices",
-    "seq_lens",
-    "out_cache_loc",
-    "positions",
-    "extend_prefix_lens",
-    "extend_seq_lens",
-    "prefix_cache_loc",
-    "input_embeds",
-    "released_req_pool_indices",
+# Every Tensor field of the wire's ForwardBatch.
+TENSORS = tuple(
+    f.name
+    for f in pb.ForwardBatch.DESCRIPTOR.fields
+    if f.message_type is not None and f.message_type.full_name == pb.Tensor.DESCRIPTOR.full_name
 )
 _NP = {pb.INT32: "<i4", pb.INT64: "<i8", pb.FLOAT32: "<f4", pb.FLOAT16: "<f2"}
 

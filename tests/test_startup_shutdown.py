@@ -8,7 +8,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,30 +16,15 @@ import grpc
 import pytest
 
 from executor.client.grpc_client import ExecutorClient
-from tests.server_util import free_port
+from tests.server_util import free_port, serve_command
 
 DRAIN_GRACE_S = 30.0
 
 
 def _serve(tmp_path: Path, port: int, graphs: bool) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "executor",
-        "serve",
-        "--model",
-        "tiny-random",
-        "--port",
-        str(port),
-        "--metrics-port",
-        "-1",
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        "--log-format",
-        "json",
-        "--drain-grace-s",
-        str(DRAIN_GRACE_S),
-    ]
+    cmd = serve_command(
+        port, tmp_path / "cache", "--metrics-port", "-1", "--drain-grace-s", str(DRAIN_GRACE_S)
+    )
     if graphs:  # many buckets: capture takes long enough on CPU to be interrupted
         cmd += [
             "--graph-mode",

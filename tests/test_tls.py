@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -210,9 +211,19 @@ def test_rotation_on_a_live_server_new_connections_see_the_new_cert_and_no_rpc_f
         assert srv.certificates is not None and srv.certificates.reloads == 1
 
 
-def test_a_half_written_rotation_keeps_the_previous_certificate(
-    pki: dict[str, object], tmp_path: Path
-) -> None:
+@dataclass
+class Served:
+    """A live server serving `issued` from files the test may rewrite."""
+
+    server: RunningServer
+    ca: TestCA
+    issued: Issued
+    cert_file: Path
+    key_file: Path
+
+
+@pytest.fixture
+def served(pki: dict[str, object], tmp_path: Path) -> Iterator[Served]:
     ca, server = pki["ca"], pki["server"]
     assert isinstance(ca, TestCA) and isinstance(server, Issued)
     cert_file, key_file = tmp_path / "tls.crt", tmp_path / "tls.key"
@@ -220,10 +231,14 @@ def test_a_half_written_rotation_keeps_the_previous_certificate(
     with running_server(
         tiny_config(tmp_path / "cache"), tls_cert_file=str(cert_file), tls_key_file=str(key_file)
     ) as srv:
-        with capture_logs() as logs:
-            cert_file.write_bytes(b"")  # cert-manager caught mid-write
-            assert _server_cert_serial(srv.port, ca.cert_file) == server.serial
-        assert any(line["event"].startswith("tls files unreadable") for line in logs)
+        yield Served(srv, ca, server, cert_file, key_file)
+
+
+def test_a_half_written_rotation_keeps_the_previous_certificate(served: Served) -> None:
+    with capture_logs() as logs:
+        served.cert_file.write_bytes(b"")  # cert-manager caught mid-write
+        assert _server_cert_serial(served.server.port, served.ca.cert_file) == served.issued.serial
+    assert any(line["event"].startswith("tls files unreadable") for line in logs)
 
 
 def test_plaintext_on_a_non_loopback_address_warns_once(tmp_path: Path) -> None:
@@ -247,18 +262,10 @@ def test_tls_settings_are_checked() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
 
 
-def test_a_key_that_does_not_match_the_certificate_is_not_served(
-    pki: dict[str, object], tmp_path: Path
-) -> None:
-    ca, server = pki["ca"], pki["server"]
-    assert isinstance(ca, TestCA) and isinstance(server, Issued)
-    cert_file, key_file = tmp_path / "tls.crt", tmp_path / "tls.key"
-    _install(server, cert_file, key_file)
-    with running_server(
-        tiny_config(tmp_path / "cache"), tls_cert_file=str(cert_file), tls_key_file=str(key_file)
-    ) as srv:
-        newer = ca.issue("executor", stem="newer")
-        key_file.write_bytes(newer.key_file.read_bytes())  # the key first, the cert not yet
-        assert _server_cert_serial(srv.port, ca.cert_file) == server.serial
-        cert_file.write_bytes(newer.cert_file.read_bytes())
-        assert _server_cert_serial(srv.port, ca.cert_file) == newer.serial
+def test_a_key_that_does_not_match_the_certificate_is_not_served(served: Served) -> None:
+    port, ca_file = served.server.port, served.ca.cert_file
+    newer = served.ca.issue("executor", stem="newer")
+    served.key_file.write_bytes(newer.key_file.read_bytes())  # the key first, the cert not yet
+    assert _server_cert_serial(port, ca_file) == served.issued.serial
+    served.cert_file.write_bytes(newer.cert_file.read_bytes())
+    assert _server_cert_serial(port, ca_file) == newer.serial
