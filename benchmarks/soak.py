@@ -51,7 +51,11 @@ def main() -> int:
     print(
         f"model {args.model}: {args.streams} stream + {args.unary} unary schedulers, {result.seconds:.0f} s"
     )
-    print(f"steps {result.steps} ({result.steps / result.seconds:.0f}/s), request pairs {cycles}")
+    per = sorted(r.cycles for r in result.schedulers)
+    print(
+        f"steps {result.steps} ({result.steps / result.seconds:.0f}/s), request pairs {cycles} "
+        f"(per scheduler: min {per[0]}, median {per[len(per) // 2]}, max {per[-1]})"
+    )
     print(
         f"rss MiB: first {rss[0]:.0f}, after warm-up {warm:.0f}, last {rss[-1]:.0f}, "
         f"max {max(rss):.0f} ({len(rss)} samples); growth after warm-up {growth:+.1f}"

@@ -178,7 +178,10 @@ def soak(
     runs = [SchedulerRun(i, unary=i >= streams) for i in range(n)]
     process = psutil.Process()
     rss: list[float] = []
-    with running_server(config, queue_size=max(64, 2 * n), stream_window=2) as server:
+    # A stream holds one gRPC handler thread for its whole life: one per scheduler, plus room.
+    with running_server(
+        config, queue_size=max(64, 2 * n), stream_window=2, rpc_threads=n + 4
+    ) as server:
         target = f"127.0.0.1:{server.port}"
         t0 = time.monotonic()
         deadline = t0 + seconds
@@ -188,15 +191,17 @@ def soak(
         ]
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads):
-            rss.append(process.memory_info().rss / 2**20)
-            if progress is not None:
-                progress(
-                    f"{time.monotonic() - t0:.0f} s: {sum(r.steps for r in runs)} steps, "
-                    f"rss {rss[-1]:.0f} MiB"
-                )
-            for t in threads:
-                t.join(timeout=max(0.0, rss_every_s / len(threads)))
+        next_sample = t0
+        while alive := [t for t in threads if t.is_alive()]:
+            if time.monotonic() >= next_sample:
+                rss.append(process.memory_info().rss / 2**20)
+                next_sample += rss_every_s
+                if progress is not None:
+                    progress(
+                        f"{time.monotonic() - t0:.0f} s: {sum(r.steps for r in runs)} steps, "
+                        f"rss {rss[-1]:.0f} MiB"
+                    )
+            alive[0].join(timeout=max(0.0, next_sample - time.monotonic()))
         elapsed = time.monotonic() - t0
         rss.append(process.memory_info().rss / 2**20)
         scrape = Scrape(server)
