@@ -53,7 +53,7 @@ def main() -> int:
     )
     per = sorted(r.cycles for r in result.schedulers)
     print(
-        f"steps {result.steps} ({result.steps / result.seconds:.0f}/s), request pairs {cycles} "
+        f"steps {result.steps} ({result.steps / result.seconds:.1f}/s), request pairs {cycles} "
         f"(per scheduler: min {per[0]}, median {per[len(per) // 2]}, max {per[-1]})"
     )
     print(
