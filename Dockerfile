@@ -95,7 +95,8 @@ USER 10001:10001
 WORKDIR /cache
 EXPOSE 50051 9464
 # Readiness through grpc.health.v1: SERVING once the model is loaded and warmed up. The start
-# period covers model load and graph capture.
+# period covers model load and graph capture. With TLS on the gRPC port it asks the plaintext
+# health-only port (MODEL_EXECUTOR_HEALTH_PORT) instead.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=15m --retries=3 \
-  CMD ["python3", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; port = os.environ.get('MODEL_EXECUTOR_PORT', '50051'); stub = g.HealthStub(grpc.insecure_channel('127.0.0.1:' + port)); r = stub.Check(h.HealthCheckRequest(service='model_executor.v1.ModelExecutor'), timeout=3); sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"]
+  CMD ["python3", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; health = os.environ.get('MODEL_EXECUTOR_HEALTH_PORT', '-1'); port = health if int(health) > 0 else os.environ.get('MODEL_EXECUTOR_PORT', '50051'); stub = g.HealthStub(grpc.insecure_channel('127.0.0.1:' + port)); r = stub.Check(h.HealthCheckRequest(service='model_executor.v1.ModelExecutor'), timeout=3); sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"]
 ENTRYPOINT ["model-executor", "serve"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
 
 class BatchValidationError(ValueError):
     """A batch breaks a rule; nothing was changed. Maps to INVALID_ARGUMENT.
@@ -26,6 +29,60 @@ class ToggleRefusedError(RuntimeError):
     Maps to FAILED_PRECONDITION."""
 
 
+class StartupCancelled(Exception):
+    """Start-up was asked to stop (a shutdown signal while loading or capturing graphs): the
+    executor stops at the next graph bucket and is never used."""
+
+
 class RuntimeConfigError(ValueError):
     """A runtime-config update with a malformed value (unknown log level, ratio outside 0..1);
     nothing was changed. Maps to INVALID_ARGUMENT."""
+
+
+# --- fault injection (tests only) -------------------------------------------------------
+# Fault injection for tests: make a chosen call of the model's forward, the sampler or the
+# response encoder raise, to prove a failed step leaves nothing behind.
+#
+# Not reachable from the wire: no setting, environment variable or RPC arms it. A test builds a
+# `FaultInjector`, hands it to `ModelExecutor.faults` (sites `forward`, `sampler`) and
+# `ExecutorServicer.faults` (site `encoder`) in-process, and arms one site for a chosen call:
+#
+#     faults = FaultInjector()
+#     executor.faults = faults
+#     faults.arm("sampler", on_call=1)   # the next step's sampling raises InjectedFault
+#
+# Each armed fault fires once. The `forward` fault is raised after the model ran (its K/V
+# writes for the new tokens are done), the `sampler` fault before the tokens are drawn; both
+# inside the step, so the row table write is undone like for any failed step.
+FAULT_SITES = ("forward", "sampler", "encoder")
+
+
+class InjectedFault(RuntimeError):
+    """The error an armed site raises (a stand-in for a real bug: the answer is INTERNAL)."""
+
+
+class FaultInjector:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[str, int] = {}  # site -> the call count that raises
+        self.calls: Counter[str] = Counter()  # calls seen per site
+        self.fired: list[str] = []  # sites that raised, in order
+
+    def arm(self, site: str, on_call: int = 1) -> None:
+        """Raise at `site` on its `on_call`-th call from now (1 = the next one)."""
+        if site not in FAULT_SITES:
+            raise ValueError(f"site must be one of {', '.join(FAULT_SITES)}, got {site!r}")
+        if on_call < 1:
+            raise ValueError(f"on_call must be >= 1, got {on_call}")
+        with self._lock:
+            self._armed[site] = self.calls[site] + on_call
+
+    def check(self, site: str) -> None:
+        """Count a call of `site`; raise InjectedFault if this is the armed one."""
+        with self._lock:
+            self.calls[site] += 1
+            if self._armed.get(site) != self.calls[site]:
+                return
+            del self._armed[site]
+            self.fired.append(site)
+        raise InjectedFault(f"injected {site} fault (call {self.calls[site]})")

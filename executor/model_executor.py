@@ -11,6 +11,7 @@ or all at once with `apply_toggles`) are called on that same thread between two 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -33,7 +34,7 @@ from executor.config import (
     resolve_graph_mode,
     resolve_max_context_len,
 )
-from executor.errors import ToggleRefusedError
+from executor.errors import FaultInjector, ToggleRefusedError
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import (
     default_decode_buckets,
@@ -141,7 +142,10 @@ class ModelExecutor:
         loaded: LoadedModel | None = None,
         *,
         observer: ExecutorObserver | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
+        """`stop`, when set by the host (a shutdown during start-up), ends graph capture at
+        the next bucket with StartupCancelled."""
         self.config = config
         # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
         self.observer: ExecutorObserver = observer or NullObserver()
@@ -209,6 +213,7 @@ class ModelExecutor:
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             eager_input_no_copy=config.eager_input_no_copy,
             graphs=graph_settings(config, self.limits),
+            stop=stop,
         )
         self.capture_reports: list[CaptureReport] = []
         if graph_mode != "none":
@@ -217,6 +222,8 @@ class ModelExecutor:
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
         self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
+        # Tests only (executor/errors.py): make the forward or the sampler raise on a chosen step.
+        self.faults: FaultInjector | None = None
         log.info(
             "executor ready",
             model=mcfg.name,
@@ -443,8 +450,12 @@ class ModelExecutor:
                 fb = host.to(self.device)
                 t1 = time.perf_counter_ns()
                 out = self.runner.forward(fb)
+                if self.faults is not None:
+                    self.faults.check("forward")
                 t2 = time.perf_counter_ns()
                 assert fb.sampling is not None
+                if self.faults is not None:
+                    self.faults.check("sampler")
                 sample = self.sampler.sample(
                     out.logits,
                     plan,

@@ -11,6 +11,7 @@ batch ran eagerly, the output says why (`graph_fallback`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 import structlog
@@ -64,6 +65,7 @@ class ModelRunner:
         needs_cpu_seq_lens: bool,
         eager_input_no_copy: bool = False,
         graphs: GraphSettings | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -72,7 +74,7 @@ class ModelRunner:
         self.eager_inputs = EagerInputs(device, needs_cpu_seq_lens=needs_cpu_seq_lens)
         self.graph_settings = graphs
         self.graph_mode = "none"
-        self.graph_factory = GraphFactory(device)
+        self.graph_factory = GraphFactory(device, stop)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
 

@@ -116,6 +116,14 @@ def validate_batch(
         )
 
     released = _check_released(fb, limits)
+    # Before the IDLE return: an IDLE step runs the sampler on no rows, and topk beyond the
+    # vocabulary fails even then (found by tests/test_fuzz.py).
+    cap = min(limits.max_top_logprobs, limits.vocab_size)
+    if not isinstance(fb.top_logprobs_num, int) or not 0 <= fb.top_logprobs_num <= cap:
+        raise BatchValidationError(
+            "top_logprobs_num",
+            f"must be in 0..{cap} (max_top_logprobs), got {fb.top_logprobs_num!r}",
+        )
     if fb.forward_mode is ForwardMode.IDLE:
         if bs != 0 or num_tokens != 0:
             raise BatchValidationError(
@@ -152,12 +160,6 @@ def validate_batch(
 
     if fb.sampling is not None:
         _check_sampling(fb.sampling, bs)
-    cap = min(limits.max_top_logprobs, limits.vocab_size)
-    if not isinstance(fb.top_logprobs_num, int) or not 0 <= fb.top_logprobs_num <= cap:
-        raise BatchValidationError(
-            "top_logprobs_num",
-            f"must be in 0..{cap} (max_top_logprobs), got {fb.top_logprobs_num!r}",
-        )
 
 
 def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | None:

@@ -45,7 +45,6 @@ class BatchGenerator:
     reqs: dict[int, _Request] = field(default_factory=dict)
     kinds: Counter[str] = field(default_factory=Counter)
     released: list[int] = field(default_factory=list)  # finished rows the executor still holds
-    building: set[int] = field(default_factory=set)  # rows in the batch being built
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -62,13 +61,15 @@ class BatchGenerator:
             if self.refs[s] == 0:
                 self.free_slots.append(s)
 
-    def _finish_random(self) -> None:
-        # Never a request the batch being built runs: its slots are in that batch.
-        self._finish(self.rng.choice([r for r in self.reqs.values() if r.row not in self.building]))
+    def _finish_random(self, keep: frozenset[int] = frozenset()) -> None:
+        """Finish a random request, never one of the rows in `keep` (this batch's)."""
+        self._finish(self.rng.choice([r for r in self.reqs.values() if r.row not in keep]))
 
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int, keep: frozenset[int] = frozenset()) -> list[int]:
+        """`n` free slots; finishes requests outside `keep` when too few are free (a request
+        of the batch being built must keep its slots, or a new token could reuse one)."""
         while len(self.free_slots) < n:
-            self._finish_random()
+            self._finish_random(keep)
         out = [self.free_slots.pop() for _ in range(n)]
         for s in out:
             self.refs[s] += 1
@@ -92,7 +93,6 @@ class BatchGenerator:
     # --- batches -------------------------------------------------------------------------
     def next_batch(self, step: int) -> ForwardBatch:
         fb = self._next_batch(step)
-        self.building.clear()
         released = self.released
         self.released = []
         if not released:
@@ -119,8 +119,7 @@ class BatchGenerator:
         reqs = self.rng.sample(
             list(self.reqs.values()), self.rng.randint(1, min(len(self.reqs), grow))
         )
-        self.building.update(r.row for r in reqs)
-        slots = self._take(len(reqs))
+        slots = self._take(len(reqs), frozenset(r.row for r in reqs))
         for req, slot in zip(reqs, slots, strict=True):
             req.slots.append(slot)
         self.kinds["decode"] += 1
@@ -146,7 +145,7 @@ class BatchGenerator:
             kinds = []
             if self.free_rows:
                 kinds.append("fresh")
-                if use_pcl and self.reqs:
+                if use_pcl and any(r not in chosen for r in self.reqs):
                     kinds.append("shared_prefix")
             if any(r not in chosen for r in self.reqs):
                 kinds.append("chunk")
@@ -161,15 +160,15 @@ class BatchGenerator:
                 row = self.free_rows.pop(self.rng.randrange(len(self.free_rows)))
                 prefix = []
                 if kind == "shared_prefix":
-                    donor = self.rng.choice(list(self.reqs.values()))
+                    # Not a request of this batch: its new slots are written by this step.
+                    donor = self.rng.choice([r for r in self.reqs.values() if r.row not in chosen])
                     prefix = donor.slots[: self.rng.randint(1, len(donor.slots))]
                     for s in prefix:
                         self.refs[s] += 1
                 req = _Request(row, list(prefix), last_token=0)
                 self.reqs[row] = req
             self.kinds[kind] += 1
-            self.building.add(req.row)
-            new = self._take(n)
+            new = self._take(n, frozenset(chosen | {req.row}))
             req.slots.extend(new)
             chosen.add(req.row)
             ids.append(self._tokens(n))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def serve_command(port: int, cache_dir: Path, *flags: str) -> list[str]:
+    """`python -m executor serve` on tiny-random with JSON logs, plus `flags`."""
+    return [
+        sys.executable,
+        "-m",
+        "executor",
+        "serve",
+        "--model",
+        "tiny-random",
+        "--port",
+        str(port),
+        "--cache-dir",
+        str(cache_dir),
+        "--log-format",
+        "json",
+        *flags,
+    ]
 
 
 def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 from executor.service.server import SERVICE_NAME
 from executor.service.server_config import ServerConfig
 from tests.server_util import free_port, running_server, tiny_config
+from tests.tls_util import TestCA
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -150,8 +151,11 @@ def _healthcheck_command() -> list[str]:
 def test_healthcheck_asks_a_live_servers_readiness(tmp_path: Path) -> None:
     command = _healthcheck_command()
 
-    def check(port: int) -> subprocess.CompletedProcess[str]:
+    def check(port: int, health_port: int | None = None) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "MODEL_EXECUTOR_PORT": str(port)}
+        env.pop("MODEL_EXECUTOR_HEALTH_PORT", None)
+        if health_port is not None:
+            env["MODEL_EXECUTOR_HEALTH_PORT"] = str(health_port)
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
 
     with running_server(tiny_config(tmp_path)) as running:
@@ -162,3 +166,15 @@ def test_healthcheck_asks_a_live_servers_readiness(tmp_path: Path) -> None:
         assert check(running.port).returncode == 1
         running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     assert check(free_port()).returncode != 0  # nothing listening
+    # A TLS port: the check asks the plaintext health-only port the server opened for probes.
+    ca = TestCA(tmp_path, "docker")
+    cert = ca.issue("executor")
+    with running_server(
+        tiny_config(tmp_path / "tls-cache"),
+        tls_cert_file=str(cert.cert_file),
+        tls_key_file=str(cert.key_file),
+        health_port=0,
+    ) as running:
+        assert running.health_port is not None
+        assert check(running.port).returncode != 0  # plaintext on the TLS port: refused
+        assert check(running.port, running.health_port).returncode == 0

@@ -46,6 +46,10 @@ CHART_OWNED = {
     "drain_grace_s",
     "cache_dir",
     "runtime_config_token_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+    "health_port",
 }
 
 
@@ -153,6 +157,7 @@ def test_validation_is_strict(default: Rendered) -> None:
             "/model/volume/claimName",
         ),
         ({"runtimeConfigToken": {"enabled": True}}, "/runtimeConfigToken/token"),
+        ({"tls": {"enabled": True}}, "/tls/secretName"),
         ({"cache": {"mountPath": "cache"}}, "/cache/mountPath"),
         ({"drain": {"graceSeconds": "30s"}}, "/drain/graceSeconds"),
     ],
@@ -236,9 +241,12 @@ def test_deployment_probes_drain_and_security(
     pod = rendered.one("Deployment")["spec"]["template"]["spec"]
     c = _container(rendered)
     grpc_port = merged["ports"]["grpc"]
+    # Under TLS the probes ask the plaintext health-only port (kubelet probes cannot do TLS).
+    probe_port = merged["ports"]["health"] if merged["tls"]["enabled"] else grpc_port
+    assert merged["tls"]["enabled"] is (which == "everything")
     for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": grpc_port, "service": SERVICE_NAME}
-    assert c["livenessProbe"]["grpc"] == {"port": grpc_port, "service": ""}
+        assert c[probe]["grpc"] == {"port": probe_port, "service": SERVICE_NAME}
+    assert c["livenessProbe"]["grpc"] == {"port": probe_port, "service": ""}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # load + capture
     drain = merged["drain"]
@@ -264,6 +272,7 @@ def test_deployment_probes_drain_and_security(
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "grpc": grpc_port,
         "metrics": merged["ports"]["metrics"],
+        **({"health": probe_port} if merged["tls"]["enabled"] else {}),
     }
     assert (
         "checksum/config"
@@ -287,6 +296,34 @@ def test_all_options_mount_the_model_and_the_token(everything: Rendered) -> None
     assert pod["nodeSelector"] == values["nodeSelector"]
     assert pod["runtimeClassName"] == "nvidia"
     assert everything.one("Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_tls_mounts_the_secrets_and_points_the_executor_at_them(
+    default: Rendered, everything: Rendered
+) -> None:
+    values = all_options_values()
+    pod = everything.one("Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in _container(everything)["volumeMounts"]}
+    assert volumes["tls"]["secret"]["secretName"] == values["tls"]["secretName"]
+    assert volumes["tls-client-ca"]["secret"]["secretName"] == values["tls"]["clientCASecret"]
+    assert all("subPath" not in mounts[n] for n in ("tls", "tls-client-ca"))  # rotation reaches
+    server_cfg = settings.build(ServerConfig, env=_environment(everything))
+    assert server_cfg.tls_cert_file == mounts["tls"]["mountPath"] + "/tls.crt"
+    assert server_cfg.tls_key_file == mounts["tls"]["mountPath"] + "/tls.key"
+    assert server_cfg.tls_client_ca_file == mounts["tls-client-ca"]["mountPath"] + "/bundle.pem"
+    assert server_cfg.health_port == values["ports"]["health"]
+    assert server_cfg.tls is not None and server_cfg.tls.mutual
+    # Off by default: plaintext, no health port, no TLS volumes.
+    default_cfg = settings.build(ServerConfig, env=_environment(default))
+    assert default_cfg.tls is None and default_cfg.health_port == -1
+    assert "tls" not in {
+        v["name"] for v in default.one("Deployment")["spec"]["template"]["spec"]["volumes"]
+    }
+    # Without a client CA: TLS only.
+    r = render({"tls": {"enabled": True, "secretName": "executor-tls"}})
+    cfg = settings.build(ServerConfig, env=_environment(r))
+    assert cfg.tls is not None and not cfg.tls.mutual
 
 
 def test_host_path_model_an_existing_token_secret_and_a_cpu_pod() -> None:

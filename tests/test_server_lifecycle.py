@@ -21,7 +21,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.model_executor import ModelExecutor
 from executor.service.server import start_server
 from executor.service.server_config import ServerConfig
-from tests.server_util import free_port, tiny_config
+from tests.server_util import free_port, serve_command, tiny_config
 
 
 def test_health_moves_not_serving_serving_not_serving(
@@ -84,34 +84,15 @@ def test_health_moves_not_serving_serving_not_serving(
 def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "executor",
-        "serve",
-        "--model",
-        "tiny-random",
-        "--port",
-        str(port),
-        "--max-reqs",
-        "16",
-        "--kv-slots",
-        "40000",
-        "--max-context-len",
-        "8192",
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        "--log-format",
-        "json",
-        "--drain-grace-s",
-        "60",
-        "--metrics-port",
-        "0",
+    cmd = serve_command(
+        port,
+        tmp_path / "cache",
+        *("--max-reqs", "16", "--kv-slots", "40000", "--max-context-len", "8192"),
+        *("--drain-grace-s", "60", "--metrics-port", "0"),
         # Every accepted batch must finish however slow this machine is: no queue-wait bound
         # (test_wire_contract.py tests that bound).
-        "--queue-wait-s",
-        "0",
-    ]
+        *("--queue-wait-s", "0"),
+    )
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(
             cmd,

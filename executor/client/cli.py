@@ -6,6 +6,8 @@
     model-executor info --target 127.0.0.1:50051
     model-executor config get --target 127.0.0.1:50051
     model-executor config set eager_input_no_copy=true log_level=debug --target 127.0.0.1:50051
+    model-executor info --target executor:50051 --tls-ca-file ca.pem \
+        --tls-cert-file client.pem --tls-key-file client-key.pem   # TLS / mTLS
 
 Every ExecutorConfig / ServerConfig field is a flag and a MODEL_EXECUTOR_* environment
 variable; `--config file.toml` supplies defaults ([executor] and [server] tables).
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.forward_batch import SamplingParams
@@ -29,6 +31,9 @@ from executor.service import settings
 from executor.service.auth import read_token
 from executor.service.runtime_config import parse_assignments
 from executor.service.server_config import ServerConfig
+
+if TYPE_CHECKING:
+    from executor.client.grpc_client import ExecutorClient
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -54,10 +59,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(executor_cfg, server_cfg)
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from executor.client.grpc_client import ExecutorClient
+def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """A client's TLS flags: for a server started with --tls-cert-file (and mTLS)."""
+    group = parser.add_argument_group("TLS (for a server with --tls-cert-file)")
+    group.add_argument(
+        "--tls-ca-file",
+        dest="client_tls_ca_file",
+        default=None,
+        help="PEM CA bundle that signed the server's certificate; turns TLS on "
+        "(default: plaintext, or the system roots when a client certificate is given)",
+    )
+    # dest names that are no ServerConfig field: `generate` builds one from the same namespace.
+    group.add_argument(
+        "--tls-cert-file",
+        dest="client_tls_cert_file",
+        default=None,
+        help="PEM client certificate (mTLS)",
+    )
+    group.add_argument(
+        "--tls-key-file",
+        dest="client_tls_key_file",
+        default=None,
+        help="PEM key of --tls-cert-file",
+    )
 
-    with ExecutorClient(args.target) as client:
+
+def _client(args: argparse.Namespace, target: str, token: str | None = None) -> ExecutorClient:
+    from executor.client.grpc_client import ExecutorClient
+    from executor.service.tls import channel_credentials
+
+    ca, cert, key = args.client_tls_ca_file, args.client_tls_cert_file, args.client_tls_key_file
+    credentials = (
+        channel_credentials(ca or "", cert or "", key or "") if (ca or cert or key) else None
+    )
+    return ExecutorClient(target, token=token, credentials=credentials)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _client(args, args.target) as client:
         remote = client.info()
         info = asdict(remote.info)
         info["model_spec"] = remote.model_spec
@@ -69,15 +108,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     import grpc
 
-    from executor.client.grpc_client import ExecutorClient
-
     if args.action == "set" and not args.assignments:
         raise ValueError("config set: give at least one key=value")
     if args.action == "get" and args.assignments:
         raise ValueError("config get takes no key=value")
     update = parse_assignments(args.assignments) if args.action == "set" else None
     token = read_token(args.token_file)
-    with ExecutorClient(args.target, token=token.decode() if token else None) as client:
+    with _client(args, args.target, token.decode() if token else None) as client:
         try:
             if update is None:
                 config = client.get_runtime_config()
@@ -91,7 +128,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from executor.client.grpc_client import ExecutorClient
     from executor.client.scheduler import ReferenceScheduler, Request
     from executor.models.loader import resolve_model_spec
     from executor.models.tokenizer import load_tokenizer
@@ -118,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stack.callback(running.drain)
             running.wait_ready(timeout=args.ready_timeout)  # raises if the model failed to load
             target = f"127.0.0.1:{running.port}"
-        client = stack.enter_context(ExecutorClient(target))
+        client = stack.enter_context(_client(args, target))
         client.wait_ready(timeout=args.ready_timeout)
         remote = client.info()
         spec = args.tokenizer or remote.model_spec
@@ -225,10 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     # --seed above is the requests' sampling seed (dest sampling_seed); the executor's own seed
     # keeps its default here.
     settings.add_arguments(gen, ExecutorConfig, exclude=frozenset({"seed"}))
+    _add_tls_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="print a running executor's GetInfo as JSON")
     info.add_argument("--target", default=DEFAULT_TARGET)
+    _add_tls_arguments(info)
     info.set_defaults(func=cmd_info)
 
     config = sub.add_parser("config", help="read or change a running executor's runtime toggles")
@@ -248,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="file with the server's runtime-config secret "
         "(default: env MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE)",
     )
+    _add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
     return parser
 

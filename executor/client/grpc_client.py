@@ -61,7 +61,9 @@ class RemoteInfo:
 
 
 class ExecutorClient:
-    """`token`: the shared secret of the runtime-config RPCs, when the server has one."""
+    """`token`: the shared secret of the runtime-config RPCs, when the server has one.
+    `credentials`: TLS for a server with tls_cert_file (`executor.service.tls.channel_credentials`);
+    None = plaintext."""
 
     def __init__(
         self,
@@ -69,15 +71,18 @@ class ExecutorClient:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
         self._auth = [("authorization", f"Bearer {token}")] if token else []
-        self.channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-            ],
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self.channel = (
+            grpc.insecure_channel(target, options=options)
+            if credentials is None
+            else grpc.secure_channel(target, credentials, options=options)
         )
         self.stub = pb_grpc.ModelExecutorStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)

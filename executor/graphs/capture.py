@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import structlog
 from tqdm import tqdm
 
+from executor.errors import StartupCancelled
 from executor.graphs.graph import GraphFactory
 
 log = structlog.get_logger(__name__)
@@ -34,7 +35,9 @@ def capture_buckets(
     progress: bool = True,
 ) -> CaptureReport:
     """Capture every bucket, largest first. A bucket whose capture fails is logged with its
-    reason and left out (its batches run eagerly); the others are still captured."""
+    reason and left out (its batches run eagerly); the others are still captured.
+
+    Raises StartupCancelled before the next bucket once `factory.stop` is set."""
     report = CaptureReport(kind)
     mem_before = factory.memory_bytes()
     t0 = time.perf_counter()
@@ -45,6 +48,9 @@ def capture_buckets(
             disable=not progress,
             leave=False,
         ):
+            if factory.stop.is_set():
+                log.info("graph capture stopped", kind=kind, before_size=size)
+                raise StartupCancelled(f"{kind} graph capture stopped before bucket {size}")
             t = time.perf_counter()
             try:
                 capture_one(size)

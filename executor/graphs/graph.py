@@ -14,6 +14,7 @@ output size depends on data - so a capture-unsafe change fails in CI, not first 
 from __future__ import annotations
 
 import gc
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -94,8 +95,10 @@ class GraphFactory:
     """Makes graphs for one device; on CUDA every graph shares one memory pool and one
     capture stream (captured largest first, smaller graphs reuse the larger ones' memory)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stop: threading.Event | None = None) -> None:
         self.device = device
+        # Set by the host to interrupt a capture pass at the next bucket (shutdown at start-up).
+        self.stop = stop or threading.Event()
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         if device.type == "cuda":

@@ -16,12 +16,31 @@ import time
 from types import TracebackType
 
 import grpc
+import structlog
 
 from executor.observability.metrics import ExecutorMetrics
 from executor.observability.tracing import SpanScope, Tracing
 from model_executor.v1 import executor_pb2 as pb
 
+log = structlog.get_logger(__name__)
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+
+
+def caller_gone(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    """DEADLINE_EXCEEDED or CANCELLED when the caller stopped waiting (its deadline passed, or
+    it cancelled or went away), else None. Either is the caller's doing, not a failure."""
+    if context.is_active():
+        return None
+    if context.time_remaining() <= 0:  # no deadline: a far-future one, so > 0
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+CALLER_GONE_MESSAGES = {
+    grpc.StatusCode.CANCELLED: "the client cancelled the call or went away",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the client's deadline passed before the answer",
+}
 
 
 class RpcScope(SpanScope):
@@ -32,6 +51,7 @@ class RpcScope(SpanScope):
 
     def __init__(self, telemetry: Telemetry, method: str, context: grpc.ServicerContext) -> None:
         self._start = time.perf_counter()
+        self._context = context
         self._metrics = telemetry.metrics
         self.method = method
         self.code = grpc.StatusCode.OK
@@ -43,6 +63,18 @@ class RpcScope(SpanScope):
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         self.code, self.message = code, message
 
+    def caller_left(self, code: grpc.StatusCode, batch_id: int | None = None) -> None:
+        """End as CANCELLED / DEADLINE_EXCEEDED (from `caller_gone`): an info line, no trace."""
+        self.fail(code, CALLER_GONE_MESSAGES[code])
+        log.info(
+            "caller gone",
+            method=self.method,
+            batch_id=batch_id,
+            code=code.name,
+            reason=self.message,
+            **self.log_ids(),
+        )
+
     def __enter__(self) -> RpcScope:
         return self
 
@@ -52,10 +84,15 @@ class RpcScope(SpanScope):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is not None and self.code is grpc.StatusCode.OK:
-            if issubclass(exc_type, GeneratorExit):  # a stream's client went away
-                self.fail(grpc.StatusCode.CANCELLED, "the client cancelled the stream")
-            else:  # not aborted by us: gRPC answers UNKNOWN
+        if self.code is grpc.StatusCode.OK:
+            # Answered (or about to be) while the caller no longer waits: its doing, counted
+            # under its own code. A stream's generator closed by gRPC is the same.
+            gone = caller_gone(self._context)
+            if gone is None and exc_type is not None and issubclass(exc_type, GeneratorExit):
+                gone = grpc.StatusCode.CANCELLED
+            if gone is not None:
+                self.caller_left(gone)
+            elif exc_type is not None:  # not aborted by us: gRPC answers UNKNOWN
                 self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
         name, value = _CODES[self.code]
         self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)

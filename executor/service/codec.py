@@ -31,6 +31,7 @@ _TO_TORCH = {
 }
 _TO_PB = {v: k for k, v in _TO_TORCH.items()}
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_MAX_EXTENT = 2**62
 _NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _TO_TORCH.values()}
 # The ForwardBatch message's tensor fields.
@@ -72,6 +73,10 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+    # An empty tensor's other dimensions can be anything; their product still has to fit the
+    # strides torch computes (found by tests/test_fuzz.py: a flipped bit made one overflow).
+    if math.prod(max(d, 1) for d in shape) > _MAX_EXTENT:
+        raise BatchValidationError(field, f"shape {list(shape)} is too large")
     numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
     itemsize = _ITEMSIZE[dtype]
     if len(msg.data) != numel * itemsize:

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
+from executor.errors import StartupCancelled
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
 from executor.observability.metrics import ExecutorMetrics, LiveSources
@@ -36,11 +37,12 @@ from executor.service.admission import CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
+from executor.service.handlers import add_executor_servicer
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
+from executor.service.tls import CertificateFiles, is_loopback
 from model_executor.v1 import executor_pb2 as pb
-from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +117,12 @@ class RunningServer:
     telemetry: Telemetry
     metrics_port: int | None  # None: the /metrics endpoint is off
     readiness: Readiness
+    health_server: grpc.Server | None = None  # the plaintext probe port, when one is open
+    health_port: int | None = None
+    certificates: CertificateFiles | None = None  # the TLS files, when the port is TLS
+    # Set by `drain`: a start-up still loading or capturing graphs stops at the next bucket.
+    stop_loading: threading.Event = field(default_factory=threading.Event)
+    loader: threading.Thread | None = None
 
     @property
     def worker(self) -> DeviceWorker | None:
@@ -136,6 +144,7 @@ class RunningServer:
         grace = self.server_config.drain_grace_s if grace_s is None else grace_s
         start = time.monotonic()
         worker = self.readiness.drain()
+        self.stop_loading.set()  # a start-up still loading or capturing stops at its next bucket
         log.info("draining", grace_s=grace, queued=worker.depth if worker else 0)
         finished = True
         if worker is not None:
@@ -146,12 +155,32 @@ class RunningServer:
                 log.warning("drain grace ended", answered_unavailable=answered)
         remaining = max(0.0, grace - (time.monotonic() - start))
         self.server.stop(grace=min(remaining, 1.0)).wait()
+        if self.health_server is not None:
+            self.health_server.stop(grace=None).wait()
+        if self.loader is not None:  # a start-up cut short ends at its next bucket
+            self.loader.join(max(0.0, grace - (time.monotonic() - start)))
+            if self.loader.is_alive():
+                finished = False
+                log.warning("start-up did not stop within the drain grace", grace_s=grace)
         if worker is not None and not worker.stop(timeout=DRAIN_MARGIN_S):
             log.warning("a device step outlived the drain; exiting without it")
         self.telemetry.metrics.close()
         self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
         return finished
+
+
+def _health_only_server(
+    server_config: ServerConfig, health_servicer: health.HealthServicer
+) -> tuple[grpc.Server, int]:
+    """A plaintext port with grpc.health.v1 only (the same statuses as the main port): what
+    the kubelet's gRPC probes can reach when the main port is TLS. It carries no batches."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{server_config.host}:{server_config.health_port}")
+    if port == 0:
+        raise OSError(f"could not listen on {server_config.host}:{server_config.health_port}")
+    return server, port
 
 
 def start_server(
@@ -194,31 +223,52 @@ def start_server(
         queue_wait_s=server_config.queue_wait_s,
         stream_idle_timeout_s=server_config.stream_idle_timeout_s,
     )
-    pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
+    add_executor_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+    address = f"{server_config.host}:{server_config.port}"
+    tls = server_config.tls
+    certificates = CertificateFiles(tls) if tls is not None else None
+    if certificates is None:
+        port = server.add_insecure_port(address)
+        if not is_loopback(server_config.host):
+            log.warning(
+                "plaintext gRPC on a non-loopback address: batches and the runtime-config "
+                "token travel unencrypted; set tls_cert_file and tls_key_file",
+                host=server_config.host,
+            )
+    else:
+        port = server.add_secure_port(address, certificates.server_credentials())
     if port == 0:
-        raise OSError(f"could not listen on {server_config.host}:{server_config.port}")
+        raise OSError(f"could not listen on {address}")
+    health_server, health_port = None, None
+    if server_config.health_port >= 0:
+        health_server, health_port = _health_only_server(server_config, health_servicer)
     metrics_port = None
     if server_config.metrics_port >= 0:
         try:
             metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
         except OSError as exc:
             server.stop(grace=None)
+            if health_server is not None:
+                health_server.stop(grace=None)
             raise OSError(
                 f"could not serve metrics on {server_config.host}:{server_config.metrics_port}: {exc}"
             ) from exc
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
+    if health_server is not None:
+        health_server.start()
     log.info(
         "listening",
         host=server_config.host,
         port=port,
+        tls="mtls" if tls is not None and tls.mutual else "tls" if tls is not None else "off",
+        health_port=health_port,
         metrics_port=metrics_port,
         max_receive_bytes=receive,
         max_send_bytes=send,
@@ -236,13 +286,20 @@ def start_server(
         telemetry,
         metrics_port,
         Readiness(health_servicer, servicer, metrics),
+        health_server,
+        health_port,
+        certificates,
     )
 
     def load() -> None:
         try:
             t0 = time.perf_counter()
-            executor = ModelExecutor(config, observer=metrics)
+            executor = ModelExecutor(config, observer=metrics, stop=running.stop_loading)
+            if running.stop_loading.is_set():
+                raise StartupCancelled("shutdown requested after the model loaded")
             executor.warmup()
+            if running.stop_loading.is_set():
+                raise StartupCancelled("shutdown requested after warm-up")
             worker = DeviceWorker(
                 executor,
                 server_config.queue_size,
@@ -269,13 +326,17 @@ def start_server(
                 log.info("ready", seconds=round(time.perf_counter() - t0, 3))
             else:  # a drain began while the model loaded: it never serves
                 worker.stop()
+        except StartupCancelled as exc:  # drain() during start-up: never ready, not an error
+            log.info("start-up cancelled", reason=str(exc))
+            running.load_error.append(exc)
         except BaseException as exc:
             log.error("start-up failed", exc_info=exc)
             running.load_error.append(exc)
         finally:
             running.ready.set()
 
-    threading.Thread(target=load, name="model-loader", daemon=True).start()
+    running.loader = threading.Thread(target=load, name="model-loader", daemon=True)
+    running.loader.start()
     if block_until_ready:
         running.wait_ready()
     return running

@@ -1,5 +1,5 @@
 """How the gRPC server runs (as opposed to what the executor computes): ports, queues, drain,
-logs, metrics, traces, and the runtime-config token."""
+logs, metrics, traces, TLS, and the runtime-config token."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from executor.config import setting
 from executor.observability.logs import FORMATS, LEVELS
 from executor.observability.tracing import TRACE_EXPORTERS
+from executor.service.tls import TlsFiles
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,23 @@ class ServerConfig:
         "'authorization: Bearer SECRET' metadata; '' = no secret",
     )
 
+    tls_cert_file: str = setting(
+        "",
+        "PEM certificate chain the gRPC port serves (TLS); re-read when the file changes; "
+        "'' = plaintext",
+    )
+    tls_key_file: str = setting("", "PEM private key of tls_cert_file (both or neither)")
+    tls_client_ca_file: str = setting(
+        "",
+        "PEM CA bundle; when set, clients must present a certificate it signed (mTLS); "
+        "needs tls_cert_file",
+    )
+    health_port: int = setting(
+        -1,
+        "plaintext port serving only grpc.health.v1 (for kubelet gRPC probes, which cannot "
+        "speak TLS); 0 picks a free one, -1 turns it off",
+    )
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
@@ -100,7 +118,22 @@ class ServerConfig:
             )
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ValueError(f"trace_sample_ratio must be in 0..1, got {self.trace_sample_ratio}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        if not -1 <= self.health_port <= 65535:
+            raise ValueError(
+                f"health_port must be in 0..65535, or -1 (off), got {self.health_port}"
+            )
         if self.log_format not in FORMATS:
             raise ValueError(
                 f"log_format must be one of {', '.join(FORMATS)}, got {self.log_format!r}"
             )
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The TLS files of the gRPC port; None = plaintext."""
+        if not self.tls_cert_file:
+            return None
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

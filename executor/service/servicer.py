@@ -5,6 +5,7 @@
 | BatchTooLargeError, QueueFullError, CapacityError | RESOURCE_EXHAUSTED |
 | StreamIdleError                        | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
+| UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining, WorkerClosedError | UNAVAILABLE        |
@@ -15,6 +16,10 @@
 
 A batch's status message starts with `batch_id N:`. On a stream, the first batch refused or
 failed ends the stream with its status; the device worker runs nothing after it.
+
+Whatever the error, a caller that stopped waiting (cancelled, went away, or its deadline
+passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its doing, not a
+failure of the executor (the error-ratio alert leaves both out).
 
 Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
 """
@@ -35,11 +40,12 @@ import structlog
 from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
+    FaultInjector,
     RuntimeConfigError,
     ToggleRefusedError,
 )
 from executor.model_executor import ForwardOutput
-from executor.observability.telemetry import RpcScope, Telemetry
+from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
 from executor.observability.tracing import SpanScope
 from executor.service.admission import CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
@@ -60,6 +66,7 @@ from executor.service.device_worker import (
     StreamState,
     WorkerClosedError,
 )
+from executor.service.handlers import UndecodableRequest, UndecodableRequestError
 from executor.service.runtime_config import RuntimeControl
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -74,7 +81,7 @@ class NotServingError(RuntimeError):
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BatchTooLargeError | QueueFullError | CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, BatchValidationError | RuntimeConfigError):
+    if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ToggleRefusedError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
@@ -105,6 +112,10 @@ def abort(
     span: SpanScope | None = None,
 ) -> None:
     """Answer the RPC with the status `exc` maps to (logged with the code and trace ids)."""
+    gone = caller_gone(context)
+    if gone is not None:  # whatever failed, the caller had already left
+        rpc.caller_left(gone, batch_id)
+        context.abort(gone, rpc.message)
     code, message = status_for(exc)
     if (
         batch_id is not None
@@ -116,6 +127,8 @@ def abort(
     ids = (span or rpc).log_ids()
     if code is grpc.StatusCode.INTERNAL:
         log.error("request failed", batch_id=batch_id, code=code.name, exc_info=exc, **ids)
+    elif isinstance(exc, UndecodableRequestError):  # no stack trace: nothing of ours failed
+        log.warning("undecodable request", code=code.name, reason=message, **ids)
     else:
         log.info("request refused", batch_id=batch_id, code=code.name, reason=message, **ids)
     context.abort(code, message)
@@ -149,6 +162,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.worker: DeviceWorker | None = None
         self.runtime: RuntimeControl | None = None
         self.draining = threading.Event()
+        # Tests only (executor/errors.py): make encoding a chosen answer raise.
+        self.faults: FaultInjector | None = None
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
@@ -171,13 +186,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
     def _submit(
         self,
-        request: pb.ForwardRequest,
+        request: pb.ForwardRequest | UndecodableRequest,
         span: SpanScope,
         context: grpc.ServicerContext,
         stream: StreamState | None = None,
     ) -> Job:
         """Decode and queue one batch. The device thread runs it only while `context` is
         active and before its deadline, and (on a stream) only if no batch before it failed."""
+        if isinstance(request, UndecodableRequest):
+            raise request.error
         worker = self._accepting()
         with span.child("decode"):
             batch = batch_from_proto(request.batch, worker.executor.limits)
@@ -193,9 +210,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         )
 
     def Forward(
-        self, request: pb.ForwardRequest, context: grpc.ServicerContext
+        self, request: pb.ForwardRequest | UndecodableRequest, context: grpc.ServicerContext
     ) -> pb.ForwardResponse:
+        """`request` is an `UndecodableRequest` when its bytes did not parse (handlers.py)."""
         with self.telemetry.rpc("Forward", context) as rpc:
+            batch_id = None if isinstance(request, UndecodableRequest) else request.batch_id
             try:
                 self._enter("Forward")
                 try:
@@ -206,17 +225,23 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 finally:
                     self._leave()
             except BaseException as exc:
-                abort(context, exc, rpc, request.batch_id)
+                abort(context, exc, rpc, batch_id)
                 raise  # unreachable: abort raises
+            assert batch_id is not None  # a job ran, so the request decoded
             if job.replayed:
                 self.telemetry.metrics.count_replay()
             else:
-                rpc.record_step(out.stats, request.batch_id)
-            with rpc.child("encode"):
-                return response_to_proto(out, request.batch_id)
+                rpc.record_step(out.stats, batch_id)
+            try:
+                return self._encode(out, batch_id, rpc)
+            except BaseException as exc:
+                abort(context, exc, rpc, batch_id)
+                raise  # unreachable: abort raises
 
     def ForwardStream(
-        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[pb.ForwardRequest | UndecodableRequest],
+        context: grpc.ServicerContext,
     ) -> Iterator[pb.ForwardResponse]:
         """Responses in request order; up to `stream_window` batches queued or running at once."""
         with self.telemetry.rpc("ForwardStream", context) as rpc:
@@ -254,7 +279,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
     def _stream(
         self,
-        request_iterator: Iterator[pb.ForwardRequest],
+        request_iterator: Iterator[pb.ForwardRequest | UndecodableRequest],
         context: grpc.ServicerContext,
         rpc: RpcScope,
     ) -> Iterator[pb.ForwardResponse]:
@@ -275,6 +300,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         def read() -> None:
             try:
                 for request in request_iterator:
+                    if isinstance(request, UndecodableRequest):
+                        raise request.error
                     window.acquire()
                     if failed.is_set():
                         return
@@ -330,10 +357,21 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 self.telemetry.metrics.count_replay()
             else:
                 step.record_step(out.stats, batch_id)
-            with step.child("encode"):
-                response = response_to_proto(out, batch_id)
+            try:
+                response = self._encode(out, batch_id, step)
+            except BaseException as exc:
+                cancel_pending()
+                step.span.end()
+                abort(context, exc, rpc, batch_id, step)
+                return
             step.span.end()
             yield response
+
+    def _encode(self, out: ForwardOutput, batch_id: int, span: SpanScope) -> pb.ForwardResponse:
+        with span.child("encode"):
+            if self.faults is not None:
+                self.faults.check("encoder")
+            return response_to_proto(out, batch_id)
 
     def GetInfo(
         self, request: pb.GetInfoRequest, context: grpc.ServicerContext

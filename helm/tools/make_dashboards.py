@@ -21,6 +21,8 @@ from typing import Any
 DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "model-executor" / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'job=~"$job", instance=~"$instance"'
+# Statuses that are the caller's doing, not the executor's failure (the alert leaves them out too).
+CALLER_CODES = "OK|INVALID_ARGUMENT|CANCELLED|DEADLINE_EXCEEDED"
 RATE = "$__rate_interval"
 # Non-idle steps: IDLE batches do no device work, so per-step ratios leave them out.
 STEPS = f'sum(rate(model_executor_forward_seconds_count{{{SEL}, mode!="idle"}}[{RATE}]))'
@@ -317,11 +319,12 @@ def overview() -> dict[str, Any]:
                 ),
                 Panel(
                     "RPC error ratio",
-                    "Share of RPCs that ended neither OK nor INVALID_ARGUMENT; the "
-                    "ModelExecutorErrorRatioHigh alert fires above 1%.",
+                    "Share of RPCs that ended with the executor's own failure (not OK, and "
+                    "not the caller's doing: INVALID_ARGUMENT, CANCELLED, DEADLINE_EXCEEDED); "
+                    "the ModelExecutorErrorRatioHigh alert fires above 1%.",
                     [
                         Target(
-                            f'sum(rate(model_executor_requests_total{{{SEL}, code!~"OK|INVALID_ARGUMENT"}}[{RATE}]))'
+                            f'sum(rate(model_executor_requests_total{{{SEL}, code!~"{CALLER_CODES}"}}[{RATE}]))'
                             f" / sum(rate(model_executor_requests_total{{{SEL}}}[{RATE}]))",
                             "error ratio",
                         )

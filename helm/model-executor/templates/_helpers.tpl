@@ -66,3 +66,17 @@ A value as an environment string: numbers through toJson, so 1000000 stays 10000
 {{- define "model-executor.envValue" -}}
 {{- if kindIs "string" . }}{{ . | quote }}{{ else }}{{ . | toJson | quote }}{{ end }}
 {{- end }}
+
+{{/* Where the TLS Secrets are mounted (the server certificate, and the client CA for mTLS). */}}
+{{- define "model-executor.tlsDir" -}}
+/var/run/secrets/model-executor-tls
+{{- end }}
+
+{{- define "model-executor.clientCADir" -}}
+/var/run/secrets/model-executor-client-ca
+{{- end }}
+
+{{/* The port the kubelet's gRPC probes use: the plaintext health port under TLS. */}}
+{{- define "model-executor.probePort" -}}
+{{- if .Values.tls.enabled }}{{ .Values.ports.health }}{{ else }}{{ .Values.ports.grpc }}{{ end }}
+{{- end }}

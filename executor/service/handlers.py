@@ -1,0 +1,79 @@
+"""Registering the ModelExecutor service with a `ForwardRequest` decoder that never raises.
+
+gRPC's generated registration decodes requests before the handler runs; bytes that do not
+parse end there as `INTERNAL: Exception deserializing request!` with a stack trace in the log,
+counted nowhere. Those bytes are the caller's fault, so `Forward` and `ForwardStream` receive
+them as an `UndecodableRequest` instead, and the servicer answers INVALID_ARGUMENT naming
+`model_executor.v1.ForwardRequest`, logs a warning without a stack trace and counts it under
+`model_executor_requests_total{code="INVALID_ARGUMENT"}` like any other refusal.
+
+Every other method keeps the generated decoder: the service is registered from its
+descriptor, so a method added to the .proto is registered here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from model_executor.v1 import executor_pb2 as pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ModelExecutor"]
+FORWARD_REQUEST = pb.ForwardRequest.DESCRIPTOR.full_name
+
+
+class UndecodableRequestError(ValueError):
+    """The request bytes are not a `ForwardRequest` (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What `Forward`/`ForwardStream` receive in place of bytes that do not parse."""
+
+    error: UndecodableRequestError
+
+
+def decode_forward_request(data: bytes) -> pb.ForwardRequest | UndecodableRequest:
+    try:
+        return pb.ForwardRequest.FromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        return UndecodableRequest(
+            UndecodableRequestError(
+                f"the request payload ({len(data)} bytes) is not a valid {FORWARD_REQUEST}: {exc}"
+            )
+        )
+
+
+_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_executor_servicer(servicer: Any, server: grpc.Server) -> None:
+    """`pb_grpc.add_ModelExecutorServicer_to_server`, with the lenient ForwardRequest decoder."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        decode = (
+            decode_forward_request
+            if method.input_type.full_name == FORWARD_REQUEST
+            else request_cls.FromString
+        )
+        factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=decode,
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
