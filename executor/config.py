@@ -22,6 +22,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
 GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
 NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
+# What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
+# stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
+GRAPH_BACKENDS = ("auto", "cuda", "compiled", "standin")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -58,6 +61,11 @@ class ExecutorConfig:
         "auto",
         "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both; "
         "a runtime toggle too",
+    )
+    graph_backend: str = setting(
+        "auto",
+        "auto (cuda on CUDA, compiled on CPU) | cuda (CUDA graphs) | compiled (torch.compile, "
+        "inductor) | standin (the uncompiled CPU stand-in that checks CUDA's capture rules)",
     )
     graph_max_bs: int = setting(
         0, "largest DECODE batch with a captured graph; 0 = min(max_batch_size, 160)"
@@ -114,6 +122,11 @@ class ExecutorConfig:
             raise ValueError(
                 f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
             )
+        if self.graph_backend not in GRAPH_BACKENDS:
+            raise ValueError(
+                f"graph_backend must be one of {', '.join(GRAPH_BACKENDS)}, "
+                f"got {self.graph_backend!r}"
+            )
         if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
             raise ValueError(
                 f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
@@ -154,6 +167,15 @@ def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
     if config.graph_mode == "auto":
         return "both" if device.type == "cuda" else "none"
     return config.graph_mode
+
+
+def resolve_graph_backend(config: ExecutorConfig, device: torch.device) -> str:
+    """`auto` is `cuda` on CUDA and `compiled` elsewhere; CUDA graphs need a CUDA device."""
+    if config.graph_backend == "auto":
+        return "cuda" if device.type == "cuda" else "compiled"
+    if config.graph_backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got device {device}")
+    return config.graph_backend
 
 
 def resolve_cache_dir(config: ExecutorConfig) -> Path:

@@ -30,6 +30,7 @@ from executor.config import (
     resolve_cache_dir,
     resolve_device,
     resolve_dtype,
+    resolve_graph_backend,
     resolve_graph_mode,
     resolve_max_context_len,
 )
@@ -206,6 +207,8 @@ class ModelExecutor:
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             eager_input_no_copy=config.eager_input_no_copy,
             graphs=graph_settings(config, self.limits),
+            graph_backend=resolve_graph_backend(config, self.device),
+            cache_dir=resolve_cache_dir(config),
         )
         self.capture_reports: list[CaptureReport] = []
         if graph_mode != "none":
