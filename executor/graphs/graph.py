@@ -41,6 +41,16 @@ class Graph(ABC):
     def replay(self) -> None: ...
 
 
+def check_capture_rules(fn: Callable[[], None]) -> None:
+    """Run `fn` once under the host-read guard in capture mode: what CUDA capture refuses
+    raises GraphCaptureError naming it."""
+    try:
+        with HostReadGuard(capture=True):
+            fn()
+    except HostReadError as e:
+        raise GraphCaptureError(str(e)) from e
+
+
 class CpuGraph(Graph):
     """The CPU stand-in: capture checks `fn` is capture-safe; replay calls it again."""
 
@@ -50,11 +60,7 @@ class CpuGraph(Graph):
     def capture(self, fn: Callable[[], None]) -> None:
         for _ in range(WARMUP_RUNS):
             fn()
-        try:
-            with HostReadGuard(capture=True):
-                fn()
-        except HostReadError as e:
-            raise GraphCaptureError(str(e)) from e
+        check_capture_rules(fn)
         self._fn = fn
 
     def replay(self) -> None:
@@ -70,7 +76,7 @@ class CompiledGraph(Graph):
 
     Capture first runs `fn` as the stand-in does, under CUDA's capture rules, so a
     capture-unsafe change fails here too; then compiles by warming `fn` up inside
-    `compiled()` (a compile error fails the capture: its bucket runs eagerly). Replay calls
+    `compiled()` once (a compile error fails the capture: its bucket runs eagerly). Replay calls
     `fn` inside `compiled()` again, on the same static buffers.
     """
 
@@ -79,11 +85,10 @@ class CompiledGraph(Graph):
         self._fn: Callable[[], None] | None = None
 
     def capture(self, fn: Callable[[], None]) -> None:
-        CpuGraph().capture(fn)  # the capture rules, checked eagerly
+        check_capture_rules(fn)  # eagerly, as the stand-in does
         try:
             with self._compiled():
-                for _ in range(WARMUP_RUNS):
-                    fn()
+                fn()  # compiles what this bucket's shapes need (or finds it in the cache)
         except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
             raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
         self._fn = fn
