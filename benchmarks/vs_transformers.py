@@ -112,14 +112,16 @@ class Ours:
     def decode_step(self, bs: int, first_row: int, first_slot: int) -> Callable[[], None]:
         rows = list(range(first_row, first_row + bs))
         slots = [first_slot + i * (CONTEXT + 1) for i in range(bs)]
-        ids = [[(31 * r + j) % 1000 + 5 for j in range(CONTEXT)] for r in rows]
-        self.client.forward(
-            make_extend_batch(
-                input_ids=ids,
-                req_pool_indices=rows,
-                out_cache_loc=[list(range(s, s + CONTEXT)) for s in slots],
+        per_batch = PREFILL[0] * PREFILL[1] // CONTEXT  # within max_tokens_per_batch
+        for i in range(0, bs, per_batch):
+            part = rows[i : i + per_batch]
+            self.client.forward(
+                make_extend_batch(
+                    input_ids=[[(31 * r + j) % 1000 + 5 for j in range(CONTEXT)] for r in part],
+                    req_pool_indices=part,
+                    out_cache_loc=[list(range(s, s + CONTEXT)) for s in slots[i : i + per_batch]],
+                )
             )
-        )
         batch = make_decode_batch(
             input_ids=[42] * bs,
             req_pool_indices=rows,

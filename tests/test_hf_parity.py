@@ -126,14 +126,14 @@ def test_smollm2_gguf_matches_transformers(cache_dir: Path) -> None:
         cache_dir=cache_dir,
     )
     assert check_parity(ModelExecutor(base, loaded), hf, prompts).keys() == {"eager"}
-    # Every other path on the same weights: compiled full-graph DECODE and piecewise EXTEND
-    # (the CPU default backend), and the stand-in.
-    for backend in ("compiled", "standin"):
-        graphs = base.replace(
-            graph_mode="both",
-            graph_backend=backend,
-            graph_batch_sizes="1,2,4",
-            piecewise_token_sizes="8,16,32",
-        )
-        paths = check_parity(ModelExecutor(graphs, loaded), hf, prompts)
-        assert paths["full_graph"] and paths["piecewise"], (backend, paths)
+    # The graph paths on the same weights: full-graph DECODE and piecewise EXTEND through the
+    # stand-in. (The compiled backend gives the stand-in's tokens, tests/test_compiled_graphs.py;
+    # compiling SmolLM2 here would cost minutes of a shared 2-core machine.)
+    graphs = base.replace(
+        graph_mode="both",
+        graph_backend="standin",
+        graph_batch_sizes="1,2,4",
+        piecewise_token_sizes="8,16,32",
+    )
+    paths = check_parity(ModelExecutor(graphs, loaded), hf, prompts)
+    assert paths["full_graph"] and paths["piecewise"], paths
