@@ -75,7 +75,7 @@ def start_server(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen[
         "--max-reqs", str(max(DECODE_SIZES) + PREFILL[0] + 1),
         "--kv-slots", str((max(DECODE_SIZES) + PREFILL[0] + 1) * (CONTEXT + 1) + 8),
         "--max-context-len", str(args.max_context_len),
-        "--graph-batch-sizes", ",".join(map(str, DECODE_SIZES)),
+        "--graph-batch-sizes", ",".join(map(str, args.sizes)),
         "--piecewise-token-sizes", str(PREFILL[0] * PREFILL[1]),
         "--max-tokens-per-batch", str(PREFILL[0] * PREFILL[1]),
         "--cache-dir", args.cache_dir, "--log-level", "warning",
@@ -198,12 +198,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--graph-backend", default="compiled")
-    ap.add_argument("--max-context-len", type=int, default=1024)
+    ap.add_argument("--max-context-len", type=int, default=256)  # one KV bucket holds 129
+    ap.add_argument("--batch-sizes", default=",".join(map(str, DECODE_SIZES)))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "vs-transformers"))
     ap.add_argument("--write-doc", action="store_true")
     args = ap.parse_args()
+    args.sizes = [int(b) for b in args.batch_sizes.split(",")]
     gguf = packaged_smollm2_path()
     port = free_port()
     proc, ready_s = start_server(args, port)
@@ -235,7 +237,7 @@ def run(args: argparse.Namespace, gguf: Path, port: int) -> Results:
         ours = Ours(client)
         row, slot = 1, 1
         workloads: list[tuple[str, Callable[[], None], dict[str, Callable[[], None]]]] = []
-        for bs in DECODE_SIZES:
+        for bs in args.sizes:
             step = ours.decode_step(bs, row, slot)  # same rows and slots for every path
             workloads.append(
                 (f"decode bs {bs}", hf.decode_step(bs), {p: step for p in ("eager", "full_graph")})
@@ -308,7 +310,8 @@ def write_doc(args: argparse.Namespace, header: str, table: str, results: Result
     begin, end = "<!-- BEGIN vs_transformers -->", "<!-- END vs_transformers -->"
     command = (
         "python benchmarks/vs_transformers.py --write-doc "
-        f"--steps {args.steps} --rounds {args.rounds} --graph-backend {args.graph_backend}"
+        f"--steps {args.steps} --rounds {args.rounds} --graph-backend {args.graph_backend} "
+        f"--batch-sizes {args.batch_sizes}"
     )
     block = (
         f"{begin}\n{header}\n\nCommand: `{command}`\n\n{table}\n\n![](vs_transformers.png)\n{end}"
