@@ -174,7 +174,7 @@ class Transformers:
                 input_ids=token, position_ids=position, past_key_values=cache, use_cache=True
             )
             out.logits[:, -1].argmax(-1)
-            cache.crop(CONTEXT)
+            cache.crop(-1)  # back to CONTEXT tokens (a positive length is refused)
 
         return step
 
