@@ -56,7 +56,8 @@ class AttentionBackend(ABC):
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
         # Metadata of every captured bucket, bound to slices of the graph buffers.
-        self._graph_metadata: dict[int, Any] = {}
+        # Keyed by (batch-size bucket, KV-length bucket).
+        self._graph_metadata: dict[tuple[int, int], Any] = {}
 
     # --- eager -------------------------------------------------------------------------
     @abstractmethod
@@ -70,23 +71,42 @@ class AttentionBackend(ABC):
             f"attention backend {self.name!r} does not support graph capture"
         )
 
-    def init_forward_metadata_capture(self, bs: int, num_tokens: int, fb_view: ForwardBatch) -> Any:
+    def graph_kv_buckets(self) -> list[int]:
+        """The KV-length buckets a DECODE graph is captured at, per batch-size bucket. `[0]`
+        (one graph per batch size) for a backend whose captured work follows each request's
+        real length; a backend that gathers a static KV bound under capture lists bounds, so
+        a batch pays for the bucket its contexts need, not for `max_context_len`."""
+        return [0]
+
+    def graph_kv_bucket(self, seq_len_bound: int | None) -> int:
+        """The KV bucket of a batch whose longest request is at most `seq_len_bound` tokens
+        (None: unknown, the largest)."""
+        return 0
+
+    def init_forward_metadata_capture(
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
+    ) -> Any:
         """Bind this bucket's buffer slices into a metadata object, then fill them through
         replay: capture and replay share one code path (the seeds' Pattern A), so what a
         graph saw at capture is what a replay of the same batch gives it."""
-        md = self.bind_graph_metadata(bs, num_tokens, fb_view)
-        self._graph_metadata[bs] = md
-        self.init_forward_metadata_replay(bs, fb_view)
+        md = self.bind_graph_metadata(bs, num_tokens, fb_view, kv_bucket)
+        self._graph_metadata[(bs, kv_bucket)] = md
+        self.init_forward_metadata_replay(bs, fb_view, kv_bucket=kv_bucket)
         return md
 
     def init_forward_metadata_replay(
-        self, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None = None
+        self,
+        bs: int,
+        fb_view: ForwardBatch,
+        seq_lens_cpu: torch.Tensor | None = None,
+        kv_bucket: int = 0,
     ) -> None:
         """Refill the bucket's bound buffers in place for this step's (padded) batch."""
-        md = self._graph_metadata.get(bs)
+        md = self._graph_metadata.get((bs, kv_bucket))
         if md is None:
             raise KeyError(
-                f"no captured bucket for bs={bs} (captured: {sorted(self._graph_metadata)})"
+                f"no captured bucket for bs={bs}, kv={kv_bucket} "
+                f"(captured: {sorted(self._graph_metadata)})"
             )
         self.fill_graph_metadata(md, bs, fb_view, seq_lens_cpu)
 
@@ -105,9 +125,12 @@ class AttentionBackend(ABC):
         if bs > max_bs:
             raise ValueError(f"bucket bs={bs} exceeds max_bs={max_bs}")
 
-    def bind_graph_metadata(self, bs: int, num_tokens: int, fb_view: ForwardBatch) -> Any:
+    def bind_graph_metadata(
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
+    ) -> Any:
         """A metadata object for one bucket whose tensors are slices of the graph buffers
-        allocated by `init_graph_state` (values are filled by `fill_graph_metadata`)."""
+        allocated by `init_graph_state` (values are filled by `fill_graph_metadata`);
+        `kv_bucket` is one of `graph_kv_buckets()`."""
         raise GraphCaptureUnsupportedError(
             f"attention backend {self.name!r} does not support graph capture"
         )

@@ -8,7 +8,9 @@ data-dependent shapes, so the same forward runs inside a captured graph.
 
 Shapes come from host ints only: eager steps use the batch's `seq_len_bound` /
 `extend_len_bound` (powers of two, see `ForwardBatch`); captured graphs use the static
-maximum `max_context_len`, so one graph serves every batch of its bucket. Graph capture
+KV-length bucket of the graph (`graph_kv_buckets`: powers of 4 from 256 up to
+`max_context_len`), so a captured step gathers what its batch's contexts need, not
+`max_context_len` for every request. Graph capture
 covers DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs
 attention between its captured pieces).
 """
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 # Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm
 # (benchmarks/attention_backends.py: 2-3x faster than one batch-wide gather at bs 64 x 4096).
 CPU_GATHER_BYTES = 6 << 20
+# KV-length buckets of captured DECODE graphs: powers of 4 from here up to max_context_len.
+SMALLEST_KV_BUCKET = 256
 
 
 @dataclass
@@ -59,8 +63,9 @@ class TorchPagedMetadata:
 class _GraphBuffers:
     """Metadata storage for every captured bucket, allocated once at the largest size."""
 
-    kv_slots: torch.Tensor  # [max_bs, max_context_len] int64
-    mask: torch.Tensor  # [max_bs, 1, 1, max_context_len] bool
+    kv_slots: torch.Tensor  # [max_bs * max_context_len] int64, viewed [bs, kv_bucket]
+    mask: torch.Tensor  # [max_bs * max_context_len] bool, viewed [bs, 1, 1, kv_bucket]
+    max_bs: int
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -103,20 +108,39 @@ class TorchPagedBackend(AttentionBackend):
 
     # --- graphs ------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        ctx = self.max_context_len
+        n = max_bs * self.max_context_len
         self._graph = _GraphBuffers(
-            kv_slots=torch.zeros((max_bs, ctx), dtype=torch.int64, device=self.device),
-            mask=torch.zeros((max_bs, 1, 1, ctx), dtype=torch.bool, device=self.device),
+            kv_slots=torch.zeros(n, dtype=torch.int64, device=self.device),
+            mask=torch.zeros(n, dtype=torch.bool, device=self.device),
+            max_bs=max_bs,
         )
         self._graph_metadata.clear()
 
+    def graph_kv_buckets(self) -> list[int]:
+        sizes, size = [], SMALLEST_KV_BUCKET
+        while size < self.max_context_len:
+            sizes.append(size)
+            size *= 4
+        return [*sizes, self.max_context_len]
+
+    def graph_kv_bucket(self, seq_len_bound: int | None) -> int:
+        bound = self.max_context_len if seq_len_bound is None else seq_len_bound
+        return next(b for b in self.graph_kv_buckets() if b >= min(bound, self.max_context_len))
+
     def bind_graph_metadata(
-        self, bs: int, num_tokens: int, fb_view: ForwardBatch
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> TorchPagedMetadata:
         g = self._graph
-        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.kv_slots.shape[0] if g else 0)
+        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.max_bs if g else 0)
         assert g is not None
-        return TorchPagedMetadata(kv_slots=g.kv_slots[:bs], mask=g.mask[:bs])
+        kv = kv_bucket or self.max_context_len
+        if kv > self.max_context_len:
+            raise ValueError(f"kv bucket {kv} exceeds max_context_len={self.max_context_len}")
+        # Contiguous views of the flat buffers: the mask fill writes it as [bs, kv].
+        return TorchPagedMetadata(
+            kv_slots=g.kv_slots[: bs * kv].view(bs, kv),
+            mask=g.mask[: bs * kv].view(bs, 1, 1, kv),
+        )
 
     def fill_graph_metadata(
         self,

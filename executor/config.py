@@ -1,7 +1,7 @@
 """Start-up configuration: one frozen dataclass, validated once, plus what it resolves to.
 
 `ExecutorConfig` holds what the operator asked for ("auto" allowed); `resolve_device` and
-`resolve_dtype` turn the "auto" values into concrete ones on this machine.
+`choose_dtype` turn the "auto" values into concrete ones on this machine.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
 GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
 NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
+# What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
+# stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
+GRAPH_BACKENDS = ("auto", "cuda", "compiled", "standin")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -42,7 +45,9 @@ class ExecutorConfig:
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting(
-        "auto", "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16"
+        "auto",
+        "auto (bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32) | float32 | "
+        "bfloat16 | float16",
     )
     max_reqs: int = setting(128, "request rows: valid rows are 1..max_reqs")
     max_context_len: int = setting(
@@ -59,18 +64,30 @@ class ExecutorConfig:
         "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both; "
         "a runtime toggle too",
     )
+    graph_backend: str = setting(
+        "auto",
+        "auto (cuda on CUDA, compiled on CPU) | cuda (CUDA graphs) | compiled (torch.compile, "
+        "inductor) | standin (the uncompiled CPU stand-in that checks CUDA's capture rules)",
+    )
     graph_max_bs: int = setting(
-        0, "largest DECODE batch with a captured graph; 0 = min(max_batch_size, 160)"
+        0,
+        "largest DECODE batch with a captured graph; 0 = min(max_batch_size, 160), on CPU "
+        "min(max_batch_size, 64)",
     )
     graph_batch_sizes: str = setting(
-        "", "DECODE graph buckets, e.g. '1,2,4,8'; '' = 1,2,4,8 then every 8 up to graph_max_bs"
+        "",
+        "DECODE graph buckets, e.g. '1,2,4,8'; '' = 1,2,4,8 then every 8 up to graph_max_bs "
+        "(on CPU: powers of two)",
     )
     piecewise_max_tokens: int = setting(
-        0, "largest EXTEND token count with captured pieces; 0 = min(max_tokens_per_batch, 2048)"
+        0,
+        "largest EXTEND token count with captured pieces; 0 = min(max_tokens_per_batch, 2048), "
+        "on CPU min(max_tokens_per_batch, 1024)",
     )
     piecewise_token_sizes: str = setting(
         "",
-        "piecewise token buckets, e.g. '16,64,256'; '' = the default ladder up to piecewise_max_tokens",
+        "piecewise token buckets, e.g. '16,64,256'; '' = the default ladder up to "
+        "piecewise_max_tokens (on CPU: powers of two from 16)",
     )
     needs_cpu_seq_lens: str = setting(
         "auto",
@@ -131,6 +148,11 @@ class ExecutorConfig:
             raise ValueError(
                 f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
             )
+        if self.graph_backend not in GRAPH_BACKENDS:
+            raise ValueError(
+                f"graph_backend must be one of {', '.join(GRAPH_BACKENDS)}, "
+                f"got {self.graph_backend!r}"
+            )
         if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
             raise ValueError(
                 f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
@@ -152,10 +174,29 @@ def resolve_device(config: ExecutorConfig) -> torch.device:
     return device
 
 
-def resolve_dtype(config: ExecutorConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[config.dtype]
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str  # why `auto` chose it (or "configured")
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: the CPUs where bfloat16 matmuls are not emulated (slower than
+    float32 elsewhere: 3x on an AVX2 EPYC, docs/performance.md)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def choose_dtype(config: ExecutorConfig, device: torch.device) -> DtypeChoice:
+    if config.dtype != "auto":
+        return DtypeChoice(DTYPES[config.dtype], "configured")
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "auto: CUDA")
+    if cpu_has_native_bf16():
+        return DtypeChoice(torch.bfloat16, "auto: the CPU has native bfloat16 (AVX512-BF16/AMX)")
+    return DtypeChoice(
+        torch.float32,
+        "auto: the CPU has no native bfloat16 (no AVX512-BF16/AMX), float32 is faster",
+    )
 
 
 DEFAULT_MAX_CONTEXT_LEN = 8192
@@ -171,6 +212,15 @@ def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
     if config.graph_mode == "auto":
         return "both" if device.type == "cuda" else "none"
     return config.graph_mode
+
+
+def resolve_graph_backend(config: ExecutorConfig, device: torch.device) -> str:
+    """`auto` is `cuda` on CUDA and `compiled` elsewhere; CUDA graphs need a CUDA device."""
+    if config.graph_backend == "auto":
+        return "cuda" if device.type == "cuda" else "compiled"
+    if config.graph_backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got device {device}")
+    return config.graph_backend
 
 
 def resolve_cache_dir(config: ExecutorConfig) -> Path:

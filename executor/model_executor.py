@@ -28,15 +28,20 @@ from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     RUNTIME_GRAPH_MODES,
     ExecutorConfig,
+    choose_dtype,
     resolve_cache_dir,
     resolve_device,
-    resolve_dtype,
+    resolve_graph_backend,
     resolve_graph_mode,
     resolve_max_context_len,
 )
 from executor.errors import FaultInjector, ToggleRefusedError
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import (
+    CPU_GRAPH_MAX_BS,
+    CPU_PIECEWISE_MAX_TOKENS,
+    cpu_decode_buckets,
+    cpu_piecewise_buckets,
     default_decode_buckets,
     default_piecewise_buckets,
     parse_bucket_list,
@@ -56,13 +61,21 @@ log = structlog.get_logger(__name__)
 MODE_NAMES = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", ForwardMode.IDLE: "idle"}
 
 
-def graph_settings(config: ExecutorConfig, limits: BatchLimits) -> GraphSettings:
-    """Bucket lists from config (explicit lists win), never beyond the executor's limits."""
-    max_bs = config.graph_max_bs or min(limits.max_batch_size, 160)
-    decode = parse_bucket_list(config.graph_batch_sizes) or default_decode_buckets(max_bs)
-    max_tokens = config.piecewise_max_tokens or min(limits.max_tokens_per_batch, 2048)
-    piecewise = parse_bucket_list(config.piecewise_token_sizes) or default_piecewise_buckets(
-        max_tokens
+def graph_settings(
+    config: ExecutorConfig, limits: BatchLimits, device: torch.device | None = None
+) -> GraphSettings:
+    """Bucket lists from config (explicit lists win), never beyond the executor's limits;
+    the defaults are the CPU ladders (:mod:`executor.graphs.buckets`) on a CPU device."""
+    cpu = device is not None and device.type == "cpu"
+    max_bs = config.graph_max_bs or min(limits.max_batch_size, CPU_GRAPH_MAX_BS if cpu else 160)
+    decode = parse_bucket_list(config.graph_batch_sizes) or (
+        cpu_decode_buckets(max_bs) if cpu else default_decode_buckets(max_bs)
+    )
+    max_tokens = config.piecewise_max_tokens or min(
+        limits.max_tokens_per_batch, CPU_PIECEWISE_MAX_TOKENS if cpu else 2048
+    )
+    piecewise = parse_bucket_list(config.piecewise_token_sizes) or (
+        cpu_piecewise_buckets(max_tokens) if cpu else default_piecewise_buckets(max_tokens)
     )
     decode = [b for b in decode if b <= limits.max_batch_size] or [limits.max_batch_size]
     piecewise = [t for t in piecewise if t <= limits.max_tokens_per_batch] or [
@@ -150,7 +163,11 @@ class ModelExecutor:
         # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
         self.observer: ExecutorObserver = observer or NullObserver()
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, self.device)
+        dtype_choice = choose_dtype(config, self.device)
+        self.dtype = dtype_choice.dtype
+        log.info(
+            "dtype chosen", dtype=str(self.dtype).removeprefix("torch."), reason=dtype_choice.reason
+        )
         if loaded is None:
             loaded = load_model(
                 config.model,
@@ -212,7 +229,9 @@ class ModelExecutor:
             device=self.device,
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             eager_input_no_copy=config.eager_input_no_copy,
-            graphs=graph_settings(config, self.limits),
+            graphs=graph_settings(config, self.limits, self.device),
+            graph_backend=resolve_graph_backend(config, self.device),
+            cache_dir=resolve_cache_dir(config),
             stop=stop,
         )
         self.capture_reports: list[CaptureReport] = []

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -25,7 +28,7 @@ from executor.graphs.capture import CaptureReport
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
-from executor.models.llama import LlamaForCausalLM
+from executor.models.llama import LayerHalves, LlamaForCausalLM, compile_halves
 from executor.runner_output import RunnerOutput
 from registry import FillStats
 
@@ -65,6 +68,8 @@ class ModelRunner:
         needs_cpu_seq_lens: bool,
         eager_input_no_copy: bool = False,
         graphs: GraphSettings | None = None,
+        graph_backend: str = "standin",
+        cache_dir: Path | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         self.model = model
@@ -74,11 +79,22 @@ class ModelRunner:
         self.eager_inputs = EagerInputs(device, needs_cpu_seq_lens=needs_cpu_seq_lens)
         self.graph_settings = graphs
         self.graph_mode = "none"
-        self.graph_factory = GraphFactory(device, stop)
+        self.graph_factory = GraphFactory(
+            device, graph_backend, cache_dir=cache_dir, compiled=self._compiled_model, stop=stop
+        )
+        self._compiled_halves: LayerHalves | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
 
     # --- graphs --------------------------------------------------------------------------
+    @contextmanager
+    def _compiled_model(self) -> Iterator[None]:
+        """The model with its layer halves compiled (the `compiled` graph backend)."""
+        if self._compiled_halves is None:
+            self._compiled_halves = compile_halves()
+        with self.model.using_halves(self._compiled_halves):
+            yield
+
     def enable_graphs(self, mode: str, *, progress: bool = True) -> list[CaptureReport]:
         """Switch to `mode`, capturing the runners it needs that were not captured yet."""
         if mode not in RUNTIME_GRAPH_MODES:

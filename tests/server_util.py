@@ -49,6 +49,7 @@ def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
         "kv_slots": 8192,
         "max_context_len": 1024,
         "cache_dir": str(cache_dir),
+        "graph_backend": "standin",  # captures in milliseconds; compiling has its own tests
     }
     values.update(overrides)
     return ExecutorConfig(**values)  # type: ignore[arg-type]

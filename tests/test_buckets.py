@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from executor.graphs.buckets import (
+    cpu_decode_buckets,
+    cpu_piecewise_buckets,
     default_decode_buckets,
     default_piecewise_buckets,
     normalize_buckets,
@@ -45,3 +47,10 @@ def test_configured_lists() -> None:
         parse_bucket_list("1,two")
     with pytest.raises(ValueError, match=">= 1"):
         normalize_buckets([0, 4])
+
+
+def test_cpu_ladders_are_powers_of_two_with_the_maximum() -> None:
+    assert cpu_decode_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert cpu_decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert cpu_piecewise_buckets(1024) == [16, 32, 64, 128, 256, 512, 1024]
+    assert cpu_piecewise_buckets(10) == [10]

@@ -326,6 +326,9 @@ def test_bucket_lists_come_from_config_within_limits(make_executor: MakeExecutor
     limits = dataclasses.replace(ex.limits, max_tokens_per_batch=32)
     s = graph_settings(ex.config.replace(piecewise_token_sizes="64,8,16"), limits)
     assert s.piecewise_buckets == [8, 16]  # 64 exceeds the per-batch token limit
+    cpu = graph_settings(ex.config, ex.limits, torch.device("cpu"))  # the CPU ladders
+    assert cpu.decode_buckets == [1, 2, 4, 8, 16]
+    assert cpu.piecewise_buckets == [16, 32, 64, 128, 256, 512, 1024]
 
 
 @pytest.mark.gpu

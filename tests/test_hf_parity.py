@@ -7,7 +7,9 @@ logits within 1e-3), after which the sequences are no longer comparable.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,9 +17,10 @@ import torch
 from executor.batch_prep import make_extend_batch
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
-from executor.model_executor import ModelExecutor
+from executor.forward_batch import ForwardBatch
+from executor.model_executor import ForwardOutput, ModelExecutor
 from executor.models.hf_loader import save_hf_directory
-from executor.models.loader import packaged_smollm2_path
+from executor.models.loader import load_model, packaged_smollm2_path
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +55,15 @@ def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float]) ->
             return
 
 
-def check_parity(ex: ModelExecutor, hf: torch.nn.Module, prompts: list[list[int]]) -> None:
+def check_parity(ex: ModelExecutor, hf: torch.nn.Module, prompts: list[list[int]]) -> Counter[str]:
+    """Prefill logits and greedy tokens against transformers; the paths our steps took."""
+    paths: Counter[str] = Counter()
+
+    def forward(fb: ForwardBatch, **kwargs: Any) -> ForwardOutput:
+        out = ex.forward(fb, **kwargs)
+        paths[out.stats.path] += 1
+        return out
+
     slot = 1
     for row, prompt in enumerate(prompts, start=1):
         fb = make_extend_batch(
@@ -61,15 +72,17 @@ def check_parity(ex: ModelExecutor, hf: torch.nn.Module, prompts: list[list[int]
             out_cache_loc=[list(range(slot, slot + len(prompt)))],
         )
         slot += len(prompt)
-        ours = ex.forward(fb, return_logits=True).logits
+        ours = forward(fb, return_logits=True).logits
+        assert ours is not None
         with torch.inference_mode():
             ref = hf(torch.tensor([prompt])).logits[0, -1].float()
         diff = float((ours[0] - ref).abs().max())
         assert diff <= LOGIT_TOL, f"prompt {row}: prefill logits differ by {diff}"
-    ours_gen = generate(ex.forward, ex.limits, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    ours_gen = generate(forward, ex.limits, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, ours_tokens in zip(prompts, ours_gen, strict=True):
         ref_tokens, gaps = hf_greedy(hf, prompt, NEW_TOKENS)
         assert_greedy_matches(ours_tokens, ref_tokens, gaps)
+    return paths
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "tiny-random-qwen2"])
@@ -96,18 +109,32 @@ def test_smollm2_gguf_matches_transformers(cache_dir: Path) -> None:
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    ex = ModelExecutor(
-        ExecutorConfig(
-            model="smollm2",
-            max_reqs=8,
-            kv_slots=2048,
-            max_context_len=1024,
-            cache_dir=str(cache_dir),
-        )
-    )
     texts = [
         "The capital of France is",
         "def fibonacci(n):\n",
         "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
     ]
-    check_parity(ex, hf, [tok(t).input_ids for t in texts])
+    prompts = [tok(t).input_ids for t in texts]
+    base = ExecutorConfig(
+        model="smollm2", max_reqs=8, kv_slots=2048, max_context_len=1024, cache_dir=str(cache_dir)
+    )
+    loaded = load_model(
+        "smollm2",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_positions=1024,
+        cache_dir=cache_dir,
+    )
+    assert check_parity(ModelExecutor(base, loaded), hf, prompts).keys() == {"eager"}
+    # The graph paths on the same weights: full-graph DECODE and piecewise EXTEND through the
+    # stand-in. (The compiled backend gives the stand-in's tokens, tests/test_compiled_graphs.py;
+    # compiling SmolLM2 here would cost minutes of a shared 2-core machine.)
+    graphs = base.replace(  # one bucket each (3 requests pad to 4; prompts fit in 32)
+        graph_mode="both",
+        graph_backend="standin",
+        graph_batch_sizes="4",
+        piecewise_token_sizes="32",
+        max_context_len=256,  # one KV bucket
+    )
+    paths = check_parity(ModelExecutor(graphs, loaded), hf, prompts)
+    assert paths["full_graph"] and paths["piecewise"], paths

@@ -180,8 +180,8 @@ class TritonAttnBackend(AttentionBackend):
         self._graph_metadata.clear()
 
     def bind_graph_metadata(
-        self, bs: int, num_tokens: int, fb_view: ForwardBatch
-    ) -> TritonDecodeMetadata:
+        self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
+    ) -> TritonDecodeMetadata:  # the kernels read each request's length: one KV bucket
         g = self._graph
         self.check_decode_bucket(bs, num_tokens, fb_view, g, g.num_kv_splits.shape[0] if g else 0)
         assert g is not None

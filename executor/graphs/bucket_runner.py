@@ -49,6 +49,7 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
     def capture(self, *, progress: bool = True) -> CaptureReport:
         """Capture every bucket, largest first; a failed bucket is left out (eager for it)."""
         self._prepare_capture()
+        self.factory.prepare(len(self.buckets))
         self.captured.clear()
         self.report = capture_buckets(
             self.kind, self.buckets, self._capture_one, self.factory, progress=progress

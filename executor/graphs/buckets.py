@@ -34,6 +34,33 @@ def default_piecewise_buckets(max_tokens: int) -> list[int]:
     return normalize_buckets([s for s in sizes if s <= max_tokens] + [max_tokens])
 
 
+# On CPU a captured bucket costs a compile check and warm-up runs of real size, and replay
+# saves Python overhead, not launches: fewer, coarser buckets (powers of two), and smaller
+# maxima (a larger batch or chunk runs eagerly at the same speed).
+CPU_GRAPH_MAX_BS = 64
+CPU_PIECEWISE_MAX_TOKENS = 1024
+
+
+def cpu_decode_buckets(max_bs: int) -> list[int]:
+    """Powers of two up to max_bs, with max_bs itself included."""
+    return _powers_of_two(1, max_bs)
+
+
+def cpu_piecewise_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from 16 up to max_tokens, with max_tokens itself included."""
+    return _powers_of_two(16, max_tokens)
+
+
+def _powers_of_two(first: int, last: int) -> list[int]:
+    if last < 1:
+        raise ValueError(f"the largest bucket must be >= 1, got {last}")
+    sizes, size = [], first
+    while size < last:
+        sizes.append(size)
+        size *= 2
+    return normalize_buckets([*sizes, last])
+
+
 def normalize_buckets(sizes: Sequence[int]) -> list[int]:
     """Sorted, unique, positive sizes (a configured list may come in any order)."""
     if not sizes:

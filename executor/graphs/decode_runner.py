@@ -32,7 +32,9 @@ class _Captured:
     view: ForwardBatch  # the registry view the graph reads (static buffer slices)
 
 
-class DecodeGraphRunner(BucketGraphRunner[_Captured]):
+class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
+    """One graph per (batch-size bucket, KV-length bucket of the attention backend)."""
+
     kind = "decode"
 
     def __init__(
@@ -91,8 +93,16 @@ class DecodeGraphRunner(BucketGraphRunner[_Captured]):
         )
 
     def _capture_one(self, bs: int) -> None:
+        """Every KV bucket of batch size `bs`, largest first; all or none (a failure fails
+        the batch-size bucket, whose batches then run eagerly)."""
+        graphs: dict[int, _Captured] = {}
+        for kv in sorted(self.attn_backend.graph_kv_buckets(), reverse=True):
+            graphs[kv] = self._capture_kv(bs, kv)
+        self.captured[bs] = graphs
+
+    def _capture_kv(self, bs: int, kv: int) -> _Captured:
         view, _ = self._stage_decode(self._synthetic_batch(bs), bs, bs)
-        view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view)
+        view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
         out = self.hidden[:bs]
 
         def run() -> None:
@@ -101,7 +111,7 @@ class DecodeGraphRunner(BucketGraphRunner[_Captured]):
 
         graph = self.factory.new()
         graph.capture(run)
-        self.captured[bs] = _Captured(graph, view)
+        return _Captured(graph, view)
 
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
         if not self.attn_backend.supports_graph_capture:
@@ -112,9 +122,12 @@ class DecodeGraphRunner(BucketGraphRunner[_Captured]):
         bs = fb.batch_size
         padded = pad_to_bucket(bs, self.buckets)
         assert padded is not None and padded in self.captured
+        kv = self.attn_backend.graph_kv_bucket(fb.seq_len_bound)
         view, stats = self._stage_decode(fb, bs, padded)
-        self.attn_backend.init_forward_metadata_replay(padded, view, seq_lens_cpu=view.seq_lens_cpu)
-        self.captured[padded].graph.replay()
+        self.attn_backend.init_forward_metadata_replay(
+            padded, view, seq_lens_cpu=view.seq_lens_cpu, kv_bucket=kv
+        )
+        self.captured[padded][kv].graph.replay()
         # The head runs on the real rows only; the hidden buffer is consumed right here.
         logits = self.model.compute_logits(self.hidden[:bs], fb)
         return RunnerOutput(

@@ -1,0 +1,140 @@
+"""The compiled CPU graph backend (`graph_backend=compiled`, the CPU default) and the KV-length
+buckets of captured DECODE graphs.
+
+The compile tests are few and small (tiny-random, three decode and two token buckets): the
+stand-in stays the backend the rest of the graph tests use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from attention.torch_paged import TorchPagedBackend
+from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.config import ExecutorConfig, resolve_graph_backend
+from executor.graphs.graph import CompiledGraph, GraphFactory
+from executor.model_executor import ModelExecutor
+from tests.test_graphs import _prefill
+
+MakeExecutor = Callable[..., ModelExecutor]
+LOGIT_TOL = 1e-4  # inductor fuses the elementwise ops: float32 rounding may differ slightly
+
+
+def test_graph_backend_setting_resolves_and_refuses_what_cannot_run() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_graph_backend(ExecutorConfig(), cpu) == "compiled"
+    assert resolve_graph_backend(ExecutorConfig(graph_backend="standin"), cpu) == "standin"
+    with pytest.raises(ValueError, match="graph_backend 'cuda' needs a CUDA device"):
+        resolve_graph_backend(ExecutorConfig(graph_backend="cuda"), cpu)
+    with pytest.raises(ValueError, match="graph_backend must be one of"):
+        ExecutorConfig(graph_backend="xla")
+    with pytest.raises(ValueError, match="graph backend must be one of"):
+        GraphFactory(cpu, "xla")
+
+
+def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside(
+    make_executor: MakeExecutor, tmp_path: Path
+) -> None:
+    eager = make_executor(graph_mode="none")
+    compiled = make_executor(
+        graph_mode="both",
+        graph_backend="compiled",
+        graph_batch_sizes="1,2,4",
+        piecewise_token_sizes="8,16",
+        cache_dir=str(tmp_path),
+    )
+    assert all(not r.failed for r in compiled.capture_reports), compiled.capture_reports
+    decode = compiled.runner.decode_graphs
+    assert decode is not None and set(decode.captured) == {1, 2, 4}
+    assert all(
+        isinstance(c.graph, CompiledGraph) for kv in decode.captured.values() for c in kv.values()
+    )
+    # inductor's caches live under --cache-dir, so a restart loads instead of compiling
+    assert any((tmp_path / "inductor").rglob("*"))
+
+    slot = 1
+    # EXTEND: 5 and 8 tokens pad to 8, 12 to 16 (piecewise); 20 is past the largest bucket.
+    for row, n in zip((1, 2, 3, 4), (5, 8, 12, 20), strict=True):
+        batch = make_extend_batch(
+            input_ids=[[(7 * row + j) % 200 + 3 for j in range(n)]],
+            req_pool_indices=[row],
+            out_cache_loc=[list(range(slot, slot + n))],
+        )
+        slot += n
+        a = eager.forward(batch, return_logits=True)
+        b = compiled.forward(batch, return_logits=True)
+        if n <= 16:
+            assert b.stats.path == "piecewise", n
+        else:
+            assert (b.stats.path, b.stats.graph_fallback) == ("eager", "piecewise:batch_too_large")
+        assert a.logits is not None and b.logits is not None
+        assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, n
+        assert torch.equal(a.next_token_ids, b.next_token_ids), n
+
+    # DECODE: every batch size 1..4 on a bucket (3 pads to 4); 5 runs eagerly, saying why.
+    for bs in range(1, 6):
+        rows = list(range(10, 10 + bs))
+        lens = [3 + (5 * r) % 11 for r in rows]
+        first = 100 * bs
+        assert _prefill(eager, rows, lens, first) == _prefill(compiled, rows, lens, first)
+        batch = make_decode_batch(
+            input_ids=[7 + r for r in rows],
+            req_pool_indices=rows,
+            seq_lens=[n + 1 for n in lens],
+            out_cache_loc=[first + 90 + i for i in range(bs)],
+        )
+        a = eager.forward(batch, return_logits=True)
+        b = compiled.forward(batch, return_logits=True)
+        if bs <= 4:
+            assert (b.stats.path, b.stats.padded_batch_size) == ("full_graph", 4 if bs == 3 else bs)
+        else:
+            assert (b.stats.path, b.stats.graph_fallback) == ("eager", "decode:batch_too_large")
+        assert a.logits is not None and b.logits is not None
+        assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, bs
+        assert torch.equal(a.next_token_ids, b.next_token_ids), bs
+
+
+def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eager = make_executor(graph_mode="none")
+    graph = make_executor(graph_mode="decode", graph_batch_sizes="1,2")
+    backend = graph.attn_backend
+    assert isinstance(backend, TorchPagedBackend)
+    assert backend.graph_kv_buckets() == [256, 1024]  # max_context_len 1024
+    assert backend.graph_kv_bucket(300) == 1024 and backend.graph_kv_bucket(None) == 1024
+    # One graph per (batch size, KV bucket), its gather as wide as its KV bucket.
+    decode = graph.runner.decode_graphs
+    assert decode is not None
+    for bs, by_kv in decode.captured.items():
+        for kv, captured in by_kv.items():
+            assert tuple(captured.view.attn_metadata.kv_slots.shape) == (bs, kv)
+
+    replayed: list[int] = []
+    real_replay = backend.init_forward_metadata_replay
+
+    def spy(bs: int, fb_view, seq_lens_cpu=None, kv_bucket: int = 0) -> None:  # type: ignore[no-untyped-def]
+        replayed.append(kv_bucket)
+        real_replay(bs, fb_view, seq_lens_cpu, kv_bucket)
+
+    monkeypatch.setattr(backend, "init_forward_metadata_replay", spy)
+    for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
+        first = 1 + 500 * (row - 1)
+        assert _prefill(eager, [row], [context], first) == _prefill(graph, [row], [context], first)
+        batch = make_decode_batch(
+            input_ids=[9],
+            req_pool_indices=[row],
+            seq_lens=[context + 1],
+            out_cache_loc=[first + context],
+        )
+        a = eager.forward(batch, return_logits=True)
+        b = graph.forward(batch, return_logits=True)
+        assert b.stats.path == "full_graph"
+        assert a.logits is not None and b.logits is not None
+        assert float((a.logits - b.logits).abs().max()) <= 1e-5
+        assert torch.equal(a.next_token_ids, b.next_token_ids)
+    assert replayed == [256, 1024]
