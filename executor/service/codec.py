@@ -73,10 +73,6 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
-    # An empty tensor's other dimensions can be anything; their product still has to fit the
-    # strides torch computes (found by tests/test_fuzz.py: a flipped bit made one overflow).
-    if math.prod(max(d, 1) for d in shape) > _MAX_EXTENT:
-        raise BatchValidationError(field, f"shape {list(shape)} is too large")
     numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
     itemsize = _ITEMSIZE[dtype]
     if len(msg.data) != numel * itemsize:
@@ -85,6 +81,11 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
             f"data has {len(msg.data)} bytes, shape {list(shape)} of {pb.DType.Name(msg.dtype)} needs {numel * itemsize}",
         )
     if numel == 0:
+        # An empty tensor's other dimensions can be anything; their product still has to fit
+        # the strides torch computes (found by tests/test_fuzz.py: a flipped bit made one
+        # overflow).
+        if math.prod(max(d, 1) for d in shape) > _MAX_EXTENT:
+            raise BatchValidationError(field, f"shape {list(shape)} is too large")
         return torch.empty(shape, dtype=dtype)
     if not _LITTLE_ENDIAN:  # the wire is little-endian: swap into a native copy
         wire = np.frombuffer(msg.data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
