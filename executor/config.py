@@ -22,6 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
 GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
 NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
+QUANTIZATION_MODES = ("none", "gguf", "int8", "int4")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -81,6 +82,11 @@ class ExecutorConfig:
         "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
     )
     seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
+    quantization: str = setting(
+        "none",
+        "none | gguf (run the GGUF's own Q4_0/Q4_1/Q8_0 blocks) | int8 (per-channel) | int4 "
+        "(group 32): decoder linears kept quantized; embedding and LM head stay float",
+    )
     eager_input_no_copy: bool = setting(
         False,
         "run eager steps on the batch's own tensors instead of staging them through the eager "
@@ -118,6 +124,12 @@ class ExecutorConfig:
             raise ValueError(
                 f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
                 f"got {self.needs_cpu_seq_lens!r}"
+            )
+
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                f"got {self.quantization!r}"
             )
 
     def replace(self, **changes: Any) -> ExecutorConfig:

@@ -154,6 +154,7 @@ class ModelExecutor:
                 dtype=self.dtype,
                 max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
                 cache_dir=resolve_cache_dir(config),
+                quantization=config.quantization,
             )
         self.loaded = loaded
         self.model = loaded.model

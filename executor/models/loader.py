@@ -15,11 +15,23 @@ from pathlib import Path
 import structlog
 import torch
 
-from executor.config import ExecutorConfig, resolve_cache_dir, resolve_max_context_len
+from executor.config import (
+    QUANTIZATION_MODES,
+    ExecutorConfig,
+    resolve_cache_dir,
+    resolve_max_context_len,
+)
 from executor.models.config import ModelConfig
-from executor.models.gguf_loader import load_gguf, read_gguf_config
+from executor.models.gguf_blocks import BLOCK_FORMATS
+from executor.models.gguf_loader import load_gguf, read_gguf_blocks, read_gguf_config
 from executor.models.hf_loader import load_hf_directory, read_hf_config
 from executor.models.llama import LlamaForCausalLM
+from executor.models.quantize import (
+    check_int4_shapes,
+    install_gguf_blocks,
+    quantize_float_linears,
+)
+from executor.models.quantized import weight_bytes
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
 
@@ -102,6 +114,43 @@ class LoadedModel:
     config: ModelConfig
     source: ModelSource
     load_seconds: float
+    quantization: str = "none"
+    weight_bytes: int = 0  # resident bytes of every weight (parameters and quantized buffers)
+
+
+def _build(
+    source: ModelSource,
+    cache_dir: Path | None,
+    quantization: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    if quantization == "gguf":
+        if source.kind != "gguf" or source.path is None:
+            raise ValueError(
+                f"quantization=gguf keeps a GGUF file's own blocks, but model {source.spec!r} is "
+                f"{source.kind}; use quantization=int8 or int4 to quantize float weights at load"
+            )
+        config, floats, blocks = read_gguf_blocks(source.path)
+        model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+        if install_gguf_blocks(model, blocks, floats, device) == 0:
+            raise ValueError(
+                f"quantization=gguf: {source.path.name} stores no decoder linear as "
+                f"{', '.join(BLOCK_FORMATS)}; use quantization=int8 or int4 for a float GGUF"
+            )
+        load_hf_weights(model, floats)
+        return config, model
+    config, tensors = read_weights(source, cache_dir)
+    # Parameters start uninitialized; load_hf_weights raises if any is left unset.
+    model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+    if quantization == "int4":
+        check_int4_shapes(model, quantization, device)  # refuse before reading any weight in
+    load_hf_weights(model, tensors)
+    if quantization in ("int4", "int8"):
+        quantize_float_linears(model, quantization, device)
+    return config, model
 
 
 def load_model(
@@ -111,16 +160,22 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     cache_dir: Path | None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Build the model on `device` in `dtype` with every parameter loaded exactly once."""
+    """Build the model on `device` in `dtype` with every parameter loaded exactly once; with
+    `quantization` other than none the decoder linears stay quantized (`quantize.py`)."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}"
+        )
     t0 = time.perf_counter()
     source = resolve_model_spec(spec)
-    config, tensors = read_weights(source, cache_dir)
-    # Parameters start uninitialized; load_hf_weights raises if any is left unset.
-    model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
-    load_hf_weights(model, tensors)
+    config, model = _build(
+        source, cache_dir, quantization, device=device, dtype=dtype, max_positions=max_positions
+    )
     model.eval()
     seconds = time.perf_counter() - t0
+    nbytes = weight_bytes(model)
     log.info(
         "model loaded",
         model=spec,
@@ -128,6 +183,16 @@ def load_model(
         architecture=config.architecture,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        quantization=quantization,
+        weight_bytes=nbytes,
+        weight_mib=round(nbytes / 2**20, 1),
         seconds=round(seconds, 3),
     )
-    return LoadedModel(model=model, config=config, source=source, load_seconds=seconds)
+    return LoadedModel(
+        model=model,
+        config=config,
+        source=source,
+        load_seconds=seconds,
+        quantization=quantization,
+        weight_bytes=nbytes,
+    )
