@@ -157,10 +157,11 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("zero", table.zero.to(device=device, dtype=torch.float32))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.q[ids].float() - self.offset  # [T, H]
-        scale = self.scale[ids].repeat_interleave(self.group, dim=-1)
-        zero = self.zero[ids].repeat_interleave(self.group, dim=-1)
-        return (q * scale + zero).to(self.dtype)
+        # Broadcast over [T, groups, group] (no repeat_interleave: its size would be read
+        # from the data, which graph capture refuses).
+        q = self.q[ids].unflatten(-1, (-1, self.group)).float() - self.offset
+        rows = q * self.scale[ids][..., None] + self.zero[ids][..., None]
+        return rows.flatten(-2).to(self.dtype)
 
 
 def quantized_linear(
