@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
+from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.gguf_blocks import read_blocks
@@ -351,3 +352,50 @@ def test_quantized_layers_run_on_the_graph_paths(tmp_path: Path, cache_dir: Path
         if not fb.forward_mode.is_idle():
             gen.observe(fb, a.next_token_ids)
     assert {"full_graph", "piecewise"} <= paths, paths
+
+
+def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write(tmp_path, "tiny-random-qwen2", Q.Q8_0)
+
+    def load() -> LlamaForCausalLM:
+        return load_model(
+            str(path),
+            device=CPU,
+            dtype=torch.float32,
+            max_positions=256,
+            cache_dir=tmp_path / "cache",
+            quantization="gguf",
+        ).model
+
+    first = load()
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.packed-v1-cpu-float32-*"))) == 1
+
+    def no_reader(*_: object) -> None:
+        raise AssertionError("the cached model must not parse the GGUF's tensors again")
+
+    monkeypatch.setattr("executor.models.loader.read_gguf_blocks", no_reader)
+    second = load()
+    for name in ("layers.1.qkv_proj", "lm_head", "embed_tokens"):
+        a, b = first.get_submodule(name), second.get_submodule(name)
+        assert type(a) is type(b) and a.cached_attrs() == b.cached_attrs(), name
+    assert first.state_dict().keys() == second.state_dict().keys()
+    for key, tensor in first.state_dict().items():
+        assert torch.equal(tensor, second.state_dict()[key]), key
+    ids = torch.tensor([3, 99, 511])
+    assert torch.equal(first.embed_tokens(ids), second.embed_tokens(ids))
+    h = torch.randn(2, 64)
+    assert torch.equal(first.layers[0].qkv_proj(h), second.layers[0].qkv_proj(h))
+    assert torch.equal(
+        first.compute_logits(h, _decode_batch(2)), second.compute_logits(h, _decode_batch(2))
+    )
+
+
+def _decode_batch(bs: int) -> ForwardBatch:
+    return make_decode_batch(
+        input_ids=[5] * bs,
+        req_pool_indices=list(range(1, bs + 1)),
+        seq_lens=[1] * bs,
+        out_cache_loc=list(range(1, bs + 1)),
+    )

@@ -26,6 +26,7 @@ from executor.models.gguf_blocks import BLOCK_FORMATS
 from executor.models.gguf_loader import load_gguf, read_gguf_blocks, read_gguf_config
 from executor.models.hf_loader import load_hf_directory, read_hf_config
 from executor.models.llama import LlamaForCausalLM
+from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
 from executor.models.quantize import (
     check_int4_shapes,
     install_gguf_blocks,
@@ -133,6 +134,14 @@ def _build(
                 f"quantization=gguf keeps a GGUF file's own blocks, but model {source.spec!r} is "
                 f"{source.kind}; use quantization=int8 or int4 to quantize float weights at load"
             )
+        packed = packed_cache_file(source.path, cache_dir, device, dtype) if cache_dir else None
+        if packed is not None and packed.exists():
+            config = read_gguf_config(source.path, cache_dir)
+            model = LlamaForCausalLM(
+                config, max_positions=max_positions, device=device, dtype=dtype
+            )
+            load_packed(model, packed, device)
+            return config, model
         config, floats, blocks = read_gguf_blocks(source.path)
         model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
         if install_gguf_blocks(model, blocks, floats, device) == 0:
@@ -141,6 +150,8 @@ def _build(
                 f"{', '.join(BLOCK_FORMATS)}; use quantization=int8 or int4 for a float GGUF"
             )
         load_hf_weights(model, floats)
+        if packed is not None:
+            save_packed(model, packed)
         return config, model
     config, tensors = read_weights(source, cache_dir)
     # Parameters start uninitialized; load_hf_weights raises if any is left unset.

@@ -21,6 +21,8 @@ capture into graphs like `Linear`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -64,8 +66,39 @@ def int4_terms(w: GroupQuant) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
     return [(hi + 8, 16 * w.scale, torch.zeros_like(w.zero)), (lo, w.scale, w.zero + 8 * w.scale)]
 
 
-class QuantizedLinear(nn.Module):
+class Restorable(nn.Module):
+    """A quantized module rebuilt from its buffers and `CACHED_ATTRS` (the packed-weight cache,
+    `quant_cache.py`) without repacking: no constructor runs, the attributes and buffers are
+    set as the constructor left them."""
+
+    CACHED_ATTRS: tuple[str, ...] = ()
+
+    def cached_attrs(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.CACHED_ATTRS}
+
+    @classmethod
+    def restore(
+        cls, attrs: Mapping[str, object], buffers: Mapping[str, torch.Tensor | None]
+    ) -> Restorable:
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        for name in cls.CACHED_ATTRS:
+            setattr(module, name, attrs[name])
+        for name, tensor in buffers.items():
+            module.register_buffer(name, tensor)
+        return module
+
+
+class QuantizedLinear(Restorable):
     """The shared frame: reshape to 2-D, run the kernel in bfloat16, back to x's dtype, bias."""
+
+    CACHED_ATTRS: tuple[str, ...] = ("in_features", "out_features", "format")
+
+    @classmethod
+    def restore(
+        cls, attrs: Mapping[str, object], buffers: Mapping[str, torch.Tensor | None]
+    ) -> Restorable:
+        return super().restore(attrs, {"bias": None, **buffers})  # a cache has no None entries
 
     def __init__(
         self, in_features: int, out_features: int, bias: torch.Tensor | None, fmt: str
@@ -92,6 +125,8 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
+    CACHED_ATTRS = (*QuantizedLinear.CACHED_ATTRS, "group", "on_cpu", "terms")
+
     def __init__(
         self, weight: GroupQuant, bias: torch.Tensor | None, *, device: torch.device
     ) -> None:
@@ -138,16 +173,18 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
-class QuantizedEmbedding(nn.Module):
+class QuantizedEmbedding(Restorable):
     """`Embedding`'s interface over a `GroupQuant` table (GGUF's Q8_0 `token_embd`): gathers the
     rows' 8-bit values and scales and dequantizes only those, so the result is exactly the
     float32 table's rows (then cast to `dtype`), at a quarter of its bytes."""
+
+    CACHED_ATTRS = ("group", "offset", "dtype_name", "format")
 
     def __init__(self, table: GroupQuant, *, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.group = table.group
         self.offset = table.offset
-        self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
         self.format = table.source
         self.q: torch.Tensor
         self.scale: torch.Tensor
@@ -161,7 +198,7 @@ class QuantizedEmbedding(nn.Module):
         # from the data, which graph capture refuses).
         q = self.q[ids].unflatten(-1, (-1, self.group)).float() - self.offset
         rows = q * self.scale[ids][..., None] + self.zero[ids][..., None]
-        return rows.flatten(-2).to(self.dtype)
+        return rows.flatten(-2).to(getattr(torch, self.dtype_name))
 
 
 def quantized_linear(
