@@ -30,7 +30,7 @@ from executor.models.layers import Linear
 from executor.models.llama import LlamaForCausalLM
 from executor.models.loader import load_model
 from executor.models.quant_formats import GroupQuant, quantize_int4, quantize_int8
-from executor.models.quantize import check_int4_shapes
+from executor.models.quantize import check_quantization
 from executor.models.quantized import (
     COMPUTE_DTYPE,
     Int4Linear,
@@ -160,13 +160,13 @@ def test_int4_refuses_shapes_the_kernel_cannot_take() -> None:
     config = ModelConfig(
         **{**TINY_CONFIGS["tiny-random"].as_dict(), "hidden_size": 48, "head_dim": 12}
     )
-    model = LlamaForCausalLM(config, max_positions=64, device=CPU, dtype=torch.float32)
     with pytest.raises(
         ValueError,
-        match=r"quantization=int4: model\.layers\.0\.self_attn\.qkv_proj has weight shape \[96, 48\] "
-        r"and the input size 48 must be a multiple of the group size 32",
+        match=r"quantization=int4: model\.layers\.\*\.self_attn\.qkv_proj has weight shape "
+        r"\[96, 48\] and the input size 48 must be a multiple of the group size 32",
     ):
-        check_int4_shapes(model, "int4", CPU)
+        check_quantization("int4", "hf", "some-dir", config, CPU)
+    check_quantization("int8", "hf", "some-dir", config, CPU)  # int8 takes any shape
 
 
 # --- the loader's modes ------------------------------------------------------------------
@@ -200,6 +200,26 @@ def test_gguf_mode_keeps_every_block_tensor_quantized(tmp_path: Path) -> None:
     assert isinstance(model.lm_head, Int4Linear) and isinstance(
         model.embed_tokens, QuantizedEmbedding
     )
+
+
+def test_cli_refuses_a_bad_combination_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    from executor.client.cli import main
+
+    assert main(["generate", "hi", "--model", "tiny-random", "--quantization", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "model-executor: error: quantization=gguf keeps a GGUF file's own blocks" in err
+
+
+def test_cli_generates_with_quantized_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate` end to end (embedded server) with tiny-random quantized at load (the test
+    GGUFs carry no vocabulary; SmolLM2's `gguf` run is in docs/performance.md)."""
+    from executor.client.cli import main
+
+    args = ["generate", "hi", "--model", "tiny-random", "--max-new-tokens", "4", "--ignore-eos"]
+    assert main([*args, "--cache-dir", str(tmp_path), "--quantization", "int8"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_modes_refuse_bad_combinations_at_start_up(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from executor.config import (
     QUANTIZATION_MODES,
     ExecutorConfig,
     resolve_cache_dir,
+    resolve_device,
     resolve_max_context_len,
 )
 from executor.models.config import ModelConfig
@@ -29,6 +30,8 @@ from executor.models.llama import LlamaForCausalLM
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
 from executor.models.quantize import (
     check_int4_shapes,
+    check_quantization,
+    check_source,
     install_gguf_blocks,
     quantize_float_linears,
 )
@@ -96,7 +99,8 @@ def read_weights(
 
 
 def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
-    """The model's hyper-parameters (metadata only, no weights) and the effective context length."""
+    """The model's hyper-parameters (metadata only, no weights) and the effective context length;
+    refuses a `quantization` the model cannot take (the server calls this before loading)."""
     source = resolve_model_spec(config.model)
     if source.kind == "tiny-random":
         model_cfg = TINY_CONFIGS[source.spec]
@@ -106,6 +110,9 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     else:
         assert source.path is not None
         model_cfg = read_gguf_config(source.path, resolve_cache_dir(config))
+    check_quantization(
+        config.quantization, source.kind, source.spec, model_cfg, resolve_device(config)
+    )
     return model_cfg, resolve_max_context_len(config, model_cfg)
 
 
@@ -129,11 +136,8 @@ def _build(
     max_positions: int,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     if quantization == "gguf":
-        if source.kind != "gguf" or source.path is None:
-            raise ValueError(
-                f"quantization=gguf keeps a GGUF file's own blocks, but model {source.spec!r} is "
-                f"{source.kind}; use quantization=int8 or int4 to quantize float weights at load"
-            )
+        check_source(quantization, source.kind, source.spec)
+        assert source.path is not None
         packed = packed_cache_file(source.path, cache_dir, device, dtype) if cache_dir else None
         if packed is not None and packed.exists():
             config = read_gguf_config(source.path, cache_dir)
@@ -156,8 +160,7 @@ def _build(
     config, tensors = read_weights(source, cache_dir)
     # Parameters start uninitialized; load_hf_weights raises if any is left unset.
     model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
-    if quantization == "int4":
-        check_int4_shapes(model, quantization, device)  # refuse before reading any weight in
+    check_int4_shapes(quantization, config, device)  # before reading any weight in
     load_hf_weights(model, tensors)
     if quantization in ("int4", "int8"):
         quantize_float_linears(model, quantization, device)

@@ -22,9 +22,16 @@ from collections.abc import Mapping
 
 import torch
 
+from executor.models.config import ModelConfig
 from executor.models.layers import Linear
 from executor.models.llama import LlamaForCausalLM
-from executor.models.quant_formats import GroupQuant, cat_rows, quantize_int4, quantize_int8
+from executor.models.quant_formats import (
+    GROUP_SIZE,
+    GroupQuant,
+    cat_rows,
+    quantize_int4,
+    quantize_int8,
+)
 from executor.models.quantized import QuantizedEmbedding, int4_shape_problem, quantized_linear
 from executor.models.weights import FUSED_LINEARS, fused_name
 
@@ -36,23 +43,49 @@ def _refuse(mode: str, name: str, shape: tuple[int, int], problem: str) -> Value
     )
 
 
-def check_int4_shapes(model: LlamaForCausalLM, mode: str, device: torch.device) -> None:
-    """Refuse (before any work) a model whose linear shapes the int4 kernel cannot take."""
-    for i, layer in enumerate(model.decoder_layers):
-        for attr in FUSED_LINEARS:
-            linear = getattr(layer, attr)
-            shape = (int(linear.weight.shape[0]), int(linear.weight.shape[1]))
-            problem = int4_shape_problem(*shape, 32, device)
-            if problem is not None:
-                raise _refuse(mode, f"model.layers.{i}.{fused_name(attr)}", shape, problem)
+def fused_linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[N, K] of each fused decoder linear, from the hyper-parameters alone."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv_proj": (q + 2 * kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_up_proj": (2 * inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+def check_quantization(
+    mode: str, source_kind: str, spec: str, config: ModelConfig, device: torch.device
+) -> None:
+    """Refuse a bad combination at start-up, from metadata only (no weights read): `gguf` on
+    a model that is no GGUF file, `int4` on shapes the int4 kernel cannot take."""
+    check_source(mode, source_kind, spec)
+    check_int4_shapes(mode, config, device)
+
+
+def check_source(mode: str, source_kind: str, spec: str) -> None:
+    if mode == "gguf" and source_kind != "gguf":
+        raise ValueError(
+            f"quantization=gguf keeps a GGUF file's own blocks, but model {spec!r} is "
+            f"{source_kind}; use quantization=int8 or int4 to quantize float weights at load"
+        )
+
+
+def check_int4_shapes(mode: str, config: ModelConfig, device: torch.device) -> None:
+    if mode != "int4":
+        return
+    for attr, shape in fused_linear_shapes(config).items():
+        problem = int4_shape_problem(*shape, GROUP_SIZE, device)
+        if problem is not None:
+            raise _refuse(mode, f"model.layers.*.{fused_name(attr)}", shape, problem)
 
 
 def quantize_float_linears(model: LlamaForCausalLM, mode: str, device: torch.device) -> None:
     """Replace every loaded float decoder linear by its int4 or int8 quantization."""
     if mode not in ("int4", "int8"):
         raise ValueError(f"quantize_float_linears takes int4 or int8, got {mode!r}")
-    if mode == "int4":
-        check_int4_shapes(model, mode, device)
+    check_int4_shapes(mode, model.config, device)
     for layer in model.decoder_layers:
         for attr in FUSED_LINEARS:
             linear = getattr(layer, attr)
