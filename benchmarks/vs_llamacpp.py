@@ -106,9 +106,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: torch's default). On a shared, oversubscribed machine "
+        "the int4 kernel's OpenMP region waits for descheduled threads (~12 ms a call with 2 "
+        "threads at load 8 on 2 cores, 0.5 ms with 1): compare the paths at 1 thread there",
+    )
     ap.add_argument("--quantizations", default="gguf,none")
     args = ap.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     source = resolve_model_spec(args.model)
     print(
         f"model={args.model} ({source.path}) torch={torch.__version__} "
