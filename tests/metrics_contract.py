@@ -52,7 +52,6 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_build_info": _m(
         "gauge", "version", "model", "device", "dtype", "attention_backend", "quantization"
     ),
-    "model_executor_weight_bytes": _m("gauge"),
 }
 
 # Series Prometheus itself makes (`up`) and labels its service discovery attaches to every

@@ -215,9 +215,6 @@ class ExecutorMetrics:
         # State.
         self.ready = gauge("ready", "1 when the executor takes batches, else 0.")
         self.kv_slots_total = gauge("kv_slots_total", "KV slots the cache holds (1..kv_slots).")
-        self.weight_bytes = gauge(
-            "weight_bytes", "Resident bytes of the model's weights (quantized ones as stored)."
-        )
         self.build_info = gauge(
             "build_info", "Always 1; the labels describe the running executor.",
             ("version", "model", "device", "dtype", "attention_backend", "quantization"),
@@ -330,7 +327,6 @@ class ExecutorMetrics:
             info.attention_backend,
             info.quantization,
         ).set(1)
-        self.weight_bytes.set(info.weight_bytes)
         self.kv_slots_total.set(info.limits.kv_slots)
         self._scrape_time.sources = sources
 
