@@ -202,8 +202,13 @@ def test_gguf_mode_keeps_every_block_tensor_quantized(tmp_path: Path) -> None:
     )
 
 
-def test_cli_refuses_a_bad_combination_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_a_bad_combination_before_serving(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from executor.client.cli import main
+
+    # The CLI configures logging process-wide onto this test's captured stderr; keep it out.
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
 
     assert main(["generate", "hi", "--model", "tiny-random", "--quantization", "gguf"]) == 2
     err = capsys.readouterr().err
@@ -211,12 +216,13 @@ def test_cli_refuses_a_bad_combination_before_serving(capsys: pytest.CaptureFixt
 
 
 def test_cli_generates_with_quantized_weights(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`generate` end to end (embedded server) with tiny-random quantized at load (the test
     GGUFs carry no vocabulary; SmolLM2's `gguf` run is in docs/performance.md)."""
     from executor.client.cli import main
 
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "--model", "tiny-random", "--max-new-tokens", "4", "--ignore-eos"]
     assert main([*args, "--cache-dir", str(tmp_path), "--quantization", "int8"]) == 0
     assert capsys.readouterr().out.strip()
