@@ -25,6 +25,7 @@ NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 # What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
 # stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
 GRAPH_BACKENDS = ("auto", "cuda", "compiled", "standin")
+QUANTIZATION_MODES = ("none", "gguf", "int8", "int4")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -109,6 +110,12 @@ class ExecutorConfig:
         "(models with non-sequential positions, e.g. multimodal M-RoPE or position-id "
         "offsets for packed sequences, would need it); off: such a batch is refused",
     )
+    quantization: str = setting(
+        "none",
+        "none | gguf (run the GGUF's own Q4_0/Q4_1/Q8_0 blocks, the embedding and tied LM head "
+        "included) | int8 (per-channel) | int4 (group 32): int8/int4 quantize the decoder "
+        "linears at load, the embedding and LM head stay float",
+    )
     eager_input_no_copy: bool = setting(
         False,
         "run eager steps on the batch's own tensors instead of staging them through the eager "
@@ -157,6 +164,12 @@ class ExecutorConfig:
             raise ValueError(
                 f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
                 f"got {self.needs_cpu_seq_lens!r}"
+            )
+
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                f"got {self.quantization!r}"
             )
 
     def replace(self, **changes: Any) -> ExecutorConfig:

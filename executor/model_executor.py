@@ -138,6 +138,8 @@ class ExecutorInfo:
     bos_token_id: int | None
     attention_backend: str
     version: str
+    quantization: str = "none"  # none | gguf | int8 | int4
+    weight_bytes: int = 0  # resident bytes of the model's weights
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class ModelExecutor:
                 dtype=self.dtype,
                 max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
                 cache_dir=resolve_cache_dir(config),
+                quantization=config.quantization,
             )
         self.loaded = loaded
         self.model = loaded.model
@@ -248,6 +251,8 @@ class ModelExecutor:
             model=mcfg.name,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.loaded.quantization,
+            weight_mib=round(self.loaded.weight_bytes / 2**20, 1),
             attention_backend=self.attn_backend.name,
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
             max_reqs=config.max_reqs,
@@ -305,6 +310,8 @@ class ModelExecutor:
             bos_token_id=mcfg.bos_token_id,
             attention_backend=self.attn_backend.name,
             version=executor.__version__,
+            quantization=self.loaded.quantization,
+            weight_bytes=self.loaded.weight_bytes,
         )
 
     def warmup(self) -> None:

@@ -51,7 +51,7 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_toggle_needs_cpu_seq_lens": _m("gauge"),
     "model_executor_toggle_graph_mode_info": _m("gauge", "mode"),
     "model_executor_build_info": _m(
-        "gauge", "version", "model", "device", "dtype", "attention_backend"
+        "gauge", "version", "model", "device", "dtype", "attention_backend", "quantization"
     ),
 }
 

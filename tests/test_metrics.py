@@ -238,8 +238,10 @@ def test_state_gauges_and_build_info(server: RunningServer, client: ExecutorClie
         "device": info.device,
         "dtype": info.dtype,
         "attention_backend": info.attention_backend,
+        "quantization": "none",
     }
     assert after.get("model_executor_build_info", **labels) == 1
+    assert info.quantization == "none" and info.weight_bytes > 0
     modes = {m: after.get("model_executor_toggle_graph_mode_info", mode=m) for m in
              ("none", "decode", "extend", "both")}  # fmt: skip
     assert modes == {"none": 1, "decode": 0, "extend": 0, "both": 0}

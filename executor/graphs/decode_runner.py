@@ -60,7 +60,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         )
         # NOTE: one output buffer for every bucket; a replay overwrites it.
         self.hidden = torch.zeros(
-            self.max_bs, model.config.hidden_size, dtype=model.lm_head_weight.dtype, device=device
+            self.max_bs, model.config.hidden_size, dtype=model.activation_dtype, device=device
         )
 
     def _prepare_capture(self) -> None:

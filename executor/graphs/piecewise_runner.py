@@ -68,7 +68,7 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             enable_num_token_non_padded=True,
         )
         cfg = model.config
-        dd: dict[str, Any] = {"dtype": model.lm_head_weight.dtype, "device": device}
+        dd: dict[str, Any] = {"dtype": model.activation_dtype, "device": device}
         t = self.max_tokens
         self.acts = _Activations(
             q=torch.zeros(t, cfg.num_heads, cfg.head_dim, **dd),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 
 from executor.models.config import ModelConfig
 from executor.models.file_cache import atomic_write, cache_path
+from executor.models.gguf_blocks import BLOCK_FORMATS, read_blocks
+from executor.models.quant_formats import GroupQuant
 
 CACHE_FORMAT = 2
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -130,6 +133,32 @@ def read_gguf_config(path: Path, cache_dir: Path | None) -> ModelConfig:
     return config
 
 
+def _permuted_rows(name: str, config: ModelConfig) -> int | None:
+    """The head count whose rotary halves llama.cpp interleaved in this tensor's rows, if any."""
+    if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+        return config.num_heads if ".attn_q." in name else config.num_kv_heads
+    return None
+
+
+def _check_type(t: Any) -> None:
+    if t.tensor_type.name not in _SUPPORTED_TYPES:
+        raise ValueError(
+            f"GGUF tensor {t.name!r} has type {t.tensor_type.name}; supported: {', '.join(_SUPPORTED_TYPES)}"
+        )
+
+
+def _float_tensor(t: Any, config: ModelConfig) -> torch.Tensor:
+    import gguf
+
+    data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    n_head = _permuted_rows(t.name, config)
+    if n_head is not None:
+        data = unpermute_qk(data, n_head)
+    if not data.flags.writeable or not data.flags.c_contiguous:  # F32 tensors are views of the mmap
+        data = np.array(data, copy=True, order="C")
+    return torch.from_numpy(data)
+
+
 def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Parse and dequantize a GGUF file: (config, float32 tensors under HF names)."""
     import gguf
@@ -138,20 +167,41 @@ def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config = read_config(reader, path.stem)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.tensor_type.name not in _SUPPORTED_TYPES:
-            raise ValueError(
-                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}; supported: {', '.join(_SUPPORTED_TYPES)}"
-            )
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-            n_head = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-            data = unpermute_qk(data, n_head)
-        if (
-            not data.flags.writeable or not data.flags.c_contiguous
-        ):  # F32 tensors are views of the mmap
-            data = np.array(data, copy=True, order="C")
-        tensors[hf_tensor_name(t.name)] = torch.from_numpy(data)
+        _check_type(t)
+        tensors[hf_tensor_name(t.name)] = _float_tensor(t, config)
     return config, tensors
+
+
+def _unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    return torch.from_numpy(unpermute_qk(rows.numpy(), n_head).copy())
+
+
+def read_gguf_blocks(
+    path: Path,
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, GroupQuant]]:
+    """(config, float tensors, quantized 2-D tensors kept as their blocks), under HF names.
+
+    Q4_0 / Q4_1 / Q8_0 matrices become `GroupQuant` values (no dequantization: a fraction of a
+    second for SmolLM2); everything else is read as float32 as `dequantize_gguf` does.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = read_config(reader, path.stem)
+    floats: dict[str, torch.Tensor] = {}
+    blocks: dict[str, GroupQuant] = {}
+    for t in reader.tensors:
+        _check_type(t)
+        name = hf_tensor_name(t.name)
+        if t.tensor_type.name not in BLOCK_FORMATS or len(t.shape) != 2:
+            floats[name] = _float_tensor(t, config)
+            continue
+        weight = read_blocks(t.data, t.tensor_type.name, rows=int(t.shape[1]), cols=int(t.shape[0]))
+        n_head = _permuted_rows(t.name, config)
+        if n_head is not None:
+            weight = weight.map_rows(partial(_unpermute_rows, n_head=n_head))
+        blocks[name] = weight
+    return config, floats, blocks
 
 
 def load_gguf(path: Path, cache_dir: Path | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

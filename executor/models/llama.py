@@ -138,12 +138,16 @@ class LlamaForCausalLM(nn.Module):
         dd: dict[str, Any] = {"device": device, "dtype": dtype}
         self.config = config
         self.max_positions = max_positions
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **dd)
+        self.activation_dtype = dtype  # of the residual stream, attention and the KV cache
+        # A loader may install a quantized embedding (any module with Embedding's interface).
+        self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size, **dd)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, **dd) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
-        self.lm_head = (
+        # None when tied to the embedding; a loader may install a quantized head (any module
+        # with Linear's interface).
+        self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, **dd)
@@ -168,15 +172,11 @@ class LlamaForCausalLM(nn.Module):
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         return cast(list[LlamaDecoderLayer], list(self.layers))
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def embed(
         self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None
     ) -> torch.Tensor:
         if input_embeds is not None:
-            return input_embeds.to(self.embed_tokens.weight.dtype)
+            return input_embeds.to(self.activation_dtype)
         assert input_ids is not None
         return self.embed_tokens(input_ids)
 
@@ -203,4 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if fb.forward_mode.is_extend():
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             hidden = hidden[fb.extend_start_loc + fb.extend_seq_lens - 1]
-        return F.linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is None:  # tied to a float embedding
+            assert isinstance(self.embed_tokens, Embedding)
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -15,11 +15,27 @@ from pathlib import Path
 import structlog
 import torch
 
-from executor.config import ExecutorConfig, resolve_cache_dir, resolve_max_context_len
+from executor.config import (
+    QUANTIZATION_MODES,
+    ExecutorConfig,
+    resolve_cache_dir,
+    resolve_device,
+    resolve_max_context_len,
+)
 from executor.models.config import ModelConfig
-from executor.models.gguf_loader import load_gguf, read_gguf_config
+from executor.models.gguf_blocks import BLOCK_FORMATS
+from executor.models.gguf_loader import load_gguf, read_gguf_blocks, read_gguf_config
 from executor.models.hf_loader import load_hf_directory, read_hf_config
 from executor.models.llama import LlamaForCausalLM
+from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
+from executor.models.quantize import (
+    check_int4_shapes,
+    check_quantization,
+    check_source,
+    install_gguf_blocks,
+    quantize_float_linears,
+)
+from executor.models.quantized import weight_bytes
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
 
@@ -83,7 +99,8 @@ def read_weights(
 
 
 def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
-    """The model's hyper-parameters (metadata only, no weights) and the effective context length."""
+    """The model's hyper-parameters (metadata only, no weights) and the effective context length;
+    refuses a `quantization` the model cannot take (the server calls this before loading)."""
     source = resolve_model_spec(config.model)
     if source.kind == "tiny-random":
         model_cfg = TINY_CONFIGS[source.spec]
@@ -93,6 +110,9 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     else:
         assert source.path is not None
         model_cfg = read_gguf_config(source.path, resolve_cache_dir(config))
+    check_quantization(
+        config.quantization, source.kind, source.spec, model_cfg, resolve_device(config)
+    )
     return model_cfg, resolve_max_context_len(config, model_cfg)
 
 
@@ -102,6 +122,49 @@ class LoadedModel:
     config: ModelConfig
     source: ModelSource
     load_seconds: float
+    quantization: str = "none"
+    weight_bytes: int = 0  # resident bytes of every weight (parameters and quantized buffers)
+
+
+def _build(
+    source: ModelSource,
+    cache_dir: Path | None,
+    quantization: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    if quantization == "gguf":
+        check_source(quantization, source.kind, source.spec)
+        assert source.path is not None
+        packed = packed_cache_file(source.path, cache_dir, device, dtype) if cache_dir else None
+        if packed is not None and packed.exists():
+            config = read_gguf_config(source.path, cache_dir)
+            model = LlamaForCausalLM(
+                config, max_positions=max_positions, device=device, dtype=dtype
+            )
+            load_packed(model, packed, device)
+            return config, model
+        config, floats, blocks = read_gguf_blocks(source.path)
+        model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+        if install_gguf_blocks(model, blocks, floats, device) == 0:
+            raise ValueError(
+                f"quantization=gguf: {source.path.name} stores no decoder linear as "
+                f"{', '.join(BLOCK_FORMATS)}; use quantization=int8 or int4 for a float GGUF"
+            )
+        load_hf_weights(model, floats)
+        if packed is not None:
+            save_packed(model, packed)
+        return config, model
+    config, tensors = read_weights(source, cache_dir)
+    # Parameters start uninitialized; load_hf_weights raises if any is left unset.
+    model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+    check_int4_shapes(quantization, config, device)  # before reading any weight in
+    load_hf_weights(model, tensors)
+    if quantization in ("int4", "int8"):
+        quantize_float_linears(model, quantization, device)
+    return config, model
 
 
 def load_model(
@@ -111,16 +174,22 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     cache_dir: Path | None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Build the model on `device` in `dtype` with every parameter loaded exactly once."""
+    """Build the model on `device` in `dtype` with every parameter loaded exactly once; with
+    `quantization` other than none the decoder linears stay quantized (`quantize.py`)."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}"
+        )
     t0 = time.perf_counter()
     source = resolve_model_spec(spec)
-    config, tensors = read_weights(source, cache_dir)
-    # Parameters start uninitialized; load_hf_weights raises if any is left unset.
-    model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
-    load_hf_weights(model, tensors)
+    config, model = _build(
+        source, cache_dir, quantization, device=device, dtype=dtype, max_positions=max_positions
+    )
     model.eval()
     seconds = time.perf_counter() - t0
+    nbytes = weight_bytes(model)
     log.info(
         "model loaded",
         model=spec,
@@ -128,6 +197,16 @@ def load_model(
         architecture=config.architecture,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        quantization=quantization,
+        weight_bytes=nbytes,
+        weight_mib=round(nbytes / 2**20, 1),
         seconds=round(seconds, 3),
     )
-    return LoadedModel(model=model, config=config, source=source, load_seconds=seconds)
+    return LoadedModel(
+        model=model,
+        config=config,
+        source=source,
+        load_seconds=seconds,
+        quantization=quantization,
+        weight_bytes=nbytes,
+    )

@@ -10,10 +10,24 @@ from collections.abc import Mapping
 
 import torch
 
+from executor.models.layers import Embedding, Linear
 from executor.models.llama import LlamaForCausalLM
 
+# Each fused linear of a decoder layer and the Hugging Face projections it concatenates
+# (along the output rows), in order.
+FUSED_LINEARS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
 # Checkpoint entries that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def fused_name(attr: str) -> str:
+    """`qkv_proj` -> `self_attn.qkv_proj`: the fused module's HF-style name in a layer."""
+    return f"{FUSED_LINEARS[attr][0].split('.')[0]}.{attr}"
 
 
 def _take(tensors: Mapping[str, torch.Tensor], name: str, used: set[str]) -> torch.Tensor:
@@ -35,35 +49,31 @@ def _assign(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
 def load_hf_weights(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy every parameter of `model` from `tensors`; raise on a missing or mis-shaped one."""
     used: set[str] = set()
-    _assign(
-        model.embed_tokens.weight,
-        _take(tensors, "model.embed_tokens.weight", used),
-        "model.embed_tokens.weight",
-    )
+    # Modules that are not our float layers were quantized and filled by
+    # executor.models.quantize; they take nothing from `tensors`.
+    if isinstance(model.embed_tokens, Embedding):
+        _assign(
+            model.embed_tokens.weight,
+            _take(tensors, "model.embed_tokens.weight", used),
+            "model.embed_tokens.weight",
+        )
     _assign(model.norm.weight, _take(tensors, "model.norm.weight", used), "model.norm.weight")
-    if model.lm_head is not None:
+    if isinstance(model.lm_head, Linear):
         _assign(model.lm_head.weight, _take(tensors, "lm_head.weight", used), "lm_head.weight")
-    elif "lm_head.weight" in tensors:
+    elif model.lm_head is None and "lm_head.weight" in tensors:
         used.add("lm_head.weight")  # tied: some checkpoints store the copy anyway
     for i, layer in enumerate(model.decoder_layers):
         p = f"model.layers.{i}."
-        qkv = [_take(tensors, p + f"self_attn.{n}_proj.weight", used) for n in "qkv"]
-        _assign(layer.qkv_proj.weight, torch.cat(qkv, dim=0), p + "self_attn.qkv_proj.weight")
-        if layer.qkv_proj.bias is not None:
-            bias = [_take(tensors, p + f"self_attn.{n}_proj.bias", used) for n in "qkv"]
-            _assign(layer.qkv_proj.bias, torch.cat(bias, dim=0), p + "self_attn.qkv_proj.bias")
-        _assign(
-            layer.o_proj.weight,
-            _take(tensors, p + "self_attn.o_proj.weight", used),
-            p + "self_attn.o_proj.weight",
-        )
-        gate_up = [_take(tensors, p + f"mlp.{n}_proj.weight", used) for n in ("gate", "up")]
-        _assign(layer.gate_up_proj.weight, torch.cat(gate_up, dim=0), p + "mlp.gate_up_proj.weight")
-        _assign(
-            layer.down_proj.weight,
-            _take(tensors, p + "mlp.down_proj.weight", used),
-            p + "mlp.down_proj.weight",
-        )
+        for attr, sources in FUSED_LINEARS.items():
+            linear = getattr(layer, attr)
+            if not isinstance(linear, Linear):
+                continue
+            parts = [_take(tensors, p + f"{src}.weight", used) for src in sources]
+            name = p + fused_name(attr)
+            _assign(linear.weight, torch.cat(parts, dim=0), name + ".weight")
+            if linear.bias is not None:
+                bias = [_take(tensors, p + f"{src}.bias", used) for src in sources]
+                _assign(linear.bias, torch.cat(bias, dim=0), name + ".bias")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             _assign(
                 getattr(layer, norm).weight,

@@ -222,7 +222,7 @@ class ExecutorMetrics:
         self.kv_slots_total = gauge("kv_slots_total", "KV slots the cache holds (1..kv_slots).")
         self.build_info = gauge(
             "build_info", "Always 1; the labels describe the running executor.",
-            ("version", "model", "device", "dtype", "attention_backend"),
+            ("version", "model", "device", "dtype", "attention_backend", "quantization"),
         )  # fmt: skip
         self.toggle_eager_input_no_copy = gauge(
             "toggle_eager_input_no_copy", "1 when eager steps skip input staging (no-copy), else 0."
@@ -329,7 +329,12 @@ class ExecutorMetrics:
     def set_executor(self, info: ExecutorInfo, sources: LiveSources) -> None:
         """The model is loaded: describe it, and read live state from `sources` at scrape time."""
         self.build_info.labels(
-            info.version, info.model_name, info.device, info.dtype, info.attention_backend
+            info.version,
+            info.model_name,
+            info.device,
+            info.dtype,
+            info.attention_backend,
+            info.quantization,
         ).set(1)
         self.kv_slots_total.set(info.limits.kv_slots)
         self._scrape_time.sources = sources

@@ -310,6 +310,8 @@ def info_to_proto(
         attention_backend=info.attention_backend,
         server_version=info.version,
         model_spec=model_spec,
+        quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
@@ -341,6 +343,8 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
         attention_backend=msg.attention_backend,
         version=msg.server_version,
+        quantization=msg.quantization,
+        weight_bytes=msg.weight_bytes,
     )
     return info, msg.model_spec
 
