@@ -21,6 +21,7 @@ capture into graphs like `Linear`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
 import torch
@@ -89,7 +90,7 @@ class Restorable(nn.Module):
         return module
 
 
-class QuantizedLinear(Restorable):
+class QuantizedLinear(Restorable, ABC):
     """The shared frame: reshape to 2-D, run the kernel in bfloat16, back to x's dtype, bias."""
 
     CACHED_ATTRS: tuple[str, ...] = ("in_features", "out_features", "format")
@@ -110,8 +111,9 @@ class QuantizedLinear(Restorable):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", bias)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] bfloat16
-        raise NotImplementedError
+    @abstractmethod
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16 -> [M, N] bfloat16 through the subclass's kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
