@@ -179,11 +179,21 @@ class ExecutorConfig:
 
 
 def resolve_device(config: ExecutorConfig) -> torch.device:
+    """The executor's device; a CUDA device always names its index (`cuda` -> `cuda:0`), so
+    the threads that make it current (ops.device_scope) and the streams agree on it."""
     if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ValueError(
+                f"device {config.device!r}: this machine has {count} CUDA device(s) (0..{count - 1})"
+            )
+        return torch.device("cuda", index)
     return device
 
 

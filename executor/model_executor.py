@@ -54,6 +54,7 @@ from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.observer import ExecutorObserver, NullObserver
 from executor.sampling import SampleOutput, Sampler
 from executor.validation import BatchLimits, validate_batch
+from ops.device_scope import device_scope, on_own_device
 from ops.host_transfer import host_transfers, to_host
 
 log = structlog.get_logger(__name__)
@@ -140,6 +141,8 @@ class ExecutorInfo:
     version: str
     quantization: str = "none"  # none | gguf | int8 | int4
     weight_bytes: int = 0  # resident bytes of the model's weights
+    # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
+    graph_capture_disabled: str = ""
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,14 @@ class ModelExecutor:
         # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
         self.observer: ExecutorObserver = observer or NullObserver()
         self.device = resolve_device(config)
+        # Every entry point makes the device current on the calling thread (loader, device
+        # worker, runtime captures): CUDA launches and streams follow the current device.
+        with device_scope(self.device):
+            self._init_on_device(config, loaded, stop)
+
+    def _init_on_device(
+        self, config: ExecutorConfig, loaded: LoadedModel | None, stop: threading.Event | None
+    ) -> None:
         dtype_choice = choose_dtype(config, self.device)
         self.dtype = dtype_choice.dtype
         log.info(
@@ -263,6 +274,7 @@ class ModelExecutor:
             graph_mode=graph_mode,
         )
 
+    @on_own_device
     def set_graph_mode(self, mode: str) -> list[CaptureReport]:
         """Switch graph paths between two batches; a runner turned on for the first time is
         captured now. Refused (ToggleRefusedError, nothing changed) when the mode cannot be
@@ -294,6 +306,10 @@ class ModelExecutor:
         self.capture_reports.extend(reports)
         for r in reports:
             self.observer.on_graph_capture(r.kind, r.seconds, ok=not r.failed)
+        poisoned = self.runner.graph_factory.poisoned
+        if poisoned is not None and any(r.poisoned for r in reports):
+            log.error("graph capture disabled, graph paths run eagerly", reason=poisoned)
+            self.observer.on_graph_capture_disabled(poisoned)
 
     @property
     def info(self) -> ExecutorInfo:
@@ -312,8 +328,10 @@ class ModelExecutor:
             version=executor.__version__,
             quantization=self.loaded.quantization,
             weight_bytes=self.loaded.weight_bytes,
+            graph_capture_disabled=self.runner.graph_factory.poisoned or "",
         )
 
+    @on_own_device
     def warmup(self) -> None:
         """Run one EXTEND and one DECODE step on the reserved row 0 and slot 0.
 
@@ -374,6 +392,7 @@ class ModelExecutor:
         self.runner.eager_inputs.needs_cpu_seq_lens = effective  # rebuilds the decode registry
         return effective
 
+    @on_own_device
     def apply_toggles(
         self,
         *,
@@ -407,6 +426,7 @@ class ModelExecutor:
             allow_custom_positions=self.config.allow_custom_positions,
         )
 
+    @on_own_device
     def forward(self, batch: ForwardBatch, *, return_logits: bool = False) -> ForwardOutput:
         """Run one step. A refused or failed batch leaves the row table as it was.
 

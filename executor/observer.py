@@ -23,6 +23,11 @@ class ExecutorObserver(Protocol):
         token (e.g. `batch_too_large`, `not_captured`), never free text: it is a label."""
         ...
 
+    def on_graph_capture_disabled(self, reason: str) -> None:
+        """A poisoned capture stopped graph capture for good; graph paths run eagerly.
+        `reason` is free text (for logs and GetInfo), never a label."""
+        ...
+
 
 class NullObserver:
     """Ignores every event (in-process use without metrics)."""
@@ -31,4 +36,7 @@ class NullObserver:
         pass
 
     def on_graph_fallback(self, kind: str, reason: str) -> None:
+        pass
+
+    def on_graph_capture_disabled(self, reason: str) -> None:
         pass

@@ -21,6 +21,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayout
 from attention.triton import launch
+from ops.device_scope import check_device
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
@@ -105,9 +106,15 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     # --- eager -------------------------------------------------------------------------
+    def _check_current(self, what: str) -> None:
+        """Triton launches on CUDA's current device: it must be the pool's (`cuda:N`)."""
+        if self.device.type == "cuda":
+            check_device(self.device, what)
+
     def init_forward_metadata(
         self, fb: ForwardBatch
     ) -> TritonDecodeMetadata | TritonExtendMetadata:
+        self._check_current("triton attention metadata")
         bs = fb.batch_size
         kv_bound = fb.seq_len_bound or self.max_context_len
         capacity = launch.kv_indices_capacity(bs, kv_bound)
@@ -212,6 +219,7 @@ class TritonAttnBackend(AttentionBackend):
         seq_lens: torch.Tensor,
     ) -> None:
         """Device-only, in place: kv_indptr, kv_indices, num_kv_splits of this (padded) batch."""
+        self._check_current("triton graph metadata")
         seq_lens = seq_lens[:bs]
         md.kv_indptr[:1].zero_()
         md.kv_indptr[1:].copy_(torch.cumsum(seq_lens, 0))
@@ -228,6 +236,7 @@ class TritonAttnBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
+        self._check_current("triton attention")
         k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
         out = torch.empty_like(q)
         md = fb.attn_metadata

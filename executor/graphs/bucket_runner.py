@@ -73,14 +73,21 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
 
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
         """None if this batch can replay a captured bucket, else why not (a metric label)."""
+        if self.factory.poisoned is not None:
+            return "capture_poisoned"
         if fb.input_embeds is not None:
             return "input_embeds"
-        padded = pad_to_bucket(self.bucket_size(fb), self.buckets)
-        if padded is None:
+        size = self.bucket_size(fb)
+        if pad_to_bucket(size, self.buckets) is None:
             return "batch_too_large"
-        if padded not in self.captured:
+        if self.replay_size(fb) is None:
             return "capture_failed"
         return None
+
+    def replay_size(self, fb: ForwardBatch) -> int | None:
+        """The smallest captured bucket that holds `fb` (a larger one when the smallest
+        fitting bucket failed to capture), or None."""
+        return pad_to_bucket(self.bucket_size(fb), sorted(self.captured))
 
     def _stage(
         self,

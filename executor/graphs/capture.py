@@ -10,7 +10,7 @@ import structlog
 from tqdm import tqdm
 
 from executor.errors import StartupCancelled
-from executor.graphs.graph import GraphFactory
+from executor.graphs.graph import GraphCapturePoisoned, GraphFactory
 
 log = structlog.get_logger(__name__)
 
@@ -24,6 +24,9 @@ class CaptureReport:
     failed: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
     memory_bytes: int = 0
+    # Set when a capture poisoned the factory (this pass's or an earlier one): nothing more
+    # is captured or replayed, graph mode runs eagerly with this reason.
+    poisoned: str | None = None
 
 
 def capture_buckets(
@@ -34,11 +37,18 @@ def capture_buckets(
     *,
     progress: bool = True,
 ) -> CaptureReport:
-    """Capture every bucket, largest first. A bucket whose capture fails is logged with its
-    reason and left out (its batches run eagerly); the others are still captured.
+    """Capture every bucket, largest first. A bucket whose capture fails cleanly (an
+    out-of-memory error, a compile error) is logged with its reason and left out (its
+    batches run eagerly or on a larger bucket); the others are still captured. A poisoned
+    capture (GraphCapturePoisoned) poisons the factory and ends the pass: no later bucket,
+    and no later pass, is captured.
 
     Raises StartupCancelled before the next bucket once `factory.stop` is set."""
     report = CaptureReport(kind)
+    if factory.poisoned is not None:
+        report.poisoned = factory.poisoned
+        log.warning("graph capture skipped", kind=kind, poisoned=factory.poisoned)
+        return report
     mem_before = factory.memory_bytes()
     t0 = time.perf_counter()
     with factory.capturing():
@@ -54,6 +64,16 @@ def capture_buckets(
             t = time.perf_counter()
             try:
                 capture_one(size)
+            except GraphCapturePoisoned as e:
+                report.failed[size] = report.poisoned = f"{type(e).__name__}: {e}"
+                factory.poison(report.poisoned)
+                log.error(
+                    "graph capture poisoned: no more captures, graph paths run eagerly",
+                    kind=kind,
+                    size=size,
+                    error=report.poisoned,
+                )
+                break
             except Exception as e:
                 report.failed[size] = f"{type(e).__name__}: {e}"
                 log.warning("graph capture failed", kind=kind, size=size, error=report.failed[size])

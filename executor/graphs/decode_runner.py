@@ -17,7 +17,6 @@ import torch
 from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.buckets import pad_to_bucket
 from executor.graphs.graph import Graph, GraphFactory
 from executor.models.llama import LlamaForCausalLM
 from executor.runner_output import RunnerOutput
@@ -120,7 +119,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
 
     def replay(self, fb: ForwardBatch) -> RunnerOutput:
         bs = fb.batch_size
-        padded = pad_to_bucket(bs, self.buckets)
+        padded = self.replay_size(fb)  # a larger bucket when the fitting one failed
         assert padded is not None and padded in self.captured
         kv = self.attn_backend.graph_kv_bucket(fb.seq_len_bound)
         view, stats = self._stage_decode(fb, bs, padded)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ops.device_scope import check_device
 from ops.host_read_guard import HostReadError, HostReadGuard
 
 WARMUP_RUNS = 2
@@ -31,6 +32,21 @@ WARMUP_RUNS = 2
 
 class GraphCaptureError(RuntimeError):
     """A callable could not be captured; its bucket runs eagerly instead."""
+
+
+class GraphCaptureOOM(GraphCaptureError):
+    """Out of memory while capturing, with the capture ended cleanly: only this bucket is lost."""
+
+
+class GraphCapturePoisoned(GraphCaptureError):
+    """A capture that broke what later captures rely on (on CUDA: the capture did not end
+    cleanly, or an op the capture forbids ran inside it). No further capture is attempted by
+    this factory (on CUDA: in this process), and its graphs are no longer replayed."""
+
+
+# CUDA's caching allocator and capture state are process-wide: once one CUDA capture is
+# poisoned, no factory in the process captures or replays again. Set once, never cleared.
+_cuda_poisoned: list[str] = []
 
 
 class Graph(ABC):
@@ -43,13 +59,17 @@ class Graph(ABC):
 
 
 def check_capture_rules(fn: Callable[[], None]) -> None:
-    """Run `fn` once under the host-read guard in capture mode: what CUDA capture refuses
-    raises GraphCaptureError naming it."""
+    """Run `fn` once under the host-read guard in capture mode, modelling how a CUDA capture
+    fails: what CUDA capture refuses (a host read, a counted transfer, an upload from
+    pageable memory, a synchronize) invalidates the capture and raises GraphCapturePoisoned
+    naming it; an out-of-memory error raises GraphCaptureOOM (the capture ends cleanly)."""
     try:
         with HostReadGuard(capture=True):
             fn()
     except HostReadError as e:
-        raise GraphCaptureError(str(e)) from e
+        raise GraphCapturePoisoned(str(e)) from e
+    except torch.OutOfMemoryError as e:
+        raise GraphCaptureOOM(f"out of memory during capture: {e}") from e
 
 
 class CpuGraph(Graph):
@@ -59,8 +79,11 @@ class CpuGraph(Graph):
         self._fn: Callable[[], None] | None = None
 
     def capture(self, fn: Callable[[], None]) -> None:
-        for _ in range(WARMUP_RUNS):
-            fn()
+        try:
+            for _ in range(WARMUP_RUNS):
+                fn()
+        except torch.OutOfMemoryError as e:
+            raise GraphCaptureOOM(f"out of memory in a warm-up run: {e}") from e
         check_capture_rules(fn)
         self._fn = fn
 
@@ -90,6 +113,8 @@ class CompiledGraph(Graph):
         try:
             with self._compiled():
                 fn()  # compiles what this bucket's shapes need (or finds it in the cache)
+        except torch.OutOfMemoryError as e:
+            raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
         except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
             raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
         self._fn = fn
@@ -102,26 +127,50 @@ class CompiledGraph(Graph):
 
 
 class CudaGraph(Graph):
-    """`torch.cuda.CUDAGraph` captured on the factory's side stream into its shared pool."""
+    """`torch.cuda.CUDAGraph` captured on the factory's side stream into its shared pool.
 
-    def __init__(self, pool: Any, stream: torch.cuda.Stream) -> None:
+    Capture does by hand what `torch.cuda.graph` does, so that a failure cannot leave the
+    side stream current or the allocator in its "capture underway" state: the stream is
+    restored by its `with` and `capture_end` always runs once `capture_begin` did. A capture
+    that did not end cleanly raises GraphCapturePoisoned (no further capture is safe in
+    this process); an out-of-memory error in a capture that ended cleanly raises
+    GraphCaptureOOM (only this bucket is lost)."""
+
+    def __init__(self, pool: Any, stream: torch.cuda.Stream, device: torch.device) -> None:
         self._pool = pool
         self._stream = stream
+        self._device = device
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def capture(self, fn: Callable[[], None]) -> None:
-        self._stream.wait_stream(torch.cuda.current_stream())
+        check_device(self._device, "CUDA graph capture")
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             for _ in range(WARMUP_RUNS):
                 fn()
-        torch.cuda.current_stream().wait_stream(self._stream)
-        torch.cuda.synchronize()
+        current.wait_stream(self._stream)
+        torch.cuda.synchronize(self._device)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        body_error: BaseException | None = None
+        with torch.cuda.stream(self._stream):  # the previous stream comes back on any exit
+            graph.capture_begin(pool=self._pool)
+            try:
                 fn()
-        except RuntimeError as e:  # e.g. "operation not permitted when stream is capturing"
-            raise GraphCaptureError(f"CUDA graph capture failed: {e}") from e
+            except BaseException as e:  # the capture must still end (below)
+                body_error = e
+            try:
+                graph.capture_end()
+            except RuntimeError as e:
+                raise GraphCapturePoisoned(f"CUDA graph capture did not end: {e}") from (
+                    body_error or e
+                )
+        if isinstance(body_error, torch.OutOfMemoryError):
+            raise GraphCaptureOOM(f"out of memory during capture: {body_error}") from body_error
+        if body_error is not None:
+            raise GraphCapturePoisoned(
+                f"CUDA graph capture failed: {type(body_error).__name__}: {body_error}"
+            ) from body_error
         self._graph = graph
 
     def replay(self) -> None:
@@ -161,6 +210,7 @@ class GraphFactory:
         self.stop = stop or threading.Event()
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
+        self._poisoned: str | None = None
         if backend == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device=device)
@@ -168,7 +218,7 @@ class GraphFactory:
     def new(self) -> Graph:
         if self.backend == "cuda":
             assert self._stream is not None
-            return CudaGraph(self._pool, self._stream)
+            return CudaGraph(self._pool, self._stream, self.device)
         if self.backend == "compiled":
             return CompiledGraph(self.compiled)
         return CpuGraph()
@@ -202,6 +252,22 @@ class GraphFactory:
         finally:
             gc.unfreeze()
 
+    @property
+    def poisoned(self) -> str | None:
+        """Why capturing (and replaying) stopped for good, or None."""
+        if self.backend == "cuda" and _cuda_poisoned:
+            return _cuda_poisoned[0]
+        return self._poisoned
+
+    def poison(self, reason: str) -> None:
+        """Stop capturing and replaying with this factory (on CUDA: in this process)."""
+        if self._poisoned is None:
+            self._poisoned = reason
+        if self.backend == "cuda" and not _cuda_poisoned:
+            _cuda_poisoned.append(reason)
+
     def memory_bytes(self) -> int:
-        """Device memory currently allocated (CUDA); 0 on CPU."""
-        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
+        """Device memory the CUDA caching allocator holds for this device (reserved, not
+        allocated: a graph's pool is reserved while its tensors are freed after capture);
+        0 on CPU."""
+        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0

@@ -25,7 +25,6 @@ import torch
 from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.buckets import pad_to_bucket
 from executor.graphs.graph import Graph, GraphFactory
 from executor.models.llama import LlamaForCausalLM
 from executor.runner_output import RunnerOutput
@@ -151,7 +150,7 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
 
     def replay(self, fb: ForwardBatch) -> RunnerOutput:
         n = fb.num_tokens
-        padded = pad_to_bucket(n, self.buckets)
+        padded = self.replay_size(fb)  # a larger bucket when the fitting one failed
         assert padded is not None and padded in self.captured
         _, stats = self._stage_tokens(fb, n, padded)
         # Attention plans and runs on the real batch: real shapes, real slots only.

@@ -217,6 +217,11 @@ class ExecutorMetrics:
             "graph_fallbacks", "Batches run eagerly although their graph mode is on, by kind "
             "and reason.", ("kind", "reason"),
         )  # fmt: skip
+        self.graph_capture_disabled = gauge(
+            "graph_capture_disabled",
+            "1 after a poisoned graph capture stopped capturing for good (graph paths run "
+            "eagerly; the reason is in the logs and GetInfo), else 0.",
+        )
         # State.
         self.ready = gauge("ready", "1 when the executor takes batches, else 0.")
         self.kv_slots_total = gauge("kv_slots_total", "KV slots the cache holds (1..kv_slots).")
@@ -320,6 +325,9 @@ class ExecutorMetrics:
 
     def on_graph_fallback(self, kind: str, reason: str) -> None:
         self.graph_fallbacks.labels(kind, reason).inc()
+
+    def on_graph_capture_disabled(self, reason: str) -> None:
+        self.graph_capture_disabled.set(1)
 
     # --- state ---
 

@@ -312,6 +312,7 @@ def info_to_proto(
         model_spec=model_spec,
         quantization=info.quantization,
         weight_bytes=info.weight_bytes,
+        graph_capture_disabled=info.graph_capture_disabled,
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
@@ -345,6 +346,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         version=msg.server_version,
         quantization=msg.quantization,
         weight_bytes=msg.weight_bytes,
+        graph_capture_disabled=msg.graph_capture_disabled,
     )
     return info, msg.model_spec
 
