@@ -8,6 +8,7 @@ derived fields (:func:`executor.batch_prep.complete_batch`), then moved to the d
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from executor.errors import BatchValidationError
+from ops.h2d_staging import StagedField
+from ops.host_transfer import to_device
 
 
 class ForwardMode(IntEnum):
@@ -89,7 +92,7 @@ class SamplingBatch:
     def to(self, device: torch.device) -> SamplingBatch:
         return SamplingBatch(
             **{
-                f.name: getattr(self, f.name).to(device, non_blocking=True)
+                f.name: to_device(getattr(self, f.name), device, "sampling")
                 for f in dataclasses.fields(self)
             }
         )
@@ -155,20 +158,55 @@ class ForwardBatch:
         return int(self.out_cache_loc.shape[0])
 
     def to(self, device: torch.device) -> ForwardBatch:
-        """A copy whose device tensors live on `device`; host mirrors stay on the host."""
+        """A copy whose device tensors live on `device`; host mirrors stay on the host.
+
+        One counted upload per field (ops.host_transfer.to_device; syncs from pageable
+        memory): for in-process use. The executor's step stages them all in one copy
+        (`staged_fields` / `with_device_fields`)."""
         if device.type == "cpu":
             return dataclasses.replace(self)
         moved: dict[str, Any] = {}
         for name in _DEVICE_FIELDS:
             value = getattr(self, name)
             if value is not None:
-                moved[name] = value.to(device, non_blocking=True)
+                moved[name] = to_device(value, device, name)
         if self.sampling is not None:
             moved["sampling"] = self.sampling.to(device)
         return dataclasses.replace(self, **moved)
 
+    def staged_fields(self) -> list[StagedField]:
+        """The host tensors a step uploads (`_DEVICE_FIELDS` and the sampling parameters),
+        for one staged copy (ops.h2d_staging.H2DStaging)."""
+        fields = [
+            StagedField(name, value, value.dtype)
+            for name in _DEVICE_FIELDS
+            if (value := getattr(self, name)) is not None
+        ]
+        if self.sampling is not None:
+            for f in dataclasses.fields(self.sampling):
+                value = getattr(self.sampling, f.name)
+                fields.append(StagedField(_SAMPLING_PREFIX + f.name, value, value.dtype))
+        return fields
 
-# Fields that live on the executor's device; everything else stays on the host.
+    def with_device_fields(self, views: Mapping[str, torch.Tensor]) -> ForwardBatch:
+        """A copy whose device fields are `views` (from `staged_fields`, staged); host
+        mirrors stay on the host."""
+        moved: dict[str, Any] = {name: views[name] for name in _DEVICE_FIELDS if name in views}
+        if self.sampling is not None:
+            moved["sampling"] = SamplingBatch(
+                **{
+                    f.name: views[_SAMPLING_PREFIX + f.name]
+                    for f in dataclasses.fields(self.sampling)
+                }
+            )
+        return dataclasses.replace(self, **moved)
+
+
+_SAMPLING_PREFIX = "sampling."
+
+# Fields that live on the executor's device; everything else stays on the host. A step
+# uploads them (and the sampling parameters) in one staged copy: a new device field is one
+# more name here.
 _DEVICE_FIELDS = (
     "input_ids",
     "req_pool_indices",

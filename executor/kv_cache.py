@@ -8,6 +8,7 @@ whose entries are all 0, and padded tokens write their K/V into slot 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,8 @@ import torch
 from executor.batch_prep import extend_positions
 from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode
+from ops.h2d_staging import StagedField
+from ops.host_transfer import to_device
 
 # --- the slot-owner map ------------------------------------------------------------------
 # Who holds each KV slot: a host mirror of the row table and a live-reference count per
@@ -125,6 +128,32 @@ def _host_i64(t: torch.Tensor) -> np.ndarray:
     return t.numpy().astype(np.int64, copy=False)
 
 
+@dataclass(frozen=True)
+class RowCells:
+    """The row-table cells one step writes: `req_to_token[rows, cols] = values`."""
+
+    rows: torch.Tensor  # [n] int64
+    cols: torch.Tensor  # [n] int64
+    values: torch.Tensor  # [n] slots (int64 on the host; int32 once on the device)
+    n_shared: int  # the first n_shared cells are prefix_cache_loc (shared reads)
+
+    def staged_fields(self) -> list[StagedField]:
+        """For the step's one staged copy; `from_views` rebuilds the device cells."""
+        return [
+            StagedField("row_cells.rows", self.rows, torch.int64),
+            StagedField("row_cells.cols", self.cols, torch.int64),
+            StagedField("row_cells.values", self.values, torch.int32),
+        ]
+
+    def from_views(self, views: Mapping[str, torch.Tensor]) -> RowCells:
+        return RowCells(
+            views["row_cells.rows"],
+            views["row_cells.cols"],
+            views["row_cells.values"],
+            self.n_shared,
+        )
+
+
 @dataclass
 class RowWrite:
     """What one step wrote into the row table, with the old values to undo it."""
@@ -165,22 +194,8 @@ class ReqToTokenPool:
     def rows_in_use(self) -> int:
         return int(np.count_nonzero(self.resident_lens[1:]))
 
-    def write_batch(self, fb: ForwardBatch) -> RowWrite:
-        """For a completed host batch: first its released rows hold nothing, then
-        `req_to_token[row, prefix:seq_len] = out_cache_loc` (and `[:prefix] = prefix_cache_loc`
-        when given); the batch's rows then hold `seq_lens` tokens.
-
-        Cells of one batch never collide (rows and their positions are unique), so the
-        returned undo restores the table and the resident lengths exactly. A new token
-        whose slot a live row holds is refused (BatchValidationError) before anything
-        changes.
-        """
-        released = (
-            _host_i64(fb.released_req_pool_indices)
-            if fb.released_req_pool_indices is not None
-            else np.zeros(0, dtype=np.int64)
-        )
-        released_old = self.resident_lens[released].copy()
+    def row_cells(self, fb: ForwardBatch) -> RowCells:
+        """The cells a completed host batch writes (host tensors; nothing changes)."""
         rpi = fb.req_pool_indices
         n_shared = 0
         if fb.forward_mode is ForwardMode.IDLE:
@@ -206,6 +221,37 @@ class ReqToTokenPool:
                 values = torch.cat([fb.prefix_cache_loc, values])
         else:
             rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
+        return RowCells(rows, cols, values, n_shared)
+
+    def write_batch(
+        self,
+        fb: ForwardBatch,
+        cells: RowCells | None = None,
+        device_cells: RowCells | None = None,
+    ) -> RowWrite:
+        """For a completed host batch: first its released rows hold nothing, then
+        `req_to_token[row, prefix:seq_len] = out_cache_loc` (and `[:prefix] = prefix_cache_loc`
+        when given); the batch's rows then hold `seq_lens` tokens.
+
+        `cells` are `row_cells(fb)` (computed here when None); `device_cells` the same cells
+        already on the device (the step's staged copy: rows/cols int64, values int32). Without
+        them the cells are uploaded here (counted, synchronizing uploads).
+
+        Cells of one batch never collide (rows and their positions are unique), so the
+        returned undo restores the table and the resident lengths exactly. A new token
+        whose slot a live row holds is refused (BatchValidationError) before anything
+        changes.
+        """
+        if cells is None:
+            cells = self.row_cells(fb)
+        rows, cols, values, n_shared = cells.rows, cells.cols, cells.values, cells.n_shared
+        released = (
+            _host_i64(fb.released_req_pool_indices)
+            if fb.released_req_pool_indices is not None
+            else np.zeros(0, dtype=np.int64)
+        )
+        released_old = self.resident_lens[released].copy()
+        rpi = fb.req_pool_indices
         touched = _host_i64(rpi)
         new_lens = _host_i64(fb.seq_lens)
         lens = self.resident_lens.copy()
@@ -228,9 +274,16 @@ class ReqToTokenPool:
                 )
             )
         self.resident_lens[released] = 0
-        rows_d, cols_d = rows.to(self.device), cols.to(self.device)
+        if device_cells is None:
+            device_cells = RowCells(
+                to_device(rows, self.device, "row_table"),
+                to_device(cols, self.device, "row_table"),
+                to_device(values.to(torch.int32), self.device, "row_table"),
+                n_shared,
+            )
+        rows_d, cols_d = device_cells.rows, device_cells.cols
         old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
-        self.req_to_token[rows_d, cols_d] = values.to(device=self.device, dtype=torch.int32)
+        self.req_to_token[rows_d, cols_d] = device_cells.values
         self.resident_lens[touched] = new_lens
         return RowWrite(
             rows_d, cols_d, old_values, touched, old_lens, released, released_old, owners

@@ -55,6 +55,7 @@ from executor.observer import ExecutorObserver, NullObserver
 from executor.sampling import SampleOutput, Sampler
 from executor.validation import BatchLimits, validate_batch
 from ops.device_scope import device_scope, on_own_device
+from ops.h2d_staging import H2DStaging
 from ops.host_transfer import host_transfers, to_host
 
 log = structlog.get_logger(__name__)
@@ -106,6 +107,10 @@ class StepStats:
     # Graph mode wanted a graph path but the step ran eagerly: "<kind>:<reason>".
     graph_fallback: str | None = None
     d2h_syncs: int = 0  # device-to-host transfers (ops.host_transfer.to_host) the step made
+    # Host-to-device (ops.host_transfer.to_device): synchronizing uploads (pageable memory or
+    # blocking), and asynchronous copies from the pinned staging buffer (1 per step).
+    h2d_syncs: int = 0
+    h2d_copies: int = 0
     # Wall-clock start (time.time_ns) of each phase in `timings_ns` (validate, stage, forward,
     # sample; queue when a worker ran it): trace spans are drawn from these afterwards.
     # Not sent over the wire.
@@ -252,6 +257,7 @@ class ModelExecutor:
         if graph_mode != "none":
             self._record_captures(self.runner.enable_graphs(graph_mode))
         self.sampler = Sampler(self.device, config.seed)
+        self.staging = H2DStaging(self.device)  # the step's one host-to-device copy
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
         self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
@@ -432,7 +438,7 @@ class ModelExecutor:
 
         `return_logits` adds each request's last-token logits (a host copy) to the output.
         """
-        syncs0 = host_transfers.total_syncs
+        d2h0, h2d_syncs0, h2d_copies0 = host_transfers.totals()
         wall0 = time.time_ns()
         t0 = time.perf_counter_ns()
         self.validate(batch)
@@ -460,7 +466,9 @@ class ModelExecutor:
             fill_bytes=out.fill_stats.bytes_copied,
             fill_copy_calls=out.fill_stats.copy_calls,
             graph_fallback=out.graph_fallback,
-            d2h_syncs=host_transfers.total_syncs - syncs0,
+            d2h_syncs=host_transfers.total_syncs - d2h0,
+            h2d_syncs=host_transfers.total_h2d_syncs - h2d_syncs0,
+            h2d_copies=host_transfers.total_h2d_copies - h2d_copies0,
             started_ns=started,
         )
         if out.graph_fallback is not None:
@@ -490,10 +498,15 @@ class ModelExecutor:
         assert host.sampling is not None
         t0 = time.perf_counter_ns()
         plan = self.sampler.plan(host.sampling)
-        write = self.req_to_token_pool.write_batch(host)  # IDLE too: it may release rows
+        # One staged host-to-device copy for the whole step: the batch's device fields, the
+        # sampling parameters and the row-table cells (ops.h2d_staging).
+        cells = self.req_to_token_pool.row_cells(host)
+        views = self.staging.stage(host.staged_fields() + cells.staged_fields())
+        # IDLE too: it may release rows. Refuses (nothing changed) a slot a live row holds.
+        write = self.req_to_token_pool.write_batch(host, cells, cells.from_views(views))
         try:
             with self.device_step_guard():
-                fb = host.to(self.device)
+                fb = host.with_device_fields(views)
                 t1 = time.perf_counter_ns()
                 out = self.runner.forward(fb)
                 if self.faults is not None:

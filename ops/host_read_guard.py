@@ -20,6 +20,14 @@ the very same objects (`ForwardBatch.to(cpu)` moves nothing). So the guard does 
 Limitation: on a CPU device `.to("cpu")` cannot be told from an upload `.to(device)`, so
 only `.cpu()` and real cross-device copies are caught there.
 
+In capture mode (a stand-in for CUDA graph capture) it also refuses what CUDA capture
+refuses on the way in: a host-to-device copy from pageable (non-pinned) memory, through
+`ops.host_transfer.to_device` (which sees the declaration on every device) or a real
+cross-device `.to()` / `.copy_()`, and an explicit `torch.cuda.synchronize()`,
+`Stream.synchronize()` or `Event.synchronize()`. Buffers that are pinned on CUDA are
+declared with :func:`declare_pinned` so that the same rule holds on CPU, where nothing can
+be pinned.
+
 Outside an active guard the two scopes cost one thread-local lookup; production code can
 use them freely. :class:`ForbiddenValue` is the companion for fields nothing may read at
 all (the tests put it in `seq_lens_cpu` / `seq_lens_sum` when the mirror is off).
@@ -54,10 +62,84 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
-def _refuse_in_capture(what: str) -> None:
+def _refuse_in_capture(what: str, subject: Any = None) -> None:
     for guard in _state.guards:
         if guard.capture:
-            guard.fail(what, None)
+            guard.fail(what, subject)
+
+
+# Host buffers that stand for pinned memory (really pinned on CUDA; declared on CPU).
+_pinned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_pinned_lock = threading.Lock()
+
+
+def declare_pinned(tensor: torch.Tensor) -> None:
+    """Record a host buffer as pinned (page-locked) for the capture rules; on CUDA pin it
+    with `pin_memory()` as well - this only makes the CPU model agree."""
+    with _pinned_lock:
+        _pinned[tensor] = True
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """Pinned for the capture rules: really pinned, or a view of a declared buffer."""
+    if tensor.device.type != "cpu":
+        return False
+    if torch.cuda.is_available() and tensor.is_pinned():
+        return True
+    with _pinned_lock:
+        return tensor in _pinned or (tensor._base is not None and tensor._base in _pinned)
+
+
+def check_upload(tensor: torch.Tensor, what: str) -> None:
+    """Under a capture guard, refuse a host-to-device copy from pageable memory (CUDA
+    capture cannot record one: it synchronizes the stream)."""
+    if _state.guards and not is_pinned(tensor):
+        _refuse_in_capture(f"{what} from pageable (non-pinned) host memory", tensor)
+
+
+def _refuse_sync(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        _refuse_in_capture(what)
+        return original(*args, **kwargs)
+
+    refusing.__wrapped__ = original  # type: ignore[attr-defined]
+    return refusing
+
+
+class _SyncPatch:
+    """While a capture guard is active anywhere, CUDA's explicit synchronizations refuse on
+    the threads that hold one (other threads call through unchanged)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users > 1:
+                return
+            for owner, name, what in (
+                (torch.cuda, "synchronize", "torch.cuda.synchronize()"),
+                (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
+                (torch.cuda.Event, "synchronize", "Event.synchronize()"),
+            ):
+                original = getattr(owner, name)
+                self._saved.append((owner, name, original))
+                setattr(owner, name, _refuse_sync(original, what))
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            for owner, name, original in reversed(self._saved):
+                setattr(owner, name, original)
+            self._saved.clear()
+
+
+_sync_patch = _SyncPatch()
 
 
 @contextmanager
@@ -156,6 +238,31 @@ def _is_host_move(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return device is not None and device.type == "cpu"
 
 
+_UPLOADS: dict[Callable[..., Any], str] = {
+    torch.Tensor.to: "Tensor.to(device)",
+    torch.Tensor.copy_: "Tensor.copy_() into a device tensor",
+    torch.Tensor.cuda: "Tensor.cuda()",
+}
+
+
+def _upload_source(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """The host tensor a `.to()` / `.copy_()` / `.cuda()` uploads to a device, or None."""
+    if func is torch.Tensor.copy_:
+        dst, src = args[0], args[1]
+        if isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst.device.type != "cpu":
+            return src
+        return None
+    src = args[0]
+    if src.device.type != "cpu":
+        return None
+    if func is torch.Tensor.cuda:
+        return src
+    device, *_ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return src if device is not None and device.type != "cpu" else None
+
+
 class _FunctionGuard(TorchFunctionMode):
     def __init__(self, guard: HostReadGuard) -> None:
         super().__init__()
@@ -172,6 +279,10 @@ class _FunctionGuard(TorchFunctionMode):
         op = _READS.get(func)
         if op is None and func in _MOVES and _is_host_move(func, args, kwargs):
             op = _MOVES[func]
+        if self.guard.capture and func in _UPLOADS:
+            src = _upload_source(func, args, kwargs)
+            if src is not None and not is_pinned(src):
+                self.guard.fail(f"{_UPLOADS[func]} from pageable (non-pinned) host memory", src)
         if op is not None and _state.transfer_depth == 0:
             subject = args[0]
             if self.guard.allows(subject):
@@ -256,6 +367,8 @@ class HostReadGuard:
     def __enter__(self) -> HostReadGuard:
         self._modes = (_FunctionGuard(self), _DispatchGuard(self))
         _state.guards.append(self)
+        if self.capture:
+            _sync_patch.acquire()
         self._modes[0].__enter__()
         self._modes[1].__enter__()
         return self
@@ -267,6 +380,8 @@ class HostReadGuard:
             self._modes[0].__exit__(*exc)
         finally:
             _state.guards.remove(self)
+            if self.capture:
+                _sync_patch.release()
             self._modes = None
 
     def allows(self, tensor: Any) -> bool:
@@ -293,8 +408,9 @@ class HostReadGuard:
         if self.capture:
             message = (
                 f"capture-unsafe op: {op} on {what} during graph capture. A captured graph "
-                "cannot read device data on the host or allocate a data-dependent size; move "
-                "the read out of the captured region or run this path eagerly."
+                "cannot read device data on the host, wait for the host (synchronize, "
+                "uploads from pageable memory) or allocate a data-dependent size; move "
+                "the op out of the captured region or run this path eagerly."
             )
         else:
             message = (

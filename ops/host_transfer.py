@@ -1,4 +1,4 @@
-"""The one door through which serving-path data leaves the device, counted per reason.
+"""The doors through which serving-path data crosses between host and device, counted.
 
 Every device-to-host read on the forward path calls :func:`to_host` with a `reason`
 (``sampled_tokens``, ``logprobs``, ``seq_lens_cpu``, ...). The counts feed the
@@ -6,6 +6,11 @@ Every device-to-host read on the forward path calls :func:`to_host` with a `reas
 "transfer" is a copy, counted all the same so that the accounting is checked in CI. Tests
 run the step under :class:`ops.host_read_guard.HostReadGuard`, which fails on any host read
 that bypasses this door.
+
+The other direction goes through :func:`to_device`: an upload from pinned memory with
+`non_blocking=True` is an asynchronous copy (`h2d_copies`); anything else - pageable memory,
+or a blocking copy - synchronizes the host with the stream on CUDA and is counted as a sync
+(`h2d_syncs`), so a step's sync count is honest in both directions.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ops.host_read_guard import counted_transfer, mark_host
+from ops.host_read_guard import check_upload, counted_transfer, is_pinned, mark_host
 
 
 @dataclass
@@ -27,6 +32,12 @@ class HostTransferCounts:
     bytes: Counter[str] = field(default_factory=Counter)
     # All reasons together: a step reads it before and after to count its own syncs.
     total_syncs: int = 0
+    # Host-to-device: asynchronous copies from pinned memory, and synchronizing uploads.
+    h2d_copies: Counter[str] = field(default_factory=Counter)
+    h2d_syncs: Counter[str] = field(default_factory=Counter)
+    h2d_bytes: Counter[str] = field(default_factory=Counter)
+    total_h2d_copies: int = 0
+    total_h2d_syncs: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, reason: str, nbytes: int) -> None:
@@ -35,9 +46,29 @@ class HostTransferCounts:
             self.bytes[reason] += nbytes
             self.total_syncs += 1
 
+    def record_h2d(self, reason: str, nbytes: int, *, sync: bool) -> None:
+        with self._lock:
+            if sync:
+                self.h2d_syncs[reason] += 1
+                self.total_h2d_syncs += 1
+            else:
+                self.h2d_copies[reason] += 1
+                self.total_h2d_copies += 1
+            self.h2d_bytes[reason] += nbytes
+
     def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
         with self._lock:
             return dict(self.syncs), dict(self.bytes)
+
+    def h2d_snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(synchronizing uploads, asynchronous staged copies) by reason."""
+        with self._lock:
+            return dict(self.h2d_syncs), dict(self.h2d_copies)
+
+    def totals(self) -> tuple[int, int, int]:
+        """(device-to-host syncs, host-to-device syncs, host-to-device async copies)."""
+        with self._lock:
+            return self.total_syncs, self.total_h2d_syncs, self.total_h2d_copies
 
 
 host_transfers = HostTransferCounts()
@@ -58,3 +89,25 @@ def to_host(tensor: torch.Tensor, reason: str, *, non_blocking: bool = False) ->
             host = tensor.to("cpu", non_blocking=non_blocking)
     mark_host(host)
     return host
+
+
+def to_device(
+    tensor: torch.Tensor,
+    out: torch.Tensor | torch.device,
+    reason: str,
+    *,
+    non_blocking: bool = True,
+) -> torch.Tensor:
+    """Copy host `tensor` to the device (into `out` when it is a tensor) and count it under
+    `reason`: asynchronous from pinned memory with `non_blocking`, a sync otherwise (a
+    pageable upload waits for the stream on CUDA). Under a capture guard an upload from
+    pageable memory is refused, as CUDA capture refuses it. On CPU it is a copy all the same,
+    counted the same way."""
+    check_upload(tensor, f"to_device(reason={reason!r})")
+    sync = not (non_blocking and is_pinned(tensor))
+    host_transfers.record_h2d(reason, tensor.numel() * tensor.element_size(), sync=sync)
+    if isinstance(out, torch.Tensor):
+        return out.copy_(tensor, non_blocking=not sync)
+    if out.type == "cpu":
+        return tensor.clone()
+    return tensor.to(out, non_blocking=not sync)

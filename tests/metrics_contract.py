@@ -35,6 +35,8 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_fill_copy_calls_total": _m("counter", "registry"),
     "model_executor_d2h_syncs_total": _m("counter", "reason"),
     "model_executor_d2h_bytes_total": _m("counter", "reason"),
+    "model_executor_h2d_syncs_total": _m("counter", "reason"),
+    "model_executor_h2d_copies_total": _m("counter", "reason"),
     "model_executor_batch_size": _m("histogram", "mode"),
     "model_executor_padded_batch_size": _m("histogram", "path"),
     "model_executor_padding_tokens_total": _m("counter", "path"),

@@ -3,6 +3,8 @@
 - The executor's device is current on every thread that touches it (ops.device_scope).
 - A poisoned capture stops capturing for good; a clean out-of-memory error skips one bucket,
   and its batches replay the next larger captured bucket.
+- A step uploads its inputs in one staged copy from a pinned, double-buffered buffer; every
+  synchronizing upload is counted; the capture guard refuses pageable uploads and syncs.
 
 The `gpu` tests repeat the device and capture checks with CUDA (skipped here with a reason).
 """
@@ -17,11 +19,17 @@ import pytest
 import torch
 
 from attention.torch_paged import TorchPagedBackend
-from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.graphs.graph import GraphCapturePoisoned, GraphFactory
+from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
+from executor.forward_batch import SamplingParams
+from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
+from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
 from executor.models.llama import LlamaDecoderLayer
 from ops import device_scope as ds
+from ops import h2d_staging
+from ops.h2d_staging import H2DStaging, StagedField
+from ops.host_read_guard import HostReadError, HostReadGuard, declare_pinned
+from ops.host_transfer import host_transfers, to_device
 
 MakeExecutor = Callable[..., ModelExecutor]
 
@@ -230,3 +238,152 @@ def test_cuda_n_executor_runs_on_its_own_device(make_executor: MakeExecutor) -> 
     )
     assert out.next_token_ids.shape == (1,)
     assert ex.kv_pool.k.device == torch.device("cuda", 1)
+
+
+# --- one staged host-to-device copy per step, honest counts --------------------------------
+def test_every_step_uploads_its_inputs_in_one_staged_copy_and_no_sync(
+    make_executor: MakeExecutor,
+) -> None:
+    ex = make_executor()
+    steps = [
+        make_extend_batch(
+            input_ids=[[3, 4, 5], [6, 7]],
+            req_pool_indices=[1, 2],
+            out_cache_loc=[[1, 2, 3], [4, 5]],
+            sampling=[SamplingParams(temperature=0.7, top_k=5, seed=3), SamplingParams()],
+            return_logprob=True,
+        ),
+        make_extend_batch(  # a shared prefix: prefix_cache_loc cells staged too
+            input_ids=[[9]],
+            req_pool_indices=[3],
+            out_cache_loc=[[6]],
+            prefix_lens=[3],
+            prefix_cache_loc=[[1, 2, 3]],
+        ),
+        make_decode_batch(
+            input_ids=[8, 9], req_pool_indices=[1, 2], seq_lens=[4, 3], out_cache_loc=[7, 8]
+        ),
+    ]
+    for fb in steps:
+        stats = ex.forward(fb).stats
+        assert (stats.h2d_copies, stats.h2d_syncs) == (1, 0), stats.mode
+    # The table holds what the staged cells said (prefix cells included).
+    table = ex.req_to_token_pool.req_to_token
+    assert table[1, :4].tolist() == [1, 2, 3, 7]
+    assert table[2, :3].tolist() == [4, 5, 8]
+    assert table[3, :4].tolist() == [1, 2, 3, 6]
+
+
+def test_the_row_table_write_without_staged_cells_counts_its_three_uploads() -> None:
+    pool = ReqToTokenPool(4, 16, torch.device("cpu"), kv_slots=32)
+    fb = complete_batch(
+        make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[1], out_cache_loc=[9]),
+        needs_cpu_seq_lens=False,
+        max_context_len=16,
+    )
+    _, h2d_syncs0, copies0 = host_transfers.totals()
+    pool.write_batch(fb)
+    _, h2d_syncs1, copies1 = host_transfers.totals()
+    assert (h2d_syncs1 - h2d_syncs0, copies1 - copies0) == (3, 0)
+    assert int(pool.req_to_token[1, 0]) == 9
+
+
+def test_staging_packs_dtypes_and_shapes_and_double_buffers() -> None:
+    staging = H2DStaging(torch.device("cpu"))
+    a = torch.arange(5, dtype=torch.int64)
+    b = torch.tensor([0.5, 1.5], dtype=torch.float32)
+    c = torch.tensor([True, False, True])
+    first = staging.stage(
+        [
+            StagedField("a", a, torch.int64),
+            StagedField("a32", a, torch.int32),  # converted while packing
+            StagedField("b", b, torch.float32),
+            StagedField("c", c, torch.bool),
+            StagedField("empty", torch.zeros(0, dtype=torch.int64), torch.int64),
+        ]
+    )
+    assert torch.equal(first["a"], a) and first["a32"].dtype == torch.int32
+    assert first["a32"].tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(first["b"], b) and torch.equal(first["c"], c)
+    assert first["empty"].shape == (0,)
+    assert all(v.data_ptr() % h2d_staging.ALIGN == 0 for v in first.values() if v.numel())
+    # The next step writes the other buffer: the first step's views stay intact.
+    second = staging.stage([StagedField("a", a + 100, torch.int64)])
+    assert torch.equal(first["a"], a) and torch.equal(second["a"], a + 100)
+    assert first["a"].untyped_storage().data_ptr() != second["a"].untyped_storage().data_ptr()
+    # A step larger than the buffer grows it.
+    big = torch.arange(10_000, dtype=torch.int64)
+    third = staging.stage([StagedField("big", big, torch.int64)])
+    assert torch.equal(third["big"], big) and staging.copies == 3
+
+
+def test_the_capture_guard_refuses_pageable_uploads_and_synchronize() -> None:
+    pageable = torch.ones(4)
+    pinned = torch.ones(16)
+    declare_pinned(pinned)
+    out = torch.zeros(4)
+    with HostReadGuard(capture=True):
+        to_device(pinned[4:8], out, "staged_inputs")  # a view of a pinned buffer: allowed
+        with pytest.raises(HostReadError, match="pageable"):
+            to_device(pageable, out, "row_table")
+        with pytest.raises(HostReadError, match=r"torch.cuda.synchronize\(\)"):
+            torch.cuda.synchronize()
+    assert torch.equal(out, torch.ones(4))
+    # Outside a capture both are fine again (CPU: synchronize refuses for want of CUDA).
+    to_device(pageable, out, "row_table")
+    assert not hasattr(torch.cuda.synchronize, "__wrapped__")
+
+    def uploads() -> None:  # fine eagerly (the warm-up runs), poisons a capture
+        to_device(pageable, out, "row_table")
+
+    with pytest.raises(GraphCapturePoisoned, match="pageable"):
+        CpuGraph().capture(uploads)
+
+
+@pytest.mark.gpu
+def test_cuda_staged_copy_is_one_async_copy_from_pinned_memory() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    with ds.device_scope(device):
+        staging = H2DStaging(device)
+        a = torch.arange(1000, dtype=torch.int64)
+        _, syncs0, copies0 = host_transfers.totals()
+        views = [staging.stage([StagedField("a", a + i, torch.int64)]) for i in range(4)]
+        _, syncs1, copies1 = host_transfers.totals()
+        assert (syncs1 - syncs0, copies1 - copies0) == (0, 4)
+        torch.cuda.synchronize(device)
+        # Buffers alternate: the last two steps' views hold their own values.
+        assert torch.equal(views[2]["a"].cpu(), a + 2) and torch.equal(views[3]["a"].cpu(), a + 3)
+        pair = staging._pairs[0]
+        assert pair is not None and pair.host.is_pinned()
+
+
+def test_the_metrics_show_the_staged_copies_and_the_synchronizing_uploads(
+    make_executor: MakeExecutor,
+) -> None:
+    from executor.observability.metrics import ExecutorMetrics
+
+    def values() -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for family in ExecutorMetrics().registry.collect():
+            for sample in family.samples:
+                if sample.name.startswith("model_executor_h2d_"):
+                    out[(sample.name, sample.labels["reason"])] = sample.value
+        return out
+
+    ex = make_executor()
+    before = values()
+    ex.forward(make_extend_batch(input_ids=[[3, 4]], req_pool_indices=[1], out_cache_loc=[[1, 2]]))
+    ex.req_to_token_pool.write_batch(  # outside the staging: three counted syncs
+        complete_batch(
+            make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[3]),
+            needs_cpu_seq_lens=False,
+            max_context_len=1024,
+        )
+    )
+    after = values()
+
+    def delta(name: str, reason: str) -> float:
+        return after.get((name, reason), 0) - before.get((name, reason), 0)
+
+    assert delta("model_executor_h2d_copies_total", "staged_inputs") == 1
+    assert delta("model_executor_h2d_syncs_total", "row_table") == 3

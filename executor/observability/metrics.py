@@ -123,6 +123,26 @@ class _ScrapeTimeCollector(Collector):
                 nbytes.add_metric([reason], sizes[reason])
         yield syncs
         yield nbytes
+        h2d_syncs = CounterMetricFamily(
+            PREFIX + "h2d_syncs",
+            "Host-to-device uploads that synchronize with the device (pageable memory or a "
+            "blocking copy), by reason (process-wide). Expected: none on the serving path.",
+            labels=["reason"],
+        )
+        h2d_copies = CounterMetricFamily(
+            PREFIX + "h2d_copies",
+            "Asynchronous host-to-device copies from pinned memory, by reason (process-wide): "
+            "one staged copy per step.",
+            labels=["reason"],
+        )
+        if with_values:
+            sync_counts, copy_counts = host_transfers.h2d_snapshot()
+            for reason in sorted(sync_counts):
+                h2d_syncs.add_metric([reason], sync_counts[reason])
+            for reason in sorted(copy_counts):
+                h2d_copies.add_metric([reason], copy_counts[reason])
+        yield h2d_syncs
+        yield h2d_copies
 
 
 class ExecutorMetrics:

@@ -217,6 +217,8 @@ class SpanScope:
                 "model_executor.fill_copies": stats.fill_tensors,
                 "model_executor.fill_bytes": stats.fill_bytes,
                 "model_executor.d2h_syncs": stats.d2h_syncs,
+                "model_executor.h2d_syncs": stats.h2d_syncs,
+                "model_executor.h2d_copies": stats.h2d_copies,
             }
         )
         for phase in STEP_PHASES:

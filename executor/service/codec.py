@@ -252,6 +252,8 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             fill_bytes=st.fill_bytes,
             fill_copy_calls=st.fill_copy_calls,
             d2h_syncs=st.d2h_syncs,
+            h2d_syncs=st.h2d_syncs,
+            h2d_copies=st.h2d_copies,
         ),
     )
     if out.next_token_logprobs is not None:
@@ -282,6 +284,8 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             fill_bytes=st.fill_bytes,
             fill_copy_calls=st.fill_copy_calls,
             d2h_syncs=st.d2h_syncs,
+            h2d_syncs=st.h2d_syncs,
+            h2d_copies=st.h2d_copies,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),

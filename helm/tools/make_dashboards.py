@@ -588,7 +588,7 @@ def internals() -> dict[str, Any]:
             ],
         ),
         Row(
-            "Device to host",
+            "Host and device transfers",
             [
                 Panel(
                     "D2H syncs per step by reason",
@@ -605,6 +605,7 @@ def internals() -> dict[str, Any]:
                     ],
                     threshold=2,
                     stack=True,
+                    width=8,
                 ),
                 Panel(
                     "D2H bytes/s by reason",
@@ -617,6 +618,28 @@ def internals() -> dict[str, Any]:
                     ],
                     unit="Bps",
                     stack=True,
+                    width=8,
+                ),
+                Panel(
+                    "H2D uploads per step by reason",
+                    "Host-to-device uploads per non-idle step: the asynchronous staged copy "
+                    "(expected: one) and synchronizing uploads (expected: none; the "
+                    "ModelExecutorH2DSyncs alert fires above 0.5).",
+                    [
+                        Target(
+                            "sum by (reason) "
+                            f"(rate(model_executor_h2d_copies_total{{{SEL}}}[{RATE}]))"
+                            f" / scalar({STEPS})",
+                            "{{reason}} (async)",
+                        ),
+                        Target(
+                            "sum by (reason) "
+                            f"(rate(model_executor_h2d_syncs_total{{{SEL}}}[{RATE}]))"
+                            f" / scalar({STEPS})",
+                            "{{reason}} (sync)",
+                        ),
+                    ],
+                    width=8,
                 ),
             ],
         ),
@@ -655,12 +678,18 @@ def internals() -> dict[str, Any]:
                 ),
                 Panel(
                     "Graph captures",
-                    "Graphs captured since each executor started, by kind.",
+                    "Graphs captured since each executor started, by kind; 'capture "
+                    "disabled' is 1 once a poisoned capture stopped capturing for good "
+                    "(GetInfo's graph_capture_disabled says why).",
                     [
                         Target(
                             f"sum by (instance, kind) (model_executor_graph_captures_total{{{SEL}}})",
                             "{{instance}} {{kind}}",
-                        )
+                        ),
+                        Target(
+                            f"max by (instance) (model_executor_graph_capture_disabled{{{SEL}}})",
+                            "{{instance}} capture disabled",
+                        ),
                     ],
                     width=12,
                 ),

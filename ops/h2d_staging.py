@@ -1,0 +1,114 @@
+"""One host-to-device copy per step: named host tensors packed into one pinned buffer.
+
+A step's host-side inputs (index fields, sampling parameters, the row-table cells) would
+otherwise cross as a dozen small copies, each from pageable memory, which on CUDA is a
+stream synchronize apiece. :class:`H2DStaging` packs them into one reusable host buffer
+(pinned on CUDA), copies it to a device buffer with one `non_blocking` copy, and hands back
+views of the device buffer, one per name, with the dtype and shape asked for.
+
+Double-buffered: step N packs into buffer N % 2. Before it writes a buffer, it waits for
+the event recorded after that buffer's last copy (step N - 2's), so the host never
+overwrites bytes the copy engine may still be reading; the device buffer of a pair is only
+overwritten by a copy ordered after every kernel that read it (one stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ops.host_read_guard import declare_pinned
+from ops.host_transfer import to_device
+
+ALIGN = 64  # bytes: every field starts on a cache line, so dtype views are aligned
+REASON = "staged_inputs"
+
+
+@dataclass(frozen=True)
+class StagedField:
+    """One host tensor to stage: the device view gets `dtype` (converted while packing)."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _capacity(n: int) -> int:
+    """Grow to the next power of two (at least 4 KiB) so buffers are rarely re-allocated."""
+    cap = 4096
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+class _Pair:
+    """One host buffer, its device twin and the event after their last copy."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        declare_pinned(self.host)  # the capture rules treat it as pinned on every device
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.event: torch.cuda.Event | None = None
+
+
+class H2DStaging:
+    """Packs named host tensors into one buffer and copies it to `device` once per call."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pairs: list[_Pair | None] = [None, None]
+        self._next = 0
+        self.copies = 0  # calls that copied (for tests)
+
+    def stage(self, fields: Sequence[StagedField]) -> dict[str, torch.Tensor]:
+        """Device views of `fields` (same shapes, the asked dtypes) after one copy."""
+        offsets: list[int] = []
+        total = 0
+        for f in fields:
+            offsets.append(total)
+            total += _aligned(f.tensor.numel() * _itemsize(f.dtype))
+        if total == 0:
+            return {
+                f.name: torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device)
+                for f in fields
+            }
+        pair = self._pair(total)
+        if pair.event is not None:
+            pair.event.synchronize()  # step N - 2's copy out of this buffer is done
+        for f, off in zip(fields, offsets, strict=True):
+            n = f.tensor.numel()
+            if n:
+                dst = pair.host[off : off + n * _itemsize(f.dtype)].view(f.dtype)
+                dst.copy_(f.tensor.reshape(-1))
+        to_device(pair.host[:total], pair.device[:total], REASON, non_blocking=True)
+        if self.device.type == "cuda":
+            pair.event = torch.cuda.Event()
+            pair.event.record(torch.cuda.current_stream(self.device))
+        self.copies += 1
+        views: dict[str, torch.Tensor] = {}
+        for f, off in zip(fields, offsets, strict=True):
+            nbytes = f.tensor.numel() * _itemsize(f.dtype)
+            views[f.name] = pair.device[off : off + nbytes].view(f.dtype).view(f.tensor.shape)
+        return views
+
+    def _pair(self, total: int) -> _Pair:
+        i = self._next
+        self._next ^= 1
+        pair = self._pairs[i]
+        if pair is None or pair.host.numel() < total:
+            if pair is not None and pair.event is not None:
+                pair.event.synchronize()  # the old buffer may still be read by its copy
+            pair = _Pair(_capacity(total), self.device)
+            self._pairs[i] = pair
+        return pair
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
