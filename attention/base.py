@@ -45,6 +45,11 @@ class AttentionLayout:
 class AttentionBackend(ABC):
     """Paged attention over `ReqToTokenPool` + `KVPool`."""
 
+    @property
+    def can_capture(self) -> bool:
+        """Whether this backend instance can run inside a captured graph."""
+        return self.supports_graph_capture and self.graph_capture_refusal is None
+
     name: ClassVar[str] = "base"
     needs_cpu_seq_lens: ClassVar[bool] = True
     supports_graph_capture: ClassVar[bool] = False
@@ -55,6 +60,9 @@ class AttentionBackend(ABC):
         self.layout = layout
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
+        # Why this instance refuses graph capture although its class supports it (e.g. a
+        # device where its captured gathers would not fit); None: `supports_graph_capture`.
+        self.graph_capture_refusal: str | None = None
         # Metadata of every captured bucket, bound to slices of the graph buffers.
         # Keyed by (batch-size bucket, KV-length bucket).
         self._graph_metadata: dict[tuple[int, int], Any] = {}

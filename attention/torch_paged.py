@@ -68,6 +68,23 @@ class _GraphBuffers:
     max_bs: int
 
 
+def cuda_graph_refusal(device: torch.device, max_context_len: int) -> str | None:
+    """Why torch_paged refuses DECODE graphs on `device`, or None.
+
+    Under capture the gather is sized by the graph's KV-length bucket, up to
+    max_context_len keys per request per layer: at bucket 160 with 8192-token contexts a
+    Llama-8B shape gathers about 5.4 GB per layer per step, slower than eager (sized by the
+    batch's own bound) and likely out of memory at capture. On CPU the gathers run in
+    cache-sized chunks of requests and the stand-in captures nothing real, so it stays on."""
+    if device.type != "cuda":
+        return None
+    return (
+        f"torch_paged's captured DECODE gathers up to max_context_len ({max_context_len}) keys "
+        "per request per layer on CUDA (GBs per step at long contexts); use "
+        "attention_backend=triton (the CUDA default) for CUDA graphs, or graph_mode=extend/none"
+    )
+
+
 class TorchPagedBackend(AttentionBackend):
     name: ClassVar[str] = "torch_paged"
     needs_cpu_seq_lens: ClassVar[bool] = False
@@ -83,6 +100,7 @@ class TorchPagedBackend(AttentionBackend):
         self._kv_positions = torch.arange(self.max_context_len, device=self.device)
         self._graph: _GraphBuffers | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
+        self.graph_capture_refusal = cuda_graph_refusal(self.device, self.max_context_len)
 
     # --- eager -------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:

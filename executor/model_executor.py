@@ -254,8 +254,21 @@ class ModelExecutor:
             stop=stop,
         )
         self.capture_reports: list[CaptureReport] = []
+        # A step and a background capture's bucket never overlap (set_graph_mode(background)).
+        self._step_lock = threading.Lock()
+        self._capture_thread: threading.Thread | None = None
+        # idle | capturing graph_mode=<mode> | failed: <reason> (the runtime toggle's status)
+        self.graph_capture = "idle"
+        # Called (on the capture thread) when a background capture ends, either way.
+        self.graph_mode_listener: Callable[[], None] | None = None
         if graph_mode != "none":
             self._record_captures(self.runner.enable_graphs(graph_mode))
+        if wants_decode_graphs(graph_mode) and self.attn_backend.graph_capture_refusal:
+            log.warning(
+                "decode graphs refused: DECODE runs eagerly",
+                attention_backend=self.attn_backend.name,
+                reason=self.attn_backend.graph_capture_refusal,
+            )
         self.sampler = Sampler(self.device, config.seed)
         self.staging = H2DStaging(self.device)  # the step's one host-to-device copy
         # Wraps the device part of every step (device move, model, sampling). Tests install
@@ -281,32 +294,88 @@ class ModelExecutor:
         )
 
     @on_own_device
-    def set_graph_mode(self, mode: str) -> list[CaptureReport]:
+    def set_graph_mode(self, mode: str, *, background: bool = False) -> list[CaptureReport]:
         """Switch graph paths between two batches; a runner turned on for the first time is
         captured now. Refused (ToggleRefusedError, nothing changed) when the mode cannot be
         honoured: decode graphs with a backend that cannot be captured, or the piecewise path
-        while needs_cpu_seq_lens is forced off."""
+        while needs_cpu_seq_lens is forced off, or while a background capture runs.
+
+        With `background`, a mode that needs a capture captures on a background thread, bucket
+        by bucket, while steps keep running on the current path between two buckets;
+        `graph_capture` says "capturing" until the new mode is in use (then "idle", or
+        "failed: ..."). Returns the reports of a capture done here ([] in the background)."""
+        mode = self._resolve_graph_mode(mode)
+        if self.graph_capture.startswith("capturing"):
+            raise ToggleRefusedError(
+                f"graph_mode={mode}: a graph capture is in progress ({self.graph_capture}); "
+                "retry when GetRuntimeConfig's graph_capture is no longer 'capturing'"
+            )
+        if wants_decode_graphs(mode) and not self.attn_backend.can_capture:
+            raise ToggleRefusedError(
+                f"graph_mode={mode}: attention backend {self.attn_backend.name!r} cannot be "
+                f"captured in a graph{self._capture_refusal()}"
+            )
+        try:
+            needs = self.check_needs_cpu_seq_lens(self.needs_cpu_seq_lens_policy, mode)
+        except ToggleRefusedError as e:
+            raise ToggleRefusedError(f"graph_mode={mode}: {e}") from e
+        if background and self.runner.needs_capture(mode):
+            self._capture_in_background(mode, needs)
+            return []
+        reports = self.runner.enable_graphs(mode)
+        self._use_graph_mode(mode, needs, reports)
+        return reports
+
+    def _resolve_graph_mode(self, mode: str) -> str:
         if mode == "auto":
             mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
         if mode not in RUNTIME_GRAPH_MODES:
             raise ToggleRefusedError(
                 f"graph_mode must be one of auto, {', '.join(RUNTIME_GRAPH_MODES)}, got {mode!r}"
             )
-        if wants_decode_graphs(mode) and not self.attn_backend.supports_graph_capture:
-            raise ToggleRefusedError(
-                f"graph_mode={mode}: attention backend {self.attn_backend.name!r} cannot be captured in a graph"
-            )
-        try:
-            needs = self.check_needs_cpu_seq_lens(self.needs_cpu_seq_lens_policy, mode)
-        except ToggleRefusedError as e:
-            raise ToggleRefusedError(f"graph_mode={mode}: {e}") from e
-        reports = self.runner.enable_graphs(mode)
+        return mode
+
+    def _capture_refusal(self) -> str:
+        reason = self.attn_backend.graph_capture_refusal
+        return f" ({reason})" if reason else ""
+
+    def _use_graph_mode(self, mode: str, needs: bool, reports: list[CaptureReport]) -> None:
         self._record_captures(reports)
         self.graph_mode = mode
         self.needs_cpu_seq_lens = needs
         self.runner.eager_inputs.needs_cpu_seq_lens = needs
         log.info("graph mode changed", graph_mode=mode, captured=[r.kind for r in reports])
-        return reports
+
+    def _capture_in_background(self, mode: str, needs: bool) -> None:
+        """Capture what `mode` needs on a thread of its own; install it between two steps."""
+        self.graph_capture = f"capturing graph_mode={mode}"
+        log.info("graph capture started in the background", graph_mode=mode)
+
+        def body() -> None:
+            with device_scope(self.device):
+                try:
+                    captured = self.runner.capture_for(mode, progress=False, lock=self._step_lock)
+                except BaseException as e:  # a shutdown (StartupCancelled) or a bug
+                    self.graph_capture = f"failed: {type(e).__name__}: {e}"
+                    log.error("background graph capture failed", graph_mode=mode, error=str(e))
+                else:
+                    with self._step_lock:  # between two steps
+                        self.runner.install(mode, captured)
+                        self._use_graph_mode(mode, needs, captured.reports)
+                        self.graph_capture = "idle"
+                if self.graph_mode_listener is not None:
+                    self.graph_mode_listener()
+
+        self._capture_thread = threading.Thread(target=body, name="graph-capture", daemon=True)
+        self._capture_thread.start()
+
+    def wait_for_capture(self, timeout: float | None = None) -> bool:
+        """Wait for a background capture to end; False if it is still running."""
+        thread = self._capture_thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _record_captures(self, reports: list[CaptureReport]) -> None:
         self.capture_reports.extend(reports)
@@ -353,7 +422,8 @@ class ModelExecutor:
                 input_ids=[0], req_pool_indices=[0], seq_lens=[n + 1], out_cache_loc=[0]
             ),
         ):
-            self._run(self._complete(batch), return_logits=False, keep_rows=False)
+            with self._step_lock:
+                self._run(self._complete(batch), return_logits=False, keep_rows=False)
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""
@@ -405,21 +475,46 @@ class ModelExecutor:
         eager_input_no_copy: bool | None = None,
         needs_cpu_seq_lens: str | None = None,
         graph_mode: str | None = None,
+        background_capture: bool = False,
     ) -> None:
         """Apply the given toggles (None keeps a value) all together or not at all.
 
         Every check runs before anything changes; then the graph mode (which may capture, and
         raises ToggleRefusedError with nothing changed if it cannot), then the host-lengths
         decision under the new graph mode, then the eager path.
+
+        With `background_capture` (the server's runtime config), a graph mode that needs a
+        capture captures in the background (`set_graph_mode`); the host-lengths decision for
+        it is taken when it is installed, so `needs_cpu_seq_lens` cannot change in the same
+        update (refused, nothing changed).
         """
         target_mode = (
             self.needs_cpu_seq_lens_policy if needs_cpu_seq_lens is None else needs_cpu_seq_lens
         )
-        target_graph = self.graph_mode if graph_mode is None else graph_mode
+        target_graph = self._resolve_graph_mode(
+            self.graph_mode if graph_mode is None else graph_mode
+        )
         self.check_needs_cpu_seq_lens(target_mode, target_graph)  # raises before any change
-        if target_graph != self.graph_mode:
-            self.set_graph_mode(target_graph)
-        self.set_needs_cpu_seq_lens(target_mode)
+        changes_graph = target_graph != self.graph_mode
+        if self.graph_capture.startswith("capturing") and (
+            changes_graph or target_mode != self.needs_cpu_seq_lens_policy
+        ):
+            raise ToggleRefusedError(
+                f"a graph capture is in progress ({self.graph_capture}): graph_mode and "
+                "needs_cpu_seq_lens cannot change until it ends"
+            )
+        background = (
+            background_capture and changes_graph and self.runner.needs_capture(target_graph)
+        )
+        if background and target_mode != self.needs_cpu_seq_lens_policy:
+            raise ToggleRefusedError(
+                f"graph_mode={target_graph} captures in the background: change "
+                "needs_cpu_seq_lens in a separate update"
+            )
+        if changes_graph:
+            self.set_graph_mode(target_graph, background=background)
+        if not background:
+            self.set_needs_cpu_seq_lens(target_mode)
         if eager_input_no_copy is not None:
             self.set_eager_input_no_copy(eager_input_no_copy)
 
@@ -445,7 +540,10 @@ class ModelExecutor:
         t1 = time.perf_counter_ns()
         host = self._complete(batch)
         t2 = time.perf_counter_ns()
-        out, sample, logits, timings = self._run(host, return_logits=return_logits, keep_rows=True)
+        with self._step_lock:  # a background capture holds it only while it captures a bucket
+            out, sample, logits, timings = self._run(
+                host, return_logits=return_logits, keep_rows=True
+            )
         timings["validate"] = t1 - t0
         timings["stage"] += t2 - t1  # completing the batch is part of staging it
         timings["total"] = time.perf_counter_ns() - t0

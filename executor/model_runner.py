@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -41,6 +41,15 @@ def wants_decode_graphs(mode: str) -> bool:
 
 def wants_piecewise(mode: str) -> bool:
     return mode in ("extend", "both")
+
+
+@dataclass
+class CapturedRunners:
+    """Runners captured for a graph mode, not yet in use (`ModelRunner.install`)."""
+
+    decode: DecodeGraphRunner | None = None
+    piecewise: PiecewiseGraphRunner | None = None
+    reports: list[CaptureReport] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -97,21 +106,49 @@ class ModelRunner:
 
     def enable_graphs(self, mode: str, *, progress: bool = True) -> list[CaptureReport]:
         """Switch to `mode`, capturing the runners it needs that were not captured yet."""
+        captured = self.capture_for(mode, progress=progress)
+        self.install(mode, captured)
+        return captured.reports
+
+    def needs_capture(self, mode: str) -> bool:
+        """Whether switching to `mode` captures a runner that does not exist yet."""
+        return bool(self._missing(mode))
+
+    def _missing(self, mode: str) -> list[str]:
         if mode not in RUNTIME_GRAPH_MODES:
             raise ValueError(
                 f"graph_mode must be one of {', '.join(RUNTIME_GRAPH_MODES)}, got {mode!r}"
             )
-        reports: list[CaptureReport] = []
         if mode != "none" and self.graph_settings is None:
             raise ValueError("this runner was built without graph settings")
-        settings = self.graph_settings
+        missing = []
         if (
             wants_decode_graphs(mode)
             and self.decode_graphs is None
-            and self.attn_backend.supports_graph_capture
+            and self.attn_backend.can_capture
         ):
+            missing.append("decode")
+        if wants_piecewise(mode) and self.piecewise is None:
+            missing.append("piecewise")
+        return missing
+
+    def capture_for(
+        self,
+        mode: str,
+        *,
+        progress: bool = True,
+        lock: AbstractContextManager[object] | None = None,
+    ) -> CapturedRunners:
+        """Build and capture the runners `mode` needs that do not exist yet, without
+        installing them (the current path keeps serving). With `lock`, each bucket is
+        captured holding it, so the steps that take it in between never overlap a capture
+        (a runtime capture on a background thread)."""
+        missing = self._missing(mode)
+        settings = self.graph_settings
+        out = CapturedRunners()
+        if "decode" in missing:
             assert settings is not None
-            self.decode_graphs = DecodeGraphRunner(
+            out.decode = DecodeGraphRunner(
                 self.model,
                 self.attn_backend,
                 device=self.device,
@@ -119,10 +156,10 @@ class ModelRunner:
                 needs_cpu_seq_lens=self.eager_inputs.needs_cpu_seq_lens,
                 factory=self.graph_factory,
             )
-            reports.append(self.decode_graphs.capture(progress=progress))
-        if wants_piecewise(mode) and self.piecewise is None:
+            out.reports.append(out.decode.capture(progress=progress, lock=lock))
+        if "piecewise" in missing:
             assert settings is not None
-            self.piecewise = PiecewiseGraphRunner(
+            out.piecewise = PiecewiseGraphRunner(
                 self.model,
                 self.attn_backend,
                 device=self.device,
@@ -130,9 +167,16 @@ class ModelRunner:
                 max_bs=settings.max_bs,
                 factory=self.graph_factory,
             )
-            reports.append(self.piecewise.capture(progress=progress))
+            out.reports.append(out.piecewise.capture(progress=progress, lock=lock))
+        return out
+
+    def install(self, mode: str, captured: CapturedRunners) -> None:
+        """Use `captured` (from `capture_for`) and switch to `mode`: between two steps."""
+        if captured.decode is not None:
+            self.decode_graphs = captured.decode
+        if captured.piecewise is not None:
+            self.piecewise = captured.piecewise
         self.graph_mode = mode
-        return reports
 
     def _graph_path(self, fb: ForwardBatch) -> tuple[RunnerOutput | None, str | None]:
         """(output, None) if a graph path ran; (None, "kind:reason") if one was wanted but

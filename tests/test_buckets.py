@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from executor.graphs.buckets import (
@@ -24,11 +26,12 @@ def test_default_decode_buckets() -> None:
 
 
 def test_default_piecewise_buckets() -> None:
+    # A small ladder (issue 15): 10 sizes to 2048 where there were 42, so a 30-layer model
+    # captures 310 piecewise graphs, not 1,302.
     full = default_piecewise_buckets(2048)
-    assert full[:8] == [4, 8, 12, 16, 20, 24, 28, 32]
-    assert full[8:11] == [48, 64, 80] and 256 in full and 288 in full and 512 in full
-    assert full[-4:] == [1280, 1536, 1792, 2048]
-    assert default_piecewise_buckets(100)[-2:] == [96, 100]
+    assert full == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
+    assert all(b / a <= 2 for a, b in itertools.pairwise(full))
+    assert default_piecewise_buckets(100) == [16, 32, 64, 100]
     assert default_piecewise_buckets(3) == [3]
 
 

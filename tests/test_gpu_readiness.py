@@ -20,6 +20,7 @@ import torch
 
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
+from executor.errors import ToggleRefusedError
 from executor.forward_batch import SamplingParams
 from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
 from executor.kv_cache import ReqToTokenPool
@@ -387,3 +388,107 @@ def test_the_metrics_show_the_staged_copies_and_the_synchronizing_uploads(
 
     assert delta("model_executor_h2d_copies_total", "staged_inputs") == 1
     assert delta("model_executor_h2d_syncs_total", "row_table") == 3
+
+
+# --- a runtime graph-mode change captures in the background --------------------------------
+class _BetweenBuckets:
+    """Stands in for the factory's stop event: the capture loop asks it before every bucket
+    (outside the step lock); the second time, it holds the capture thread there."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        if self.calls == 2:
+            self.reached.set()
+            assert self.go.wait(30)
+        return False
+
+    def set(self) -> None:  # the factory's interface; nothing sets it here
+        raise AssertionError("unexpected stop")
+
+
+def _gated_executor(make_executor: MakeExecutor) -> tuple[ModelExecutor, _BetweenBuckets]:
+    """An executor without graphs whose next capture waits between its two buckets."""
+    ex = make_executor(graph_mode="none", piecewise_token_sizes="8,16")
+    gate = _BetweenBuckets()
+    ex.runner.graph_factory.stop = gate  # type: ignore[assignment]
+    return ex, gate
+
+
+def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
+    make_executor: MakeExecutor,
+) -> None:
+    ex, gate = _gated_executor(make_executor)
+    ended: list[str] = []
+    ex.graph_mode_listener = lambda: ended.append(ex.graph_capture)
+    ex.apply_toggles(graph_mode="extend", background_capture=True)
+    assert gate.reached.wait(30)  # bucket 16 captured; the thread waits before bucket 8
+    assert (ex.graph_mode, ex.graph_capture) == ("none", "capturing graph_mode=extend")
+    # Serving goes on, eagerly, between two buckets.
+    out = ex.forward(
+        make_extend_batch(input_ids=[[3, 4, 5]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]])
+    )
+    assert (out.stats.path, out.stats.graph_fallback) == ("eager", None)
+    # Graph-mode changes wait for the capture to end (refused, nothing changed).
+    with pytest.raises(ToggleRefusedError, match="capture is in progress"):
+        ex.apply_toggles(graph_mode="decode", background_capture=True)
+    ex.apply_toggles(eager_input_no_copy=True, background_capture=True)  # others still apply
+    gate.go.set()
+    assert ex.wait_for_capture(30)
+    assert (ex.graph_mode, ex.graph_capture, ended) == ("extend", "idle", ["idle"])
+    assert ex.needs_cpu_seq_lens  # the piecewise path's host lengths, decided at install
+    assert sorted(ex.capture_reports[-1].captured) == [8, 16]
+    out = ex.forward(
+        make_extend_batch(input_ids=[[6, 7]], req_pool_indices=[2], out_cache_loc=[[4, 5]])
+    )
+    assert out.stats.path == "piecewise"
+
+
+def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor) -> None:
+    ex = make_executor(graph_mode="extend", piecewise_token_sizes="8,16")
+    [report] = ex.capture_reports
+    layers = len(ex.model.decoder_layers)
+    assert report.graphs == 2 * (layers + 1) and report.graphs_per_bucket == layers + 1
+
+
+# --- torch_paged refuses DECODE graphs on CUDA ----------------------------------------------
+def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
+    make_executor: MakeExecutor,
+) -> None:
+    from attention.torch_paged import cuda_graph_refusal
+
+    assert cuda_graph_refusal(torch.device("cpu"), 8192) is None
+    reason = cuda_graph_refusal(torch.device("cuda", 0), 8192)
+    assert reason is not None and "8192" in reason and "triton" in reason
+    ex = make_executor(graph_mode="none", graph_batch_sizes="1,2")
+    ex.attn_backend.graph_capture_refusal = reason  # what __init__ sets on a CUDA device
+    with pytest.raises(ToggleRefusedError, match="use attention_backend=triton"):
+        ex.set_graph_mode("decode")
+    assert ex.graph_mode == "none"
+    ex.set_graph_mode("extend")  # the piecewise path runs attention eagerly: allowed
+    assert ex.runner.decode_graphs is None
+
+
+def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
+    make_executor: MakeExecutor,
+) -> None:
+    from executor.service.runtime_config import RuntimeConfigUpdate, RuntimeControl
+
+    ex, gate = _gated_executor(make_executor)
+    published: list[tuple[str, str]] = []
+    control = RuntimeControl(
+        ex,
+        trace_sample_ratio=0.0,
+        set_trace_sample_ratio=lambda _: None,
+        on_change=lambda c: published.append((c.graph_mode, c.graph_capture)),
+    )
+    answer = control.update(RuntimeConfigUpdate(graph_mode="extend"))
+    assert (answer.graph_mode, answer.graph_capture) == ("none", "capturing graph_mode=extend")
+    gate.go.set()
+    assert ex.wait_for_capture(30)
+    assert (control.current().graph_mode, control.current().graph_capture) == ("extend", "idle")
+    assert published[-1] == ("extend", "idle")  # the gauges follow when the capture ends

@@ -9,6 +9,7 @@ which size picks a batch's bucket, and how a replay runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import Generic, TypeVar
 
 import torch
@@ -46,15 +47,29 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
         self.captured: dict[int, CapturedT] = {}
         self.report: CaptureReport | None = None
 
-    def capture(self, *, progress: bool = True) -> CaptureReport:
-        """Capture every bucket, largest first; a failed bucket is left out (eager for it)."""
-        self._prepare_capture()
-        self.factory.prepare(len(self.buckets))
+    def capture(
+        self, *, progress: bool = True, lock: AbstractContextManager[object] | None = None
+    ) -> CaptureReport:
+        """Capture every bucket, largest first; a failed bucket is left out (eager for it).
+        With `lock`, the preparation and each bucket hold it (a background capture)."""
+        with lock or nullcontext():
+            self._prepare_capture()
+            self.factory.prepare(len(self.buckets))
         self.captured.clear()
         self.report = capture_buckets(
-            self.kind, self.buckets, self._capture_one, self.factory, progress=progress
+            self.kind,
+            self.buckets,
+            self._capture_one,
+            self.factory,
+            progress=progress,
+            lock=lock,
+            graphs_per_bucket=self.graphs_per_bucket(),
         )
         return self.report
+
+    def graphs_per_bucket(self) -> int:
+        """How many graphs one bucket captures (the start-up report counts them)."""
+        return 1
 
     def _prepare_capture(self) -> None:
         """Runs once before the first bucket is captured (e.g. the backend's graph buffers)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import structlog
@@ -24,6 +25,13 @@ class CaptureReport:
     failed: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
     memory_bytes: int = 0
+    graphs_per_bucket: int = 1  # piecewise: layers + 1 pieces per token count
+
+    @property
+    def graphs(self) -> int:
+        """Graphs captured (buckets x graphs per bucket)."""
+        return len(self.captured) * self.graphs_per_bucket
+
     # Set when a capture poisoned the factory (this pass's or an earlier one): nothing more
     # is captured or replayed, graph mode runs eagerly with this reason.
     poisoned: str | None = None
@@ -36,6 +44,8 @@ def capture_buckets(
     factory: GraphFactory,
     *,
     progress: bool = True,
+    lock: AbstractContextManager[object] | None = None,
+    graphs_per_bucket: int = 1,
 ) -> CaptureReport:
     """Capture every bucket, largest first. A bucket whose capture fails cleanly (an
     out-of-memory error, a compile error) is logged with its reason and left out (its
@@ -43,8 +53,11 @@ def capture_buckets(
     capture (GraphCapturePoisoned) poisons the factory and ends the pass: no later bucket,
     and no later pass, is captured.
 
+    With `lock`, each bucket is captured holding it (a background capture: the steps that
+    take it run between two buckets).
+
     Raises StartupCancelled before the next bucket once `factory.stop` is set."""
-    report = CaptureReport(kind)
+    report = CaptureReport(kind, graphs_per_bucket=graphs_per_bucket)
     if factory.poisoned is not None:
         report.poisoned = factory.poisoned
         log.warning("graph capture skipped", kind=kind, poisoned=factory.poisoned)
@@ -63,7 +76,8 @@ def capture_buckets(
                 raise StartupCancelled(f"{kind} graph capture stopped before bucket {size}")
             t = time.perf_counter()
             try:
-                capture_one(size)
+                with lock or nullcontext():
+                    capture_one(size)
             except GraphCapturePoisoned as e:
                 report.failed[size] = report.poisoned = f"{type(e).__name__}: {e}"
                 factory.poison(report.poisoned)
@@ -88,6 +102,7 @@ def capture_buckets(
         "graphs captured",
         kind=kind,
         captured=len(report.captured),
+        graphs=report.graphs,
         failed=len(report.failed),
         seconds=round(report.seconds, 3),
         memory_mib=round(report.memory_bytes / 2**20, 1),

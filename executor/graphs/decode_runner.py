@@ -112,8 +112,11 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         graph.capture(run)
         return _Captured(graph, view)
 
+    def graphs_per_bucket(self) -> int:
+        return len(self.attn_backend.graph_kv_buckets())
+
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        if not self.attn_backend.supports_graph_capture:
+        if not self.attn_backend.can_capture:
             return "backend_unsupported"
         return super().fallback_reason(fb)
 

@@ -139,6 +139,9 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             extend_start_loc=one * 0,
         )
 
+    def graphs_per_bucket(self) -> int:
+        return len(self.model.decoder_layers) + 1
+
     def _capture_one(self, n: int) -> None:
         view, _ = self._stage_tokens(self._synthetic_batch(n), n, n)
         graphs = []

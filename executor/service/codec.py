@@ -378,6 +378,7 @@ def runtime_config_to_proto(config: RuntimeConfig) -> pb.RuntimeConfig:
         log_level=config.log_level,
         trace_sample_ratio=config.trace_sample_ratio,
         needs_cpu_seq_lens_effective=config.needs_cpu_seq_lens_effective,
+        graph_capture=config.graph_capture,
     )
 
 
@@ -389,6 +390,7 @@ def runtime_config_from_proto(msg: pb.RuntimeConfig) -> RuntimeConfig:
         graph_mode=_GRAPH_MODE_NAMES.get(msg.graph_mode, "none"),
         log_level=msg.log_level,
         trace_sample_ratio=msg.trace_sample_ratio,
+        graph_capture=msg.graph_capture or "idle",
     )
 
 
@@ -413,6 +415,8 @@ def runtime_update_from_proto(msg: pb.RuntimeConfig) -> RuntimeConfigUpdate:
         raise RuntimeConfigError(
             "needs_cpu_seq_lens_effective is output only; set needs_cpu_seq_lens instead"
         )
+    if msg.HasField("graph_capture"):
+        raise RuntimeConfigError("graph_capture is output only; set graph_mode instead")
     values: dict[str, Any] = {}
     if msg.HasField("eager_input_no_copy"):
         values["eager_input_no_copy"] = msg.eager_input_no_copy

@@ -32,6 +32,10 @@ class RuntimeConfig:
     graph_mode: str  # none | decode | extend | both
     log_level: str  # debug | info | warning | error
     trace_sample_ratio: float  # 0..1, for RPCs without a sampled caller
+    # The graph-mode toggle's capture: idle | capturing graph_mode=<mode> | failed: <reason>.
+    # A runtime graph_mode that needs a capture captures in the background while the
+    # current path serves; `graph_mode` changes when it is done.
+    graph_capture: str = "idle"
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,17 @@ class RuntimeControl:
         self._on_change = on_change
         self._current = self._read()
         on_change(self._current)
+        executor.graph_mode_listener = self._capture_ended
+
+    def _capture_ended(self) -> None:
+        """A background graph capture ended (on its thread): publish the new state."""
+        self._current = self._read()
+        log.warning(
+            "runtime config updated",
+            changed={"graph_mode": self._current.graph_mode},
+            graph_capture=self._current.graph_capture,
+        )
+        self._on_change(self._current)
 
     def _read(self) -> RuntimeConfig:
         ex = self.executor
@@ -128,6 +143,7 @@ class RuntimeControl:
             graph_mode=ex.graph_mode,
             log_level=current_level(),  # the process's logging, as configured
             trace_sample_ratio=self._trace_sample_ratio,
+            graph_capture=ex.graph_capture,
         )
 
     def current(self) -> RuntimeConfig:
@@ -141,6 +157,7 @@ class RuntimeControl:
             eager_input_no_copy=update.eager_input_no_copy,
             needs_cpu_seq_lens=update.needs_cpu_seq_lens,
             graph_mode=update.graph_mode,
+            background_capture=True,
         )
         # Neither of these can fail: their values were checked when `update` was built.
         if update.log_level is not None:

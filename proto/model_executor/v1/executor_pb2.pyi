@@ -227,20 +227,22 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
-    __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective")
+    __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective", "graph_capture")
     EAGER_INPUT_NO_COPY_FIELD_NUMBER: _ClassVar[int]
     NEEDS_CPU_SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_MODE_FIELD_NUMBER: _ClassVar[int]
     LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
     TRACE_SAMPLE_RATIO_FIELD_NUMBER: _ClassVar[int]
     NEEDS_CPU_SEQ_LENS_EFFECTIVE_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_CAPTURE_FIELD_NUMBER: _ClassVar[int]
     eager_input_no_copy: bool
     needs_cpu_seq_lens: NeedsCpuSeqLens
     graph_mode: GraphMode
     log_level: str
     trace_sample_ratio: float
     needs_cpu_seq_lens_effective: bool
-    def __init__(self, eager_input_no_copy: _Optional[bool] = ..., needs_cpu_seq_lens: _Optional[_Union[NeedsCpuSeqLens, str]] = ..., graph_mode: _Optional[_Union[GraphMode, str]] = ..., log_level: _Optional[str] = ..., trace_sample_ratio: _Optional[float] = ..., needs_cpu_seq_lens_effective: _Optional[bool] = ...) -> None: ...
+    graph_capture: str
+    def __init__(self, eager_input_no_copy: _Optional[bool] = ..., needs_cpu_seq_lens: _Optional[_Union[NeedsCpuSeqLens, str]] = ..., graph_mode: _Optional[_Union[GraphMode, str]] = ..., log_level: _Optional[str] = ..., trace_sample_ratio: _Optional[float] = ..., needs_cpu_seq_lens_effective: _Optional[bool] = ..., graph_capture: _Optional[str] = ...) -> None: ...
 
 class GetRuntimeConfigRequest(_message.Message):
     __slots__ = ()
