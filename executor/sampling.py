@@ -1,4 +1,4 @@
-"""Turn a step's logits into next tokens (and logprobs), with one counted host transfer each."""
+"""Turn a step's logits into next tokens (and logprobs), with one counted host transfer."""
 
 from __future__ import annotations
 
@@ -72,25 +72,26 @@ class Sampler:
             uniforms if uniforms is not None else torch.zeros(0, device=logits.device),
             plan,
         )
-        out = SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"))
         if return_logprob or top_logprobs_num > 0:
-            out = self._logprobs(logits, ids, out, return_logprob, top_logprobs_num)
-        return out
+            return self._with_logprobs(logits, ids, return_logprob, top_logprobs_num)
+        return SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"))
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, ids: torch.Tensor, out: SampleOutput, chosen: bool, k: int
+    def _with_logprobs(
+        logits: torch.Tensor, ids: torch.Tensor, chosen: bool, k: int
     ) -> SampleOutput:
+        """The tokens and every logprob output in one packed transfer (float64 holds token
+        ids exactly), so a step with logprobs syncs once, as one without."""
         logprobs = torch.log_softmax(logits, dim=-1)
-        parts = [logprobs.gather(1, ids.unsqueeze(1)).double()]  # [bs, 1]
+        parts = [ids.unsqueeze(1).double(), logprobs.gather(1, ids.unsqueeze(1)).double()]
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
-            parts += [top_vals.double(), top_ids.double()]  # ids are exact in float64
-        # One packed transfer for all logprob outputs.
-        host = to_host(torch.cat(parts, dim=1), "logprobs")
+            parts += [top_vals.double(), top_ids.double()]
+        host = to_host(torch.cat(parts, dim=1), "sampled_tokens")
+        out = SampleOutput(next_token_ids=host[:, 0].long())
         if chosen:
-            out.next_token_logprobs = host[:, 0].float()
+            out.next_token_logprobs = host[:, 1].float()
         if k > 0:
-            out.top_logprobs = host[:, 1 : 1 + k].float()
-            out.top_logprob_ids = host[:, 1 + k :].long()
+            out.top_logprobs = host[:, 2 : 2 + k].float()
+            out.top_logprob_ids = host[:, 2 + k :].long()
         return out

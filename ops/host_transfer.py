@@ -1,7 +1,7 @@
 """The doors through which serving-path data crosses between host and device, counted.
 
 Every device-to-host read on the forward path calls :func:`to_host` with a `reason`
-(``sampled_tokens``, ``logprobs``, ``seq_lens_cpu``, ...). The counts feed the
+(``sampled_tokens``, ``logits``, ``seq_lens_cpu``, ...). The counts feed the
 `model_executor_d2h_syncs_total` metric, and tests assert them exactly. On a CPU device the
 "transfer" is a copy, counted all the same so that the accounting is checked in CI. Tests
 run the step under :class:`ops.host_read_guard.HostReadGuard`, which fails on any host read

@@ -593,7 +593,7 @@ def internals() -> dict[str, Any]:
                 Panel(
                     "D2H syncs per step by reason",
                     "Device-to-host copies per non-idle step; expected: one for the sampled "
-                    "tokens, one more with logprobs. The ModelExecutorD2HSyncsPerStepHigh "
+                    "tokens (their logprobs packed in). The ModelExecutorD2HSyncsPerStepHigh "
                     "alert fires above 2.",
                     [
                         Target(
