@@ -154,7 +154,10 @@ class CudaGraph(Graph):
         graph = torch.cuda.CUDAGraph()
         body_error: BaseException | None = None
         with torch.cuda.stream(self._stream):  # the previous stream comes back on any exit
-            graph.capture_begin(pool=self._pool)
+            # thread_local: a background capture (set_graph_mode(background=True)) holds the
+            # step lock, so no other thread launches work meanwhile; other threads' host-side
+            # CUDA calls (an RPC thread, a metrics scrape) must not invalidate the capture.
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 fn()
             except BaseException as e:  # the capture must still end (below)
