@@ -19,6 +19,8 @@ class SampleOutput:
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32
     top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
     top_logprobs: torch.Tensor | None = None  # [bs, k] float32
+    # The sampled ids where they were drawn (the device): the future-token table stores them.
+    device_token_ids: torch.Tensor | None = None  # [bs] int64
 
 
 class Sampler:
@@ -72,7 +74,7 @@ class Sampler:
             uniforms if uniforms is not None else torch.zeros(0, device=logits.device),
             plan,
         )
-        out = SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"))
+        out = SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"), device_token_ids=ids)
         if return_logprob or top_logprobs_num > 0:
             out = self._logprobs(logits, ids, out, return_logprob, top_logprobs_num)
         return out
