@@ -4,6 +4,7 @@ the overlap scheduler's output against the plain one, in-process and over Forwar
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -352,6 +353,7 @@ def test_overlap_over_forward_stream_matches_unary_and_counts_resolved_tokens(
     ):
         remote = client.info()
         assert remote.info.limits.future_slots == 64
+        assert client.future_slots().alloc(64)[-1] == 64
         limits = remote.info.limits
         plain = generate(client.retrying(), limits, PROMPTS, max_new_tokens=8, eos_token_ids=[])
         session = client.open_stream()
@@ -383,3 +385,24 @@ def test_future_slots_default_to_four_per_row() -> None:
     assert resolve_future_slots(ExecutorConfig(max_reqs=10, future_slots=7)) == 7
     with pytest.raises(ValueError, match="future_slots must be >= 0"):
         ExecutorConfig(future_slots=-1)
+
+
+def test_cli_generate_overlap_prints_what_generate_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from executor.client.cli import main
+
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    args = ["generate", "hi", "there", "--model", "tiny-random", "--max-new-tokens", "6"]
+    args += ["--cache-dir", str(tmp_path), "--max-reqs", "4"]
+    # stdout may carry the embedded server's log lines too: compare the answers only.
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--overlap"]) == 0
+    overlapped = capsys.readouterr().out
+
+    def answers(out: str) -> list[str]:
+        return [line for line in out.splitlines() if not re.match(r"\d{4}-\d\d-\d\d ", line)]
+
+    assert "--- [1] length" in plain
+    assert answers(overlapped) == answers(plain)
