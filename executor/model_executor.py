@@ -484,7 +484,8 @@ class ModelExecutor:
             with self.device_step_guard():
                 fb = host.to(self.device)
                 t1 = time.perf_counter_ns()
-                out = self.runner.forward(fb)
+                refs = future is not None and future.references > 0
+                out = self.runner.forward(fb, future_refs=refs)
                 if self.faults is not None:
                     self.faults.check("forward")
                 t2 = time.perf_counter_ns()

@@ -138,6 +138,29 @@ def test_every_path_reads_references_as_the_tokens_they_name(
     assert ex.future.assigned.nonzero()[0].tolist() == [1, 3, 4]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph_mode", ["none", "both"])
+def test_cuda_paths_read_references_as_the_tokens_they_name(
+    make_executor: MakeExecutor, graph_mode: str
+) -> None:
+    """Real CUDA graphs: the gather inside the captured graph reads the table's buffer."""
+    config = {
+        "device": "cuda",
+        "dtype": "float32",
+        "graph_mode": graph_mode,
+        "graph_backend": "cuda",
+    }
+    config |= {"graph_batch_sizes": "4", "piecewise_token_sizes": "8"}
+    by_value = _steps(make_executor(**config), by_reference=False)
+    by_ref = _steps(make_executor(**config), by_reference=True)
+    for ref, val in zip(by_ref, by_value, strict=True):
+        assert ref.next_token_ids.tolist() == val.next_token_ids.tolist()
+        assert ref.logits is not None and val.logits is not None
+        torch.testing.assert_close(ref.logits, val.logits, rtol=0, atol=0)
+    if graph_mode == "both":
+        assert [s.stats.path for s in by_ref] == ["full_graph", "piecewise"]
+
+
 @pytest.mark.parametrize("path", ["eager", "eager_no_copy", "full_graph"])
 def test_resolution_reads_nothing_on_the_host(make_executor: MakeExecutor, path: str) -> None:
     """Under the host-read guard, a step with references makes the same one counted transfer
