@@ -120,6 +120,8 @@ def complete_batch(
         "positions": _as_i64(fb.positions),
         "prefix_cache_loc": _as_i64(fb.prefix_cache_loc),
         "released_req_pool_indices": _as_i64(fb.released_req_pool_indices),
+        "future_token_slots": _as_i64(fb.future_token_slots),
+        "released_future_slots": _as_i64(fb.released_future_slots),
         "sampling": fb.sampling if fb.sampling is not None else SamplingBatch.greedy(fb.batch_size),
         "seq_lens_cpu": seq_lens if needs_cpu_seq_lens else None,
         "seq_lens_sum": int(seq_lens.sum()) if needs_cpu_seq_lens else None,

@@ -104,6 +104,12 @@ class ExecutorConfig:
         "most top_logprobs_num a batch may ask for (each request's answer grows by 12 bytes per "
         "entry; the send limit is derived from it); reported by GetInfo",
     )
+    future_slots: int = setting(
+        0,
+        "size of the future-token table (overlap scheduling: input id -k reads the token a "
+        "request sampled into future slot k); valid slots 1..future_slots; 0 = 4 * max_reqs; "
+        "reported by GetInfo",
+    )
     allow_custom_positions: bool = setting(
         False,
         "accept explicit positions that differ from each token's index in its request "
@@ -137,6 +143,7 @@ class ExecutorConfig:
             "graph_max_bs",
             "piecewise_max_tokens",
             "max_top_logprobs",
+            "future_slots",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derived), got {getattr(self, name)}")
@@ -176,6 +183,11 @@ class ExecutorConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return ExecutorConfig(**values)
+
+
+def resolve_future_slots(config: ExecutorConfig) -> int:
+    """The future-token table's size: the configured one, or 4 slots per request row."""
+    return config.future_slots or 4 * config.max_reqs
 
 
 def resolve_device(config: ExecutorConfig) -> torch.device:

@@ -144,6 +144,11 @@ class ForwardBatch:
     # Host only: rows the scheduler freed since its last batch; their resident length drops to
     # 0 before this step runs (a freed row may be reused by a new request in the same batch).
     released_req_pool_indices: torch.Tensor | None = None  # [n]
+    # Future-token references (overlap scheduling, executor.future_tokens): after sampling,
+    # request i's token is stored in future slot future_token_slots[i]; a negative input id
+    # -k reads the token stored in slot k. released_future_slots (host only) are freed first.
+    future_token_slots: torch.Tensor | None = None  # [bs] slots 1..future_slots
+    released_future_slots: torch.Tensor | None = None  # [n]
     sampling: SamplingBatch | None = None  # None: greedy for every request
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -218,4 +223,5 @@ _DEVICE_FIELDS = (
     "extend_start_loc",
     "input_embeds",
     "prefix_cache_loc",
+    "future_token_slots",
 )

@@ -31,12 +31,14 @@ from executor.config import (
     choose_dtype,
     resolve_cache_dir,
     resolve_device,
+    resolve_future_slots,
     resolve_graph_backend,
     resolve_graph_mode,
     resolve_max_context_len,
 )
 from executor.errors import FaultInjector, ToggleRefusedError
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.future_tokens import FutureTokenTable, future_references
 from executor.graphs.buckets import (
     CPU_GRAPH_MAX_BS,
     CPU_PIECEWISE_MAX_TOKENS,
@@ -111,6 +113,7 @@ class StepStats:
     # blocking), and asynchronous copies from the pinned staging buffer (1 per step).
     h2d_syncs: int = 0
     h2d_copies: int = 0
+    future_refs: int = 0  # input ids resolved from the future-token table on the device
     # Wall-clock start (time.time_ns) of each phase in `timings_ns` (validate, stage, forward,
     # sample; queue when a worker ran it): trace spans are drawn from these afterwards.
     # Not sent over the wire.
@@ -212,10 +215,12 @@ class ModelExecutor:
             max_batch_size=config.max_batch_size or config.max_reqs,
             max_tokens_per_batch=config.max_tokens_per_batch,
             max_top_logprobs=config.max_top_logprobs,
+            future_slots=resolve_future_slots(config),
         )
         self.req_to_token_pool = ReqToTokenPool(
             config.max_reqs, max_context_len, self.device, kv_slots=config.kv_slots
         )
+        self.future = FutureTokenTable(self.limits.future_slots, self.device)
         self.kv_pool = KVPool(
             config.kv_slots,
             mcfg.num_layers,
@@ -252,6 +257,7 @@ class ModelExecutor:
             graph_backend=resolve_graph_backend(config, self.device),
             cache_dir=resolve_cache_dir(config),
             stop=stop,
+            future_tokens=self.future.tokens,
         )
         self.capture_reports: list[CaptureReport] = []
         # A step and a background capture's bucket never overlap (set_graph_mode(background)).
@@ -525,6 +531,7 @@ class ModelExecutor:
             self.limits,
             self.req_to_token_pool.resident_lens,
             allow_custom_positions=self.config.allow_custom_positions,
+            future_assigned=self.future.assigned,
         )
 
     @on_own_device
@@ -568,6 +575,7 @@ class ModelExecutor:
             h2d_syncs=host_transfers.total_h2d_syncs - h2d_syncs0,
             h2d_copies=host_transfers.total_h2d_copies - h2d_copies0,
             started_ns=started,
+            future_refs=future_references(host),
         )
         if out.graph_fallback is not None:
             kind, reason = out.graph_fallback.split(":", 1)
@@ -602,11 +610,13 @@ class ModelExecutor:
         views = self.staging.stage(host.staged_fields() + cells.staged_fields())
         # IDLE too: it may release rows. Refuses (nothing changed) a slot a live row holds.
         write = self.req_to_token_pool.write_batch(host, cells, cells.from_views(views))
+        future = self.future.apply(host) if keep_rows else None
         try:
             with self.device_step_guard():
                 fb = host.with_device_fields(views)
                 t1 = time.perf_counter_ns()
-                out = self.runner.forward(fb)
+                refs = future is not None and future.references > 0
+                out = self.runner.forward(fb, future_refs=refs)
                 if self.faults is not None:
                     self.faults.check("forward")
                 t2 = time.perf_counter_ns()
@@ -622,8 +632,12 @@ class ModelExecutor:
                     top_logprobs_num=host.top_logprobs_num,
                 )
                 logits = to_host(out.logits, "logits") if return_logits else None
+                if future is not None:  # last: nothing after it can fail the step
+                    self.future.store(fb.future_token_slots, sample.device_token_ids)
         except BaseException:
             self.req_to_token_pool.undo(write)
+            if future is not None:
+                self.future.undo(future)
             raise
         if not keep_rows:
             self.req_to_token_pool.undo(write)

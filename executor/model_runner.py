@@ -30,6 +30,7 @@ from executor.graphs.graph import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.models.llama import LayerHalves, LlamaForCausalLM, compile_halves
 from executor.runner_output import RunnerOutput
+from ops.future_tokens import resolve_future_tokens
 from registry import FillStats
 
 log = structlog.get_logger(__name__)
@@ -80,8 +81,12 @@ class ModelRunner:
         graph_backend: str = "standin",
         cache_dir: Path | None = None,
         stop: threading.Event | None = None,
+        future_tokens: torch.Tensor | None = None,
     ) -> None:
+        """`future_tokens`: the future-token table (device); every path resolves negative
+        input ids from it before the model reads them (inside the graph on graph paths)."""
         self.model = model
+        self.future_tokens = future_tokens
         self.attn_backend = attn_backend
         self.device = device
         self.eager_input_no_copy = eager_input_no_copy
@@ -155,6 +160,7 @@ class ModelRunner:
                 buckets=settings.decode_buckets,
                 needs_cpu_seq_lens=self.eager_inputs.needs_cpu_seq_lens,
                 factory=self.graph_factory,
+                future_tokens=self.future_tokens,
             )
             out.reports.append(out.decode.capture(progress=progress, lock=lock))
         if "piecewise" in missing:
@@ -166,6 +172,7 @@ class ModelRunner:
                 buckets=settings.piecewise_buckets,
                 max_bs=settings.max_bs,
                 factory=self.graph_factory,
+                future_tokens=self.future_tokens,
             )
             out.reports.append(out.piecewise.capture(progress=progress, lock=lock))
         return out
@@ -205,15 +212,17 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> RunnerOutput:
+    def forward(self, fb: ForwardBatch, *, future_refs: bool = True) -> RunnerOutput:
+        """`future_refs` False (the host saw no negative input id) lets the eager paths skip
+        the gather; a captured graph always runs it."""
         out, fallback = self._graph_path(fb)
         if out is not None:
             return out
-        out = self._eager(fb)
+        out = self._eager(fb, future_refs)
         out.graph_fallback = fallback
         return out
 
-    def _eager(self, fb: ForwardBatch) -> RunnerOutput:
+    def _eager(self, fb: ForwardBatch, future_refs: bool) -> RunnerOutput:
         path = "eager_no_copy" if self.eager_input_no_copy else "eager"
         if fb.forward_mode.is_idle():
             logits = torch.empty(
@@ -230,8 +239,11 @@ class ModelRunner:
         # NOTE: metadata is planned from the batch the model actually reads (`view` is ours).
         view.attn_metadata = self.attn_backend.init_forward_metadata(view)
         assert view.positions is not None
+        input_ids = view.input_ids
+        if future_refs and input_ids is not None and self.future_tokens is not None:
+            input_ids = resolve_future_tokens(input_ids, self.future_tokens)
         hidden = self.model.forward(
-            view.input_ids, view.positions, view, self.attn_backend, view.input_embeds
+            input_ids, view.positions, view, self.attn_backend, view.input_embeds
         )
         # The logits are fresh memory, not a registry view: they survive the next fill.
         logits = self.model.compute_logits(hidden, view)

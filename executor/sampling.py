@@ -19,6 +19,8 @@ class SampleOutput:
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32
     top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
     top_logprobs: torch.Tensor | None = None  # [bs, k] float32
+    # The sampled ids where they were drawn (the device): the future-token table stores them.
+    device_token_ids: torch.Tensor | None = None  # [bs] int64
 
 
 class Sampler:
@@ -74,7 +76,7 @@ class Sampler:
         )
         if return_logprob or top_logprobs_num > 0:
             return self._with_logprobs(logits, ids, return_logprob, top_logprobs_num)
-        return SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"))
+        return SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"), device_token_ids=ids)
 
     @staticmethod
     def _with_logprobs(
@@ -88,7 +90,7 @@ class Sampler:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
         host = to_host(torch.cat(parts, dim=1), "sampled_tokens")
-        out = SampleOutput(next_token_ids=host[:, 0].long())
+        out = SampleOutput(next_token_ids=host[:, 0].long(), device_token_ids=ids)
         if chosen:
             out.next_token_logprobs = host[:, 1].float()
         if k > 0:

@@ -33,6 +33,7 @@ class BatchLimits:
     max_batch_size: int
     max_tokens_per_batch: int
     max_top_logprobs: int = 20  # most top_logprobs_num a batch may ask for
+    future_slots: int = 0  # valid future-token slots 1..future_slots (0: no references)
 
 
 def _check_tensor(
@@ -85,8 +86,12 @@ def validate_batch(
     resident_lens: np.ndarray,
     *,
     allow_custom_positions: bool = False,
+    future_assigned: np.ndarray | None = None,
 ) -> None:
     """Raise if `fb` breaks any rule; `resident_lens[row]` is how many positions `row` holds.
+
+    `future_assigned[k]` says future slot k holds a token nobody released (the executor's
+    future table); None: no slot does, so every future-token reference is refused.
 
     Explicit `positions` must be the ones the executor derives (each token's index in its
     request) unless `allow_custom_positions`: they decide the rotary phase of the K/V the
@@ -116,6 +121,7 @@ def validate_batch(
         )
 
     released = _check_released(fb, limits)
+    released_future = _check_released_future(fb, limits)
     # Before the IDLE return: an IDLE step runs the sampler on no rows, and topk beyond the
     # vocabulary fails even then (found by tests/test_fuzz.py).
     cap = min(limits.max_top_logprobs, limits.vocab_size)
@@ -125,6 +131,8 @@ def validate_batch(
             f"must be in 0..{cap} (max_top_logprobs), got {fb.top_logprobs_num!r}",
         )
     if fb.forward_mode is ForwardMode.IDLE:
+        if fb.future_token_slots is not None and fb.future_token_slots.numel() != 0:
+            raise BatchValidationError("future_token_slots", "must be empty for IDLE")
         if bs != 0 or num_tokens != 0:
             raise BatchValidationError(
                 "forward_mode",
@@ -137,6 +145,7 @@ def validate_batch(
         )
 
     _check_inputs(fb, limits, num_tokens)
+    _check_future(fb, limits, bs, released_future, future_assigned)
     _check_range(rows, "req_pool_indices", 1, limits.max_reqs)
     _check_unique(rows, "req_pool_indices", "rows")
     _check_range(out_loc, "out_cache_loc", 1, limits.kv_slots)
@@ -173,6 +182,65 @@ def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | Non
     return released
 
 
+def _check_released_future(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | None:
+    if fb.released_future_slots is None:
+        return None
+    released = _check_tensor(
+        fb.released_future_slots, "released_future_slots", dtypes=_INT_DTYPES, ndim=1
+    )
+    _check_future_slots(released, "released_future_slots", limits)
+    return released
+
+
+def _check_future_slots(slots: torch.Tensor, field: str, limits: BatchLimits) -> None:
+    """Unique future slots in 1..future_slots."""
+    if slots.numel() and limits.future_slots == 0:
+        raise BatchValidationError(field, "the executor takes no future tokens (future_slots = 0)")
+    _check_range(slots, field, 1, limits.future_slots)
+    _check_unique(slots, field, "future slots")
+
+
+def _check_future(
+    fb: ForwardBatch,
+    limits: BatchLimits,
+    bs: int,
+    released: torch.Tensor | None,
+    assigned: np.ndarray | None,
+) -> None:
+    """Future-token slots and references against the table's state after the releases."""
+    held = np.zeros(limits.future_slots + 1, dtype=bool) if assigned is None else assigned.copy()
+    if released is not None and released.numel():
+        held[released.long().numpy()] = False
+    if fb.future_token_slots is not None:
+        slots = _check_tensor(
+            fb.future_token_slots, "future_token_slots", dtypes=_INT_DTYPES, ndim=1, length=bs
+        )
+        _check_future_slots(slots, "future_token_slots", limits)
+        busy = held[slots.long().numpy()]
+        if busy.any():
+            i = int(np.flatnonzero(busy)[0])
+            raise BatchValidationError(
+                f"future_token_slots[{i}]",
+                f"future slot {int(slots[i])} still holds an unreleased token; list it in "
+                "released_future_slots (this batch or an earlier one) before assigning it again",
+            )
+    if fb.input_ids is None or limits.future_slots == 0:
+        return
+    ids = fb.input_ids.numpy()  # numpy: a few microseconds on the per-step path
+    refs = np.flatnonzero(ids < 0)
+    if refs.size == 0:
+        return
+    targets = -ids[refs].astype(np.int64)
+    unheld = np.flatnonzero(~held[targets])
+    if unheld.size:
+        i, k = int(refs[unheld[0]]), int(targets[unheld[0]])
+        raise BatchValidationError(
+            f"input_ids[{i}]",
+            f"refers to future slot {k}, which holds no token: no earlier "
+            "accepted batch assigned it (future_token_slots), or it was released since",
+        )
+
+
 def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> None:
     if (fb.input_ids is None) == (fb.input_embeds is None):
         raise BatchValidationError(
@@ -182,7 +250,17 @@ def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> Non
         ids = _check_tensor(
             fb.input_ids, "input_ids", dtypes=_INT_DTYPES, ndim=1, length=num_tokens
         )
-        _check_range(ids, "input_ids", 0, limits.vocab_size - 1)
+        if limits.future_slots == 0:
+            _check_range(ids, "input_ids", 0, limits.vocab_size - 1)
+        elif ids.numel():
+            bad = (ids < -limits.future_slots) | (ids > limits.vocab_size - 1)
+            if bool(bad.any()):
+                i = _first(bad)
+                raise BatchValidationError(
+                    f"input_ids[{i}]",
+                    f"must be a token id in 0..{limits.vocab_size - 1} or a future-token "
+                    f"reference in -{limits.future_slots}..-1, got {int(ids[i])}",
+                )
     else:
         embeds = _check_tensor(
             fb.input_embeds, "input_embeds", dtypes=_FLOAT_DTYPES, ndim=2, length=num_tokens

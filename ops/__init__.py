@@ -5,6 +5,7 @@ counters in :mod:`ops.host_transfer`, which metrics read.
 """
 
 from ops.activation import silu_and_mul
+from ops.future_tokens import resolve_future_tokens, store_future_tokens
 from ops.host_transfer import HostTransferCounts, host_transfers, to_host
 from ops.kv_store import store_kv
 from ops.rmsnorm import add_rms_norm, rms_norm
@@ -16,9 +17,11 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "host_transfers",
+    "resolve_future_tokens",
     "rms_norm",
     "rotate_half",
     "silu_and_mul",
+    "store_future_tokens",
     "store_kv",
     "to_host",
 ]

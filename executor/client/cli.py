@@ -180,8 +180,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             min_p=args.min_p,
             seed=args.sampling_seed,
         )
+        pipe = None
+        if args.overlap:  # one step in flight on a ForwardStream, tokens fed back by reference
+            pipe = client.open_stream()
+            stack.callback(pipe.close)
         scheduler = ReferenceScheduler(
-            client.retrying(), remote.info.limits, remote.info.eos_token_ids
+            client.retrying(),
+            remote.info.limits,
+            remote.info.eos_token_ids,
+            overlap=args.overlap,
+            pipe=pipe,
         )
         streaming = len(prompts) == 1 and sys.stdout.isatty()
         printed = [""]
@@ -254,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=None,
         help="model spec whose tokenizer to use (default: the server's)",
+    )
+    gen.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap scheduling: send step N+1 over a ForwardStream before step N's tokens "
+        "return (future-token references); same output",
     )
     gen.add_argument("--ready-timeout", type=float, default=300.0)
     gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")

@@ -27,6 +27,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from executor.client.allocator import FutureSlotAllocator
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ExecutorInfo, ForwardOutput
 from executor.service.codec import (
@@ -186,8 +187,18 @@ class ExecutorClient:
             yield response_from_proto(response)
 
     def open_stream(self) -> ForwardSession:
-        """An interactive stream: `send` steps ahead, `recv` results in order (pipelining)."""
+        """An interactive stream: `send` steps ahead, `recv` results in order (pipelining).
+        It is the pipe of an overlapping `ReferenceScheduler(..., overlap=True, pipe=...)`."""
         return ForwardSession(self)
+
+    def future_slots(self, timeout: float | None = 30.0) -> FutureSlotAllocator:
+        """A free list of the executor's future-token slots (1..GetInfo.future_slots).
+
+        For a scheduler that overlaps steps: `alloc` one slot per request of a step (its
+        `future_token_slots`), feed the token to the next step as input id `-slot`, then
+        `release` the slot once that step is built; `take_released` gives the next batch's
+        `released_future_slots`."""
+        return FutureSlotAllocator(self.info(timeout).info.limits.future_slots)
 
     def close(self) -> None:
         self.channel.close()

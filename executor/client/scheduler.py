@@ -13,6 +13,17 @@ Policy: prefill first (one EXTEND batch of waiting chunks), otherwise one DECODE
 every running request. Slots for a request's whole budget (prompt + max_new_tokens) are
 reserved at admission, so a running request never runs out of cache. A finished request's
 row is released to the executor on the next batch (`released_req_pool_indices`).
+
+Overlap (`overlap=True`): the scheduler keeps one step in flight. It sends step N+1 before it
+reads step N's tokens: every request of a step gets a future slot (`future_token_slots`),
+and the next step feeds the token back as input id `-slot`, which the executor resolves on
+the device. Tokens are read one step late, so a request that stopped (a stop token) in step
+N was already in step N+1: that extra token is discarded, and the request's row, KV slots
+and future slots are freed once no step in flight holds them. A request that stops by
+length is never over-scheduled (its length is known). Greedy and seeded outputs equal the
+non-overlap run's. Drive it with a pipe (`send`/`recv`, e.g.
+`ExecutorClient.open_stream()`), or with a `forward` callable (each step then runs at
+send, and is still read one step late).
 """
 
 from __future__ import annotations
@@ -22,12 +33,12 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
-from executor.client.allocator import KVAllocator
+from executor.client.allocator import FutureSlotAllocator, KVAllocator
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
 
@@ -38,6 +49,36 @@ class StepResult(Protocol):
 
 
 ForwardFn = Callable[[ForwardBatch], StepResult]
+
+
+class StepPipe(Protocol):
+    """Steps sent ahead and answered in order (a ForwardStream: `ForwardSession`)."""
+
+    def send(self, batch: ForwardBatch) -> object: ...
+
+    def recv(self) -> StepResult: ...
+
+
+class InlinePipe:
+    """A `forward` callable as a pipe: each batch runs when sent, its answer waits for recv."""
+
+    def __init__(self, forward: ForwardFn) -> None:
+        self.forward = forward
+        self._answers: deque[StepResult] = deque()
+
+    def send(self, batch: ForwardBatch) -> None:
+        self._answers.append(self.forward(batch))
+
+    def recv(self) -> StepResult:
+        return self._answers.popleft()
+
+
+@dataclass
+class _Flight:
+    """A sent step whose tokens were not read yet."""
+
+    members: list[Request]
+    produces: list[bool]  # the member's token is a generated one (not an inner prefill chunk)
 
 
 @dataclass
@@ -51,8 +92,13 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a step in flight)
     finish_reason: str | None = None  # "stop" | "length"
+    # Overlap only: tokens generated or in flight, the future slot of the newest one, and
+    # how many sent steps hold this request.
+    scheduled: int = 0
+    future_slot: int = 0
+    in_flight: int = 0
 
     @property
     def finished(self) -> bool:
@@ -71,8 +117,15 @@ class ReferenceScheduler:
         eos_token_ids: Sequence[int] = (),
         *,
         max_prefill_tokens: int | None = None,
+        overlap: bool = False,
+        pipe: StepPipe | None = None,
     ) -> None:
+        """`overlap`: keep one step in flight on `pipe` (default: `forward` run at send)."""
         self.forward = forward
+        self.overlap = overlap
+        self.pipe: StepPipe = pipe if pipe is not None else InlinePipe(forward)
+        self.in_flight: deque[_Flight] = deque()
+        self.future = FutureSlotAllocator(limits.future_slots) if overlap else None
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = KVAllocator(limits.max_reqs, limits.kv_slots)
@@ -125,7 +178,7 @@ class ReferenceScheduler:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     def run(self) -> None:
         """Step until every request has finished, then tell the executor which rows are free."""
@@ -134,9 +187,27 @@ class ReferenceScheduler:
         self.flush_releases()
 
     def flush_releases(self) -> None:
-        """Send pending row releases now, on an IDLE step (no device work)."""
+        """Send pending row (and future-slot) releases now, on an IDLE step (no device work)."""
+        if self.future is not None:
+            if self.released_rows or self.future.has_released:
+                self.pipe.send(self._with_releases(make_idle_batch(), self.future.take_released()))
+                self.pipe.recv()
+            return
         if self.released_rows:
             self._forward(make_idle_batch())
+
+    def _with_releases(self, batch: ForwardBatch, future_slots: list[int]) -> ForwardBatch:
+        """The batch with the rows freed since the last one (forgotten here: the batch is
+        about to be sent) and the future slots it releases."""
+        changes: dict[str, Any] = {}
+        if self.released_rows:
+            changes["released_req_pool_indices"] = torch.tensor(
+                self.released_rows, dtype=torch.int64
+            )
+            self.released_rows = []
+        if future_slots:
+            changes["released_future_slots"] = torch.tensor(future_slots, dtype=torch.int64)
+        return dataclasses.replace(batch, **changes) if changes else batch
 
     def _forward(self, batch: ForwardBatch) -> StepResult:
         if self.released_rows:
@@ -147,7 +218,10 @@ class ReferenceScheduler:
         return out
 
     def step(self) -> list[Request]:
-        """Admit, run one batch, and return the requests that finished in it."""
+        """Admit, run one batch, and return the requests that finished in it (overlap: send
+        one batch and read the oldest in flight; the requests that finished in it)."""
+        if self.overlap:
+            return self._step_overlap()
         self._admit()
         batch, members, chunk_ends = self._next_batch()
         if batch is None:
@@ -184,27 +258,7 @@ class ReferenceScheduler:
     def _next_batch(self) -> tuple[ForwardBatch | None, list[Request], list[int]]:
         prefill = [r for r in self.running if not r.prefilled]
         if prefill:
-            budget = self.max_prefill_tokens
-            members, ids, locs, prefix, ends = [], [], [], [], []
-            for req in prefill:
-                if budget == 0:
-                    break
-                start = req.num_computed
-                end = min(len(req.prompt_ids), start + budget)
-                budget -= end - start
-                members.append(req)
-                ids.append(req.prompt_ids[start:end])
-                locs.append(req.slots[start:end])
-                prefix.append(start)
-                ends.append(end)
-            batch = make_extend_batch(
-                input_ids=ids,
-                req_pool_indices=[r.row for r in members],
-                out_cache_loc=locs,
-                prefix_lens=prefix,
-                sampling=[r.sampling for r in members],
-            )
-            return batch, members, ends
+            return self._extend_batch(prefill)
         decode = self.running
         if not decode:
             return None, [], []
@@ -216,6 +270,127 @@ class ReferenceScheduler:
             sampling=[r.sampling for r in decode],
         )
         return batch, list(decode), [r.num_computed + 1 for r in decode]
+
+    def _extend_batch(
+        self, prefill: list[Request]
+    ) -> tuple[ForwardBatch, list[Request], list[int]]:
+        """One EXTEND batch of waiting chunks within the token budget, and each chunk's end."""
+        budget = self.max_prefill_tokens
+        members, ids, locs, prefix, ends = [], [], [], [], []
+        for req in prefill:
+            if budget == 0:
+                break
+            start = req.num_computed
+            end = min(len(req.prompt_ids), start + budget)
+            budget -= end - start
+            members.append(req)
+            ids.append(req.prompt_ids[start:end])
+            locs.append(req.slots[start:end])
+            prefix.append(start)
+            ends.append(end)
+        batch = make_extend_batch(
+            input_ids=ids,
+            req_pool_indices=[r.row for r in members],
+            out_cache_loc=locs,
+            prefix_lens=prefix,
+            sampling=[r.sampling for r in members],
+        )
+        return batch, members, ends
+
+    # --- overlap ---------------------------------------------------------------------------
+    def _step_overlap(self) -> list[Request]:
+        self._admit()
+        sent = self._send_next()
+        if not self.in_flight:
+            if self.waiting:
+                raise RuntimeError("the next waiting request does not fit in the executor's cache")
+            return []
+        if sent and len(self.in_flight) < 2:
+            return []  # the pipeline fills: read step N after step N+1 is sent
+        return self._receive()
+
+    def _send_next(self) -> bool:
+        """Build the next step from what is known and in flight, and send it."""
+        assert self.future is not None
+        # Slots released now are free for this very batch: the executor releases them first.
+        released_future = self.future.take_released()
+        prefill = [r for r in self.running if not r.prefilled]
+        built: tuple[ForwardBatch, list[Request], list[bool]] | None = None
+        if prefill:
+            built = self._prefill_batch(prefill)
+        else:
+            decode = [r for r in self.running if not r.finished and r.scheduled < r.max_new_tokens]
+            if decode:
+                built = self._decode_batch_overlap(decode)
+        if built is None:
+            self.future.release(released_future)  # nothing sent: they go with the next one
+            return False
+        batch, members, produces = built
+        slots = self.future.alloc(len(members))
+        for req, slot, produced in zip(members, slots, produces, strict=True):
+            req.in_flight += 1
+            if produced:
+                req.scheduled += 1
+                req.future_slot = slot
+            else:  # an inner prefill chunk: its token is never read
+                self.future.release([slot])
+        batch = dataclasses.replace(
+            self._with_releases(batch, released_future),
+            future_token_slots=torch.tensor(slots, dtype=torch.int64),
+        )
+        self.pipe.send(batch)
+        self.in_flight.append(_Flight(members, produces))
+        return True
+
+    def _prefill_batch(
+        self, prefill: list[Request]
+    ) -> tuple[ForwardBatch, list[Request], list[bool]]:
+        batch, members, ends = self._extend_batch(prefill)
+        produces = []
+        for req, end in zip(members, ends, strict=True):
+            req.num_computed = end
+            produces.append(req.prefilled)
+        return batch, members, produces
+
+    def _decode_batch_overlap(
+        self, decode: list[Request]
+    ) -> tuple[ForwardBatch, list[Request], list[bool]]:
+        """Each request feeds its newest token by reference: `-future_slot`."""
+        assert self.future is not None
+        batch = make_decode_batch(
+            input_ids=[-r.future_slot for r in decode],
+            req_pool_indices=[r.row for r in decode],
+            seq_lens=[r.num_computed + 1 for r in decode],
+            out_cache_loc=[r.slots[r.num_computed] for r in decode],
+            sampling=[r.sampling for r in decode],
+        )
+        # Read by this batch: released with the next one.
+        self.future.release([r.future_slot for r in decode])
+        for req in decode:
+            req.num_computed += 1
+        return batch, list(decode), [True] * len(decode)
+
+    def _receive(self) -> list[Request]:
+        """Read the oldest step in flight; free what no step in flight holds any more."""
+        assert self.future is not None
+        flight = self.in_flight.popleft()
+        out = self.pipe.recv()
+        tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
+        finished: list[Request] = []
+        for req, token, produced in zip(flight.members, tokens, flight.produces, strict=True):
+            req.in_flight -= 1
+            if produced and not req.finished:  # a stopped request's extra token is dropped
+                self._append(req, token)
+                if req.finished:
+                    finished.append(req)
+        for req in [r for r in self.running if r.finished and r.in_flight == 0]:
+            self.running.remove(req)
+            self.allocator.free(req.row, req.slots)
+            self.released_rows.append(req.row)
+            if req.future_slot:
+                self.future.release([req.future_slot])  # its last token, never read
+                req.future_slot = 0
+        return finished
 
     @staticmethod
     def _append(req: Request, token: int) -> None:
@@ -238,9 +413,12 @@ def generate(
     sampling: SamplingParams | None = None,
     eos_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    overlap: bool = False,
+    pipe: StepPipe | None = None,
 ) -> list[list[int]]:
-    """Generate for every prompt concurrently; the new token ids of each, in prompt order."""
-    scheduler = ReferenceScheduler(forward, limits, eos_token_ids)
+    """Generate for every prompt concurrently; the new token ids of each, in prompt order.
+    `overlap`: one step in flight, tokens fed back by future-token reference."""
+    scheduler = ReferenceScheduler(forward, limits, eos_token_ids, overlap=overlap, pipe=pipe)
     reqs = [
         scheduler.add_request(
             p, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=ignore_eos

@@ -20,6 +20,7 @@ from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.graph import Graph, GraphFactory
 from executor.models.llama import LlamaForCausalLM
 from executor.runner_output import RunnerOutput
+from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
 
 GRAPH_DECODE = "graph_decode"  # the registry's name in fill metrics
@@ -45,8 +46,11 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         buckets: list[int],
         needs_cpu_seq_lens: bool,
         factory: GraphFactory,
+        future_tokens: torch.Tensor | None = None,
     ) -> None:
         super().__init__(model, attn_backend, device=device, buckets=buckets, factory=factory)
+        # The future-token table: the captured graph gathers referenced tokens from it.
+        self.future_tokens = future_tokens
         self.max_bs = buckets[-1]
         self.fill_value = attn_backend.graph_seq_len_fill_value()
         self.registry = build_decode_registry(
@@ -105,8 +109,11 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         out = self.hidden[:bs]
 
         def run() -> None:
-            assert view.positions is not None
-            out.copy_(self.model.forward(view.input_ids, view.positions, view, self.attn_backend))
+            assert view.positions is not None and view.input_ids is not None
+            ids = view.input_ids
+            if self.future_tokens is not None:  # in the graph: reads the table's buffer
+                ids = resolve_future_tokens(ids, self.future_tokens)
+            out.copy_(self.model.forward(ids, view.positions, view, self.attn_backend))
 
         graph = self.factory.new()
         graph.capture(run)

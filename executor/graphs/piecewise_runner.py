@@ -28,6 +28,7 @@ from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.graph import Graph, GraphFactory
 from executor.models.llama import LlamaForCausalLM
 from executor.runner_output import RunnerOutput
+from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_prefill_registry
 
 GRAPH_EXTEND = "graph_extend"  # the registry's name in fill metrics
@@ -57,8 +58,11 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
         buckets: list[int],
         max_bs: int,
         factory: GraphFactory,
+        future_tokens: torch.Tensor | None = None,
     ) -> None:
         super().__init__(model, attn_backend, device=device, buckets=buckets, factory=factory)
+        # The future-token table: piece 0 gathers referenced tokens from it.
+        self.future_tokens = future_tokens
         self.max_tokens = buckets[-1]
         self.registry = build_prefill_registry(
             device=device,
@@ -108,7 +112,11 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             residual.copy_(out[3])
 
         def first() -> None:
-            write_qkv(layers[0].pre_attention(positions, m.embed(input_ids, None), None, m.rotary))
+            assert input_ids is not None
+            ids = input_ids
+            if self.future_tokens is not None:  # in piece 0: reads the table's buffer
+                ids = resolve_future_tokens(ids, self.future_tokens)
+            write_qkv(layers[0].pre_attention(positions, m.embed(ids, None), None, m.rotary))
 
         def middle(i: int) -> Callable[[], None]:
             def run() -> None:

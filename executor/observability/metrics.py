@@ -207,6 +207,11 @@ class ExecutorMetrics:
         self.fill_bytes = step_counter(
             "fill_bytes", "Bytes copied by input staging, by registry.", ("registry",)
         )
+        self.future_tokens_resolved = step_counter(
+            "future_tokens_resolved",
+            "Input ids resolved on the device from the future-token table (overlap scheduling).",
+            (),
+        )
         self.fill_copy_calls = step_counter(
             "fill_copy_calls", "Copy calls made by input staging (one grouped copy counts once), "
             "by registry.", ("registry",),
@@ -279,6 +284,7 @@ class ExecutorMetrics:
         for path in PATHS:
             self.padding_tokens.labels(path)
         self._queue_wait = self.queue_wait_seconds.labels()
+        self._future_resolved = self.future_tokens_resolved.labels()
 
     # --- recording ---
 
@@ -297,6 +303,8 @@ class ExecutorMetrics:
         queue = timings.get("queue")
         if queue is not None:
             self._queue_wait.observe(queue * 1e-9)
+        if stats.future_refs:
+            self._future_resolved.inc(stats.future_refs)
         if stats.fill_registry is not None:
             fill = self._fills.get(stats.fill_registry) or self._fill_series(stats.fill_registry)
             fill.copies.inc(stats.fill_tensors)

@@ -46,6 +46,8 @@ BATCH_TENSOR_FIELDS = (
     "prefix_cache_loc",
     "released_req_pool_indices",
     "input_embeds",
+    "future_token_slots",
+    "released_future_slots",
 )
 _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
@@ -139,7 +141,7 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
             "sampling_params",
             f"has {n_params} entries; must be <= max_batch_size ({limits.max_batch_size})",
         )
-    for name in ("req_pool_indices", "seq_lens"):
+    for name in ("req_pool_indices", "seq_lens", "future_token_slots"):
         if msg.HasField(name):
             n = _element_count(getattr(msg, name))
             if n > limits.max_batch_size:
@@ -197,6 +199,8 @@ def batch_from_proto(msg: pb.ForwardBatch, limits: BatchLimits | None = None) ->
         prefix_cache_loc=_optional(msg, "prefix_cache_loc"),
         released_req_pool_indices=_optional(msg, "released_req_pool_indices"),
         input_embeds=input_embeds,
+        future_token_slots=_optional(msg, "future_token_slots"),
+        released_future_slots=_optional(msg, "released_future_slots"),
         sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
@@ -310,6 +314,7 @@ def info_to_proto(
         max_batch_size=lim.max_batch_size,
         max_tokens_per_batch=lim.max_tokens_per_batch,
         max_top_logprobs=lim.max_top_logprobs,
+        future_slots=lim.future_slots,
         eos_token_ids=list(info.eos_token_ids),
         attention_backend=info.attention_backend,
         server_version=info.version,
@@ -335,6 +340,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         max_batch_size=msg.max_batch_size,
         max_tokens_per_batch=msg.max_tokens_per_batch,
         max_top_logprobs=msg.max_top_logprobs,
+        future_slots=msg.future_slots,
     )
     info = ExecutorInfo(
         model_name=msg.model_name,

@@ -82,7 +82,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices")
+    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots")
     FORWARD_MODE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class ForwardBatch(_message.Message):
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
     RELEASED_REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
+    FUTURE_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FUTURE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     forward_mode: ForwardMode
     input_ids: Tensor
     req_pool_indices: Tensor
@@ -111,7 +113,9 @@ class ForwardBatch(_message.Message):
     return_logprob: bool
     top_logprobs_num: int
     released_req_pool_indices: Tensor
-    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    future_token_slots: Tensor
+    released_future_slots: Tensor
+    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("batch_id", "batch")
@@ -181,7 +185,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +203,7 @@ class GetInfoResponse(_message.Message):
     MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    FUTURE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -220,11 +225,12 @@ class GetInfoResponse(_message.Message):
     model_spec: str
     bos_token_id: int
     runtime_config: RuntimeConfig
+    future_slots: int
     max_top_logprobs: int
     quantization: str
     weight_bytes: int
     graph_capture_disabled: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
     __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective", "graph_capture")

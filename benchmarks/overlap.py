@@ -1,0 +1,171 @@
+"""Overlap scheduling: tokens/s with and without future-token references through ForwardStream.
+
+    .venv/bin/python benchmarks/overlap.py                          # tiny-random and SmolLM2, bs 1 and 32
+    .venv/bin/python benchmarks/overlap.py --models tiny-random --sizes 1 --new-tokens 64
+
+The server runs in its own process (`python -m executor serve`), one per model. For each
+batch size the reference scheduler generates `--new-tokens` tokens per request (EOS ignored,
+so both runs do the same work) twice over one ForwardStream each:
+
+- plain: send step N, wait for its tokens, build step N+1 (one step on the stream at a time);
+- overlap: step N+1 is sent, built from future references, before step N's tokens are read.
+
+Both runs must give the same tokens (checked). Besides tokens/s it reports, from the steps'
+own timings, the device time per step (`total`: validate .. sample) and the device idle time
+per step: wall time per step minus device time per step, i.e. what the device waited for the
+scheduler (encode, network, decode, scheduling). The queue wait per step shows the other side:
+in overlap the next step is already queued while one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor.client.grpc_client import ExecutorClient, ForwardSession
+from executor.client.scheduler import ReferenceScheduler
+from executor.forward_batch import ForwardBatch
+from executor.model_executor import ForwardOutput
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 16
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from vs_transformers import cpu_description, free_port  # noqa: E402
+
+
+@dataclass
+class Run:
+    seconds: float
+    tokens: list[list[int]]
+    steps: list[ForwardOutput]
+
+    def per_step_ms(self, key: str) -> float:
+        return statistics.mean(s.stats.timings_ns.get(key, 0) for s in self.steps) / 1e6
+
+
+class RecordingPipe:
+    """A ForwardSession that keeps every answer (their step timings)."""
+
+    def __init__(self, session: ForwardSession) -> None:
+        self.session = session
+        self.answers: list[ForwardOutput] = []
+
+    def send(self, batch: ForwardBatch) -> None:
+        self.session.send(batch)
+
+    def recv(self) -> ForwardOutput:
+        out = self.session.recv()
+        self.answers.append(out)
+        return out
+
+
+def generate_once(client: ExecutorClient, bs: int, new_tokens: int, overlap: bool) -> Run:
+    limits = client.info().info.limits
+    session = client.open_stream()
+    pipe = RecordingPipe(session)
+
+    def lockstep(batch: ForwardBatch) -> ForwardOutput:
+        pipe.send(batch)
+        return pipe.recv()
+
+    scheduler = ReferenceScheduler(lockstep, limits, overlap=overlap, pipe=pipe)
+    reqs = [
+        scheduler.add_request(
+            [(31 * r + j) % 400 + 5 for j in range(PROMPT_LEN)],
+            max_new_tokens=new_tokens,
+            ignore_eos=True,
+        )
+        for r in range(bs)
+    ]
+    t0 = time.perf_counter()
+    scheduler.run()
+    seconds = time.perf_counter() - t0
+    session.close()
+    return Run(seconds, [r.output_ids for r in reqs], pipe.answers)
+
+
+def start_server(model: str, port: int, cache_dir: str, threads: int) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "executor", "serve", "--model", model, "--port", str(port),
+        "--metrics-port", "-1", "--max-reqs", "64", "--kv-slots", "16384",
+        "--max-context-len", "1024", "--log-level", "warning",
+    ]  # fmt: skip
+    if cache_dir:
+        cmd += ["--cache-dir", cache_dir]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    if threads:  # the server's torch threads (OpenMP): leave the scheduler a core
+        env["OMP_NUM_THREADS"] = str(threads)
+    return subprocess.Popen(cmd, env=env, cwd=ROOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny-random,smollm2")
+    parser.add_argument("--sizes", default="1,32")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=0,
+        help="torch (OpenMP) threads of the server; 0 = torch's default (one per core). On a "
+        "CPU device the overlapped scheduler competes with the device for the same cores",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per mode")
+    parser.add_argument("--cache-dir", default="")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    model_name, flags = cpu_description()
+    print(f"machine: {model_name} ({os.cpu_count()} cores; {flags}); load {os.getloadavg()}")
+    print(f"prompt {PROMPT_LEN} tokens, {args.new_tokens} new tokens per request, best of "
+          f"{args.repeats}\n")  # fmt: skip
+    print(f"server threads: {args.server_threads or 'default'}\n")
+    print("| model | bs | plain tok/s | overlap tok/s | speed-up | device ms/step plain | "
+          "device ms/step overlap | idle ms/step plain | idle ms/step overlap | "
+          "queue ms/step overlap |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model in args.models.split(","):
+        port = free_port()
+        proc = start_server(model, port, args.cache_dir, args.server_threads)
+        try:
+            with ExecutorClient(f"127.0.0.1:{port}") as client:
+                client.wait_ready(timeout=1800)
+                for bs in sizes:
+                    generate_once(client, bs, 4, overlap=True)  # warm both code paths
+                    runs = {
+                        mode: min(
+                            (
+                                generate_once(client, bs, args.new_tokens, overlap=mode)
+                                for _ in range(args.repeats)
+                            ),
+                            key=lambda r: r.seconds,
+                        )
+                        for mode in (False, True)
+                    }
+                    plain, over = runs[False], runs[True]
+                    if plain.tokens != over.tokens:
+                        raise SystemExit(f"{model} bs {bs}: overlap changed the tokens")
+                    rate = [bs * args.new_tokens / r.seconds for r in (plain, over)]
+                    idle = [
+                        r.seconds * 1e3 / len(r.steps) - r.per_step_ms("total")
+                        for r in (plain, over)
+                    ]
+                    print(
+                        f"| {model} | {bs} | {rate[0]:.0f} | {rate[1]:.0f} | "
+                        f"{rate[1] / rate[0]:.2f}x | {plain.per_step_ms('total'):.2f} | "
+                        f"{over.per_step_ms('total'):.2f} | {idle[0]:.2f} | {idle[1]:.2f} | {over.per_step_ms('queue'):.2f} |",
+                        flush=True,
+                    )
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"\nload after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

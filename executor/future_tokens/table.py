@@ -1,0 +1,86 @@
+"""The future-token table: tokens sampled by earlier steps, read by later ones on the device.
+
+A scheduler that overlaps steps sends step N+1 before step N's tokens come back. Step N names
+a future slot per request (`future_token_slots`); after sampling, the executor stores each
+sampled token there, on the device. Step N+1 refers to it as input id `-k` and the runner
+gathers it into the input ids before the model reads them (`ops.future_tokens`), inside the
+captured graph on the graph paths. Nothing is copied to the host for either.
+
+The host keeps which slots hold an unreleased token (`assigned`), so validation can refuse a
+reference to a slot nobody assigned, or an assignment over a slot still held, before anything
+changes. A step first releases (`released_future_slots`), then resolves its references, then
+assigns its slots after sampling; `undo` restores the host state of a step that failed. The
+device write is the step's last action, after everything that can fail, so a failed step
+never changed the device table either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor.forward_batch import ForwardBatch
+from ops.future_tokens import store_future_tokens
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class FutureChange:
+    """What one step changes in the host state, to undo it."""
+
+    released: np.ndarray  # slots that held a token and were released
+    assigned: np.ndarray  # slots the step assigns (stored after sampling)
+    references: int  # input ids that read a future slot
+
+    @property
+    def empty(self) -> bool:
+        return self.references == 0 and self.released.size == 0 and self.assigned.size == 0
+
+
+def future_references(fb: ForwardBatch) -> int:
+    """How many input ids of a host batch read a future slot (negative ids)."""
+    if fb.input_ids is None or fb.input_ids.numel() == 0:
+        return 0
+    return int(np.count_nonzero(fb.input_ids.numpy() < 0))
+
+
+class FutureTokenTable:
+    """`tokens[k]` (device, int64) is the token stored in future slot k (1..size); entry 0
+    is never referenced. `assigned[k]` (host) says slot k holds a token nobody released."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        if size < 0:
+            raise ValueError(f"future_slots must be >= 0, got {size}")
+        self.size = size
+        self.tokens = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        self.assigned = np.zeros(size + 1, dtype=bool)
+
+    def slots_in_use(self) -> int:
+        return int(np.count_nonzero(self.assigned))
+
+    def apply(self, fb: ForwardBatch) -> FutureChange:
+        """Release, then mark the step's slots assigned, for a validated host batch."""
+        released = _NONE
+        if fb.released_future_slots is not None and fb.released_future_slots.numel():
+            slots = fb.released_future_slots.numpy().astype(np.int64, copy=False)
+            released = slots[self.assigned[slots]]
+            self.assigned[released] = False
+        assigned = _NONE
+        if fb.future_token_slots is not None and fb.future_token_slots.numel():
+            assigned = fb.future_token_slots.numpy().astype(np.int64, copy=True)
+            self.assigned[assigned] = True
+        return FutureChange(released, assigned, future_references(fb))
+
+    def undo(self, change: FutureChange) -> None:
+        """The host state before `apply` (the slots it assigned were free or released)."""
+        self.assigned[change.assigned] = False
+        self.assigned[change.released] = True
+
+    def store(self, device_slots: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
+        """After sampling: `tokens[slots[i]] = sampled[i]` on the device, no host read."""
+        if device_slots is not None and device_slots.numel():
+            assert tokens is not None, "the sampler keeps the device ids of every step"
+            store_future_tokens(self.tokens, device_slots, tokens)
