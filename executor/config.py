@@ -121,6 +121,18 @@ class ExecutorConfig:
         "run eager steps on the batch's own tensors instead of staging them through the eager "
         "input registry (saves one device copy per staged field per step); a runtime toggle too",
     )
+    tp_size: int = setting(
+        1,
+        "tensor-parallel ranks (one device each; gloo on CPU, NCCL on CUDA): serve starts "
+        "tp_size - 1 worker processes, or joins the group torchrun set up (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT)",
+    )
+    tp_timeout_s: int = setting(
+        60,
+        "tensor parallel: a collective waits this long for a rank before the group is declared "
+        "failed (the server goes NOT_SERVING and exits non-zero); idle ranks are pinged every "
+        "quarter of it",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -128,7 +140,7 @@ class ExecutorConfig:
             value = getattr(self, f.name)
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
-        for name in ("max_reqs", "kv_slots", "max_tokens_per_batch"):
+        for name in ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -178,12 +190,17 @@ class ExecutorConfig:
         return ExecutorConfig(**values)
 
 
-def resolve_device(config: ExecutorConfig) -> torch.device:
+def resolve_device(config: ExecutorConfig, local_rank: int = 0) -> torch.device:
+    """The device of this process; a tensor-parallel rank on CUDA without an explicit index
+    takes `cuda:<local_rank>`."""
     if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+    if device.type == "cuda" and device.index is None and config.tp_size > 1:
+        device = torch.device("cuda", local_rank)
     return device
 
 

@@ -7,6 +7,12 @@ It is not thread-safe: one thread owns the device (the gRPC server's worker).
 
 The runtime toggles (`set_eager_input_no_copy`, `set_needs_cpu_seq_lens`, `set_graph_mode`,
 or all at once with `apply_toggles`) are called on that same thread between two steps.
+
+Tensor parallel (`comm` of size > 1, `executor.parallel`): every rank builds its own
+`ModelExecutor` over its shard. Rank 0 validates, completes and writes the row table, then
+broadcasts the step (`TpLeader`) and runs it; the other ranks run `run_shard` on what they
+receive (`executor.parallel.worker`), so every rank runs the same path, row table included.
+Rank 0 samples from the gathered logits. Runtime toggles are broadcast the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ from executor.model_runner import GraphSettings, ModelRunner, RunnerOutput, want
 from executor.models.loader import LoadedModel, load_model
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.observer import ExecutorObserver, NullObserver
+from executor.parallel import broadcast
+from executor.parallel.comm import TpComm
+from executor.parallel.leader import TpLeader
 from executor.sampling import SampleOutput, Sampler
 from executor.validation import BatchLimits, validate_batch
 from ops.host_transfer import host_transfers, to_host
@@ -109,6 +118,7 @@ class StepStats:
     # sample; queue when a worker ran it): trace spans are drawn from these afterwards.
     # Not sent over the wire.
     started_ns: dict[str, int] = field(default_factory=dict)
+    allreduce_ns: int = 0  # tensor parallel: time in the step's all-reduces (rank 0's clock)
 
 
 @dataclass
@@ -139,7 +149,8 @@ class ExecutorInfo:
     attention_backend: str
     version: str
     quantization: str = "none"  # none | gguf | int8 | int4
-    weight_bytes: int = 0  # resident bytes of the model's weights
+    weight_bytes: int = 0  # resident bytes of the model's weights (this rank's shard)
+    tp_size: int = 1  # tensor-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -158,13 +169,22 @@ class ModelExecutor:
         *,
         observer: ExecutorObserver | None = None,
         stop: threading.Event | None = None,
+        comm: TpComm | None = None,
+        local_rank: int = 0,
     ) -> None:
         """`stop`, when set by the host (a shutdown during start-up), ends graph capture at
-        the next bucket with StartupCancelled."""
+        the next bucket with StartupCancelled. `comm`: this rank's tensor-parallel group
+        (required when `config.tp_size` > 1; `executor.parallel.group.init_comm`)."""
         self.config = config
+        self.comm = comm or TpComm()
+        if self.comm.size != config.tp_size:
+            raise ValueError(
+                f"tp_size={config.tp_size} needs a process group of that size "
+                f"(got {self.comm.size}); start it with `serve` or torchrun"
+            )
         # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
         self.observer: ExecutorObserver = observer or NullObserver()
-        self.device = resolve_device(config)
+        self.device = resolve_device(config, local_rank)
         dtype_choice = choose_dtype(config, self.device)
         self.dtype = dtype_choice.dtype
         log.info(
@@ -178,6 +198,7 @@ class ModelExecutor:
                 max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
                 cache_dir=resolve_cache_dir(config),
                 quantization=config.quantization,
+                comm=self.comm,
             )
         self.loaded = loaded
         self.model = loaded.model
@@ -200,16 +221,17 @@ class ModelExecutor:
         self.req_to_token_pool = ReqToTokenPool(
             config.max_reqs, max_context_len, self.device, kv_slots=config.kv_slots
         )
+        plan = self.model.plan  # this rank's heads (all of them at tp_size 1)
         self.kv_pool = KVPool(
             config.kv_slots,
             mcfg.num_layers,
-            mcfg.num_kv_heads,
+            plan.num_kv_heads,
             mcfg.head_dim,
             self.dtype,
             self.device,
         )
         layout = AttentionLayout(
-            mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
+            plan.num_heads, plan.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
         )
         self.attn_backend = create_backend(
             config.attention_backend,
@@ -238,8 +260,12 @@ class ModelExecutor:
             stop=stop,
         )
         self.capture_reports: list[CaptureReport] = []
-        if graph_mode != "none":
+        self.leader: TpLeader | None = None
+        if graph_mode != "none":  # on every rank, in the same order (captures run collectives)
             self._record_captures(self.runner.enable_graphs(graph_mode))
+        if self.comm.enabled and self.comm.rank == 0:
+            # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
+            self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
         self.sampler = Sampler(self.device, config.seed)
         # Wraps the device part of every step (device move, model, sampling). Tests install
         # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
@@ -261,6 +287,8 @@ class ModelExecutor:
             kv_cache_mib=round(self.kv_pool.nbytes / 2**20, 1),
             eager_input_no_copy=config.eager_input_no_copy,
             graph_mode=graph_mode,
+            tp_rank=self.comm.rank,
+            tp_size=self.comm.size,
         )
 
     def set_graph_mode(self, mode: str) -> list[CaptureReport]:
@@ -312,6 +340,7 @@ class ModelExecutor:
             version=executor.__version__,
             quantization=self.loaded.quantization,
             weight_bytes=self.loaded.weight_bytes,
+            tp_size=self.comm.size,
         )
 
     def warmup(self) -> None:
@@ -392,6 +421,25 @@ class ModelExecutor:
         )
         target_graph = self.graph_mode if graph_mode is None else graph_mode
         self.check_needs_cpu_seq_lens(target_mode, target_graph)  # raises before any change
+        if self.leader is not None:  # every rank applies it (a capture runs collectives)
+            with self.leader.holding():
+                self.leader.send(
+                    broadcast.Command(
+                        broadcast.TOGGLES,
+                        toggles={
+                            "eager_input_no_copy": eager_input_no_copy,
+                            "needs_cpu_seq_lens": needs_cpu_seq_lens,
+                            "graph_mode": graph_mode,
+                        },
+                    )
+                )
+                self._apply_toggles(target_mode, target_graph, eager_input_no_copy)
+            return
+        self._apply_toggles(target_mode, target_graph, eager_input_no_copy)
+
+    def _apply_toggles(
+        self, target_mode: str, target_graph: str, eager_input_no_copy: bool | None
+    ) -> None:
         if target_graph != self.graph_mode:
             self.set_graph_mode(target_graph)
         self.set_needs_cpu_seq_lens(target_mode)
@@ -423,6 +471,7 @@ class ModelExecutor:
         timings["validate"] = t1 - t0
         timings["stage"] += t2 - t1  # completing the batch is part of staging it
         timings["total"] = time.perf_counter_ns() - t0
+        allreduce_ns = self.comm.take_allreduce_ns()
         # The phases run back to back: validate, stage (complete + device move), forward, sample.
         started = {"validate": wall0, "stage": wall0 + timings["validate"]}
         started["forward"] = started["stage"] + timings["stage"]
@@ -442,6 +491,7 @@ class ModelExecutor:
             graph_fallback=out.graph_fallback,
             d2h_syncs=host_transfers.total_syncs - syncs0,
             started_ns=started,
+            allreduce_ns=allreduce_ns,
         )
         if out.graph_fallback is not None:
             kind, reason = out.graph_fallback.split(":", 1)
@@ -468,9 +518,24 @@ class ModelExecutor:
         """Write the row table, run the model, sample. The write is undone if anything fails
         (or always, with `keep_rows=False`)."""
         assert host.sampling is not None
+        if self.leader is None:
+            return self._run_step(host, return_logits=return_logits, keep_rows=keep_rows)
+        with self.leader.holding():  # no heartbeat between the broadcast and the collectives
+            return self._run_step(host, return_logits=return_logits, keep_rows=keep_rows)
+
+    def _run_step(
+        self, host: ForwardBatch, *, return_logits: bool, keep_rows: bool
+    ) -> tuple[RunnerOutput, SampleOutput, torch.Tensor | None, dict[str, int]]:
+        assert host.sampling is not None
         t0 = time.perf_counter_ns()
         plan = self.sampler.plan(host.sampling)
         write = self.req_to_token_pool.write_batch(host)  # IDLE too: it may release rows
+        if self.leader is not None:  # the batch was accepted here: every rank runs it
+            try:
+                self.leader.send(broadcast.Command(broadcast.STEP, host, keep_rows=keep_rows))
+            except BaseException:
+                self.req_to_token_pool.undo(write)
+                raise
         try:
             with self.device_step_guard():
                 fb = host.to(self.device)
@@ -498,3 +563,22 @@ class ModelExecutor:
             self.req_to_token_pool.undo(write)
         t3 = time.perf_counter_ns()
         return out, sample, logits, {"stage": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+
+    def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
+        """A worker rank: run a step rank 0 validated, completed and broadcast (row table
+        write, this rank's part of the model and its collectives; rank 0 samples)."""
+        write = self.req_to_token_pool.write_batch(host)
+        try:
+            self.runner.forward(host.to(self.device))
+        except BaseException:
+            self.req_to_token_pool.undo(write)
+            raise
+        if not keep_rows:
+            self.req_to_token_pool.undo(write)
+        self.comm.take_allreduce_ns()
+
+    def close(self) -> None:
+        """Rank 0 of a group: stop the heartbeat and tell the workers to stop (a no-op
+        otherwise). Call once no step can run any more."""
+        if self.leader is not None:
+            self.leader.close()
