@@ -118,7 +118,24 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     check_quantization(
         config.quantization, source.kind, source.spec, model_cfg, resolve_device(config)
     )
+    if config.tp_size > 1:
+        if config.quantization != "none":
+            raise ValueError(
+                f"quantization={config.quantization} is not supported with tp_size > 1 "
+                "(tensor parallelism shards float weights only)"
+            )
+        ShardPlan.build(model_cfg, config.tp_size, 0)  # refuses head counts that do not divide
     return model_cfg, resolve_max_context_len(config, model_cfg)
+
+
+def prepare_shared_weights(config: ExecutorConfig) -> None:
+    """Tensor parallel, before the ranks start: a GGUF's dequantized cache is filled once
+    here, so the ranks each read their shard of it instead of each dequantizing the file."""
+    source = resolve_model_spec(config.model)
+    cache_dir = resolve_cache_dir(config)
+    if source.kind == "gguf" and cache_dir is not None and config.quantization == "none":
+        assert source.path is not None
+        lazy_gguf(source.path, cache_dir)
 
 
 @dataclass

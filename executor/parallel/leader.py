@@ -68,9 +68,16 @@ class TpLeader:
         """Stop the heartbeat and (when the group is healthy) tell every worker to stop."""
         self._stop.set()
         self._thread.join(timeout=self.heartbeat_s + 5)
-        if stop_workers and self.comm.failed is None:
-            with self.holding():
-                try:
-                    broadcast.send(self.comm, Command(broadcast.STOP))
-                except TpGroupError as e:
-                    log.warning("could not tell the workers to stop", reason=str(e))
+        if not stop_workers or self.comm.failed is not None:
+            return
+        # A step stuck in a collective holds the lock: give up after the heartbeat period
+        # (the host then kills the workers).
+        if not self.lock.acquire(timeout=self.heartbeat_s):
+            log.warning("a step still holds the group; workers not told to stop")
+            return
+        try:
+            broadcast.send(self.comm, Command(broadcast.STOP))
+        except TpGroupError as e:
+            log.warning("could not tell the workers to stop", reason=str(e))
+        finally:
+            self.lock.release()

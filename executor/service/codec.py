@@ -294,6 +294,7 @@ def info_to_proto(
 ) -> pb.GetInfoResponse:
     lim = info.limits
     msg = pb.GetInfoResponse(
+        tp_size=info.tp_size,
         model_name=info.model_name,
         architecture=info.architecture,
         vocab_size=info.vocab_size,
@@ -345,6 +346,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         version=msg.server_version,
         quantization=msg.quantization,
         weight_bytes=msg.weight_bytes,
+        tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
     )
     return info, msg.model_spec
 

@@ -177,7 +177,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "max_top_logprobs", "quantization", "weight_bytes")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "tp_size", "max_top_logprobs", "quantization", "weight_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class GetInfoResponse(_message.Message):
     MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -215,10 +216,11 @@ class GetInfoResponse(_message.Message):
     model_spec: str
     bos_token_id: int
     runtime_config: RuntimeConfig
+    tp_size: int
     max_top_logprobs: int
     quantization: str
     weight_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
     __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective")
