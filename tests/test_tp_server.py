@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +55,7 @@ def _alive(pid: int) -> bool:
 class Served:
     def __init__(self, tmp_path: Path) -> None:
         self.port = free_port()
+        self.metrics_port = free_port()
         cmd = serve_command(
             self.port,
             tmp_path / "cache",
@@ -61,7 +64,7 @@ class Served:
             "--tp-timeout-s",
             str(TP_TIMEOUT_S),
             "--metrics-port",
-            "-1",
+            str(self.metrics_port),
             "--max-reqs",
             "8",
             "--kv-slots",
@@ -137,6 +140,13 @@ def test_serve_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path: Path)
         except grpc.RpcError as e:
             raise AssertionError(served.text) from e
         assert got == want
+        with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics") as r:
+            metrics = r.read().decode()
+        count = re.search(
+            r'^model_executor_allreduce_seconds_count\{rank="0"\} (\S+)$', metrics, re.M
+        )
+        assert count is not None and float(count.group(1)) > 0, metrics
+        assert 'tp_size="2"' in metrics and 'rank="0"' in metrics
         assert children, "no worker process was spawned"
         served.proc.send_signal(signal.SIGTERM)
         code = served.proc.wait(timeout=60)
