@@ -191,16 +191,16 @@ class ExecutorConfig:
 
 
 def resolve_device(config: ExecutorConfig, local_rank: int = 0) -> torch.device:
-    """The device of this process; a tensor-parallel rank on CUDA without an explicit index
-    takes `cuda:<local_rank>`."""
+    """The device of this process; a tensor-parallel rank on CUDA takes the `local_rank`-th
+    device from the configured one (`cuda` = `cuda:0`)."""
     if config.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
-    if device.type == "cuda" and device.index is None and config.tp_size > 1:
-        device = torch.device("cuda", local_rank)
+    if device.type == "cuda" and config.tp_size > 1:  # rank r: the r-th device from the given one
+        device = torch.device("cuda", (device.index or 0) + local_rank)
     return device
 
 
