@@ -158,7 +158,13 @@ def test_serve_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_killed_worker_means_not_serving_unavailable_and_exit_1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
+def test_failed_worker_means_not_serving_unavailable_and_exit_1(
+    tmp_path: Path, fault: signal.Signals
+) -> None:
+    """A dead worker (connection closed) or a hung one (the collective timeout) turns rank 0
+    NOT_SERVING, answers UNAVAILABLE, and it exits 1 within about the timeout; every child,
+    the stopped one too, is gone after."""
     with _served(tmp_path) as (served, client, children):
         readiness: list[str] = []
         stop = threading.Event()
@@ -175,7 +181,7 @@ def test_killed_worker_means_not_serving_unavailable_and_exit_1(tmp_path: Path) 
         assert workers, served.text
         t0 = time.monotonic()
         for pid in workers:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, fault)
         batch = make_extend_batch(
             input_ids=[[5, 6, 7]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]]
         )

@@ -19,14 +19,23 @@ from executor.parallel.group import TpEndpoint, free_port
 
 def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]]) -> list[Any]:
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
-    a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank)."""
+    a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank), and
+    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error."""
     from executor.client.scheduler import generate
+    from executor.errors import BatchValidationError
 
-    results = []
+    results: list[Any] = []
     for kw in runs:
         if "toggles" in kw:
             ex.apply_toggles(**kw["toggles"])
             continue
+        if "refuse" in kw:
+            try:
+                ex.forward(kw["refuse"])
+            except BatchValidationError as e:
+                results.append((e.field, []))
+                continue
+            raise AssertionError("the invalid batch was not refused")
         paths: set[str] = set()
 
         def forward(batch: Any, paths: set[str] = paths) -> Any:

@@ -115,7 +115,10 @@ class TpGroup:
 
     def stop(self, timeout_s: float = STOP_WAIT_S) -> list[int | None]:
         """Wait for the spawned workers (told to stop by `ModelExecutor.close`) up to
-        `timeout_s`, then kill what is left; leave the group. Their exit codes."""
+        `timeout_s` (not at all when the group failed: a hung worker would never stop), then
+        kill what is left; leave the group. Their exit codes."""
+        if self.comm.failed is not None:
+            timeout_s = 0.0
         deadline = time.monotonic() + timeout_s
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
