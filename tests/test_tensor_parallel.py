@@ -204,3 +204,17 @@ def test_smollm2_tp3_matches_tp1(cache_dir: Path) -> None:
     del ex
     got = generate_tp(config.replace(tp_size=3), prompts, runs, timeout_s=300)
     assert got[0][0] == want[0][0]
+
+
+@pytest.mark.gpu
+def test_tiny_random_tp2_on_cuda_with_nccl_matches_tp1() -> None:
+    """NCCL on two GPUs: eager and CUDA-graph paths (the all-reduces captured inside the full
+    decode graph and the pieces) give tp 1's greedy tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, {torch.cuda.device_count()} present")
+    config = _tiny(device="cuda", graph_backend="cuda", graph_mode="none", dtype="float32")
+    runs = [RUNS[0], {"toggles": {"graph_mode": "both"}}, RUNS[0]]
+    want = run_generations(ModelExecutor(config), PROMPTS, runs)
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    assert {"full_graph", "piecewise"} <= set(got[1][1])

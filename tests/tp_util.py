@@ -55,15 +55,18 @@ def _rank_main(
     runs: list[dict[str, Any]],
     out: Any,
 ) -> None:
+    from executor.config import resolve_device
     from executor.model_executor import ModelExecutor
     from executor.parallel.group import close_comm, init_comm
     from executor.parallel.worker import run_worker
 
     comm = None
     try:
-        endpoint = TpEndpoint(rank, config.tp_size, "127.0.0.1", port, config.tp_timeout_s)
-        comm = init_comm(endpoint, __import__("torch").device("cpu"))
-        ex = ModelExecutor(config, comm=comm)
+        endpoint = TpEndpoint(
+            rank, config.tp_size, "127.0.0.1", port, config.tp_timeout_s, local_rank=rank
+        )
+        comm = init_comm(endpoint, resolve_device(config, rank))
+        ex = ModelExecutor(config, comm=comm, local_rank=rank)
         if rank == 0:
             ex.warmup()
             result = run_generations(ex, prompts, runs)
