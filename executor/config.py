@@ -131,7 +131,8 @@ class ExecutorConfig:
         60,
         "tensor parallel: a collective waits this long for a rank before the group is declared "
         "failed (the server goes NOT_SERVING and exits non-zero); idle ranks are pinged every "
-        "quarter of it",
+        "quarter of it. Ranks capture graphs in step, so it must exceed the largest gap between "
+        "two ranks' start-up (CPU graph compiles can take minutes on a loaded machine)",
     )
 
     def __post_init__(self) -> None:
