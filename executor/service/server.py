@@ -385,6 +385,10 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
     ports). When the group fails (a rank died or hangs), exit 1 at once: the pod restarts."""
     endpoint = torchrun_endpoint(config, dict(os.environ))
     if endpoint is not None and endpoint.rank != 0:
+        # torchrun forwards SIGTERM to every rank: a worker keeps serving rank 0's draining
+        # steps and stops on its command (or when rank 0 is gone).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         return run_worker_rank(config, endpoint, server_config.log_level, server_config.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
