@@ -16,6 +16,7 @@ from executor.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.hf_loader import lazy_safetensors
+from executor.models.loader import read_model_config
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.broadcast import STEP, Command, receive, send
 from executor.parallel.comm import TpComm
@@ -218,3 +219,24 @@ def test_tiny_random_tp2_on_cuda_with_nccl_matches_tp1() -> None:
     got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     assert {"full_graph", "piecewise"} <= set(got[1][1])
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"tp_size": 3}, "tp_size 3 does not divide the model's 4 attention heads"),
+        (
+            {"tp_size": 2, "quantization": "int8"},
+            "quantization=int8 is not supported with tp_size > 1",
+        ),
+    ],
+)
+def test_start_up_refuses_a_tp_size_the_model_cannot_take(changes: dict, message: str) -> None:
+    """Checked from metadata before any port opens or worker starts (`read_model_config`)."""
+    with pytest.raises(ValueError, match=message):
+        read_model_config(_tiny(**changes))
+
+
+def test_an_executor_of_tp_size_2_needs_its_process_group() -> None:
+    with pytest.raises(ValueError, match="tp_size=2 needs a process group of that size"):
+        ModelExecutor(_tiny(tp_size=2))
