@@ -12,8 +12,11 @@ On a small CPU machine the ranks share the same cores, so tensor parallelism cos
 than it saves; this measures the plumbing's cost. On a GPU machine (NCCL) run it with
 `--device cuda` (tp sizes up to the GPUs present).
 
+With `--graph-mode both` the timed steps run on the full-graph and piecewise paths (one
+bucket each, asserted) and their tokens are checked against tp 1's on the same paths.
+
     python benchmarks/tp.py [--model smollm2] [--tp 1,2,3] [--batch 8] [--prompt 64]
-        [--steps 16] [--device cpu] [--threads 0]
+        [--steps 16] [--device cpu] [--threads 0] [--graph-mode none|both]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def run(config: ExecutorConfig, batch: int, prompt: int, steps: int) -> dict[str
         )
         prefill_ns = time.perf_counter_ns() - t0
         prefill_ar = out.stats.allreduce_ns
+        prefill_path = decode_path = out.stats.path
         tokens = out.next_token_ids.tolist()
         decode_ns, decode_ar, generated = [], [], [tokens]
         for step in range(steps):
@@ -68,6 +72,12 @@ def run(config: ExecutorConfig, batch: int, prompt: int, steps: int) -> dict[str
             decode_ar.append(out.stats.allreduce_ns)
             tokens = out.next_token_ids.tolist()
             generated.append(tokens)
+            decode_path = out.stats.path
+        if config.graph_mode == "both":  # the timed steps ran on the graph paths
+            assert prefill_path == "piecewise" and decode_path == "full_graph", (
+                prefill_path,
+                decode_path,
+            )
         return {
             "prefill_ms": prefill_ns / 1e6,
             "prefill_ar_ms": prefill_ar / 1e6,
@@ -90,6 +100,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--graph-mode",
+        default="none",
+        help="none | both: with both, the decode steps replay a full graph of --batch and the "
+        "prefill piecewise graphs of --batch x --prompt tokens (stand-in backend on CPU)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank; 0 = torch's default"
     )
     args = parser.parse_args()
@@ -101,7 +117,8 @@ def main() -> None:
         f"torch {torch.__version__}, load average {os.getloadavg()}"
     )
     print(
-        f"model {args.model}, batch {args.batch}, prompt {args.prompt}, decode steps {args.steps}, device {args.device}"
+        f"model {args.model}, batch {args.batch}, prompt {args.prompt}, decode steps "
+        f"{args.steps}, device {args.device}, graph mode {args.graph_mode}"
     )
     print(
         "| tp | prefill ms | all-reduce ms (share) | decode step ms (median) | all-reduce ms (share) | tokens = tp 1 |"
@@ -115,7 +132,11 @@ def main() -> None:
             max_reqs=args.batch + 1,
             kv_slots=(args.batch + 1) * 1024,
             max_context_len=1024,
-            graph_mode="none",
+            graph_mode=args.graph_mode,
+            graph_backend="standin" if args.device == "cpu" else "auto",
+            graph_batch_sizes=str(args.batch),
+            piecewise_token_sizes=str(args.batch * args.prompt),
+            max_tokens_per_batch=max(8192, args.batch * args.prompt),
             tp_size=tp,
         )
         r = run(config, args.batch, args.prompt, args.steps)
