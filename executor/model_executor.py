@@ -296,6 +296,11 @@ class ModelExecutor:
         captured now. Refused (ToggleRefusedError, nothing changed) when the mode cannot be
         honoured: decode graphs with a backend that cannot be captured, or the piecewise path
         while needs_cpu_seq_lens is forced off."""
+        if self.leader is not None and not self.leader.lock.locked():
+            raise ToggleRefusedError(
+                "graph_mode: under tensor parallelism change it through apply_toggles, which "
+                "has every rank capture in step"
+            )
         if mode == "auto":
             mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
         if mode not in RUNTIME_GRAPH_MODES:
