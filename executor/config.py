@@ -127,6 +127,19 @@ class ExecutorConfig:
         "run eager steps on the batch's own tensors instead of staging them through the eager "
         "input registry (saves one device copy per staged field per step); a runtime toggle too",
     )
+    tp_size: int = setting(
+        1,
+        "tensor-parallel ranks (one device each; gloo on CPU, NCCL on CUDA): serve starts "
+        "tp_size - 1 worker processes, or joins the group torchrun set up (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT)",
+    )
+    tp_timeout_s: int = setting(
+        60,
+        "tensor parallel: a collective waits this long for a rank before the group is declared "
+        "failed (the server goes NOT_SERVING and exits non-zero); idle ranks are pinged every "
+        "quarter of it. Ranks capture graphs in step, so it must exceed the largest gap between "
+        "two ranks' start-up (CPU graph compiles can take minutes on a loaded machine)",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -134,7 +147,7 @@ class ExecutorConfig:
             value = getattr(self, f.name)
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
-        for name in ("max_reqs", "kv_slots", "max_tokens_per_batch"):
+        for name in ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -190,20 +203,25 @@ def resolve_future_slots(config: ExecutorConfig) -> int:
     return config.future_slots or 4 * config.max_reqs
 
 
-def resolve_device(config: ExecutorConfig) -> torch.device:
-    """The executor's device; a CUDA device always names its index (`cuda` -> `cuda:0`), so
-    the threads that make it current (ops.device_scope) and the streams agree on it."""
+def resolve_device(config: ExecutorConfig, local_rank: int = 0) -> torch.device:
+    """The device of this process. A CUDA device always names its index (`cuda` -> `cuda:0`),
+    so the threads that make it current (ops.device_scope) and the streams agree on it; a
+    tensor-parallel rank on CUDA takes the `local_rank`-th device from the configured one."""
     if config.device == "auto":
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        )
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
     if device.type == "cuda":
         count = torch.cuda.device_count()
-        index = 0 if device.index is None else device.index
+        index = (0 if device.index is None else device.index) + local_rank
         if index >= count:
             raise ValueError(
-                f"device {config.device!r}: this machine has {count} CUDA device(s) (0..{count - 1})"
+                f"device {config.device!r}"
+                + (f" (tensor-parallel rank {local_rank})" if local_rank else "")
+                + f": this machine has {count} CUDA device(s) (0..{count - 1})"
             )
         return torch.device("cuda", index)
     return device

@@ -7,6 +7,12 @@ It is not thread-safe: one thread owns the device (the gRPC server's worker).
 
 The runtime toggles (`set_eager_input_no_copy`, `set_needs_cpu_seq_lens`, `set_graph_mode`,
 or all at once with `apply_toggles`) are called on that same thread between two steps.
+
+Tensor parallel (`comm` of size > 1, `executor.parallel`): every rank builds its own
+`ModelExecutor` over its shard. Rank 0 validates, completes and writes the row table, then
+broadcasts the step (`TpLeader`) and runs it; the other ranks run `run_shard` on what they
+receive (`executor.parallel.worker`), so every rank runs the same path, row table included.
+Rank 0 samples from the gathered logits. Runtime toggles are broadcast the same way.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ from executor.model_runner import GraphSettings, ModelRunner, RunnerOutput, want
 from executor.models.loader import LoadedModel, load_model
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.observer import ExecutorObserver, NullObserver
+from executor.parallel import broadcast
+from executor.parallel.comm import TpComm
+from executor.parallel.leader import TpLeader
 from executor.sampling import SampleOutput, Sampler
 from executor.validation import BatchLimits, validate_batch
 from ops.device_scope import device_scope, on_own_device
@@ -118,6 +127,7 @@ class StepStats:
     # sample; queue when a worker ran it): trace spans are drawn from these afterwards.
     # Not sent over the wire.
     started_ns: dict[str, int] = field(default_factory=dict)
+    allreduce_ns: int = 0  # tensor parallel: time in the step's all-reduces (rank 0's clock)
 
 
 @dataclass
@@ -148,9 +158,10 @@ class ExecutorInfo:
     attention_backend: str
     version: str
     quantization: str = "none"  # none | gguf | int8 | int4
-    weight_bytes: int = 0  # resident bytes of the model's weights
+    weight_bytes: int = 0  # resident bytes of the model's weights (this rank's shard)
     # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
     graph_capture_disabled: str = ""
+    tp_size: int = 1  # tensor-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -169,13 +180,22 @@ class ModelExecutor:
         *,
         observer: ExecutorObserver | None = None,
         stop: threading.Event | None = None,
+        comm: TpComm | None = None,
+        local_rank: int = 0,
     ) -> None:
         """`stop`, when set by the host (a shutdown during start-up), ends graph capture at
-        the next bucket with StartupCancelled."""
+        the next bucket with StartupCancelled. `comm`: this rank's tensor-parallel group
+        (required when `config.tp_size` > 1; `executor.parallel.group.init_comm`)."""
         self.config = config
+        self.comm = comm or TpComm()
+        if self.comm.size != config.tp_size:
+            raise ValueError(
+                f"tp_size={config.tp_size} needs a process group of that size "
+                f"(got {self.comm.size}); start it with `serve` or torchrun"
+            )
         # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
         self.observer: ExecutorObserver = observer or NullObserver()
-        self.device = resolve_device(config)
+        self.device = resolve_device(config, local_rank)
         # Every entry point makes the device current on the calling thread (loader, device
         # worker, runtime captures): CUDA launches and streams follow the current device.
         with device_scope(self.device):
@@ -197,6 +217,7 @@ class ModelExecutor:
                 max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
                 cache_dir=resolve_cache_dir(config),
                 quantization=config.quantization,
+                comm=self.comm,
             )
         self.loaded = loaded
         self.model = loaded.model
@@ -221,16 +242,17 @@ class ModelExecutor:
             config.max_reqs, max_context_len, self.device, kv_slots=config.kv_slots
         )
         self.future = FutureTokenTable(self.limits.future_slots, self.device)
+        plan = self.model.plan  # this rank's heads (all of them at tp_size 1)
         self.kv_pool = KVPool(
             config.kv_slots,
             mcfg.num_layers,
-            mcfg.num_kv_heads,
+            plan.num_kv_heads,
             mcfg.head_dim,
             self.dtype,
             self.device,
         )
         layout = AttentionLayout(
-            mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
+            plan.num_heads, plan.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
         )
         self.attn_backend = create_backend(
             config.attention_backend,
@@ -267,7 +289,8 @@ class ModelExecutor:
         self.graph_capture = "idle"
         # Called (on the capture thread) when a background capture ends, either way.
         self.graph_mode_listener: Callable[[], None] | None = None
-        if graph_mode != "none":
+        self.leader: TpLeader | None = None
+        if graph_mode != "none":  # on every rank, in the same order (captures run collectives)
             self._record_captures(self.runner.enable_graphs(graph_mode))
         if wants_decode_graphs(graph_mode) and self.attn_backend.graph_capture_refusal:
             log.warning(
@@ -275,6 +298,10 @@ class ModelExecutor:
                 attention_backend=self.attn_backend.name,
                 reason=self.attn_backend.graph_capture_refusal,
             )
+        if self.comm.enabled and self.comm.rank == 0:
+            # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
+            self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
+            self.future.keep_host_mirror()
         self.sampler = Sampler(self.device, config.seed)
         self.staging = H2DStaging(self.device)  # the step's one host-to-device copy
         # Wraps the device part of every step (device move, model, sampling). Tests install
@@ -297,6 +324,8 @@ class ModelExecutor:
             kv_cache_mib=round(self.kv_pool.nbytes / 2**20, 1),
             eager_input_no_copy=config.eager_input_no_copy,
             graph_mode=graph_mode,
+            tp_rank=self.comm.rank,
+            tp_size=self.comm.size,
         )
 
     @on_own_device
@@ -310,6 +339,11 @@ class ModelExecutor:
         by bucket, while steps keep running on the current path between two buckets;
         `graph_capture` says "capturing" until the new mode is in use (then "idle", or
         "failed: ..."). Returns the reports of a capture done here ([] in the background)."""
+        if self.leader is not None and not self.leader.lock.locked():
+            raise ToggleRefusedError(
+                "graph_mode: under tensor parallelism change it through apply_toggles, which "
+                "has every rank capture in step"
+            )
         mode = self._resolve_graph_mode(mode)
         if self.graph_capture.startswith("capturing"):
             raise ToggleRefusedError(
@@ -410,6 +444,7 @@ class ModelExecutor:
             quantization=self.loaded.quantization,
             weight_bytes=self.loaded.weight_bytes,
             graph_capture_disabled=self.runner.graph_factory.poisoned or "",
+            tp_size=self.comm.size,
         )
 
     @on_own_device
@@ -509,15 +544,42 @@ class ModelExecutor:
                 f"a graph capture is in progress ({self.graph_capture}): graph_mode and "
                 "needs_cpu_seq_lens cannot change until it ends"
             )
+        # Not under tensor parallelism: every rank captures in step, inside the leader's lock.
         background = (
-            background_capture and changes_graph and self.runner.needs_capture(target_graph)
+            background_capture
+            and not self.comm.enabled
+            and changes_graph
+            and self.runner.needs_capture(target_graph)
         )
         if background and target_mode != self.needs_cpu_seq_lens_policy:
             raise ToggleRefusedError(
                 f"graph_mode={target_graph} captures in the background: change "
                 "needs_cpu_seq_lens in a separate update"
             )
-        if changes_graph:
+        if self.leader is not None:  # every rank applies it (a capture runs collectives)
+            with self.leader.holding():
+                self.leader.send(
+                    broadcast.Command(
+                        broadcast.TOGGLES,
+                        toggles={
+                            "eager_input_no_copy": eager_input_no_copy,
+                            "needs_cpu_seq_lens": needs_cpu_seq_lens,
+                            "graph_mode": graph_mode,
+                        },
+                    )
+                )
+                self._apply_toggles(target_mode, target_graph, eager_input_no_copy, False)
+            return
+        self._apply_toggles(target_mode, target_graph, eager_input_no_copy, background)
+
+    def _apply_toggles(
+        self,
+        target_mode: str,
+        target_graph: str,
+        eager_input_no_copy: bool | None,
+        background: bool,
+    ) -> None:
+        if target_graph != self.graph_mode:
             self.set_graph_mode(target_graph, background=background)
         if not background:
             self.set_needs_cpu_seq_lens(target_mode)
@@ -541,6 +603,7 @@ class ModelExecutor:
         `return_logits` adds each request's last-token logits (a host copy) to the output.
         """
         d2h0, h2d_syncs0, h2d_copies0 = host_transfers.totals()
+        self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
         wall0 = time.time_ns()
         t0 = time.perf_counter_ns()
         self.validate(batch)
@@ -554,6 +617,7 @@ class ModelExecutor:
         timings["validate"] = t1 - t0
         timings["stage"] += t2 - t1  # completing the batch is part of staging it
         timings["total"] = time.perf_counter_ns() - t0
+        allreduce_ns = self.comm.take_allreduce_ns()
         # The phases run back to back: validate, stage (complete + device move), forward, sample.
         started = {"validate": wall0, "stage": wall0 + timings["validate"]}
         started["forward"] = started["stage"] + timings["stage"]
@@ -576,6 +640,7 @@ class ModelExecutor:
             h2d_copies=host_transfers.total_h2d_copies - h2d_copies0,
             started_ns=started,
             future_refs=future_references(host),
+            allreduce_ns=allreduce_ns,
         )
         if out.graph_fallback is not None:
             kind, reason = out.graph_fallback.split(":", 1)
@@ -602,6 +667,15 @@ class ModelExecutor:
         """Write the row table, run the model, sample. The write is undone if anything fails
         (or always, with `keep_rows=False`)."""
         assert host.sampling is not None
+        if self.leader is None:
+            return self._run_step(host, return_logits=return_logits, keep_rows=keep_rows)
+        with self.leader.holding():  # no heartbeat between the broadcast and the collectives
+            return self._run_step(host, return_logits=return_logits, keep_rows=keep_rows)
+
+    def _run_step(
+        self, host: ForwardBatch, *, return_logits: bool, keep_rows: bool
+    ) -> tuple[RunnerOutput, SampleOutput, torch.Tensor | None, dict[str, int]]:
+        assert host.sampling is not None
         t0 = time.perf_counter_ns()
         plan = self.sampler.plan(host.sampling)
         # One staged host-to-device copy for the whole step: the batch's device fields, the
@@ -610,6 +684,13 @@ class ModelExecutor:
         views = self.staging.stage(host.staged_fields() + cells.staged_fields())
         # IDLE too: it may release rows. Refuses (nothing changed) a slot a live row holds.
         write = self.req_to_token_pool.write_batch(host, cells, cells.from_views(views))
+        if self.leader is not None:  # the batch was accepted here: every rank runs it
+            try:
+                step = self.future.resolved_for_workers(host)  # workers keep no future table
+                self.leader.send(broadcast.Command(broadcast.STEP, step, keep_rows=keep_rows))
+            except BaseException:
+                self.req_to_token_pool.undo(write)
+                raise
         future = self.future.apply(host) if keep_rows else None
         try:
             with self.device_step_guard():
@@ -633,7 +714,12 @@ class ModelExecutor:
                 )
                 logits = to_host(out.logits, "logits") if return_logits else None
                 if future is not None:  # last: nothing after it can fail the step
-                    self.future.store(fb.future_token_slots, sample.device_token_ids)
+                    self.future.store(
+                        fb.future_token_slots,
+                        sample.device_token_ids,
+                        host.future_token_slots,
+                        sample.next_token_ids,
+                    )
         except BaseException:
             self.req_to_token_pool.undo(write)
             if future is not None:
@@ -643,3 +729,25 @@ class ModelExecutor:
             self.req_to_token_pool.undo(write)
         t3 = time.perf_counter_ns()
         return out, sample, logits, {"stage": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+
+    @on_own_device
+    def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
+        """A worker rank: run a step rank 0 validated, completed and broadcast (row table
+        write, this rank's part of the model and its collectives; rank 0 samples)."""
+        cells = self.req_to_token_pool.row_cells(host)
+        views = self.staging.stage(host.staged_fields() + cells.staged_fields())
+        write = self.req_to_token_pool.write_batch(host, cells, cells.from_views(views))
+        try:
+            self.runner.forward(host.with_device_fields(views), future_refs=False)
+        except BaseException:
+            self.req_to_token_pool.undo(write)
+            raise
+        if not keep_rows:
+            self.req_to_token_pool.undo(write)
+        self.comm.take_allreduce_ns()
+
+    def close(self) -> None:
+        """Rank 0 of a group: stop the heartbeat and tell the workers to stop (a no-op
+        otherwise). Call once no step can run any more."""
+        if self.leader is not None:
+            self.leader.close()

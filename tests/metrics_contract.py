@@ -55,8 +55,17 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_toggle_needs_cpu_seq_lens": _m("gauge"),
     "model_executor_toggle_graph_mode_info": _m("gauge", "mode"),
     "model_executor_build_info": _m(
-        "gauge", "version", "model", "device", "dtype", "attention_backend", "quantization"
+        "gauge",
+        "version",
+        "model",
+        "device",
+        "dtype",
+        "attention_backend",
+        "quantization",
+        "tp_size",
+        "rank",
     ),
+    "model_executor_allreduce_seconds": _m("histogram", "rank"),
 }
 
 # Series Prometheus itself makes (`up`) and labels its service discovery attaches to every

@@ -40,6 +40,7 @@ from tests.promql_sources import RULES
 # Secret's mount path).
 CHART_OWNED = {
     "model",
+    "tp_size",  # tensorParallelSize
     "host",
     "port",
     "metrics_port",
@@ -268,7 +269,17 @@ def test_deployment_probes_drain_and_security(
     assert _environment(rendered)["MODEL_EXECUTOR_CACHE_DIR"].startswith(
         mounts["cache"]["mountPath"] + "/"
     )
-    assert c["resources"]["limits"][merged["gpu"]["resourceName"]] == merged["gpu"]["count"]
+    tp = merged["tensorParallelSize"]
+    assert tp == (4 if which == "everything" else 1)
+    # tensorParallelSize sets the GPUs (never fewer than gpu.count), the flag and /dev/shm.
+    gpus = c["resources"]["limits"][merged["gpu"]["resourceName"]]
+    assert gpus == max(merged["gpu"]["count"], tp)
+    assert _environment(rendered)["MODEL_EXECUTOR_TP_SIZE"] == str(tp)
+    assert settings.build(ExecutorConfig, env=_environment(rendered)).tp_size == tp
+    assert ("shm" in volumes) is (tp > 1) and ("shm" in mounts) is (tp > 1)
+    if tp > 1:
+        assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+        assert mounts["shm"]["mountPath"] == "/dev/shm"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "grpc": grpc_port,
         "metrics": merged["ports"]["metrics"],

@@ -239,6 +239,8 @@ def test_state_gauges_and_build_info(server: RunningServer, client: ExecutorClie
         "dtype": info.dtype,
         "attention_backend": info.attention_backend,
         "quantization": "none",
+        "tp_size": "1",
+        "rank": "0",
     }
     assert after.get("model_executor_build_info", **labels) == 1
     assert info.quantization == "none" and info.weight_bytes > 0

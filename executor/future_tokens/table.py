@@ -6,6 +6,11 @@ sampled token there, on the device. Step N+1 refers to it as input id `-k` and t
 gathers it into the input ids before the model reads them (`ops.future_tokens`), inside the
 captured graph on the graph paths. Nothing is copied to the host for either.
 
+Under tensor parallelism only rank 0 samples, so only rank 0 keeps a table: it also keeps a
+host mirror of it (from the sampled ids it copies to the host anyway) and sends the workers
+each batch with its references already resolved (`resolved_for_workers`). Steps run in
+order on rank 0, so step N's tokens are on the host before step N+1 is broadcast.
+
 The host keeps which slots hold an unreleased token (`assigned`), so validation can refuse a
 reference to a slot nobody assigned, or an assignment over a slot still held, before anything
 changes. A step first releases (`released_future_slots`), then resolves its references, then
@@ -16,6 +21,7 @@ never changed the device table either.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +63,12 @@ class FutureTokenTable:
         self.size = size
         self.tokens = torch.zeros(size + 1, dtype=torch.int64, device=device)
         self.assigned = np.zeros(size + 1, dtype=bool)
+        # Tensor parallelism: the tokens on the host too, for the workers' batches.
+        self.host_tokens: np.ndarray | None = None
+
+    def keep_host_mirror(self) -> None:
+        """Mirror the stored tokens on the host (rank 0 of a tensor-parallel group)."""
+        self.host_tokens = np.zeros(self.size + 1, dtype=np.int64)
 
     def slots_in_use(self) -> int:
         return int(np.count_nonzero(self.assigned))
@@ -79,8 +91,34 @@ class FutureTokenTable:
         self.assigned[change.assigned] = False
         self.assigned[change.released] = True
 
-    def store(self, device_slots: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
-        """After sampling: `tokens[slots[i]] = sampled[i]` on the device, no host read."""
+    def store(
+        self,
+        device_slots: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+        host_slots: torch.Tensor | None = None,
+        host_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """After sampling: `tokens[slots[i]] = sampled[i]` on the device, no host read; and in
+        the host mirror, when kept, from the host copies of the same slots and ids."""
         if device_slots is not None and device_slots.numel():
             assert tokens is not None, "the sampler keeps the device ids of every step"
             store_future_tokens(self.tokens, device_slots, tokens)
+            if self.host_tokens is not None:
+                assert host_slots is not None and host_tokens is not None
+                self.host_tokens[host_slots.numpy()] = host_tokens.numpy()
+
+    def resolved_for_workers(self, fb: ForwardBatch) -> ForwardBatch:
+        """A validated host batch as a tensor-parallel worker runs it: every reference
+        replaced by the token it names (from the host mirror), no future-slot fields (the
+        workers keep no table)."""
+        refs = future_references(fb)
+        if not refs and fb.future_token_slots is None and fb.released_future_slots is None:
+            return fb
+        assert self.host_tokens is not None, "keep_host_mirror() on rank 0"
+        ids = fb.input_ids
+        if ids is not None and refs:
+            raw = ids.numpy()
+            ids = torch.from_numpy(np.where(raw < 0, self.host_tokens[np.maximum(-raw, 0)], raw))
+        return dataclasses.replace(
+            fb, input_ids=ids, future_token_slots=None, released_future_slots=None
+        )

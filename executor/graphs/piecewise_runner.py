@@ -70,15 +70,15 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             max_num_tokens=self.max_tokens,
             enable_num_token_non_padded=True,
         )
-        cfg = model.config
+        cfg, plan = model.config, model.plan  # this rank's heads under tensor parallelism
         dd: dict[str, Any] = {"dtype": model.activation_dtype, "device": device}
         t = self.max_tokens
         self.acts = _Activations(
-            q=torch.zeros(t, cfg.num_heads, cfg.head_dim, **dd),
-            k=torch.zeros(t, cfg.num_kv_heads, cfg.head_dim, **dd),
-            v=torch.zeros(t, cfg.num_kv_heads, cfg.head_dim, **dd),
+            q=torch.zeros(t, plan.num_heads, cfg.head_dim, **dd),
+            k=torch.zeros(t, plan.num_kv_heads, cfg.head_dim, **dd),
+            v=torch.zeros(t, plan.num_kv_heads, cfg.head_dim, **dd),
             residual=torch.zeros(t, cfg.hidden_size, **dd),
-            attn_out=torch.zeros(t, cfg.num_heads, cfg.head_dim, **dd),
+            attn_out=torch.zeros(t, plan.num_heads, cfg.head_dim, **dd),
             hidden=torch.zeros(t, cfg.hidden_size, **dd),
         )
 

@@ -204,6 +204,20 @@ def read_gguf_blocks(
     return config, floats, blocks
 
 
+def lazy_gguf(path: Path, cache_dir: Path | None) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, lazy slices) of the dequantized cache, filled first when missing: a
+    tensor-parallel rank then reads only its shard of the float weights. Without a cache
+    directory the whole file is dequantized in memory (every rank does it)."""
+    from executor.models.hf_loader import lazy_safetensors
+
+    if cache_dir is None:
+        return dequantize_gguf(path)
+    weights = cache_path(path, cache_dir, ".safetensors")
+    if not weights.exists():
+        load_gguf(path, cache_dir)
+    return read_gguf_config(path, cache_dir), lazy_safetensors([weights])
+
+
 def load_gguf(path: Path, cache_dir: Path | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, tensors) from the cache when present, else dequantize and fill the cache."""
     from safetensors.torch import load_file, save_file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,10 +18,7 @@ def read_hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(json.loads(config_path.read_text()), name=path.name)
 
 
-def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    config = read_hf_config(path)
+def _weight_files(path: Path) -> list[Path]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"{path} has no *.safetensors weights")
@@ -28,10 +26,35 @@ def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     if index_path.exists():
         wanted = set(json.loads(index_path.read_text())["weight_map"].values())
         shards = [path / name for name in sorted(wanted)]
+    return shards
+
+
+def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = read_hf_config(path)
     tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
+    for shard in _weight_files(path):
         tensors.update(load_file(str(shard)))
     return config, tensors
+
+
+def lazy_safetensors(files: list[Path]) -> dict[str, Any]:
+    """Every tensor of `files` as a lazy slice (`get_shape()`, `[a:b]`, `[:, a:b]`): reading
+    a slice reads only those bytes of the memory-mapped file (a tensor-parallel rank's shard)."""
+    from safetensors import safe_open
+
+    slices: dict[str, Any] = {}
+    for file in files:
+        handle = safe_open(str(file), framework="pt")
+        for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            slices[name] = handle.get_slice(name)
+    return slices
+
+
+def lazy_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """`load_hf_directory` with lazy slices instead of tensors (see `lazy_safetensors`)."""
+    return read_hf_config(path), lazy_safetensors(_weight_files(path))
 
 
 def save_hf_directory(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

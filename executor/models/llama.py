@@ -8,6 +8,12 @@ piecewise graph runner captures the halves and runs attention eagerly between th
 The residual stream travels as a pair `(hidden, residual)` whose sum is the layer input,
 so each RMSNorm fuses the residual add in front of it (same arithmetic as Hugging Face's
 "residual + x then norm").
+
+Tensor parallelism (`executor.parallel`): with a `ShardPlan` of size > 1 each layer holds
+its heads and its part of the MLP, and the post-attention half splits in two around the
+all-reduces (`o_proj` partial sums, then `down_proj` partial sums), so a compiled half never
+contains a collective: the collectives run eagerly between compiled functions, which is
+what torch.compile's full-graph mode and gloo require.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from torch import nn
 
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
+from executor.parallel.comm import TpComm
+from executor.parallel.shard import ShardPlan
 from ops.activation import silu_and_mul
 from ops.rotary import RotaryEmbedding
 
@@ -42,28 +50,42 @@ class LayerHalves:
 
     pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     post: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # Tensor parallel: the post half's two pieces between the all-reduces.
+    attn_proj: Callable[..., torch.Tensor]
+    mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, *, device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        plan: ShardPlan | None = None,
+        comm: TpComm | None = None,
     ) -> None:
+        """`plan` (default: the whole model) says which heads and MLP columns this rank holds;
+        `comm` sums the row-parallel partial outputs."""
         super().__init__()
         dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        plan = plan or ShardPlan.single(config)
+        self.comm = comm or TpComm()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = plan.num_heads
+        self.num_kv_heads = plan.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = plan.num_heads * config.head_dim
+        self.kv_size = plan.num_kv_heads * config.head_dim
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, **dd
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, **dd)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, **dd)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, **dd)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * plan.intermediate_size, False, **dd)
+        self.down_proj = Linear(plan.intermediate_size, config.hidden_size, False, **dd)
         self.halves = EAGER_HALVES
 
     def pre_attention(
@@ -80,7 +102,11 @@ class LlamaDecoderLayer(nn.Module):
         self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attn_out [T, Hq, D] -> (hidden, residual), both [T, hidden]."""
-        return self.halves.post(self, attn_out, residual)
+        if not self.comm.enabled:
+            return self.halves.post(self, attn_out, residual)
+        hidden = self.comm.all_reduce_(self.halves.attn_proj(self, attn_out))
+        hidden, residual = self.halves.mlp(self, hidden, residual)
+        return self.comm.all_reduce_(hidden), residual
 
     def pre_attention_eager(
         self,
@@ -106,9 +132,23 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.down_proj(silu_and_mul(self.gate_up_proj(normed)))
         return hidden, residual
 
+    def attn_proj_eager(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """Tensor parallel: this rank's partial o_proj output (summed over the ranks next)."""
+        return self.o_proj(attn_out.reshape(-1, self.q_size))
+
+    def mlp_eager(
+        self, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor parallel: norm, then this rank's partial MLP output, and the residual."""
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(normed))), residual
+
 
 EAGER_HALVES = LayerHalves(
-    pre=LlamaDecoderLayer.pre_attention_eager, post=LlamaDecoderLayer.post_attention_eager
+    pre=LlamaDecoderLayer.pre_attention_eager,
+    post=LlamaDecoderLayer.post_attention_eager,
+    attn_proj=LlamaDecoderLayer.attn_proj_eager,
+    mlp=LlamaDecoderLayer.mlp_eager,
 )
 
 
@@ -124,6 +164,8 @@ def compile_halves() -> LayerHalves:
     return LayerHalves(
         pre=torch.compile(LlamaDecoderLayer.pre_attention_eager, **options),
         post=torch.compile(LlamaDecoderLayer.post_attention_eager, **options),
+        attn_proj=torch.compile(LlamaDecoderLayer.attn_proj_eager, **options),
+        mlp=torch.compile(LlamaDecoderLayer.mlp_eager, **options),
     )
 
 
@@ -131,18 +173,34 @@ class LlamaForCausalLM(nn.Module):
     """Token ids (or embeddings) in, final hidden states out; `compute_logits` for the head."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, *, device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        plan: ShardPlan | None = None,
+        comm: TpComm | None = None,
     ) -> None:
-        """Parameters are allocated uninitialized; a loader fills every one of them."""
+        """Parameters are allocated uninitialized; a loader fills every one of them. With a
+        `plan` of size > 1 this is one rank's shard and `comm` its group."""
         super().__init__()
         dd: dict[str, Any] = {"device": device, "dtype": dtype}
         self.config = config
+        self.plan = plan or ShardPlan.single(config)
+        self.comm = comm or TpComm()
+        if self.plan.size != self.comm.size:
+            raise ValueError(
+                f"shard plan of size {self.plan.size} with a group of size {self.comm.size}"
+            )
         self.max_positions = max_positions
         self.activation_dtype = dtype  # of the residual stream, attention and the KV cache
+        vocab_rows = self.plan.vocab_per_rank
         # A loader may install a quantized embedding (any module with Embedding's interface).
-        self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size, **dd)
+        self.embed_tokens: nn.Module = Embedding(vocab_rows, config.hidden_size, **dd)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, **dd) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, plan=self.plan, comm=self.comm, **dd)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
         # None when tied to the embedding; a loader may install a quantized head (any module
@@ -150,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, **dd)
+            else Linear(config.hidden_size, vocab_rows, False, **dd)
         )
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, device=device
@@ -178,7 +236,14 @@ class LlamaForCausalLM(nn.Module):
         if input_embeds is not None:
             return input_embeds.to(self.activation_dtype)
         assert input_ids is not None
-        return self.embed_tokens(input_ids)
+        if not self.comm.enabled:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: rows outside this rank's range read row 0 and are zeroed, then the
+        # ranks' partial embeddings are summed (exactly one rank holds each id).
+        local = input_ids - self.plan.vocab_start
+        mine = (local >= 0) & (local < self.plan.vocab_per_rank)
+        hidden = self.embed_tokens(local * mine) * mine.unsqueeze(-1).to(self.activation_dtype)
+        return self.comm.all_reduce_(hidden)
 
     def forward(
         self,
@@ -205,5 +270,10 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden[fb.extend_start_loc + fb.extend_seq_lens - 1]
         if self.lm_head is None:  # tied to a float embedding
             assert isinstance(self.embed_tokens, Embedding)
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if not self.comm.enabled:
+            return logits
+        # Vocab-parallel head: every rank's columns, in rank order, minus the padding.
+        return self.comm.all_gather_last(logits)[:, : self.config.vocab_size]

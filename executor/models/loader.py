@@ -11,6 +11,7 @@ import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -24,8 +25,8 @@ from executor.config import (
 )
 from executor.models.config import ModelConfig
 from executor.models.gguf_blocks import BLOCK_FORMATS
-from executor.models.gguf_loader import load_gguf, read_gguf_blocks, read_gguf_config
-from executor.models.hf_loader import load_hf_directory, read_hf_config
+from executor.models.gguf_loader import lazy_gguf, load_gguf, read_gguf_blocks, read_gguf_config
+from executor.models.hf_loader import lazy_hf_directory, load_hf_directory, read_hf_config
 from executor.models.llama import LlamaForCausalLM
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
 from executor.models.quantize import (
@@ -38,6 +39,8 @@ from executor.models.quantize import (
 from executor.models.quantized import weight_bytes
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
+from executor.parallel.comm import TpComm
+from executor.parallel.shard import ShardPlan
 
 log = structlog.get_logger(__name__)
 
@@ -87,15 +90,17 @@ def resolve_model_spec(spec: str) -> ModelSource:
 
 
 def read_weights(
-    source: ModelSource, cache_dir: Path | None
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    source: ModelSource, cache_dir: Path | None, *, lazy: bool = False
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, tensors); `lazy`: safetensors-backed sources hand lazy slices instead, so a
+    tensor-parallel rank reads only its shard."""
     if source.kind == "tiny-random":
         config = TINY_CONFIGS[source.spec]
         return config, tiny_random_weights(config)
     assert source.path is not None
     if source.kind == "gguf":
-        return load_gguf(source.path, cache_dir)
-    return load_hf_directory(source.path)
+        return lazy_gguf(source.path, cache_dir) if lazy else load_gguf(source.path, cache_dir)
+    return lazy_hf_directory(source.path) if lazy else load_hf_directory(source.path)
 
 
 def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
@@ -113,7 +118,24 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     check_quantization(
         config.quantization, source.kind, source.spec, model_cfg, resolve_device(config)
     )
+    if config.tp_size > 1:
+        if config.quantization != "none":
+            raise ValueError(
+                f"quantization={config.quantization} is not supported with tp_size > 1 "
+                "(tensor parallelism shards float weights only)"
+            )
+        ShardPlan.build(model_cfg, config.tp_size, 0)  # refuses head counts that do not divide
     return model_cfg, resolve_max_context_len(config, model_cfg)
+
+
+def prepare_shared_weights(config: ExecutorConfig) -> None:
+    """Tensor parallel, before the ranks start: a GGUF's dequantized cache is filled once
+    here, so the ranks each read their shard of it instead of each dequantizing the file."""
+    source = resolve_model_spec(config.model)
+    cache_dir = resolve_cache_dir(config)
+    if source.kind == "gguf" and cache_dir is not None and config.quantization == "none":
+        assert source.path is not None
+        lazy_gguf(source.path, cache_dir)
 
 
 @dataclass
@@ -134,7 +156,21 @@ def _build(
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
+    comm: TpComm,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
+    if comm.enabled:
+        if quantization != "none":
+            raise ValueError(
+                f"quantization={quantization} is not supported with tp_size > 1 "
+                "(tensor parallelism shards float weights only)"
+            )
+        config, tensors = read_weights(source, cache_dir, lazy=True)
+        plan = ShardPlan.build(config, comm.size, comm.rank)
+        model = LlamaForCausalLM(
+            config, max_positions=max_positions, device=device, dtype=dtype, plan=plan, comm=comm
+        )
+        load_hf_weights(model, tensors)
+        return config, model
     if quantization == "gguf":
         check_source(quantization, source.kind, source.spec)
         assert source.path is not None
@@ -175,6 +211,7 @@ def load_model(
     max_positions: int,
     cache_dir: Path | None,
     quantization: str = "none",
+    comm: TpComm | None = None,
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with every parameter loaded exactly once; with
     `quantization` other than none the decoder linears stay quantized (`quantize.py`)."""
@@ -184,8 +221,15 @@ def load_model(
         )
     t0 = time.perf_counter()
     source = resolve_model_spec(spec)
+    comm = comm or TpComm()
     config, model = _build(
-        source, cache_dir, quantization, device=device, dtype=dtype, max_positions=max_positions
+        source,
+        cache_dir,
+        quantization,
+        device=device,
+        dtype=dtype,
+        max_positions=max_positions,
+        comm=comm,
     )
     model.eval()
     seconds = time.perf_counter() - t0
@@ -198,6 +242,8 @@ def load_model(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         quantization=quantization,
+        tp_rank=comm.rank,
+        tp_size=comm.size,
         weight_bytes=nbytes,
         weight_mib=round(nbytes / 2**20, 1),
         seconds=round(seconds, 3),

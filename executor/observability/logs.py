@@ -45,7 +45,10 @@ def debug_enabled() -> bool:
     return _current_level == "debug"
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+def configure_logging(
+    level: str = "info", fmt: str = "auto", stream: TextIO | None = None, rank: int = 0
+) -> None:
+    """`rank`: the tensor-parallel rank every line carries (`rank`; 0 without TP)."""
     if level not in LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LEVELS)}, got {level!r}")
     if fmt not in FORMATS:
@@ -61,6 +64,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _with_rank(rank),
             add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -74,6 +78,14 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+
+
+def _with_rank(rank: int) -> Any:
+    def add_rank(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("rank", rank)
+        return event
+
+    return add_rank
 
 
 def set_log_level(level: str) -> None:

@@ -185,6 +185,11 @@ class ExecutorMetrics:
             "Time of one step on the device thread (validate, stage, forward, sample), by path and mode.",
             ("path", "mode"), LATENCY_BUCKETS,
         )  # fmt: skip
+        self.allreduce_seconds = step_histogram(
+            "allreduce_seconds",
+            "Tensor parallel: time one step spent in all-reduces (rank 0's host clock), by rank.",
+            ("rank",), LATENCY_BUCKETS,
+        )  # fmt: skip
         self.queue_wait_seconds = step_histogram(
             "queue_wait_seconds", "Time a batch waited in the device queue.", (), LATENCY_BUCKETS
         )
@@ -254,7 +259,8 @@ class ExecutorMetrics:
         self.kv_slots_total = gauge("kv_slots_total", "KV slots the cache holds (1..kv_slots).")
         self.build_info = gauge(
             "build_info", "Always 1; the labels describe the running executor.",
-            ("version", "model", "device", "dtype", "attention_backend", "quantization"),
+            ("version", "model", "device", "dtype", "attention_backend", "quantization",
+             "tp_size", "rank"),
         )  # fmt: skip
         self.toggle_eager_input_no_copy = gauge(
             "toggle_eager_input_no_copy", "1 when eager steps skip input staging (no-copy), else 0."
@@ -285,6 +291,7 @@ class ExecutorMetrics:
             self.padding_tokens.labels(path)
         self._queue_wait = self.queue_wait_seconds.labels()
         self._future_resolved = self.future_tokens_resolved.labels()
+        self._allreduce: Any = None  # rank 0's series, made when a tensor-parallel model loads
 
     # --- recording ---
 
@@ -300,6 +307,8 @@ class ExecutorMetrics:
         padding = stats.padded_num_tokens - stats.num_tokens
         if padding > 0:
             series.padding_tokens.inc(padding)
+        if self._allreduce is not None:
+            self._allreduce.observe(stats.allreduce_ns * 1e-9)
         queue = timings.get("queue")
         if queue is not None:
             self._queue_wait.observe(queue * 1e-9)
@@ -373,7 +382,11 @@ class ExecutorMetrics:
             info.dtype,
             info.attention_backend,
             info.quantization,
+            str(info.tp_size),
+            "0",  # the metrics are served by rank 0, which owns gRPC
         ).set(1)
+        if info.tp_size > 1:
+            self._allreduce = self.allreduce_seconds.labels("0")
         self.kv_slots_total.set(info.limits.kv_slots)
         self._scrape_time.sources = sources
 

@@ -302,6 +302,7 @@ def info_to_proto(
 ) -> pb.GetInfoResponse:
     lim = info.limits
     msg = pb.GetInfoResponse(
+        tp_size=info.tp_size,
         model_name=info.model_name,
         architecture=info.architecture,
         vocab_size=info.vocab_size,
@@ -357,6 +358,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         quantization=msg.quantization,
         weight_bytes=msg.weight_bytes,
         graph_capture_disabled=msg.graph_capture_disabled,
+        tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
     )
     return info, msg.model_spec
 

@@ -14,6 +14,7 @@ its own tracer provider (exporter and sampling from `ServerConfig`), and the run
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tls import CertificateFiles, is_loopback
+from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
 from model_executor.v1 import executor_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -123,6 +125,26 @@ class RunningServer:
     # Set by `drain`: a start-up still loading or capturing graphs stops at the next bucket.
     stop_loading: threading.Event = field(default_factory=threading.Event)
     loader: threading.Thread | None = None
+    # Tensor parallel: the group rank 0 leads, and why it failed (a rank died or hangs).
+    tp_group: TpGroup | None = None
+    tp_failure: list[str] = field(default_factory=list)
+    tp_failed: threading.Event = field(default_factory=threading.Event)
+    executor: ModelExecutor | None = None
+
+    def on_tp_failure(self, reason: str) -> None:
+        """A collective failed: NOT_SERVING now (new batches UNAVAILABLE); `serve` exits 1."""
+        log.error("tensor-parallel group failed; not serving", reason=reason)
+        self.tp_failure.append(reason)
+        self.readiness.drain()
+        self.tp_failed.set()
+
+    def stop_tp_group(self) -> None:
+        """Tell the workers to stop (when the group is healthy), wait, kill what is left."""
+        if self.executor is not None:
+            self.executor.close()
+        if self.tp_group is not None:
+            codes = self.tp_group.stop()
+            log.info("tensor-parallel workers stopped", exit_codes=codes)
 
     @property
     def worker(self) -> DeviceWorker | None:
@@ -164,6 +186,7 @@ class RunningServer:
                 log.warning("start-up did not stop within the drain grace", grace_s=grace)
         if worker is not None and not worker.stop(timeout=DRAIN_MARGIN_S):
             log.warning("a device step outlived the drain; exiting without it")
+        self.stop_tp_group()
         self.telemetry.metrics.close()
         self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
@@ -294,7 +317,18 @@ def start_server(
     def load() -> None:
         try:
             t0 = time.perf_counter()
-            executor = ModelExecutor(config, observer=metrics, stop=running.stop_loading)
+            comm = None
+            if config.tp_size > 1:
+                running.tp_group = start_group(
+                    config,
+                    dict(os.environ),
+                    log_level=server_config.log_level,
+                    log_format=server_config.log_format,
+                )
+                comm = running.tp_group.comm
+                comm.on_failure = running.on_tp_failure
+            executor = ModelExecutor(config, observer=metrics, stop=running.stop_loading, comm=comm)
+            running.executor = executor
             if running.stop_loading.is_set():
                 raise StartupCancelled("shutdown requested after the model loaded")
             executor.warmup()
@@ -333,6 +367,8 @@ def start_server(
             log.error("start-up failed", exc_info=exc)
             running.load_error.append(exc)
         finally:
+            if running.load_error and running.tp_group is not None:
+                running.tp_group.stop(timeout_s=0)  # workers of a failed start-up: killed
             running.ready.set()
 
     running.loader = threading.Thread(target=load, name="model-loader", daemon=True)
@@ -343,7 +379,17 @@ def start_server(
 
 
 def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT, then drain. The process exit code."""
+    """Run until SIGTERM/SIGINT, then drain. The process exit code.
+
+    Under torchrun, ranks other than 0 run the tensor-parallel worker loop instead (no
+    ports). When the group fails (a rank died or hangs), exit 1 at once: the pod restarts."""
+    endpoint = torchrun_endpoint(config, dict(os.environ))
+    if endpoint is not None and endpoint.rank != 0:
+        # torchrun forwards SIGTERM to every rank: a worker keeps serving rank 0's draining
+        # steps and stops on its command (or when rank 0 is gone).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        return run_worker_rank(config, endpoint, server_config.log_level, server_config.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -352,6 +398,11 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
     while not stop.wait(0.5):
         if running.ready.is_set() and running.load_error:
             running.server.stop(grace=None)
+            return 1
+        if running.tp_failed.is_set():
+            log.error("exiting: tensor-parallel group failed", reason=running.tp_failure[0])
+            running.server.stop(grace=1.0).wait()
+            running.stop_tp_group()
             return 1
     log.info("shutdown signal received")
     running.drain()

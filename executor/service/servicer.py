@@ -47,6 +47,7 @@ from executor.errors import (
 from executor.model_executor import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
 from executor.observability.tracing import SpanScope
+from executor.parallel.comm import TpGroupError
 from executor.service.admission import CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
 from executor.service.auth import TokenCheck, UnauthenticatedError
@@ -89,6 +90,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, NotServingError | WorkerClosedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, TpGroupError):  # a rank died or hangs: this server is going away
+        return grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}"
     if isinstance(exc, RpcEndedError):
         code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.deadline else grpc.StatusCode.CANCELLED
         return code, str(exc)

@@ -716,6 +716,41 @@ def internals() -> dict[str, Any]:
             ],
         ),
         Row(
+            "Overlap and tensor parallelism",
+            [
+                Panel(
+                    "Future-token references resolved per step",
+                    "Input ids the device read from the future-token table (overlap "
+                    "scheduling: the scheduler sent step N+1 before step N's tokens came back). "
+                    "0 for schedulers that do not overlap.",
+                    [
+                        Target(
+                            "sum(rate(model_executor_future_tokens_resolved_total"
+                            f"{{{SEL}}}[{RATE}])) / scalar({STEPS})",
+                            "references per step",
+                        )
+                    ],
+                    width=12,
+                ),
+                Panel(
+                    "All-reduce share of step time",
+                    "Tensor parallelism: the share of rank 0's forward time spent in "
+                    "all-reduces, by instance; no series at tp_size 1.",
+                    [
+                        Target(
+                            "sum by (instance) "
+                            f"(rate(model_executor_allreduce_seconds_sum{{{SEL}}}[{RATE}]))"
+                            " / sum by (instance) "
+                            f"(rate(model_executor_forward_seconds_sum{{{SEL}}}[{RATE}]))",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="percentunit",
+                    width=12,
+                ),
+            ],
+        ),
+        Row(
             "Retries",
             [
                 Panel(

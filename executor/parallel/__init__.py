@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: the group, the sharding plan, the batch broadcast."""

@@ -1,0 +1,110 @@
+"""`TpComm`: the collectives a tensor-parallel model runs, timed, with failures made explicit.
+
+One object per process. At `size == 1` every collective is a no-op, so the model code calls
+them unconditionally. The all-reduce time is accumulated per step (`take_allreduce_ns`) for
+the metrics; on CUDA the host clock sees the enqueue of an NCCL call, not its completion, so
+the figure there is a lower bound (inside a CUDA graph it is not seen at all).
+
+A collective that fails (a peer died: connection closed; a peer hangs: the group's timeout)
+raises `TpGroupError` and marks the group failed for good: a tensor-parallel group that lost
+a rank cannot be resynchronised, so the host stops serving and exits (`on_failure`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class TpGroupError(RuntimeError):
+    """A collective of the tensor-parallel group failed; the group is unusable."""
+
+
+@dataclass
+class TpComm:
+    rank: int = 0
+    size: int = 1
+    backend: str = "none"  # gloo | nccl | none (size 1)
+    group: Any = None  # the torch.distributed process group (None: the default group)
+    # Where host data travels (the batch broadcast, pings): a gloo group next to NCCL, so
+    # headers and batches never go through device memory; None: `group` (gloo on CPU).
+    cpu_group: Any = None
+    # Called once, with the reason, when a collective fails (the server turns NOT_SERVING).
+    on_failure: Callable[[str], None] | None = None
+    failed: str | None = None
+    allreduce_ns: int = 0  # accumulated since the last take_allreduce_ns
+    allreduce_calls: int = 0
+    _notified: bool = field(default=False, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        if self.failed is not None:
+            raise TpGroupError(f"tensor-parallel group failed earlier: {self.failed}")
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo/NCCL: connection closed, timeout (DistBackendError)
+            self.fail(f"{what} on rank {self.rank}: {type(e).__name__}: {e}")
+            raise TpGroupError(self.failed) from e
+
+    def fail(self, reason: str) -> None:
+        """Mark the group failed (first reason wins) and tell the host once."""
+        if self.failed is None:
+            self.failed = reason
+        if not self._notified and self.on_failure is not None:
+            self._notified = True
+            self.on_failure(self.failed)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        if self.size == 1:
+            return tensor
+        t0 = time.perf_counter_ns()
+        self._call("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
+        self.allreduce_ns += time.perf_counter_ns() - t0
+        self.allreduce_calls += 1
+        return tensor
+
+    def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along the last dimension (rank order)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._call("all_gather", lambda: dist.all_gather(parts, tensor, group=self.group))
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's (same shape and dtype), in place."""
+        if self.size > 1:
+            group = self.cpu_group or self.group
+            self._call("broadcast", lambda: dist.broadcast(tensor, src=0, group=group))
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's small picklable `obj` on every rank (the others pass None)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        group = self.cpu_group or self.group
+        self._call("broadcast_object", lambda: dist.broadcast_object_list(box, src=0, group=group))
+        return box[0]
+
+    def ping(self) -> None:
+        """Every rank takes part (a one-element sum on the CPU group): proves they are alive."""
+        if self.size > 1:
+            group = self.cpu_group or self.group
+            one = torch.ones(1)
+            self._call("ping", lambda: dist.all_reduce(one, group=group))
+
+    def take_allreduce_ns(self) -> int:
+        """The all-reduce time since the last call, and reset it."""
+        ns, self.allreduce_ns, self.allreduce_calls = self.allreduce_ns, 0, 0
+        return ns

@@ -1,0 +1,87 @@
+"""Join a tensor-parallel group: `TpEndpoint` (who and where), `init_comm`, `close_comm`.
+
+`serve` spawns its workers with an endpoint on a free loopback port; under `torchrun` the
+endpoint comes from the environment it sets (`endpoint_from_env`, called by the host: the
+engine reads no environment itself). gloo on CPU; on CUDA NCCL for the model's collectives
+plus a gloo group for the host-side broadcast of batches.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from executor.parallel.comm import TpComm
+
+
+@dataclass(frozen=True)
+class TpEndpoint:
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int
+    timeout_s: float
+    local_rank: int = 0  # the CUDA device index of this rank on its node
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is outside a group of size {self.size}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master port must be in 1..65535, got {self.master_port}")
+
+
+def endpoint_from_env(env: Mapping[str, str], tp_size: int, timeout_s: float) -> TpEndpoint | None:
+    """The endpoint torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    LOCAL_RANK), or None when not launched by torchrun; ValueError when WORLD_SIZE is not
+    `tp_size` or a variable is missing."""
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise ValueError(f"torchrun environment is incomplete: {', '.join(missing)} unset")
+    world = int(env["WORLD_SIZE"])
+    if world != tp_size:
+        raise ValueError(f"WORLD_SIZE={world} but tp_size={tp_size}: they must be equal")
+    return TpEndpoint(
+        rank=int(env["RANK"]),
+        size=world,
+        master_addr=env["MASTER_ADDR"],
+        master_port=int(env["MASTER_PORT"]),
+        timeout_s=timeout_s,
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (the group's rendezvous port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_comm(endpoint: TpEndpoint, device: torch.device) -> TpComm:
+    """Join the group (blocks until every rank arrives, at most the timeout)."""
+    timeout = timedelta(seconds=endpoint.timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{endpoint.master_addr}:{endpoint.master_port}",
+        rank=endpoint.rank,
+        world_size=endpoint.size,
+        timeout=timeout,
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    return TpComm(rank=endpoint.rank, size=endpoint.size, backend=backend, cpu_group=cpu_group)
+
+
+def close_comm(comm: TpComm) -> None:
+    """Leave the group (a no-op for size 1 or when it was never joined)."""
+    if comm.enabled and dist.is_initialized():
+        dist.destroy_process_group()

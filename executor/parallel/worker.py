@@ -1,0 +1,33 @@
+"""A worker rank's loop: receive rank 0's commands and run them on this rank's shard."""
+
+from __future__ import annotations
+
+import structlog
+
+from executor.errors import ToggleRefusedError
+from executor.model_executor import ModelExecutor
+from executor.parallel import broadcast
+
+log = structlog.get_logger(__name__)
+
+
+def run_worker(executor: ModelExecutor) -> None:
+    """Until rank 0 says stop. A failed collective raises `TpGroupError` (the group is gone:
+    the process exits non-zero); a refused toggle was refused on rank 0 too."""
+    comm = executor.comm
+    log.info("tensor-parallel worker serving", rank=comm.rank, tp_size=comm.size)
+    while True:
+        command = broadcast.receive(comm)
+        if command.kind == broadcast.STEP:
+            assert command.batch is not None
+            executor.run_shard(command.batch, keep_rows=command.keep_rows)
+        elif command.kind == broadcast.TOGGLES:
+            try:
+                executor.apply_toggles(**command.toggles)
+            except ToggleRefusedError as e:
+                log.info("toggle refused (as on rank 0)", reason=str(e))
+        elif command.kind == broadcast.PING:
+            comm.ping()
+        else:
+            log.info("tensor-parallel worker stopping", rank=comm.rank)
+            return

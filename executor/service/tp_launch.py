@@ -1,0 +1,184 @@
+"""Start or join the tensor-parallel group around a served executor (`--tp-size N`).
+
+`serve` on its own spawns ranks 1..N-1 (`torch.multiprocessing`, spawn) on a free loopback
+port; under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set) every process runs
+`serve`, rank 0 serves gRPC and the others run the worker loop instead (`run_torchrun_worker`).
+
+Workers never outlive rank 0: each exits within half a second of its parent's death (a
+thread watches the parent pid), and otherwise ends when a collective times out. `TpGroup.stop`
+tells the workers to stop, then waits for them, then kills what is left: no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch.multiprocessing as mp
+
+from executor.config import ExecutorConfig, resolve_device
+from executor.models.loader import prepare_shared_weights
+from executor.parallel.comm import TpComm, TpGroupError
+from executor.parallel.group import TpEndpoint, close_comm, endpoint_from_env, free_port, init_comm
+
+log = structlog.get_logger(__name__)
+
+STOP_WAIT_S = 10.0  # how long `stop` waits for the workers to exit before killing them
+PARENT_POLL_S = 0.5  # how often a worker checks its parent is still there
+
+
+def _die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
+    """Exit (code 1) as soon as the parent is gone: a thread watches the parent pid.
+
+    Not PR_SET_PDEATHSIG: it fires when the parent *thread* that forked exits (here the
+    server's model-loader thread), not the parent process."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def worker_main(
+    rank: int, config: ExecutorConfig, endpoint: TpEndpoint, log_level: str, log_format: str
+) -> None:
+    """A spawned worker (`rank` >= 1): join, load this rank's shard, follow rank 0; exit 1
+    when the group fails."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: rank 0 stops the group
+    sys.exit(run_worker_rank(config, _with_rank(endpoint, rank), log_level, log_format))
+
+
+def _with_rank(endpoint: TpEndpoint, rank: int) -> TpEndpoint:
+    return TpEndpoint(
+        rank=rank,
+        size=endpoint.size,
+        master_addr=endpoint.master_addr,
+        master_port=endpoint.master_port,
+        timeout_s=endpoint.timeout_s,
+        local_rank=rank,
+    )
+
+
+def run_worker_rank(
+    config: ExecutorConfig, endpoint: TpEndpoint, log_level: str, log_format: str
+) -> int:
+    """The worker side of a rank (spawned or torchrun): the process exit code."""
+    from executor.model_executor import ModelExecutor
+    from executor.observability.logs import configure_logging
+    from executor.parallel.worker import run_worker
+
+    configure_logging(log_level, log_format, rank=endpoint.rank)
+    comm: TpComm | None = None
+    try:
+        comm = init_comm(endpoint, resolve_device(config, endpoint.local_rank))
+        executor = ModelExecutor(config, comm=comm, local_rank=endpoint.local_rank)
+        run_worker(executor)
+        return 0
+    except TpGroupError as e:
+        log.error("tensor-parallel group failed; worker exiting", reason=str(e))
+        return 1
+    except BaseException as e:
+        log.error("tensor-parallel worker failed", exc_info=e)
+        return 1
+    finally:
+        if comm is not None and comm.failed is None:
+            close_comm(comm)
+
+
+def torchrun_endpoint(config: ExecutorConfig, env: Mapping[str, str]) -> TpEndpoint | None:
+    """This process's endpoint when torchrun launched it (None otherwise)."""
+    if config.tp_size == 1 and "WORLD_SIZE" not in env:
+        return None
+    return endpoint_from_env(env, config.tp_size, config.tp_timeout_s)
+
+
+@dataclass
+class TpGroup:
+    """Rank 0's view of the group: its communicator and the workers it spawned."""
+
+    comm: TpComm
+    processes: list[Any] = field(default_factory=list)
+
+    def alive(self) -> list[int]:
+        return [p.pid for p in self.processes if p.is_alive()]
+
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> list[int | None]:
+        """Wait for the spawned workers (told to stop by `ModelExecutor.close`) up to
+        `timeout_s` (not at all when the group failed: a hung worker would never stop), then
+        kill what is left; leave the group. Their exit codes."""
+        if self.comm.failed is not None:
+            timeout_s = 0.0
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                log.warning("tensor-parallel worker did not stop; killing it", pid=p.pid)
+                p.kill()
+                p.join(5)
+        if self.comm.failed is None:
+            close_comm(self.comm)
+        return [p.exitcode for p in self.processes]
+
+
+def start_group(
+    config: ExecutorConfig,
+    env: Mapping[str, str],
+    *,
+    log_level: str = "info",
+    log_format: str = "json",
+) -> TpGroup:
+    """Rank 0: join torchrun's group, or spawn `tp_size - 1` workers and form one on a free
+    loopback port. Returns once every rank has joined (at most `tp_timeout_s`)."""
+    endpoint = torchrun_endpoint(config, env)
+    processes: list[Any] = []
+    if endpoint is None:
+        prepare_shared_weights(config)
+        endpoint = TpEndpoint(
+            rank=0,
+            size=config.tp_size,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            timeout_s=config.tp_timeout_s,
+        )
+        ctx = mp.get_context("spawn")
+        for rank in range(1, config.tp_size):
+            p = ctx.Process(
+                target=worker_main,
+                args=(rank, config, endpoint, log_level, log_format),
+                name=f"tp-worker-{rank}",
+            )
+            p.start()
+            processes.append(p)
+        log.info(
+            "tensor-parallel workers started",
+            tp_size=config.tp_size,
+            pids=[p.pid for p in processes],
+            port=endpoint.master_port,
+        )
+    elif endpoint.rank != 0:
+        raise ValueError("start_group runs on rank 0; other ranks run run_worker_rank")
+    group = TpGroup(TpComm(), processes)
+    try:
+        group.comm = init_comm(endpoint, resolve_device(config, endpoint.local_rank))
+    except BaseException:
+        for p in processes:
+            p.kill()
+            p.join(5)
+        raise
+    return group
+
+
+def current_env() -> dict[str, str]:
+    return dict(os.environ)

@@ -1,0 +1,113 @@
+"""Run an in-process generation on a tensor-parallel group of spawned ranks (gloo, CPU).
+
+`generate_tp` starts `tp_size` processes (torch.multiprocessing spawn): rank 0 generates
+through `ModelExecutor.forward` (validation, broadcast, sampling), the others run the worker
+loop; rank 0's tokens come back through a queue. Every process is joined or killed before it
+returns, even when one fails, and the rendezvous port is a free one.
+"""
+
+from __future__ import annotations
+
+import queue
+import traceback
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from executor.parallel.group import TpEndpoint, free_port
+
+
+def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]]) -> list[Any]:
+    """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
+    a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank), and
+    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error."""
+    from executor.client.scheduler import generate
+    from executor.errors import BatchValidationError
+
+    results: list[Any] = []
+    for kw in runs:
+        if "toggles" in kw:
+            ex.apply_toggles(**kw["toggles"])
+            continue
+        if "refuse" in kw:
+            try:
+                ex.forward(kw["refuse"])
+            except BatchValidationError as e:
+                results.append((e.field, []))
+                continue
+            raise AssertionError("the invalid batch was not refused")
+        paths: set[str] = set()
+
+        def forward(batch: Any, paths: set[str] = paths) -> Any:
+            out = ex.forward(batch)
+            paths.add(out.stats.path)
+            return out
+
+        results.append((generate(forward, ex.limits, prompts, **kw), sorted(paths)))
+    return results
+
+
+def _rank_main(
+    rank: int,
+    config: Any,
+    port: int,
+    prompts: list[list[int]],
+    runs: list[dict[str, Any]],
+    out: Any,
+) -> None:
+    from executor.config import resolve_device
+    from executor.model_executor import ModelExecutor
+    from executor.parallel.group import close_comm, init_comm
+    from executor.parallel.worker import run_worker
+
+    comm = None
+    try:
+        endpoint = TpEndpoint(
+            rank, config.tp_size, "127.0.0.1", port, config.tp_timeout_s, local_rank=rank
+        )
+        comm = init_comm(endpoint, resolve_device(config, rank))
+        ex = ModelExecutor(config, comm=comm, local_rank=rank)
+        if rank == 0:
+            ex.warmup()
+            result = run_generations(ex, prompts, runs)
+            ex.close()
+            out.put(("ok", result))
+        else:
+            run_worker(ex)
+    except BaseException:
+        out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+        raise
+    finally:
+        if comm is not None:
+            close_comm(comm)
+
+
+def generate_tp(
+    config: Any, prompts: list[list[int]], runs: list[dict[str, Any]], timeout_s: float = 240
+) -> list[Any]:
+    """Rank 0's `run_generations(...)` at `config.tp_size` ranks."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, config, port, prompts, runs, out), daemon=True)
+        for r in range(config.tp_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        try:
+            status, value = out.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"tp {config.tp_size}: no result in {timeout_s} s") from None
+        if status != "ok":
+            raise AssertionError(value)
+        for p in procs:
+            p.join(timeout=30)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
