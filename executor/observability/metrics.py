@@ -385,8 +385,11 @@ class ExecutorMetrics:
             str(info.tp_size),
             "0",  # the metrics are served by rank 0, which owns gRPC
         ).set(1)
+        # The series exists at tp_size 1 too (no observations), so the dashboard's panel and
+        # any rule over it see a series on every executor.
+        allreduce = self.allreduce_seconds.labels("0")
         if info.tp_size > 1:
-            self._allreduce = self.allreduce_seconds.labels("0")
+            self._allreduce = allreduce
         self.kv_slots_total.set(info.limits.kv_slots)
         self._scrape_time.sources = sources
 

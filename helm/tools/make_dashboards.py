@@ -735,7 +735,7 @@ def internals() -> dict[str, Any]:
                 Panel(
                     "All-reduce share of step time",
                     "Tensor parallelism: the share of rank 0's forward time spent in "
-                    "all-reduces, by instance; no series at tp_size 1.",
+                    "all-reduces, by instance; 0 (no observations) at tp_size 1.",
                     [
                         Target(
                             "sum by (instance) "
