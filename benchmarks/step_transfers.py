@@ -13,11 +13,17 @@ tokens plus one for the logprobs when asked (the previous `Sampler`). Counts do 
 on the model or the device, so this runs on CPU with the tiny random model.
 
     python benchmarks/step_transfers.py
+
+Last, what the staging costs on the host: the median `stage` phase (row-table cells, the
+packed copy, the device views; `StepStats.timings_ns`) over 200 bs-1 DECODE steps. On CPU
+the "device" copy is a memcpy, so this is the Python cost of packing; run the same command on
+an older commit for the comparison in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -111,6 +117,25 @@ def main() -> None:
             f"| {name} | {before_h2d} | {before_d2h} | {stats.h2d_copies} | {stats.h2d_syncs}"
             f" | {stats.d2h_syncs} | {staged} |"
         )
+    print(f"\nstage phase, bs-1 DECODE, median of 200 steps: {_stage_ms(ex):.3f} ms")
+
+
+def _stage_ms(ex: ModelExecutor, steps: int = 200) -> float:
+    row, prompt = 7, 16
+    slots = list(range(700, 700 + prompt + steps))
+    ex.forward(
+        make_extend_batch(
+            input_ids=[[5] * prompt], req_pool_indices=[row], out_cache_loc=[slots[:prompt]]
+        )
+    )
+    stage = []
+    for k in range(steps):
+        n = prompt + k + 1
+        batch = make_decode_batch(
+            input_ids=[7], req_pool_indices=[row], seq_lens=[n], out_cache_loc=[slots[n - 1]]
+        )
+        stage.append(ex.forward(batch).stats.timings_ns["stage"] / 1e6)
+    return statistics.median(stage[20:])
 
 
 if __name__ == "__main__":

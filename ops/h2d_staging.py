@@ -14,6 +14,7 @@ overwritten by a copy ordered after every kernel that read it (one stream).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,8 +48,24 @@ def _capacity(n: int) -> int:
     return cap
 
 
+# The shape of one staging call: (name, shape, dtype) per field. Steps of one batch size
+# repeat it, so its offsets and the buffer views are computed once per pair.
+Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+LAYOUTS_PER_PAIR = 64  # cached layouts per buffer (batch sizes x modes in use); oldest dropped
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each field of one signature lives in a pair's buffers, as ready-made views."""
+
+    total: int  # bytes used
+    host: tuple[torch.Tensor, ...]  # flat host views to pack into, one per field
+    device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
+
+
 class _Pair:
-    """One host buffer, its device twin and the event after their last copy."""
+    """One host buffer, its device twin, the event after their last copy, and the layouts
+    (views into both) of the signatures staged through it."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -56,6 +73,24 @@ class _Pair:
         declare_pinned(self.host)  # the capture rules treat it as pinned on every device
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.event: torch.cuda.Event | None = None
+        self.layouts: dict[Signature, _Layout] = {}
+
+    def layout(self, signature: Signature) -> _Layout:
+        cached = self.layouts.get(signature)
+        if cached is not None:
+            return cached
+        host: list[torch.Tensor] = []
+        device: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, shape, dtype in signature:
+            nbytes = math.prod(shape) * dtype.itemsize
+            host.append(self.host[off : off + nbytes].view(dtype))
+            device[name] = self.device[off : off + nbytes].view(dtype).view(shape)
+            off += _aligned(nbytes)
+        if len(self.layouts) >= LAYOUTS_PER_PAIR:
+            del self.layouts[next(iter(self.layouts))]
+        layout = self.layouts[signature] = _Layout(off, tuple(host), device)
+        return layout
 
 
 class H2DStaging:
@@ -68,12 +103,10 @@ class H2DStaging:
         self.copies = 0  # calls that copied (for tests)
 
     def stage(self, fields: Sequence[StagedField]) -> dict[str, torch.Tensor]:
-        """Device views of `fields` (same shapes, the asked dtypes) after one copy."""
-        offsets: list[int] = []
-        total = 0
-        for f in fields:
-            offsets.append(total)
-            total += _aligned(f.tensor.numel() * _itemsize(f.dtype))
+        """Device views of `fields` (same shapes, the asked dtypes) after one copy. The
+        views of one call stay valid until the call after next (double-buffered)."""
+        signature: Signature = tuple((f.name, tuple(f.tensor.shape), f.dtype) for f in fields)
+        total = sum(_aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in signature)
         if total == 0:
             return {
                 f.name: torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device)
@@ -82,21 +115,16 @@ class H2DStaging:
         pair = self._pair(total)
         if pair.event is not None:
             pair.event.synchronize()  # step N - 2's copy out of this buffer is done
-        for f, off in zip(fields, offsets, strict=True):
-            n = f.tensor.numel()
-            if n:
-                dst = pair.host[off : off + n * _itemsize(f.dtype)].view(f.dtype)
+        layout = pair.layout(signature)
+        for f, dst in zip(fields, layout.host, strict=True):
+            if dst.numel():
                 dst.copy_(f.tensor.reshape(-1))
-        to_device(pair.host[:total], pair.device[:total], REASON, non_blocking=True)
+        to_device(pair.host[: layout.total], pair.device[: layout.total], REASON, non_blocking=True)
         if self.device.type == "cuda":
             pair.event = torch.cuda.Event()
             pair.event.record(torch.cuda.current_stream(self.device))
         self.copies += 1
-        views: dict[str, torch.Tensor] = {}
-        for f, off in zip(fields, offsets, strict=True):
-            nbytes = f.tensor.numel() * _itemsize(f.dtype)
-            views[f.name] = pair.device[off : off + nbytes].view(f.dtype).view(f.tensor.shape)
-        return views
+        return dict(layout.device)
 
     def _pair(self, total: int) -> _Pair:
         i = self._next

@@ -333,6 +333,29 @@ def test_staging_packs_dtypes_and_shapes_and_double_buffers() -> None:
     assert torch.equal(third["big"], big) and staging.copies == 3
 
 
+def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
+    """Steps of one shape reuse their layout (offsets and views computed once per buffer),
+    and each call still copies that call's values; a new shape gets its own layout."""
+    staging = H2DStaging(torch.device("cpu"))
+
+    def step(i: int, n: int = 3) -> dict[str, torch.Tensor]:
+        ids = torch.arange(n, dtype=torch.int64) + 10 * i
+        lens = torch.full((n,), i, dtype=torch.int32)
+        return staging.stage(
+            [StagedField("ids", ids, torch.int64), StagedField("lens", lens, torch.int64)]
+        )
+
+    views = [step(i) for i in range(6)]
+    for i in (4, 5):  # the last two calls' views hold their own values
+        assert views[i]["ids"].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
+        assert views[i]["lens"].tolist() == [i] * 3 and views[i]["lens"].dtype == torch.int64
+    pairs = [p for p in staging._pairs if p is not None]
+    assert len(pairs) == 2 and all(len(p.layouts) == 1 for p in pairs)
+    wider = step(7, n=5)
+    assert wider["ids"].tolist() == [70, 71, 72, 73, 74]
+    assert sum(len(p.layouts) for p in pairs) == 3
+
+
 def test_the_capture_guard_refuses_pageable_uploads_and_synchronize() -> None:
     pageable = torch.ones(4)
     pinned = torch.ones(16)
