@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
@@ -102,6 +103,13 @@ def length_bound(max_len: int, cap: int) -> int:
     return min(bound, cap)
 
 
+def _future_refs(input_ids: torch.Tensor | None) -> int:
+    """Input ids that read a future slot (negative ids), counted once on the host."""
+    if input_ids is None or input_ids.numel() == 0:
+        return 0
+    return int(np.count_nonzero(input_ids.numpy() < 0))
+
+
 def complete_batch(
     fb: ForwardBatch, *, needs_cpu_seq_lens: bool, max_context_len: int
 ) -> ForwardBatch:
@@ -122,6 +130,7 @@ def complete_batch(
         "released_req_pool_indices": _as_i64(fb.released_req_pool_indices),
         "future_token_slots": _as_i64(fb.future_token_slots),
         "released_future_slots": _as_i64(fb.released_future_slots),
+        "future_refs": _future_refs(fb.input_ids),
         "sampling": fb.sampling if fb.sampling is not None else SamplingBatch.greedy(fb.batch_size),
         "seq_lens_cpu": seq_lens if needs_cpu_seq_lens else None,
         "seq_lens_sum": int(seq_lens.sum()) if needs_cpu_seq_lens else None,

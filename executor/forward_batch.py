@@ -149,6 +149,7 @@ class ForwardBatch:
     # -k reads the token stored in slot k. released_future_slots (host only) are freed first.
     future_token_slots: torch.Tensor | None = None  # [bs] slots 1..future_slots
     released_future_slots: torch.Tensor | None = None  # [n]
+    future_refs: int = 0  # derived (complete_batch): how many input ids are references
     sampling: SamplingBatch | None = None  # None: greedy for every request
     return_logprob: bool = False
     top_logprobs_num: int = 0

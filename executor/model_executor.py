@@ -44,7 +44,7 @@ from executor.config import (
 )
 from executor.errors import FaultInjector, ToggleRefusedError
 from executor.forward_batch import ForwardBatch, ForwardMode
-from executor.future_tokens import FutureTokenTable, future_references
+from executor.future_tokens import FutureTokenTable
 from executor.graphs.buckets import (
     CPU_GRAPH_MAX_BS,
     CPU_PIECEWISE_MAX_TOKENS,
@@ -639,7 +639,7 @@ class ModelExecutor:
             h2d_syncs=host_transfers.total_h2d_syncs - h2d_syncs0,
             h2d_copies=host_transfers.total_h2d_copies - h2d_copies0,
             started_ns=started,
-            future_refs=future_references(host),
+            future_refs=host.future_refs,
             allreduce_ns=allreduce_ns,
         )
         if out.graph_fallback is not None:
@@ -696,8 +696,7 @@ class ModelExecutor:
             with self.device_step_guard():
                 fb = host.with_device_fields(views)
                 t1 = time.perf_counter_ns()
-                refs = future is not None and future.references > 0
-                out = self.runner.forward(fb, future_refs=refs)
+                out = self.runner.forward(fb)
                 if self.faults is not None:
                     self.faults.check("forward")
                 t2 = time.perf_counter_ns()
@@ -738,7 +737,7 @@ class ModelExecutor:
         views = self.staging.stage(host.staged_fields() + cells.staged_fields())
         write = self.req_to_token_pool.write_batch(host, cells, cells.from_views(views))
         try:
-            self.runner.forward(host.with_device_fields(views), future_refs=False)
+            self.runner.forward(host.with_device_fields(views))  # references resolved by rank 0
         except BaseException:
             self.req_to_token_pool.undo(write)
             raise

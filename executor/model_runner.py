@@ -212,17 +212,17 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, *, future_refs: bool = True) -> RunnerOutput:
-        """`future_refs` False (the host saw no negative input id) lets the eager paths skip
-        the gather; a captured graph always runs it."""
+    def forward(self, fb: ForwardBatch) -> RunnerOutput:
+        """The eager paths gather future tokens only when the batch has references
+        (`fb.future_refs`, counted on the host); a captured graph always runs the gather."""
         out, fallback = self._graph_path(fb)
         if out is not None:
             return out
-        out = self._eager(fb, future_refs)
+        out = self._eager(fb)
         out.graph_fallback = fallback
         return out
 
-    def _eager(self, fb: ForwardBatch, future_refs: bool) -> RunnerOutput:
+    def _eager(self, fb: ForwardBatch) -> RunnerOutput:
         path = "eager_no_copy" if self.eager_input_no_copy else "eager"
         if fb.forward_mode.is_idle():
             logits = torch.empty(
@@ -240,7 +240,7 @@ class ModelRunner:
         view.attn_metadata = self.attn_backend.init_forward_metadata(view)
         assert view.positions is not None
         input_ids = view.input_ids
-        if future_refs and input_ids is not None and self.future_tokens is not None:
+        if fb.future_refs and input_ids is not None and self.future_tokens is not None:
             input_ids = resolve_future_tokens(input_ids, self.future_tokens)
         hidden = self.model.forward(
             input_ids, view.positions, view, self.attn_backend, view.input_embeds

@@ -208,8 +208,9 @@ def _check_future(
     assigned: np.ndarray | None,
 ) -> None:
     """Future-token slots and references against the table's state after the releases."""
-    held = np.zeros(limits.future_slots + 1, dtype=bool) if assigned is None else assigned.copy()
+    held = np.zeros(limits.future_slots + 1, dtype=bool) if assigned is None else assigned
     if released is not None and released.numel():
+        held = held.copy()  # the table's own map changes only when the step applies
         held[released.long().numpy()] = False
     if fb.future_token_slots is not None:
         slots = _check_tensor(

@@ -39,18 +39,6 @@ class FutureChange:
 
     released: np.ndarray  # slots that held a token and were released
     assigned: np.ndarray  # slots the step assigns (stored after sampling)
-    references: int  # input ids that read a future slot
-
-    @property
-    def empty(self) -> bool:
-        return self.references == 0 and self.released.size == 0 and self.assigned.size == 0
-
-
-def future_references(fb: ForwardBatch) -> int:
-    """How many input ids of a host batch read a future slot (negative ids)."""
-    if fb.input_ids is None or fb.input_ids.numel() == 0:
-        return 0
-    return int(np.count_nonzero(fb.input_ids.numpy() < 0))
 
 
 class FutureTokenTable:
@@ -84,7 +72,7 @@ class FutureTokenTable:
         if fb.future_token_slots is not None and fb.future_token_slots.numel():
             assigned = fb.future_token_slots.numpy().astype(np.int64, copy=True)
             self.assigned[assigned] = True
-        return FutureChange(released, assigned, future_references(fb))
+        return FutureChange(released, assigned)
 
     def undo(self, change: FutureChange) -> None:
         """The host state before `apply` (the slots it assigned were free or released)."""
@@ -111,14 +99,17 @@ class FutureTokenTable:
         """A validated host batch as a tensor-parallel worker runs it: every reference
         replaced by the token it names (from the host mirror), no future-slot fields (the
         workers keep no table)."""
-        refs = future_references(fb)
-        if not refs and fb.future_token_slots is None and fb.released_future_slots is None:
+        if (
+            not fb.future_refs
+            and fb.future_token_slots is None
+            and fb.released_future_slots is None
+        ):
             return fb
         assert self.host_tokens is not None, "keep_host_mirror() on rank 0"
         ids = fb.input_ids
-        if ids is not None and refs:
+        if ids is not None and fb.future_refs:
             raw = ids.numpy()
             ids = torch.from_numpy(np.where(raw < 0, self.host_tokens[np.maximum(-raw, 0)], raw))
         return dataclasses.replace(
-            fb, input_ids=ids, future_token_slots=None, released_future_slots=None
+            fb, input_ids=ids, future_token_slots=None, released_future_slots=None, future_refs=0
         )
