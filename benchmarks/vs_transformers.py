@@ -3,6 +3,7 @@
     pip install -e '.[bench]'     # transformers + accelerate (+ matplotlib for the plot)
     python benchmarks/vs_transformers.py                 # SmolLM2-135M, float32, CPU
     python benchmarks/vs_transformers.py --write-doc     # also docs/performance.md + PNG
+    python benchmarks/vs_transformers.py --linear-kernels aten,onednn   # both, side by side
 
 The executor runs as users run it: `python -m executor serve` in its own process, driven
 through `Forward`; its three paths (eager, full_graph, piecewise) are switched between
@@ -12,7 +13,9 @@ its own model with a `DynamicCache`, one token per step: the loop a user writes.
 
 DECODE: `bs` requests with a 128-token context each; every step decodes the token at
 position 128 again (ours: `seq_lens` 129 into the same slot; transformers: the cache
-cropped back to 128), so every step attends over exactly 129 keys. PREFILL: 8 requests x
+cropped back to 128), so every step attends over exactly 129 keys. With several
+`--linear-kernels` one server per kernel runs beside the others (idle while another is
+measured) and its paths are labelled with the kernel. PREFILL: 8 requests x
 128 tokens in one step. Each (size, path) is timed in `--rounds` interleaved rounds of
 `--steps` steps; the table reports the median round and the range over rounds, so noise
 from other processes on a shared machine shows up as a range rather than hiding in a mean.
@@ -66,11 +69,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen[bytes], float]:
+def start_server(
+    args: argparse.Namespace, port: int, linear_kernel: str
+) -> tuple[subprocess.Popen[bytes], float]:
     """`python -m executor serve` in its own process; (process, seconds until ready)."""
     cmd = [
         sys.executable, "-m", "executor", "serve",
         "--model", args.model, "--port", str(port), "--metrics-port", "-1",
+        "--linear-kernel", linear_kernel,
         "--graph-mode", "both", "--graph-backend", args.graph_backend,
         "--max-reqs", str(max(DECODE_SIZES) + PREFILL[0] + 1),
         "--kv-slots", str((max(DECODE_SIZES) + PREFILL[0] + 1) * (CONTEXT + 1) + 8),
@@ -203,22 +209,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "vs-transformers"))
+    ap.add_argument(
+        "--linear-kernels", default="onednn", help="comma-separated: one server each (aten, onednn)"
+    )
     ap.add_argument("--write-doc", action="store_true")
     args = ap.parse_args()
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]
+    kernels = args.linear_kernels.split(",")
     gguf = packaged_smollm2_path()
-    port = free_port()
-    proc, ready_s = start_server(args, port)
+    servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+    ready: dict[str, float] = {}
     try:
-        results = run(args, gguf, port)
+        for kernel in kernels:  # one after another: start-up times are not shared
+            port = free_port()
+            proc, ready[kernel] = start_server(args, port, kernel)
+            servers[kernel] = (proc, port)
+        results = run(args, gguf, {k: port for k, (_, port) in servers.items()})
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
     cpu, flags = cpu_description()
+    started = ", ".join(f"{k} {s:.0f} s" for k, s in ready.items())
     header = (
         f"machine: {cpu} ({os.cpu_count()} cores; flags: {flags}); torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; SmolLM2-135M float32; graph backend "
-        f"{args.graph_backend}; server ready in {ready_s:.0f} s (cache dir {args.cache_dir})"
+        f"{args.graph_backend}; linear kernel {args.linear_kernels}; server ready in {started} "
+        f"(cache dir {args.cache_dir}); load average before the run {LOAD_BEFORE[0]:.2f}"
     )
     table = render(results)
     print(header)
@@ -230,31 +247,51 @@ def main() -> None:
 Results = dict[str, dict[str, list[float]]]  # workload -> path -> ms per step, one per round
 
 
-def run(args: argparse.Namespace, gguf: Path, port: int) -> Results:
+LOAD_BEFORE = os.getloadavg()
+
+
+def run(args: argparse.Namespace, gguf: Path, ports: dict[str, int]) -> Results:
+    """Every workload in `--rounds` interleaved rounds: transformers, then each server's
+    paths (labelled `path [kernel]` when there are several servers)."""
     hf = Transformers(gguf)
     results: Results = {}
-    with ExecutorClient(f"127.0.0.1:{port}") as client:
-        ours = Ours(client)
-        row, slot = 1, 1
-        workloads: list[tuple[str, Callable[[], None], dict[str, Callable[[], None]]]] = []
+    clients = {k: ExecutorClient(f"127.0.0.1:{port}") for k, port in ports.items()}
+    try:
+        servers = {k: Ours(c) for k, c in clients.items()}
+        workloads: list[
+            tuple[str, Callable[[], None], dict[str, tuple[Ours, str, Callable[[], None]]]]
+        ] = []
+
+        def label(path: str, kernel: str) -> str:
+            return path if len(servers) == 1 else f"{path} [{kernel}]"
+
         for bs in args.sizes:
-            step = ours.decode_step(bs, row, slot)  # same rows and slots for every path
-            workloads.append(
-                (f"decode bs {bs}", hf.decode_step(bs), {p: step for p in ("eager", "full_graph")})
-            )
+            paths = {}
+            for kernel, ours in servers.items():
+                step = ours.decode_step(bs, 1, 1)  # same rows and slots for every path
+                for p in ("eager", "full_graph"):
+                    paths[label(p, kernel)] = (ours, p, step)
+            workloads.append((f"decode bs {bs}", hf.decode_step(bs), paths))
         n, length = PREFILL
-        prefill = ours.prefill_step(1 + max(DECODE_SIZES), 1 + max(DECODE_SIZES) * (CONTEXT + 1))
-        workloads.append(
-            (f"prefill {n} x {length}", hf.prefill_step(), {"eager": prefill, "piecewise": prefill})
-        )
-        for name, hf_step, paths in workloads:
-            results[name] = {"transformers": [], **{p: [] for p in paths}}
+        paths = {}
+        for kernel, ours in servers.items():
+            prefill = ours.prefill_step(
+                1 + max(DECODE_SIZES), 1 + max(DECODE_SIZES) * (CONTEXT + 1)
+            )
+            for p in ("eager", "piecewise"):
+                paths[label(p, kernel)] = (ours, p, prefill)
+        workloads.append((f"prefill {n} x {length}", hf.prefill_step(), paths))
+        for name, hf_step, by_label in workloads:
+            results[name] = {"transformers": [], **{p: [] for p in by_label}}
             for _ in range(args.rounds):  # interleaved, so drift hits every column alike
                 results[name]["transformers"].append(timed_rounds(hf_step, args.steps))
-                for path, step in paths.items():
+                for key, (ours, path, step) in by_label.items():
                     ours.set_path(path)
-                    results[name][path].append(timed_rounds(step, args.steps))
+                    results[name][key].append(timed_rounds(step, args.steps))
             print(name, {k: fmt_range(v) for k, v in results[name].items()}, flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
     return results
 
 
@@ -287,9 +324,9 @@ def write_doc(args: argparse.Namespace, header: str, table: str, results: Result
 
     png = ROOT / "docs" / "vs_transformers.png"
     names = list(results)
-    paths = ["transformers", "eager", "full_graph", "piecewise"]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.2
+    paths = list(dict.fromkeys(p for by_path in results.values() for p in by_path))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(paths)
     for i, path in enumerate(paths):
         ys = [
             tokens_per_step(n) * 1e3 / statistics.median(results[n][path])
@@ -298,7 +335,7 @@ def write_doc(args: argparse.Namespace, header: str, table: str, results: Result
             for n in names
         ]
         ax.bar([x + i * width for x in range(len(names))], ys, width, label=path)
-    ax.set_xticks([x + 1.5 * width for x in range(len(names))], names)
+    ax.set_xticks([x + (len(paths) - 1) / 2 * width for x in range(len(names))], names)
     ax.set_ylabel("tokens/s")
     ax.set_yscale("log")
     ax.set_title("SmolLM2-135M float32 on CPU: executor via gRPC vs transformers")
@@ -311,7 +348,7 @@ def write_doc(args: argparse.Namespace, header: str, table: str, results: Result
     command = (
         "python benchmarks/vs_transformers.py --write-doc "
         f"--steps {args.steps} --rounds {args.rounds} --graph-backend {args.graph_backend} "
-        f"--batch-sizes {args.batch_sizes}"
+        f"--batch-sizes {args.batch_sizes} --linear-kernels {args.linear_kernels}"
     )
     block = (
         f"{begin}\n{header}\n\nCommand: `{command}`\n\n{table}\n\n![](vs_transformers.png)\n{end}"

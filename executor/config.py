@@ -26,6 +26,8 @@ NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 # stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
 GRAPH_BACKENDS = ("auto", "cuda", "compiled", "standin")
 QUANTIZATION_MODES = ("none", "gguf", "int8", "int4")
+# What the float linears run on (executor.models.packing).
+LINEAR_KERNELS = ("auto", "onednn", "aten")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -122,6 +124,12 @@ class ExecutorConfig:
         "included) | int8 (per-channel) | int4 (group 32): int8/int4 quantize the decoder "
         "linears at load, the embedding and LM head stay float",
     )
+    linear_kernel: str = setting(
+        "auto",
+        "auto | onednn | aten: what the float linears run on; onednn packs each weight once at "
+        "load into oneDNN's blocked layout (CPU, float32; a tied LM head gets a packed copy), "
+        "aten is F.linear; auto = onednn where it can run, else aten",
+    )
     eager_input_no_copy: bool = setting(
         False,
         "run eager steps on the batch's own tensors instead of staging them through the eager "
@@ -186,6 +194,11 @@ class ExecutorConfig:
                 f"got {self.needs_cpu_seq_lens!r}"
             )
 
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
+                f"got {self.linear_kernel!r}"
+            )
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "

@@ -129,9 +129,9 @@ class ForwardBatch:
     seq_lens_sum: int | None = None  # sum(seq_lens) on the host (None with seq_lens_cpu)
     # NOTE: shape parameters, not host mirrors. The batch arrives on the host (from the wire)
     # and the executor reads it there anyway to validate it, so `complete_batch` also records
-    # a static upper bound of the lengths: the next power of two of the largest one, capped
-    # at max_context_len (powers of two keep the number of distinct shapes at
-    # log2(max_context_len)). Reading them is neither a read of `seq_lens_cpu` nor a
+    # a static upper bound of the lengths: the largest one rounded up to an eighth of an
+    # octave, capped at max_context_len (`batch_prep.length_bound`: at most 12.5% padding,
+    # 8 distinct shapes per octave). Reading them is neither a read of `seq_lens_cpu` nor a
     # device-to-host transfer, so a backend with `needs_cpu_seq_lens = False` may size its
     # gathers and grids by them. Under graph capture backends use the static maximum
     # (max_context_len) instead, so that one captured graph serves every batch of its bucket.

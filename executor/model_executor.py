@@ -218,6 +218,7 @@ class ModelExecutor:
                 cache_dir=resolve_cache_dir(config),
                 quantization=config.quantization,
                 comm=self.comm,
+                linear_kernel=config.linear_kernel,
             )
         self.loaded = loaded
         self.model = loaded.model

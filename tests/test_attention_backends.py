@@ -105,11 +105,12 @@ def test_chunked_attention_equals_one_batch_wide_call(
 def test_eager_shapes_follow_the_batch_bounds() -> None:
     layout = make_layout(4, 2, 32)
     case = make_case(ForwardMode.EXTEND, [100, 3], [20, 70], layout)
-    assert case.fb.seq_len_bound == 128 and case.fb.extend_len_bound == 128
+    # Longest request 120 tokens, longest extend 70: bounds in steps of 8 between 64 and 128.
+    assert case.fb.seq_len_bound == 120 and case.fb.extend_len_bound == 72
     md = TorchPagedBackend(layout, case.req_to_token_pool, case.kv_pool).init_forward_metadata(
         case.fb
     )
-    assert md.kv_bound == 128 and md.q_bound == 128
+    assert md.kv_bound == 120 and md.q_bound == 72
     no_bounds = dataclasses.replace(case.fb, seq_len_bound=None, extend_len_bound=None)
     paged = TorchPagedBackend(layout, case.req_to_token_pool, case.kv_pool)
     md = paged.init_forward_metadata(no_bounds)  # falls back to the static maximum

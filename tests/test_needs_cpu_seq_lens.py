@@ -127,16 +127,14 @@ def test_without_the_mirror_batches_carry_none() -> None:
     assert on.seq_lens_sum == 14
 
 
-def test_length_bound_is_the_next_power_of_two_capped() -> None:
-    assert [length_bound(n, 1000) for n in (1, 2, 3, 64, 65, 513, 1000)] == [
-        1,
-        2,
-        4,
-        64,
-        128,
-        1000,
-        1000,
-    ]
+def test_length_bound_rounds_up_to_an_eighth_of_an_octave_capped() -> None:
+    cases = {1: 1, 2: 2, 3: 3, 16: 16, 17: 18, 33: 36, 64: 64, 65: 72, 129: 144, 513: 576}
+    assert {n: length_bound(n, 10_000) for n in cases} == cases
+    assert length_bound(1000, 1000) == 1000 and length_bound(999, 1000) == 1000
+    for n in range(1, 5000):
+        bound = length_bound(n, 10_000)
+        assert n <= bound <= max(n + 1, n * 9 // 8 + 1), n  # at most 12.5% padding
+    assert len({length_bound(n, 8192) for n in range(1, 8193)}) <= 8 * 13 + 16
 
 
 def test_complete_batch_records_shape_bounds_either_way() -> None:
@@ -148,13 +146,15 @@ def test_complete_batch_records_shape_bounds_either_way() -> None:
     )
     for needs in (False, True):
         fb = complete_batch(extend, needs_cpu_seq_lens=needs, max_context_len=50)
-        assert fb.seq_len_bound == 50  # max 43 -> 64, capped at max_context_len
-        assert fb.extend_len_bound == 32
+        assert fb.seq_len_bound == 44  # max 43 -> 44 (steps of 4 between 32 and 64)
+        assert fb.extend_len_bound == 20
+        capped = complete_batch(extend, needs_cpu_seq_lens=needs, max_context_len=43)
+        assert capped.seq_len_bound == 43
     decode = make_decode_batch(
         input_ids=[1], req_pool_indices=[1], seq_lens=[17], out_cache_loc=[5]
     )
     fb = complete_batch(decode, needs_cpu_seq_lens=False, max_context_len=64)
-    assert fb.seq_len_bound == 32 and fb.extend_len_bound is None
+    assert fb.seq_len_bound == 18 and fb.extend_len_bound is None
     idle = complete_batch(make_idle_batch(), needs_cpu_seq_lens=False, max_context_len=64)
     assert idle.seq_len_bound is None and idle.extend_len_bound is None
     assert torch.equal(fb.seq_lens, torch.tensor([17]))

@@ -26,7 +26,7 @@ from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.gguf_blocks import read_blocks
-from executor.models.layers import Linear
+from executor.models.layers import Linear, PackedLinear
 from executor.models.llama import LlamaForCausalLM
 from executor.models.loader import load_model
 from executor.models.quant_formats import GroupQuant, quantize_int4, quantize_int8
@@ -304,7 +304,8 @@ def test_gguf_mode_generates_what_the_float32_path_generates(
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_float_models_quantize_at_load(make_executor: MakeExecutor, mode: str) -> None:
     """The quantized model computes what a float model holding the dequantized weights does."""
-    ref, quant = make_executor(), make_executor(quantization=mode)
+    # The reference's weights are edited in place below: plain (aten) linears.
+    ref, quant = make_executor(linear_kernel="aten"), make_executor(quantization=mode)
     quantize = quantize_int4 if mode == "int4" else quantize_int8
     for ref_layer in ref.model.decoder_layers:
         for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -316,7 +317,9 @@ def test_float_models_quantize_at_load(make_executor: MakeExecutor, mode: str) -
         isinstance(getattr(layer, a), kind)
         for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     )
-    assert isinstance(quant.model.lm_head, Linear)  # float checkpoints keep a float head
+    # Float checkpoints keep a float head (packed where the float linears are).
+    head = PackedLinear if quant.loaded.linear_kernel == "onednn" else Linear
+    assert isinstance(quant.model.lm_head, head)
     assert quant.info.quantization == mode and ref.info.quantization == "none"
     batch = make_extend_batch(
         input_ids=[[5, 9, 200, 31]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3, 4]]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.onednn_linear import PackedWeight, onednn_linear
 from ops.rmsnorm import add_rms_norm
 
 
@@ -36,6 +37,39 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(nn.Module):
+    """`Linear`'s interface on a oneDNN-prepacked weight (CPU, float32; `ops.onednn_linear`).
+
+    The plain weight is not kept: the packed copy holds the same values in oneDNN's blocked
+    layout. `key` is a registered buffer so dynamo lifts each layer's key as a graph input
+    (one compiled graph for every layer, as with `Linear`'s weight); it is not state to load,
+    save or copy (`persistent=False`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = PackedWeight(weight)
+        self.in_features = self.packed.in_features
+        self.out_features = self.packed.out_features
+        self.register_buffer("key", self.packed.key, persistent=False)
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.packed.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = onednn_linear(x.reshape(-1, self.in_features), self.key, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
 class Embedding(nn.Module):

@@ -203,8 +203,8 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
-        # None when tied to the embedding; a loader may install a quantized head (any module
-        # with Linear's interface).
+        # None when tied to the embedding; a loader may install a quantized or packed head
+        # (any module with Linear's interface; a packed one also when tied).
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings

@@ -28,6 +28,7 @@ from executor.models.gguf_blocks import BLOCK_FORMATS
 from executor.models.gguf_loader import lazy_gguf, load_gguf, read_gguf_blocks, read_gguf_config
 from executor.models.hf_loader import lazy_hf_directory, load_hf_directory, read_hf_config
 from executor.models.llama import LlamaForCausalLM
+from executor.models.packing import choose_linear_kernel, pack_float_linears
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
 from executor.models.quantize import (
     check_int4_shapes,
@@ -146,6 +147,7 @@ class LoadedModel:
     load_seconds: float
     quantization: str = "none"
     weight_bytes: int = 0  # resident bytes of every weight (parameters and quantized buffers)
+    linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
 
 
 def _build(
@@ -212,13 +214,17 @@ def load_model(
     cache_dir: Path | None,
     quantization: str = "none",
     comm: TpComm | None = None,
+    linear_kernel: str = "auto",
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with every parameter loaded exactly once; with
-    `quantization` other than none the decoder linears stay quantized (`quantize.py`)."""
+    `quantization` other than none the decoder linears stay quantized (`quantize.py`); with
+    `linear_kernel` onednn (auto: on CPU in float32) the float linears are packed
+    (`packing.py`)."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}"
         )
+    kernel = choose_linear_kernel(linear_kernel, device, dtype)  # refuses before loading
     t0 = time.perf_counter()
     source = resolve_model_spec(spec)
     comm = comm or TpComm()
@@ -231,6 +237,7 @@ def load_model(
         max_positions=max_positions,
         comm=comm,
     )
+    packed = pack_float_linears(model) if kernel.kernel == "onednn" else 0
     model.eval()
     seconds = time.perf_counter() - t0
     nbytes = weight_bytes(model)
@@ -242,6 +249,9 @@ def load_model(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         quantization=quantization,
+        linear_kernel=kernel.kernel,
+        linear_kernel_reason=kernel.reason,
+        packed_linears=packed,
         tp_rank=comm.rank,
         tp_size=comm.size,
         weight_bytes=nbytes,
@@ -255,4 +265,5 @@ def load_model(
         load_seconds=seconds,
         quantization=quantization,
         weight_bytes=nbytes,
+        linear_kernel=kernel.kernel,
     )

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from executor.models.layers import PackedLinear
 from executor.models.quant_formats import ChannelQuant, GroupQuant, QuantizedWeight
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -214,8 +215,10 @@ def quantized_linear(
 
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of a module's weights: its state (parameters and persistent buffers, so not the
-    rotary tables), each storage counted once."""
+    rotary tables), each storage counted once, plus the oneDNN-packed weights (not state:
+    `layers.PackedLinear` holds them outside torch's storages)."""
     seen: dict[int, int] = {}
     for t in module.state_dict().values():
         seen[t.data_ptr()] = t.nbytes
-    return sum(seen.values())
+    packed = sum(m.packed.nbytes for m in module.modules() if isinstance(m, PackedLinear))
+    return sum(seen.values()) + packed

@@ -1,0 +1,90 @@
+"""Float linears on oneDNN-prepacked weights: the CPU's fast `x @ W.T + b`.
+
+`F.linear` on CPU runs MKL's sgemm on the plain `[N, K]` weight and repacks panels of it on
+every call. oneDNN can pack a weight once, at load, into the blocked layout its kernels read
+(`torch.ops.mkldnn._reorder_linear_weight`) and then multiply without repacking
+(`torch.ops.mkldnn._linear_pointwise`). On a 2-core AVX2 EPYC, for SmolLM2's 30 layers of
+linears (weights cold in DRAM, as in a model step) this is 2.5x faster at 8 rows and 2x at 32
+than `F.linear`, and level at 1 row, where both stream the weight from memory
+(docs/performance.md, "Packed float linears").
+
+A packed weight is an opaque MKLDNN tensor: no storage, no strides, and torch.compile cannot
+take it as a graph input. So the packed weight lives in a table here, and the model holds a
+`PackedWeight.key`: a one-element float tensor expanded to `[N]`, whose data pointer names
+the table entry and whose shape carries N for the fake (shape-only) implementation. The op
+`model_executor::onednn_linear(x, key, bias)` is a custom op, opaque to dynamo and inductor,
+so the compiled layer halves call it like any extern kernel, and every layer (each with its own
+key) shares one compiled graph. The entry is dropped when its `PackedWeight` is collected.
+
+Packing is for float32 weights on CPU builds of torch with mkldnn; `packing_refusal` says why
+anywhere else.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# The row count oneDNN chooses its packed layout for. The packed weight serves any row count;
+# measured at 1, 8, 32 and 64 rows on the AVX2 EPYC, hints from 8 to 64 were within the
+# run-to-run spread of each other (benchmarks/packed_linear.py).
+PACK_BATCH_HINT = 16
+
+_PACKED: dict[int, torch.Tensor] = {}  # key.data_ptr() -> the packed weight
+
+
+def packing_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why oneDNN packing cannot serve weights of `dtype` on `device`, or None when it can."""
+    if device.type != "cpu":
+        return f"oneDNN packing is for CPU weights, not {device.type}"
+    if dtype != torch.float32:
+        return f"oneDNN packing is used for float32 weights only, not {dtype}"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no mkldnn (oneDNN)"
+    return None
+
+
+class PackedWeight:
+    """One packed `[N, K]` weight and the key tensor that names it in the op."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> None:
+        refusal = packing_refusal(weight.device, weight.dtype)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if weight.dim() != 2:
+            raise ValueError(f"a linear weight is [out, in], got shape {tuple(weight.shape)}")
+        self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.nbytes = weight.nbytes  # what the packed copy holds (the same values, blocked)
+        self.key = torch.zeros(1, dtype=torch.float32).expand(self.out_features)
+        ptr = self.key.data_ptr()
+        _PACKED[ptr] = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), batch_hint
+        )
+        # The key's storage outlives this object only as long as someone holds the key; the
+        # entry goes when the PackedWeight does, before its key can be freed and reused.
+        weakref.finalize(self, _PACKED.pop, ptr, None)
+
+
+def packed_weights_alive() -> int:
+    """How many packed weights the table holds (tests: entries go with their owners)."""
+    return len(_PACKED)
+
+
+@torch.library.custom_op("model_executor::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W.T + bias [M, N], with W the weight packed under `key`."""
+    packed = _PACKED.get(key.data_ptr())
+    if packed is None:
+        raise RuntimeError(
+            "onednn_linear: no packed weight for this key (its PackedWeight was freed, or the "
+            "key tensor was copied: keys are not state to clone or move)"
+        )
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_fake(
+    x: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], key.shape[0]))
