@@ -158,6 +158,7 @@ class ExecutorInfo:
     attention_backend: str
     version: str
     quantization: str = "none"  # none | gguf | int8 | int4
+    linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
     weight_bytes: int = 0  # resident bytes of the model's weights (this rank's shard)
     # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
     graph_capture_disabled: str = ""
@@ -316,6 +317,7 @@ class ModelExecutor:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.loaded.quantization,
+            linear_kernel=self.loaded.linear_kernel,
             weight_mib=round(self.loaded.weight_bytes / 2**20, 1),
             attention_backend=self.attn_backend.name,
             needs_cpu_seq_lens=self.needs_cpu_seq_lens,
@@ -443,6 +445,7 @@ class ModelExecutor:
             attention_backend=self.attn_backend.name,
             version=executor.__version__,
             quantization=self.loaded.quantization,
+            linear_kernel=self.loaded.linear_kernel,
             weight_bytes=self.loaded.weight_bytes,
             graph_capture_disabled=self.runner.graph_factory.poisoned or "",
             tp_size=self.comm.size,

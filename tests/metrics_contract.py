@@ -62,6 +62,7 @@ CONTRACT: dict[str, MetricSpec] = {
         "dtype",
         "attention_backend",
         "quantization",
+        "linear_kernel",
         "tp_size",
         "rank",
     ),

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -239,11 +240,14 @@ def test_state_gauges_and_build_info(server: RunningServer, client: ExecutorClie
         "dtype": info.dtype,
         "attention_backend": info.attention_backend,
         "quantization": "none",
+        "linear_kernel": info.linear_kernel,
         "tp_size": "1",
         "rank": "0",
     }
     assert after.get("model_executor_build_info", **labels) == 1
     assert info.quantization == "none" and info.weight_bytes > 0
+    # The test server runs float32 on CPU: its linears are packed (auto).
+    assert info.linear_kernel == ("onednn" if torch.backends.mkldnn.is_available() else "aten")
     modes = {m: after.get("model_executor_toggle_graph_mode_info", mode=m) for m in
              ("none", "decode", "extend", "both")}  # fmt: skip
     assert modes == {"none": 1, "decode": 0, "extend": 0, "both": 0}

@@ -260,7 +260,7 @@ class ExecutorMetrics:
         self.build_info = gauge(
             "build_info", "Always 1; the labels describe the running executor.",
             ("version", "model", "device", "dtype", "attention_backend", "quantization",
-             "tp_size", "rank"),
+             "linear_kernel", "tp_size", "rank"),
         )  # fmt: skip
         self.toggle_eager_input_no_copy = gauge(
             "toggle_eager_input_no_copy", "1 when eager steps skip input staging (no-copy), else 0."
@@ -382,6 +382,7 @@ class ExecutorMetrics:
             info.dtype,
             info.attention_backend,
             info.quantization,
+            info.linear_kernel,
             str(info.tp_size),
             "0",  # the metrics are served by rank 0, which owns gRPC
         ).set(1)

@@ -321,6 +321,7 @@ def info_to_proto(
         server_version=info.version,
         model_spec=model_spec,
         quantization=info.quantization,
+        linear_kernel=info.linear_kernel,
         weight_bytes=info.weight_bytes,
         graph_capture_disabled=info.graph_capture_disabled,
     )
@@ -356,6 +357,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         attention_backend=msg.attention_backend,
         version=msg.server_version,
         quantization=msg.quantization,
+        linear_kernel=msg.linear_kernel or "aten",  # "": a server from before the setting
         weight_bytes=msg.weight_bytes,
         graph_capture_disabled=msg.graph_capture_disabled,
         tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
