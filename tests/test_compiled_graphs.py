@@ -138,3 +138,48 @@ def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
         assert float((a.logits - b.logits).abs().max()) <= 1e-5
         assert torch.equal(a.next_token_ids, b.next_token_ids)
     assert replayed == [256, 1024]
+
+
+def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A batch size's larger KV buckets are its smallest one's twins: captured without a run
+    (the compiled halves never see the KV length), and still replayed at their own width."""
+    seen: list[int] = []
+    real_forward = TorchPagedBackend.forward
+
+    def spy(self, q, k, v, layer_id, fb):  # type: ignore[no-untyped-def]
+        if layer_id == 0:
+            seen.append(fb.attn_metadata.kv_bound)
+        return real_forward(self, q, k, v, layer_id, fb)
+
+    monkeypatch.setattr(TorchPagedBackend, "forward", spy)
+    eager = make_executor(graph_mode="none")
+    graph = make_executor(
+        graph_mode="decode",
+        graph_backend="compiled",
+        graph_batch_sizes="1,2",
+        cache_dir=str(tmp_path),
+    )
+    decode = graph.runner.decode_graphs
+    assert decode is not None and set(decode.captured) == {1, 2}
+    assert all(set(by_kv) == {256, 1024} for by_kv in decode.captured.values())
+    assert seen and set(seen) == {256}, seen  # no capture run at 1024 keys
+
+    for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
+        first = 1 + 500 * (row - 1)
+        assert _prefill(eager, [row], [context], first) == _prefill(graph, [row], [context], first)
+        batch = make_decode_batch(
+            input_ids=[9],
+            req_pool_indices=[row],
+            seq_lens=[context + 1],
+            out_cache_loc=[first + context],
+        )
+        seen.clear()
+        a = eager.forward(batch, return_logits=True)
+        b = graph.forward(batch, return_logits=True)
+        assert b.stats.path == "full_graph"
+        assert seen[-1] == (256 if context < 256 else 1024)
+        assert a.logits is not None and b.logits is not None
+        assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL
+        assert torch.equal(a.next_token_ids, b.next_token_ids)

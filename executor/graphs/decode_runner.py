@@ -96,14 +96,19 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         )
 
     def _capture_one(self, bs: int) -> None:
-        """Every KV bucket of batch size `bs`, largest first; all or none (a failure fails
-        the batch-size bucket, whose batches then run eagerly)."""
+        """Every KV bucket of batch size `bs`; all or none (a failure fails the batch-size
+        bucket, whose batches then run eagerly). Largest first, so on CUDA the smaller graphs
+        reuse its memory; where twins are free (compiled) smallest first, and the larger KV
+        buckets are captured as its twins (no run at up to max_context_len keys)."""
         graphs: dict[int, _Captured] = {}
-        for kv in sorted(self.attn_backend.graph_kv_buckets(), reverse=True):
-            graphs[kv] = self._capture_kv(bs, kv)
+        twins = self.factory.shares_twin_captures
+        first: Graph | None = None
+        for kv in sorted(self.attn_backend.graph_kv_buckets(), reverse=not twins):
+            graphs[kv] = self._capture_kv(bs, kv, twin=first if twins else None)
+            first = first or graphs[kv].graph
         self.captured[bs] = graphs
 
-    def _capture_kv(self, bs: int, kv: int) -> _Captured:
+    def _capture_kv(self, bs: int, kv: int, twin: Graph | None = None) -> _Captured:
         view, _ = self._stage_decode(self._synthetic_batch(bs), bs, bs)
         view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
         out = self.hidden[:bs]
@@ -116,7 +121,10 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
             out.copy_(self.model.forward(ids, view.positions, view, self.attn_backend))
 
         graph = self.factory.new()
-        graph.capture(run)
+        if twin is None:
+            graph.capture(run)
+        else:
+            graph.capture_twin(run, twin)
         return _Captured(graph, view)
 
     def graphs_per_bucket(self) -> int:

@@ -57,6 +57,13 @@ class Graph(ABC):
     @abstractmethod
     def replay(self) -> None: ...
 
+    def capture_twin(self, fn: Callable[[], None], twin: Graph) -> None:
+        """Record `fn`, which runs the same code as the captured `twin` on buffers of other
+        sizes (a DECODE batch-size bucket's larger KV buckets). A full capture here; backends
+        whose capture only checks and compiles code that `twin` already checked and compiled
+        (`GraphFactory.shares_twin_captures`) skip the runs."""
+        self.capture(fn)
+
 
 def check_capture_rules(fn: Callable[[], None]) -> None:
     """Run `fn` once under the host-read guard in capture mode, modelling how a CUDA capture
@@ -102,6 +109,12 @@ class CompiledGraph(Graph):
     capture-unsafe change fails here too; then compiles by warming `fn` up inside
     `compiled()` once (a compile error fails the capture: its bucket runs eagerly). Replay calls
     `fn` inside `compiled()` again, on the same static buffers.
+
+    A twin (`capture_twin`: the same batch size at a larger KV bucket) runs nothing at
+    capture: its compiled halves see the same shapes as its twin's (attention, the only part
+    sized by the KV bucket, runs eagerly between them) and its code passed the twin's check.
+    Running the step at every KV bucket up to max_context_len is what made a default start-up
+    take minutes (bs 64 x 8192 keys: 57 s for one bucket).
     """
 
     def __init__(self, compiled: Callable[[], AbstractContextManager[object]]) -> None:
@@ -117,6 +130,12 @@ class CompiledGraph(Graph):
             raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
         except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
             raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
+        self._fn = fn
+
+    def capture_twin(self, fn: Callable[[], None], twin: Graph) -> None:
+        if not isinstance(twin, CompiledGraph) or twin._fn is None:
+            self.capture(fn)
+            return
         self._fn = fn
 
     def replay(self) -> None:
@@ -225,6 +244,12 @@ class GraphFactory:
         if self.backend == "compiled":
             return CompiledGraph(self.compiled)
         return CpuGraph()
+
+    @property
+    def shares_twin_captures(self) -> bool:
+        """Whether `capture_twin` costs nothing here (compiled), so a runner captures the
+        smallest of a set of twins fully and the others as its twins."""
+        return self.backend == "compiled"
 
     def prepare(self, graphs: int) -> None:
         """Before capturing `graphs` more graphs. For `compiled`: room in dynamo's recompile
