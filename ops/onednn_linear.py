@@ -4,8 +4,8 @@
 every call. oneDNN can pack a weight once, at load, into the blocked layout its kernels read
 (`torch.ops.mkldnn._reorder_linear_weight`) and then multiply without repacking
 (`torch.ops.mkldnn._linear_pointwise`). On a 2-core AVX2 EPYC, for SmolLM2's 30 layers of
-linears (weights cold in DRAM, as in a model step) this is 2.5x faster at 8 rows and 2x at 32
-than `F.linear`, and level at 1 row, where both stream the weight from memory
+linears (weights cold in DRAM, as in a model step) this measured 1.7-2.3x faster than `F.linear`
+at 8 rows, 1.5-2.3x at 32 and 1.1-1.4x at 1 row, where both stream the weights from memory
 (docs/performance.md, "Packed float linears").
 
 A packed weight is an opaque MKLDNN tensor: no storage, no strides, and torch.compile cannot
