@@ -299,6 +299,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             for job in list(in_flight):
                 job.future.cancel()  # only jobs that have not started; running ones finish
             window.release()  # unblock the reader if it waits for room
+            if not context.is_active():
+                # The RPC is over (cancelled, or its deadline passed): wake the handler if it
+                # waits for the reader, so it ends now and counts the caller's leaving, even
+                # if the reader has not yet seen the end of its request stream.
+                pending.put(None)
 
         def read() -> None:
             try:
