@@ -216,6 +216,7 @@ def main() -> None:
     args = ap.parse_args()
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]
     kernels = args.linear_kernels.split(",")
+    load_before = os.getloadavg()[0]
     gguf = packaged_smollm2_path()
     servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     ready: dict[str, float] = {}
@@ -235,7 +236,7 @@ def main() -> None:
         f"machine: {cpu} ({os.cpu_count()} cores; flags: {flags}); torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; SmolLM2-135M float32; graph backend "
         f"{args.graph_backend}; linear kernel {args.linear_kernels}; server ready in {started} "
-        f"(cache dir {args.cache_dir}); load average before the run {LOAD_BEFORE[0]:.2f}"
+        f"(cache dir {args.cache_dir}); load average before the run {load_before:.2f}"
     )
     table = render(results)
     print(header)
@@ -245,9 +246,6 @@ def main() -> None:
 
 
 Results = dict[str, dict[str, list[float]]]  # workload -> path -> ms per step, one per round
-
-
-LOAD_BEFORE = os.getloadavg()
 
 
 def run(args: argparse.Namespace, gguf: Path, ports: dict[str, int]) -> Results:

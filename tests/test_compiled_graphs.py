@@ -123,21 +123,29 @@ def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
 
     monkeypatch.setattr(backend, "init_forward_metadata_replay", spy)
     for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
-        first = 1 + 500 * (row - 1)
-        assert _prefill(eager, [row], [context], first) == _prefill(graph, [row], [context], first)
-        batch = make_decode_batch(
-            input_ids=[9],
-            req_pool_indices=[row],
-            seq_lens=[context + 1],
-            out_cache_loc=[first + context],
-        )
-        a = eager.forward(batch, return_logits=True)
-        b = graph.forward(batch, return_logits=True)
-        assert b.stats.path == "full_graph"
-        assert a.logits is not None and b.logits is not None
-        assert float((a.logits - b.logits).abs().max()) <= 1e-5
-        assert torch.equal(a.next_token_ids, b.next_token_ids)
+        _decode_matches_eager(eager, graph, row, context, tol=1e-5)
     assert replayed == [256, 1024]
+
+
+def _decode_matches_eager(
+    eager: ModelExecutor, graph: ModelExecutor, row: int, context: int, *, tol: float
+) -> None:
+    """Prefill `context` tokens into `row` on both executors, then one DECODE step: the graph
+    executor runs it as a full graph, with the eager logits (within `tol`) and tokens."""
+    first = 1 + 500 * (row - 1)
+    assert _prefill(eager, [row], [context], first) == _prefill(graph, [row], [context], first)
+    batch = make_decode_batch(
+        input_ids=[9],
+        req_pool_indices=[row],
+        seq_lens=[context + 1],
+        out_cache_loc=[first + context],
+    )
+    a = eager.forward(batch, return_logits=True)
+    b = graph.forward(batch, return_logits=True)
+    assert b.stats.path == "full_graph"
+    assert a.logits is not None and b.logits is not None
+    assert float((a.logits - b.logits).abs().max()) <= tol
+    assert torch.equal(a.next_token_ids, b.next_token_ids)
 
 
 def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
@@ -167,19 +175,5 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     assert seen and set(seen) == {256}, seen  # no capture run at 1024 keys
 
     for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
-        first = 1 + 500 * (row - 1)
-        assert _prefill(eager, [row], [context], first) == _prefill(graph, [row], [context], first)
-        batch = make_decode_batch(
-            input_ids=[9],
-            req_pool_indices=[row],
-            seq_lens=[context + 1],
-            out_cache_loc=[first + context],
-        )
-        seen.clear()
-        a = eager.forward(batch, return_logits=True)
-        b = graph.forward(batch, return_logits=True)
-        assert b.stats.path == "full_graph"
-        assert seen[-1] == (256 if context < 256 else 1024)
-        assert a.logits is not None and b.logits is not None
-        assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL
-        assert torch.equal(a.next_token_ids, b.next_token_ids)
+        _decode_matches_eager(eager, graph, row, context, tol=LOGIT_TOL)
+        assert seen[-1] == (256 if context < 256 else 1024)  # the graph's step ran last
