@@ -12,6 +12,7 @@ before gRPC sends the answer, so a client that got its answer can scrape the cou
 
 from __future__ import annotations
 
+import threading
 import time
 from types import TracebackType
 
@@ -56,6 +57,10 @@ class RpcScope(SpanScope):
         self.method = method
         self.code = grpc.StatusCode.OK
         self.message = ""
+        # Ended once: by the handler's `with` exit, or by `end_if_caller_gone` from gRPC's
+        # termination callback, whichever comes first (they run on different threads).
+        self._end_lock = threading.Lock()
+        self._ended = False
         tracing = telemetry.tracing
         span = tracing.server_span(f"{SERVICE_NAME}/{method}", context.invocation_metadata())
         super().__init__(tracing.tracer, span)
@@ -84,19 +89,31 @@ class RpcScope(SpanScope):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self.code is grpc.StatusCode.OK:
-            # Answered (or about to be) while the caller no longer waits: its doing, counted
-            # under its own code. A stream's generator closed by gRPC is the same.
-            gone = caller_gone(self._context)
-            if gone is None and exc_type is not None and issubclass(exc_type, GeneratorExit):
-                gone = grpc.StatusCode.CANCELLED
-            if gone is not None:
-                self.caller_left(gone)
-            elif exc_type is not None:  # not aborted by us: gRPC answers UNKNOWN
-                self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
-        name, value = _CODES[self.code]
-        self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)
-        self.finish(name, value, self.message)
+        with self._end_lock:
+            if self._ended:
+                return
+            self._ended = True
+            if self.code is grpc.StatusCode.OK:
+                # Answered (or about to be) while the caller no longer waits: its doing,
+                # counted under its own code. A stream's generator closed by gRPC is the same.
+                gone = caller_gone(self._context)
+                if gone is None and exc_type is not None and issubclass(exc_type, GeneratorExit):
+                    gone = grpc.StatusCode.CANCELLED
+                if gone is not None:
+                    self.caller_left(gone)
+                elif exc_type is not None:  # not aborted by us: gRPC answers UNKNOWN
+                    self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
+            name, value = _CODES[self.code]
+            self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)
+            self.finish(name, value, self.message)
+
+    def end_if_caller_gone(self) -> None:
+        """From gRPC's termination callback: a stream whose caller left ends now, even if its
+        handler never runs again (gRPC stops iterating a response generator whose send failed,
+        and the suspended generator is closed only when it is collected, which can take a full
+        garbage collection). Nothing when the caller is still there or the handler ended."""
+        if caller_gone(self._context) is not None:
+            self.__exit__(None, None, None)
 
 
 _CODES = {code: (code.name, code.value[0]) for code in grpc.StatusCode}

@@ -300,9 +300,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 job.future.cancel()  # only jobs that have not started; running ones finish
             window.release()  # unblock the reader if it waits for room
             if not context.is_active():
-                # The RPC is over (cancelled, or its deadline passed): wake the handler if it
-                # waits for the reader, so it ends now and counts the caller's leaving, even
-                # if the reader has not yet seen the end of its request stream.
+                # The RPC is over (cancelled, or its deadline passed): count the caller's
+                # leaving now, and wake the handler if it waits for the reader so its thread
+                # is freed, even if the reader has not yet seen its request stream end.
+                rpc.end_if_caller_gone()
                 pending.put(None)
 
         def read() -> None:
