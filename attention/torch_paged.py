@@ -244,8 +244,10 @@ class TorchPagedBackend(AttentionBackend):
     def _gather(self, buffer: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
         """`buffer[slots]` ([len(slots), Hk, D]). On CPU into a reused scratch buffer: a fresh
         multi-MiB allocation per chunk costs page faults that rival the gather itself. The
-        result is consumed by the chunk's SDPA before the next gather overwrites it."""
-        if self.device.type != "cpu":
+        result is consumed by the chunk's SDPA before the next gather overwrites it. Not
+        inside a whole-step compile, where inductor plans the gather's memory (and usually
+        fuses it into the dtype conversion after it)."""
+        if self.device.type != "cpu" or torch.compiler.is_compiling():
             return buffer.index_select(0, slots)
         numel = slots.numel() * buffer.shape[1] * buffer.shape[2]
         scratch = self._scratch[which]

@@ -1,5 +1,5 @@
-"""Decode speed and weight memory: this executor (`--quantization none` and `gguf`, through
-gRPC) against llama.cpp on the same GGUF file, in one run.
+"""Decode speed and weight memory: this executor (`--quantization none` and `gguf`, eager and
+`compiled_step` graphs, through gRPC) against llama.cpp on the same GGUF file, in one run.
 
     PYTHONPATH=.:proto .venv/bin/python benchmarks/vs_llamacpp.py [--model smollm2]
 
@@ -115,6 +115,13 @@ def main() -> None:
         "threads at load 8 on 2 cores, 0.5 ms with 1): compare the paths at 1 thread there",
     )
     ap.add_argument("--quantizations", default="gguf,none")
+    ap.add_argument(
+        "--paths",
+        default="eager,compiled_step",
+        help="eager (graph_mode none) and/or compiled_step (DECODE graphs at the batch sizes "
+        "measured, each step one compiled graph; compiling costs about a minute per batch "
+        "size on two cores, then inductor's cache under the default cache dir)",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     if args.torch_threads:
@@ -124,43 +131,60 @@ def main() -> None:
         f"model={args.model} ({source.path}) torch={torch.__version__} "
         f"torch threads={torch.get_num_threads()} prompt={args.prompt} steps={args.steps}"
     )
-    measured: dict[str, tuple[dict[int, float], int]] = {}
+    measured: dict[tuple[str, str], tuple[dict[int, float], int]] = {}
+    paths = args.paths.split(",")
     for quantization in args.quantizations.split(","):
-        cfg = ExecutorConfig(
-            model=args.model,
-            quantization=quantization,
-            max_reqs=sum(sizes) + 1,
-            kv_slots=(sum(sizes) + 1) * (args.prompt + args.steps),
-            max_context_len=args.prompt + args.steps + 8,
-        )
-        per_bs, weight_bytes = executor_decode(cfg, sizes, args.prompt, args.steps)
-        measured[quantization] = per_bs, weight_bytes
-        for bs, ms in per_bs.items():
-            print(
-                f"executor quantization={quantization:<5} bs={bs:<3} {ms:8.2f} ms/step "
-                f"{bs * 1e3 / ms:8.1f} tokens/s"
+        for path in paths:
+            graphs = {"graph_mode": "none"}
+            if path == "compiled_step":
+                graphs = {
+                    "graph_mode": "decode",
+                    "graph_backend": "compiled_step",
+                    "graph_batch_sizes": args.batch_sizes,
+                }
+            elif path != "eager":
+                ap.error(f"--paths: eager or compiled_step, got {path!r}")
+            cfg = ExecutorConfig(
+                model=args.model,
+                quantization=quantization,
+                max_reqs=sum(sizes) + 1,
+                kv_slots=(sum(sizes) + 1) * (args.prompt + args.steps),
+                max_context_len=args.prompt + args.steps + 8,
+                **graphs,  # type: ignore[arg-type]
             )
+            per_bs, weight_bytes = executor_decode(cfg, sizes, args.prompt, args.steps)
+            measured[quantization, path] = per_bs, weight_bytes
+            for bs, ms in per_bs.items():
+                print(
+                    f"executor quantization={quantization:<5} path={path:<13} bs={bs:<3} "
+                    f"{ms:8.2f} ms/step {bs * 1e3 / ms:8.1f} tokens/s"
+                )
         print(f"executor quantization={quantization:<5} weights {weight_bytes / 2**20:.1f} MiB")
-    if "gguf" in measured and "none" in measured:
-        ratio = measured["gguf"][1] / measured["none"][1]
+    weights = {q: b for (q, _), (_, b) in measured.items()}
+    if "gguf" in weights and "none" in weights:
+        ratio = weights["gguf"] / weights["none"]
         print(f"weight bytes gguf / none: {ratio:.3f} (target <= 0.333)")
     llama_ms = (
         llama_cpp_decode(str(source.path), args.prompt, args.steps, args.threads)
         if source.path is not None
         else None
     )
-    if llama_ms is None or "gguf" not in measured:
+    if llama_ms is None:
         return
     print(
         f"llama.cpp threads={args.threads} bs=1 {llama_ms:8.2f} ms/token {1e3 / llama_ms:8.1f} tokens/s"
     )
-    gguf = measured["gguf"][0]
-    if 1 in gguf:
-        print(f"bs-1 ms/token executor gguf / llama.cpp: {gguf[1] / llama_ms:.2f} (target <= 1.5)")
-    big = max(gguf)
-    if big > 1:
-        ratio = big * 1e3 / gguf[big] / (1e3 / llama_ms)
-        print(f"bs-{big} aggregate tokens/s / llama.cpp single stream: {ratio:.2f} (target >= 5)")
+    for (quantization, path), (per_bs, _) in measured.items():
+        name = f"{quantization}/{path}"
+        if 1 in per_bs:
+            print(f"bs-1 ms/token {name} / llama.cpp: {per_bs[1] / llama_ms:.2f} (target <= 1.5)")
+        big = max(per_bs)
+        if big > 1:
+            ratio = big * 1e3 / per_bs[big] / (1e3 / llama_ms)
+            print(
+                f"bs-{big} aggregate tokens/s {name} / llama.cpp single stream: {ratio:.2f} "
+                "(target >= 5)"
+            )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
 NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
 # What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
 # stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
-GRAPH_BACKENDS = ("auto", "cuda", "compiled", "standin")
+GRAPH_BACKENDS = ("auto", "cuda", "compiled", "compiled_step", "standin")
 QUANTIZATION_MODES = ("none", "gguf", "int8", "int4")
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
@@ -70,7 +70,11 @@ class ExecutorConfig:
     graph_backend: str = setting(
         "auto",
         "auto (cuda on CUDA, compiled on CPU) | cuda (CUDA graphs) | compiled (torch.compile, "
-        "inductor) | standin (the uncompiled CPU stand-in that checks CUDA's capture rules)",
+        "inductor: the layer halves, compiled once for every layer and bucket) | compiled_step "
+        "(each DECODE bucket's whole step compiled on its own, attention and KV write "
+        "included: one compiled call a step, the fastest CPU decode, but a compile per "
+        "(batch size, KV bucket): pick few buckets; EXTEND pieces as compiled) | standin (the "
+        "uncompiled CPU stand-in that checks CUDA's capture rules)",
     )
     graph_max_bs: int = setting(
         0,
@@ -187,6 +191,12 @@ class ExecutorConfig:
             raise ValueError(
                 f"graph_backend must be one of {', '.join(GRAPH_BACKENDS)}, "
                 f"got {self.graph_backend!r}"
+            )
+        if self.graph_backend == "compiled_step" and self.tp_size > 1:
+            raise ValueError(
+                "graph_backend 'compiled_step' needs tp_size 1 (a whole step would hold the "
+                "all-reduces, which run eagerly between compiled functions): use 'compiled', "
+                f"got tp_size={self.tp_size}"
             )
         if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
             raise ValueError(

@@ -1,5 +1,5 @@
-"""The compiled CPU graph backend (`graph_backend=compiled`, the CPU default) and the KV-length
-buckets of captured DECODE graphs.
+"""The compiled CPU graph backends (`graph_backend=compiled`, the CPU default, and
+`compiled_step`) and the KV-length buckets of captured DECODE graphs.
 
 The compile tests are few and small (tiny-random, three decode and two token buckets): the
 stand-in stays the backend the rest of the graph tests use.
@@ -16,7 +16,7 @@ import torch
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, resolve_graph_backend
-from executor.graphs.graph import CompiledGraph, GraphFactory
+from executor.graphs.graph import CompiledGraph, GraphFactory, StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
 
@@ -34,6 +34,21 @@ def test_graph_backend_setting_resolves_and_refuses_what_cannot_run() -> None:
         ExecutorConfig(graph_backend="xla")
     with pytest.raises(ValueError, match="graph backend must be one of"):
         GraphFactory(cpu, "xla")
+    with pytest.raises(ValueError, match=r"'compiled_step' needs tp_size 1.*tp_size=2"):
+        ExecutorConfig(graph_backend="compiled_step", tp_size=2)
+
+
+def test_compiled_step_compiles_whole_decode_steps_and_regional_pieces() -> None:
+    """`compiled_step`: the DECODE runner's whole-step graphs compile as one graph each, and
+    so cannot share a twin's capture; the piecewise runner's pieces compile as `compiled`."""
+    factory = GraphFactory(torch.device("cpu"), "compiled_step")
+    assert isinstance(factory.new(whole_step=True), StepCompiledGraph)
+    assert isinstance(factory.new(), CompiledGraph)
+    assert not factory.shares_twin_captures
+    assert GraphFactory(torch.device("cpu"), "compiled").shares_twin_captures
+    assert isinstance(
+        GraphFactory(torch.device("cpu"), "compiled").new(whole_step=True), CompiledGraph
+    )
 
 
 def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside(
@@ -177,3 +192,57 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
         _decode_matches_eager(eager, graph, row, context, tol=LOGIT_TOL)
         assert seen[-1] == (256 if context < 256 else 1024)  # the graph's step ran last
+
+
+def test_compiled_step_graphs_give_eager_tokens_and_write_the_kv_cache_in_place(
+    make_executor: MakeExecutor, tmp_path: Path
+) -> None:
+    """Two whole-step graphs (bs 1 and 2) in one process: each replays its own code (the
+    guards are skipped, so a graph picking up the other's would give wrong rows), the KV
+    write inside the graph lands in the pool itself (the next step reads it), and tokens and
+    logits are the eager ones."""
+    eager = make_executor(graph_mode="none", max_context_len=256)
+    graph = make_executor(
+        graph_mode="decode",
+        graph_backend="compiled_step",
+        graph_batch_sizes="1,2",
+        max_context_len=256,
+        cache_dir=str(tmp_path),
+    )
+    assert all(not r.failed for r in graph.capture_reports), graph.capture_reports
+    decode = graph.runner.decode_graphs
+    assert decode is not None and set(decode.captured) == {1, 2}
+    assert all(
+        isinstance(c.graph, StepCompiledGraph)
+        for kv in decode.captured.values()
+        for c in kv.values()
+    )
+    pool, eager_pool = graph.attn_backend.kv_pool, eager.attn_backend.kv_pool
+    pool_ptr = pool.k.data_ptr()
+
+    for rows in ([1], [2, 3], [4]):  # back to bs 1 after bs 2: each graph keeps its own code
+        bs = len(rows)
+        lens = [5 + 3 * r for r in rows]
+        assert _prefill(eager, rows, lens, 1 + 60 * rows[0]) == _prefill(
+            graph, rows, lens, 1 + 60 * rows[0]
+        )
+        ids = [7 + r for r in rows]
+        for step in range(3):  # each step attends over the keys the previous one wrote
+            locs = [1 + 60 * r + 40 + step for r in rows]
+            batch = make_decode_batch(
+                input_ids=ids,
+                req_pool_indices=rows,
+                seq_lens=[n + 1 + step for n in lens],
+                out_cache_loc=locs,
+            )
+            a = eager.forward(batch, return_logits=True)
+            b = graph.forward(batch, return_logits=True)
+            assert (b.stats.path, b.stats.padded_batch_size) == ("full_graph", bs)
+            assert a.logits is not None and b.logits is not None
+            assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, (bs, step)
+            assert torch.equal(a.next_token_ids, b.next_token_ids), (bs, step)
+            written = torch.tensor(locs)
+            assert torch.allclose(pool.k[:, written], eager_pool.k[:, written], atol=1e-5)
+            assert torch.allclose(pool.v[:, written], eager_pool.v[:, written], atol=1e-5)
+            ids = a.next_token_ids.tolist()
+    assert pool.k.data_ptr() == pool_ptr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +82,25 @@ def test_store_kv_writes_only_the_given_slots() -> None:
     untouched = torch.ones(10, dtype=torch.bool)
     untouched[loc] = False
     assert bool((k_buf[untouched] == 0).all()) and bool((v_buf[untouched] == 0).all())
+
+
+def test_store_kv_inside_a_compiled_graph_writes_a_layer_view_of_the_pool_in_place() -> None:
+    """Under torch.compile the write goes through `model_executor::store_kv`: into layer 1's
+    view of a [layers, slots, Hk, D] pool, only the given slots change, in the pool itself."""
+    pool_k, pool_v = torch.zeros(3, 10, 2, 4), torch.zeros(3, 10, 2, 4)
+    loc = torch.tensor([3, 7])
+    k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+
+    @torch.compile(fullgraph=True, backend="inductor")
+    def write_layer_1(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store_kv(pool_k[1], pool_v[1], loc, k, v)
+        return pool_k[1].sum()
+
+    assert float(write_layer_1(loc, k, v)) == pytest.approx(float(k.sum()), rel=1e-5)
+    torch.testing.assert_close(pool_k[1, loc], k)
+    torch.testing.assert_close(pool_v[1, loc], v)
+    assert float(pool_k.abs().sum()) == pytest.approx(float(k.abs().sum()), rel=1e-5)
+    assert float(pool_v.abs().sum()) == pytest.approx(float(v.abs().sum()), rel=1e-5)
 
 
 def test_store_kv_casts_to_cache_dtype() -> None:

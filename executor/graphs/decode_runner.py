@@ -120,7 +120,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
                 ids = resolve_future_tokens(ids, self.future_tokens)
             out.copy_(self.model.forward(ids, view.positions, view, self.attn_backend))
 
-        graph = self.factory.new()
+        graph = self.factory.new(whole_step=True)
         if twin is None:
             graph.capture(run)
         else:
