@@ -38,6 +38,8 @@ def serve_command(port: int, cache_dir: Path, *flags: str) -> list[str]:
         str(cache_dir),
         "--log-format",
         "json",
+        "--dtype",
+        "float32",
         *flags,
     ]
 
@@ -50,6 +52,7 @@ def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
         "max_context_len": 1024,
         "cache_dir": str(cache_dir),
         "graph_backend": "standin",  # captures in milliseconds; compiling has its own tests
+        "dtype": "float32",  # auto is bfloat16 on CPUs with native bfloat16
     }
     values.update(overrides)
     return ExecutorConfig(**values)  # type: ignore[arg-type]

@@ -65,9 +65,9 @@ def test_every_thread_runs_device_work_inside_the_executors_device_scope(
         seen.append((threading.current_thread().name, ds.current_scope()))
         return real_forward(self, *args, **kwargs)
 
-    def new(self: GraphFactory) -> Any:
+    def new(self: GraphFactory, **kwargs: Any) -> Any:
         seen.append((threading.current_thread().name, ds.current_scope()))
-        return real_new(self)
+        return real_new(self, **kwargs)
 
     monkeypatch.setattr(TorchPagedBackend, "forward", forward)
     monkeypatch.setattr(GraphFactory, "new", new)

@@ -94,7 +94,11 @@ def test_tiny_random_matches_transformers(tmp_path: Path, cache_dir: Path, model
     ).eval()
     ex = ModelExecutor(
         ExecutorConfig(
-            model=str(tmp_path / model), max_reqs=8, kv_slots=1024, cache_dir=str(cache_dir)
+            model=str(tmp_path / model),
+            max_reqs=8,
+            kv_slots=1024,
+            cache_dir=str(cache_dir),
+            dtype="float32",
         )
     )
     g = torch.Generator().manual_seed(0)
@@ -116,7 +120,12 @@ def test_smollm2_gguf_matches_transformers(cache_dir: Path) -> None:
     ]
     prompts = [tok(t).input_ids for t in texts]
     base = ExecutorConfig(
-        model="smollm2", max_reqs=8, kv_slots=2048, max_context_len=1024, cache_dir=str(cache_dir)
+        model="smollm2",
+        max_reqs=8,
+        kv_slots=2048,
+        max_context_len=1024,
+        cache_dir=str(cache_dir),
+        dtype="float32",
     )
     loaded = load_model(
         "smollm2",

@@ -282,7 +282,12 @@ def test_gguf_mode_generates_what_the_float32_path_generates(
     difference (bfloat16 activations can flip only such a choice)."""
     path = _write(tmp_path, model, qtype)
     base = ExecutorConfig(
-        model=str(path), max_reqs=4, kv_slots=512, max_context_len=256, cache_dir=str(cache_dir)
+        model=str(path),
+        max_reqs=4,
+        kv_slots=512,
+        max_context_len=256,
+        cache_dir=str(cache_dir),
+        dtype="float32",
     )
     ref, quant = ModelExecutor(base), ModelExecutor(base.replace(quantization="gguf"))
     assert quant.loaded.weight_bytes < ref.loaded.weight_bytes / 2
@@ -359,6 +364,7 @@ def test_quantized_layers_run_on_the_graph_paths(tmp_path: Path, cache_dir: Path
         max_context_len=1024,
         cache_dir=str(cache_dir),
         quantization="gguf",
+        dtype="float32",
     )
     eager = ModelExecutor(base.replace(graph_mode="none"))
     graph = ModelExecutor(

@@ -156,6 +156,7 @@ def _tiny(**changes: object) -> ExecutorConfig:
         "graph_backend": "standin",
         "graph_batch_sizes": "1,2,4",
         "piecewise_token_sizes": "16,64",
+        "dtype": "float32",
     }
     values.update(changes)
     return ExecutorConfig(**values)  # type: ignore[arg-type]
@@ -197,6 +198,7 @@ def test_smollm2_tp3_matches_tp1(cache_dir: Path) -> None:
         max_context_len=256,
         cache_dir=str(cache_dir),
         graph_mode="none",
+        dtype="float32",
     )
     ex = ModelExecutor(config)
     tok = ex.load_tokenizer()

@@ -126,7 +126,12 @@ def _no_orphans(children: set[int], within_s: float = 10.0) -> None:
 def test_serve_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path: Path) -> None:
     ex = ModelExecutor(
         ExecutorConfig(
-            model="tiny-random", device="cpu", max_reqs=8, kv_slots=1024, max_context_len=256
+            model="tiny-random",
+            device="cpu",
+            max_reqs=8,
+            kv_slots=1024,
+            max_context_len=256,
+            dtype="float32",
         )
     )
     want = generate(ex.forward, ex.limits, PROMPTS, max_new_tokens=8, ignore_eos=True)
