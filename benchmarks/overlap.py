@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,9 @@ def generate_once(client: ExecutorClient, bs: int, new_tokens: int, overlap: boo
     return Run(seconds, [r.output_ids for r in reqs], pipe.answers)
 
 
-def start_server(model: str, port: int, cache_dir: str, threads: int) -> subprocess.Popen[bytes]:
+def start_server(
+    model: str, port: int, cache_dir: str, threads: int, extra: list[str]
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable, "-m", "executor", "serve", "--model", model, "--port", str(port),
         "--metrics-port", "-1", "--max-reqs", "64", "--kv-slots", "16384",
@@ -98,6 +101,7 @@ def start_server(model: str, port: int, cache_dir: str, threads: int) -> subproc
     ]  # fmt: skip
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
+    cmd += extra
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
     if threads:  # the server's torch threads (OpenMP): leave the scheduler a core
         env["OMP_NUM_THREADS"] = str(threads)
@@ -118,20 +122,28 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per mode")
     parser.add_argument("--cache-dir", default="")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more `serve` flags, e.g. '--graph-mode decode --graph-backend compiled_step "
+        "--graph-batch-sizes 1,32' (DECODE steps as one compiled graph each)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     model_name, flags = cpu_description()
     print(f"machine: {model_name} ({os.cpu_count()} cores; {flags}); load {os.getloadavg()}")
     print(f"prompt {PROMPT_LEN} tokens, {args.new_tokens} new tokens per request, best of "
           f"{args.repeats}\n")  # fmt: skip
-    print(f"server threads: {args.server_threads or 'default'}\n")
+    print(f"server threads: {args.server_threads or 'default'}; server args: {args.server_args}\n")
     print("| model | bs | plain tok/s | overlap tok/s | speed-up | device ms/step plain | "
           "device ms/step overlap | idle ms/step plain | idle ms/step overlap | "
           "queue ms/step overlap |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         port = free_port()
-        proc = start_server(model, port, args.cache_dir, args.server_threads)
+        proc = start_server(
+            model, port, args.cache_dir, args.server_threads, shlex.split(args.server_args)
+        )
         try:
             with ExecutorClient(f"127.0.0.1:{port}") as client:
                 client.wait_ready(timeout=1800)
