@@ -156,10 +156,8 @@ class AttentionBackend(ABC):
         self, layer_id: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' K/V at `fb.out_cache_loc`; the layer's (K, V) buffers."""
-        k_buffer = self.kv_pool.k_buffer(layer_id)
-        v_buffer = self.kv_pool.v_buffer(layer_id)
-        store_kv(k_buffer, v_buffer, fb.out_cache_loc, k, v)
-        return k_buffer, v_buffer
+        store_kv(self.kv_pool.k, self.kv_pool.v, layer_id, fb.out_cache_loc, k, v)
+        return self.kv_pool.k_buffer(layer_id), self.kv_pool.v_buffer(layer_id)
 
     def graph_seq_len_fill_value(self) -> int:
         """`seq_lens` of a padded row: one token, read from the reserved slot 0 via row 0."""

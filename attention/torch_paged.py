@@ -244,10 +244,8 @@ class TorchPagedBackend(AttentionBackend):
     def _gather(self, buffer: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
         """`buffer[slots]` ([len(slots), Hk, D]). On CPU into a reused scratch buffer: a fresh
         multi-MiB allocation per chunk costs page faults that rival the gather itself. The
-        result is consumed by the chunk's SDPA before the next gather overwrites it. Not
-        inside a whole-step compile, where inductor plans the gather's memory (and usually
-        fuses it into the dtype conversion after it)."""
-        if self.device.type != "cpu" or torch.compiler.is_compiling():
+        result is consumed by the chunk's SDPA before the next gather overwrites it."""
+        if self.device.type != "cpu":
             return buffer.index_select(0, slots)
         numel = slots.numel() * buffer.shape[1] * buffer.shape[2]
         scratch = self._scratch[which]
@@ -269,6 +267,8 @@ class TorchPagedBackend(AttentionBackend):
         """Requests start..end-1: [n, Hk, group, D] (DECODE) or [n, Hq, q_bound, D] (EXTEND)."""
         n, kv_bound = end - start, md.kv_bound
         num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
+        if md.q_index is None and torch.compiler.is_compiling():
+            return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end)
         # index_select over the flattened slots is several times faster than advanced
         # indexing with a [n, kv_bound] index on CPU.
         slots = md.kv_slots[start:end].reshape(-1)
@@ -296,3 +296,31 @@ class TorchPagedBackend(AttentionBackend):
             scale=self.layout.scaling,
             enable_gqa=num_heads != num_kv_heads,
         )
+
+    def _attend_decode_traced(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        md: TorchPagedMetadata,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        """DECODE attention written as indexing, products and sums, for a whole-step compile
+        (`compiled_step`): inductor turns it into a few loops that read each key and value
+        straight from the pool through `kv_slots` (no gathered [n, kv_bound, Hk, D] copies)
+        and keep scores and softmax in float32, instead of a gather kernel and an SDPA call
+        per layer. Measured on SmolLM2 (2-core EPYC): about 0.4 ms a bs-1 step and 5 ms a
+        bs-32 step faster. -> [n, Hk, group, D], as `_attend`."""
+        n, kv_bound = end - start, md.kv_bound
+        num_kv_heads, head_dim = k_buffer.shape[1], q.shape[2]
+        group = q.shape[1] // num_kv_heads
+        slots = md.kv_slots[start:end]
+        keys = k_buffer[slots].float()  # [n, kv_bound, Hk, D]
+        values = v_buffer[slots].float()
+        queries = q[start:end].view(n, 1, num_kv_heads, group, head_dim).float()
+        scores = (queries * keys[:, :, :, None, :]).sum(-1) * self.layout.scaling  # [n, L, Hk, G]
+        visible = md.mask[start:end].view(n, kv_bound, 1, 1)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=1)
+        out = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [n, Hk, G, D]
+        return out.to(q.dtype)

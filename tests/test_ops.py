@@ -71,43 +71,53 @@ def test_rotary_position_zero_is_identity() -> None:
     torch.testing.assert_close(k_rot, k)
 
 
-def test_store_kv_writes_only_the_given_slots() -> None:
-    k_buf = torch.zeros(10, 2, 4)
-    v_buf = torch.zeros(10, 2, 4)
+def test_store_kv_writes_only_the_given_slots_of_the_given_layer() -> None:
+    k_pool = torch.zeros(3, 10, 2, 4)
+    v_pool = torch.zeros(3, 10, 2, 4)
     loc = torch.tensor([3, 7, 1])
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
-    store_kv(k_buf, v_buf, loc, k, v)
-    torch.testing.assert_close(k_buf[loc], k)
-    torch.testing.assert_close(v_buf[loc], v)
-    untouched = torch.ones(10, dtype=torch.bool)
-    untouched[loc] = False
-    assert bool((k_buf[untouched] == 0).all()) and bool((v_buf[untouched] == 0).all())
+    store_kv(k_pool, v_pool, 1, loc, k, v)
+    torch.testing.assert_close(k_pool[1, loc], k)
+    torch.testing.assert_close(v_pool[1, loc], v)
+    untouched = torch.ones(3, 10, dtype=torch.bool)
+    untouched[1, loc] = False
+    assert bool((k_pool[untouched] == 0).all()) and bool((v_pool[untouched] == 0).all())
 
 
-def test_store_kv_inside_a_compiled_graph_writes_a_layer_view_of_the_pool_in_place() -> None:
-    """Under torch.compile the write goes through `model_executor::store_kv`: into layer 1's
-    view of a [layers, slots, Hk, D] pool, only the given slots change, in the pool itself."""
-    pool_k, pool_v = torch.zeros(3, 10, 2, 4), torch.zeros(3, 10, 2, 4)
+def test_store_kv_inside_a_compiled_graph_writes_the_pool_in_place_without_copying_it() -> None:
+    """Under torch.compile the write is an `index_put_` on the whole pool, which inductor
+    turns into a scatter of the new rows: only the given slots of the given layer change, in
+    the pool itself, and the generated code allocates nothing of the pool's size (a write
+    through a layer's view made it copy the whole pool every step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    pool_k, pool_v = torch.zeros(3, 1000, 2, 4), torch.zeros(3, 1000, 2, 4)
+    ptr = pool_k.data_ptr()
     loc = torch.tensor([3, 7])
     k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
 
     @torch.compile(fullgraph=True, backend="inductor")
     def write_layer_1(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        store_kv(pool_k[1], pool_v[1], loc, k, v)
-        return pool_k[1].sum()
+        store_kv(pool_k, pool_v, 1, loc, k, v)
+        return pool_k[1].sum() + pool_v[1].sum()  # read after the write, as attention does
 
-    assert float(write_layer_1(loc, k, v)) == pytest.approx(float(k.sum()), rel=1e-5)
+    with torch.inference_mode():
+        total, codes = run_and_get_code(write_layer_1, loc, k, v)
+    assert float(total) == pytest.approx(float(k.sum() + v.sum()), rel=1e-5)
     torch.testing.assert_close(pool_k[1, loc], k)
     torch.testing.assert_close(pool_v[1, loc], v)
     assert float(pool_k.abs().sum()) == pytest.approx(float(k.abs().sum()), rel=1e-5)
     assert float(pool_v.abs().sum()) == pytest.approx(float(v.abs().sum()), rel=1e-5)
+    assert pool_k.data_ptr() == ptr
+    allocations = [line for code in codes for line in code.splitlines() if "empty_strided" in line]
+    assert not [line for line in allocations if "1000" in line], allocations
 
 
 def test_store_kv_casts_to_cache_dtype() -> None:
-    k_buf = torch.zeros(4, 1, 2, dtype=torch.bfloat16)
-    v_buf = torch.zeros(4, 1, 2, dtype=torch.bfloat16)
-    store_kv(k_buf, v_buf, torch.tensor([2]), torch.ones(1, 1, 2), torch.full((1, 1, 2), 2.0))
-    assert k_buf[2].float().eq(1).all() and v_buf[2].float().eq(2).all()
+    k_pool = torch.zeros(1, 4, 1, 2, dtype=torch.bfloat16)
+    v_pool = torch.zeros(1, 4, 1, 2, dtype=torch.bfloat16)
+    store_kv(k_pool, v_pool, 0, torch.tensor([2]), torch.ones(1, 1, 2), torch.full((1, 1, 2), 2.0))
+    assert k_pool[0, 2].float().eq(1).all() and v_pool[0, 2].float().eq(2).all()
 
 
 def test_silu_matches_torch() -> None:

@@ -151,7 +151,7 @@ class StepCompiledGraph(Graph):
     `CompiledGraph` compiles the layer halves and runs attention between them, so a step is
     60 compiled calls, each paying dynamo's guard check and the wrapper's prologue (on a
     2-core EPYC about as much as the fusion saves). Here the captured callable - embedding,
-    every layer, attention, the KV write (`model_executor::store_kv`) - is one graph: one call
+    every layer, attention, the KV write (an `index_put_` on the pool) - is one graph: one call
     a step, with its fused kernels. Measured on SmolLM2 `--quantization gguf`, bs 1: 26 ms a
     step against eager's 39 (docs/performance.md).
 
