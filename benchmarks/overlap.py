@@ -23,21 +23,17 @@ import argparse
 import os
 import shlex
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from served import cpu_description, served  # benchmarks/served.py (the script's folder)
 
 from executor.client.grpc_client import ExecutorClient, ForwardSession
 from executor.client.scheduler import ReferenceScheduler
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ForwardOutput
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 16
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from vs_transformers import cpu_description, free_port  # noqa: E402
 
 
 @dataclass
@@ -91,23 +87,6 @@ def generate_once(client: ExecutorClient, bs: int, new_tokens: int, overlap: boo
     return Run(seconds, [r.output_ids for r in reqs], pipe.answers)
 
 
-def start_server(
-    model: str, port: int, cache_dir: str, threads: int, extra: list[str]
-) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "executor", "serve", "--model", model, "--port", str(port),
-        "--metrics-port", "-1", "--max-reqs", "64", "--kv-slots", "16384",
-        "--max-context-len", "1024", "--log-level", "warning",
-    ]  # fmt: skip
-    if cache_dir:
-        cmd += ["--cache-dir", cache_dir]
-    cmd += extra
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
-    if threads:  # the server's torch threads (OpenMP): leave the scheduler a core
-        env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.Popen(cmd, env=env, cwd=ROOT)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny-random,smollm2")
@@ -120,7 +99,9 @@ def main() -> None:
         help="torch (OpenMP) threads of the server; 0 = torch's default (one per core). On a "
         "CPU device the overlapped scheduler competes with the device for the same cores",
     )
-    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per mode")
+    parser.add_argument(
+        "--repeats", type=int, default=6, help="plain/overlap pairs, alternating (tok/s: best)"
+    )
     parser.add_argument("--cache-dir", default="")
     parser.add_argument(
         "--server-args",
@@ -130,52 +111,53 @@ def main() -> None:
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    model_name, flags = cpu_description()
-    print(f"machine: {model_name} ({os.cpu_count()} cores; {flags}); load {os.getloadavg()}")
-    print(f"prompt {PROMPT_LEN} tokens, {args.new_tokens} new tokens per request, best of "
-          f"{args.repeats}\n")  # fmt: skip
+    model_name, cpu_flags = cpu_description()
+    print(f"machine: {model_name} ({os.cpu_count()} cores; {cpu_flags}); load {os.getloadavg()}")
+    print(f"prompt {PROMPT_LEN} tokens, {args.new_tokens} new tokens per request, "
+          f"{args.repeats} alternating plain/overlap pairs (tok/s and ms: the best run of "
+          "each mode; speed-up: median (range) of the pairs' ratios)\n")  # fmt: skip
     print(f"server threads: {args.server_threads or 'default'}; server args: {args.server_args}\n")
-    print("| model | bs | plain tok/s | overlap tok/s | speed-up | device ms/step plain | "
+    print("| model | bs | plain tok/s | overlap tok/s | speed-up (paired) | device ms/step plain | "
           "device ms/step overlap | idle ms/step plain | idle ms/step overlap | "
           "queue ms/step overlap |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
-        port = free_port()
-        proc = start_server(
-            model, port, args.cache_dir, args.server_threads, shlex.split(args.server_args)
-        )
-        try:
-            with ExecutorClient(f"127.0.0.1:{port}") as client:
-                client.wait_ready(timeout=1800)
-                for bs in sizes:
-                    generate_once(client, bs, 4, overlap=True)  # warm both code paths
-                    runs = {
-                        mode: min(
-                            (
-                                generate_once(client, bs, args.new_tokens, overlap=mode)
-                                for _ in range(args.repeats)
-                            ),
-                            key=lambda r: r.seconds,
-                        )
-                        for mode in (False, True)
-                    }
-                    plain, over = runs[False], runs[True]
+        flags = [
+            "--model", model, "--max-reqs", "64", "--kv-slots", "16384",
+            "--max-context-len", "1024", *shlex.split(args.server_args),
+        ]  # fmt: skip
+        if args.cache_dir:
+            flags += ["--cache-dir", args.cache_dir]
+        # The server's torch threads (OpenMP): leave the scheduler a core.
+        env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
+        with served(flags, env=env) as server:
+            client = server.client
+            for bs in sizes:
+                generate_once(client, bs, 4, overlap=True)  # warm both code paths
+                # Plain and overlap alternate (ABBA...), so a drift in the machine's speed
+                # lands on both; the speed-up is the median of the pairs' ratios.
+                pairs: list[tuple[Run, Run]] = []
+                for i in range(args.repeats):
+                    order = (False, True) if i % 2 == 0 else (True, False)
+                    done = {m: generate_once(client, bs, args.new_tokens, overlap=m) for m in order}
+                    pairs.append((done[False], done[True]))
+                for plain, over in pairs:
                     if plain.tokens != over.tokens:
                         raise SystemExit(f"{model} bs {bs}: overlap changed the tokens")
-                    rate = [bs * args.new_tokens / r.seconds for r in (plain, over)]
-                    idle = [
-                        r.seconds * 1e3 / len(r.steps) - r.per_step_ms("total")
-                        for r in (plain, over)
-                    ]
-                    print(
-                        f"| {model} | {bs} | {rate[0]:.0f} | {rate[1]:.0f} | "
-                        f"{rate[1] / rate[0]:.2f}x | {plain.per_step_ms('total'):.2f} | "
-                        f"{over.per_step_ms('total'):.2f} | {idle[0]:.2f} | {idle[1]:.2f} | {over.per_step_ms('queue'):.2f} |",
-                        flush=True,
-                    )
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+                ratios = sorted(p.seconds / o.seconds for p, o in pairs)
+                plain = min((p for p, _ in pairs), key=lambda r: r.seconds)
+                over = min((o for _, o in pairs), key=lambda r: r.seconds)
+                rate = [bs * args.new_tokens / r.seconds for r in (plain, over)]
+                idle = [
+                    r.seconds * 1e3 / len(r.steps) - r.per_step_ms("total") for r in (plain, over)
+                ]
+                print(
+                    f"| {model} | {bs} | {rate[0]:.0f} | {rate[1]:.0f} | "
+                    f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
+                    f"{plain.per_step_ms('total'):.2f} | {over.per_step_ms('total'):.2f} | "
+                    f"{idle[0]:.2f} | {idle[1]:.2f} | {over.per_step_ms('queue'):.2f} |",
+                    flush=True,
+                )
     print(f"\nload after: {os.getloadavg()}")
 
 

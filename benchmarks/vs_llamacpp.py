@@ -3,7 +3,8 @@
 
     PYTHONPATH=.:proto .venv/bin/python benchmarks/vs_llamacpp.py [--model smollm2]
 
-For each quantization a server starts on loopback (in this process, one at a time), takes
+For each quantization and path a server starts on loopback in its own process (one at a time,
+as deployed: a server inside the benchmark's process measured 2-3x slower here), takes
 `--prompt` tokens of prefill for each of `--batch-sizes` requests, then `--steps` DECODE steps
 through unary `Forward`; a step's time is the client's wall time per call (token-to-token).
 bs-32 tokens/s is the aggregate (32 tokens per step). Weight bytes are what `GetInfo` reports.
@@ -18,17 +19,16 @@ executor's figures are still measured. Results: docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from served import cpu_description, served  # benchmarks/served.py (the script's folder)
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.client.grpc_client import ExecutorClient
-from executor.config import ExecutorConfig
 from executor.models.loader import resolve_model_spec
-from executor.service.server import start_server
-from executor.service.server_config import ServerConfig
 
 LLAMA_CPP_MISSING = (
     "llama-cpp-python is not installed, llama.cpp not measured: pip install '.[bench]' "
@@ -37,43 +37,40 @@ LLAMA_CPP_MISSING = (
 
 
 def executor_decode(
-    cfg: ExecutorConfig, sizes: list[int], prompt: int, steps: int
+    flags: list[str], sizes: list[int], prompt: int, steps: int, threads: int
 ) -> tuple[dict[int, float], int]:
-    """{bs: median ms per DECODE step through gRPC}, resident weight bytes."""
-    running = start_server(
-        cfg, ServerConfig(port=0, metrics_port=0, log_level="warning"), block_until_ready=True
-    )
+    """{bs: median ms per DECODE step through gRPC}, resident weight bytes; the server in its
+    own process with `flags`."""
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     results: dict[int, float] = {}
-    try:
-        with ExecutorClient(f"127.0.0.1:{running.port}") as client:
-            weight_bytes = client.info().info.weight_bytes
-            span = prompt + steps
-            first = 1
-            for bs in sizes:  # disjoint rows and slots for each batch size
-                rows = list(range(first, first + bs))
-                first += bs
-                slots = {r: list(range(1 + (r - 1) * span, 1 + r * span)) for r in rows}
-                client.forward(
-                    make_extend_batch(
-                        input_ids=[[(17 * j) % 1000 + 100 for j in range(prompt)]] * bs,
-                        req_pool_indices=rows,
-                        out_cache_loc=[slots[r][:prompt] for r in rows],
-                    )
+    with served(flags, env=env) as server:
+        client = server.client
+        weight_bytes = client.info().info.weight_bytes
+        span = prompt + steps
+        first = 1
+        for bs in sizes:  # disjoint rows and slots for each batch size
+            rows = list(range(first, first + bs))
+            first += bs
+            slots = {r: list(range(1 + (r - 1) * span, 1 + r * span)) for r in rows}
+            client.forward(
+                make_extend_batch(
+                    input_ids=[[(17 * j) % 1000 + 100 for j in range(prompt)]] * bs,
+                    req_pool_indices=rows,
+                    out_cache_loc=[slots[r][:prompt] for r in rows],
                 )
-                times = []
-                for i in range(steps):
-                    batch = make_decode_batch(
-                        input_ids=[11] * bs,
-                        req_pool_indices=rows,
-                        seq_lens=[prompt + i + 1] * bs,
-                        out_cache_loc=[slots[r][prompt + i] for r in rows],
-                    )
-                    t0 = time.perf_counter()
-                    client.forward(batch)
-                    times.append(time.perf_counter() - t0)
-                results[bs] = statistics.median(times[2:]) * 1e3
-    finally:
-        running.drain()
+            )
+            times = []
+            for i in range(steps):
+                batch = make_decode_batch(
+                    input_ids=[11] * bs,
+                    req_pool_indices=rows,
+                    seq_lens=[prompt + i + 1] * bs,
+                    out_cache_loc=[slots[r][prompt + i] for r in rows],
+                )
+                t0 = time.perf_counter()
+                client.forward(batch)
+                times.append(time.perf_counter() - t0)
+            results[bs] = statistics.median(times[2:]) * 1e3
     return results, weight_bytes
 
 
@@ -110,7 +107,8 @@ def main() -> None:
         "--torch-threads",
         type=int,
         default=0,
-        help="torch intra-op threads (0: torch's default). On a shared, oversubscribed machine "
+        help="the server's torch intra-op threads (OMP_NUM_THREADS; 0: torch's default). On a "
+        "shared, oversubscribed machine "
         "the int4 kernel's OpenMP region waits for descheduled threads (~12 ms a call with 2 "
         "threads at load 8 on 2 cores, 0.5 ms with 1): compare the paths at 1 thread there",
     )
@@ -122,37 +120,46 @@ def main() -> None:
         "measured, each step one compiled graph; compiling costs about a minute per batch "
         "size on two cores, then inductor's cache under the default cache dir)",
     )
+    ap.add_argument("--cache-dir", default="", help="the servers' --cache-dir ('' = default)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     source = resolve_model_spec(args.model)
+    cpu, cpu_flags = cpu_description()
     print(
-        f"model={args.model} ({source.path}) torch={torch.__version__} "
-        f"torch threads={torch.get_num_threads()} prompt={args.prompt} steps={args.steps}"
+        f"machine: {cpu} ({os.cpu_count()} cores; {cpu_flags}); load {os.getloadavg()}\n"
+        f"model={args.model} ({source.path}) torch={torch.__version__} server torch "
+        f"threads={args.torch_threads or 'default'} prompt={args.prompt} steps={args.steps}"
     )
+    # llama.cpp before and after the executor's runs: this machine's speed drifts by tens of
+    # percent over minutes, so each ratio is given against both readings.
+    llama_ms = [measure_llama_cpp(source.path, args)]
     measured: dict[tuple[str, str], tuple[dict[int, float], int]] = {}
     paths = args.paths.split(",")
     for quantization in args.quantizations.split(","):
         for path in paths:
-            graphs = {"graph_mode": "none"}
+            graphs = ["--graph-mode", "none"]
             if path == "compiled_step":
-                graphs = {
-                    "graph_mode": "decode",
-                    "graph_backend": "compiled_step",
-                    "graph_batch_sizes": args.batch_sizes,
-                }
+                graphs = [
+                    "--graph-mode", "decode", "--graph-backend", "compiled_step",
+                    "--graph-batch-sizes", args.batch_sizes,
+                ]  # fmt: skip
             elif path != "eager":
                 ap.error(f"--paths: eager or compiled_step, got {path!r}")
-            cfg = ExecutorConfig(
-                model=args.model,
-                quantization=quantization,
-                max_reqs=sum(sizes) + 1,
-                kv_slots=(sum(sizes) + 1) * (args.prompt + args.steps),
-                max_context_len=args.prompt + args.steps + 8,
-                **graphs,  # type: ignore[arg-type]
+            # `none` is the float32 path the issue compares memory against (auto would be
+            # bfloat16 on a CPU with native bfloat16); gguf keeps the auto activations.
+            flags = [
+                "--model", args.model, "--quantization", quantization,
+                "--dtype", "float32" if quantization == "none" else "auto",
+                "--max-reqs", str(sum(sizes) + 1),
+                "--kv-slots", str((sum(sizes) + 1) * (args.prompt + args.steps)),
+                "--max-context-len", str(args.prompt + args.steps + 8),
+                *graphs,
+            ]  # fmt: skip
+            if args.cache_dir:
+                flags += ["--cache-dir", args.cache_dir]
+            per_bs, weight_bytes = executor_decode(
+                flags, sizes, args.prompt, args.steps, args.torch_threads
             )
-            per_bs, weight_bytes = executor_decode(cfg, sizes, args.prompt, args.steps)
             measured[quantization, path] = per_bs, weight_bytes
             for bs, ms in per_bs.items():
                 print(
@@ -164,27 +171,34 @@ def main() -> None:
     if "gguf" in weights and "none" in weights:
         ratio = weights["gguf"] / weights["none"]
         print(f"weight bytes gguf / none: {ratio:.3f} (target <= 0.333)")
-    llama_ms = (
-        llama_cpp_decode(str(source.path), args.prompt, args.steps, args.threads)
-        if source.path is not None
-        else None
-    )
-    if llama_ms is None:
+    llama_ms.append(measure_llama_cpp(source.path, args))
+    readings = [ms for ms in llama_ms if ms is not None]
+    if not readings:
         return
-    print(
-        f"llama.cpp threads={args.threads} bs=1 {llama_ms:8.2f} ms/token {1e3 / llama_ms:8.1f} tokens/s"
-    )
+    for when, ms in zip(("before", "after"), readings, strict=False):
+        print(
+            f"llama.cpp threads={args.threads} bs=1 ({when}) {ms:8.2f} ms/token "
+            f"{1e3 / ms:8.1f} tokens/s"
+        )
     for (quantization, path), (per_bs, _) in measured.items():
         name = f"{quantization}/{path}"
         if 1 in per_bs:
-            print(f"bs-1 ms/token {name} / llama.cpp: {per_bs[1] / llama_ms:.2f} (target <= 1.5)")
+            ratios = " / ".join(f"{per_bs[1] / ms:.2f}" for ms in readings)
+            print(f"bs-1 ms/token {name} / llama.cpp: {ratios} (target <= 1.5)")
         big = max(per_bs)
         if big > 1:
-            ratio = big * 1e3 / per_bs[big] / (1e3 / llama_ms)
+            ratios = " / ".join(f"{big * ms / per_bs[big]:.2f}" for ms in readings)
             print(
-                f"bs-{big} aggregate tokens/s {name} / llama.cpp single stream: {ratio:.2f} "
+                f"bs-{big} aggregate tokens/s {name} / llama.cpp single stream: {ratios} "
                 "(target >= 5)"
             )
+
+
+def measure_llama_cpp(path: Path | None, args: argparse.Namespace) -> float | None:
+    if path is None:
+        print("the model is no local GGUF file: llama.cpp not measured")
+        return None
+    return llama_cpp_decode(str(path), args.prompt, args.steps, args.threads)
 
 
 if __name__ == "__main__":

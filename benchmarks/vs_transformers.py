@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from served import cpu_description, served  # benchmarks/served.py (the script's folder)
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
@@ -49,34 +47,10 @@ PATH_MODES = {"eager": "none", "full_graph": "decode", "piecewise": "extend"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cpu_description() -> tuple[str, str]:
-    model, flags = platform.processor() or "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown", "x86_64", ""):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma", "f16c")
-                flags = " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
-    except OSError:
-        pass
-    return model, flags
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(
-    args: argparse.Namespace, port: int, linear_kernel: str
-) -> tuple[subprocess.Popen[bytes], float]:
-    """`python -m executor serve` in its own process; (process, seconds until ready)."""
-    cmd = [
-        sys.executable, "-m", "executor", "serve",
-        "--model", args.model, "--port", str(port), "--metrics-port", "-1",
-        "--linear-kernel", linear_kernel,
+def server_flags(args: argparse.Namespace, linear_kernel: str) -> list[str]:
+    """`serve` flags of one server: every path's graphs at the sizes measured."""
+    return [
+        "--model", args.model, "--linear-kernel", linear_kernel,
         "--graph-mode", "both", "--graph-backend", args.graph_backend,
         "--max-reqs", str(max(DECODE_SIZES) + PREFILL[0] + 1),
         "--kv-slots", str((max(DECODE_SIZES) + PREFILL[0] + 1) * (CONTEXT + 1) + 8),
@@ -84,15 +58,8 @@ def start_server(
         "--graph-batch-sizes", ",".join(map(str, args.sizes)),
         "--piecewise-token-sizes", str(PREFILL[0] * PREFILL[1]),
         "--max-tokens-per-batch", str(PREFILL[0] * PREFILL[1]),
-        "--cache-dir", args.cache_dir, "--log-level", "warning",
+        "--cache-dir", args.cache_dir,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
-    client = ExecutorClient(f"127.0.0.1:{port}")
-    client.wait_ready(timeout=1800)
-    client.close()
-    return proc, time.perf_counter() - t0
 
 
 def timed_rounds(run: Callable[[], None], steps: int) -> float:
@@ -218,18 +185,13 @@ def main() -> None:
     kernels = args.linear_kernels.split(",")
     load_before = os.getloadavg()[0]
     gguf = packaged_smollm2_path()
-    servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     ready: dict[str, float] = {}
-    try:
+    with ExitStack() as stack:
+        ports: dict[str, int] = {}
         for kernel in kernels:  # one after another: start-up times are not shared
-            port = free_port()
-            proc, ready[kernel] = start_server(args, port, kernel)
-            servers[kernel] = (proc, port)
-        results = run(args, gguf, {k: port for k, (_, port) in servers.items()})
-    finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(timeout=60)
+            server = stack.enter_context(served(server_flags(args, kernel)))
+            ports[kernel], ready[kernel] = server.port, server.ready_s
+        results = run(args, gguf, ports)
     cpu, flags = cpu_description()
     started = ", ".join(f"{k} {s:.0f} s" for k, s in ready.items())
     header = (
