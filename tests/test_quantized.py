@@ -389,6 +389,38 @@ def test_quantized_layers_run_on_the_graph_paths(tmp_path: Path, cache_dir: Path
     assert {"full_graph", "piecewise"} <= paths, paths
 
 
+def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """`compiled_step`: the int4 kernels, the KV write and attention inside one inductor graph
+    per DECODE bucket give eager's greedy tokens and logits on a Q4_1 model."""
+    path = _write(tmp_path, "tiny-random-qwen2", Q.Q4_1)
+    base = ExecutorConfig(
+        model=str(path),
+        max_reqs=4,
+        kv_slots=512,
+        max_context_len=256,
+        cache_dir=str(tmp_path / "compiled"),  # a cold inductor cache: the compile is tested
+        quantization="gguf",
+        dtype="float32",
+    )
+    eager = ModelExecutor(base.replace(graph_mode="none"))
+    graph = ModelExecutor(
+        base.replace(graph_mode="decode", graph_backend="compiled_step", graph_batch_sizes="1")
+    )
+    assert [(r.captured, r.failed) for r in graph.capture_reports] == [([1], {})]
+    prompt = [(7 * i) % 500 + 3 for i in range(20)]
+    want_tokens, want_logits = _greedy(eager, prompt, 6)
+    got_tokens, got_logits = _greedy(graph, prompt, 6)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits, strict=True):
+        assert _max_rel(got, want) <= ROUNDED_TOL
+    step = make_decode_batch(
+        input_ids=[5], req_pool_indices=[1], seq_lens=[len(prompt) + 6], out_cache_loc=[26]
+    )
+    assert graph.forward(step).stats.path == "full_graph"
+
+
 def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
