@@ -265,10 +265,10 @@ class TorchPagedBackend(AttentionBackend):
         end: int,
     ) -> torch.Tensor:
         """Requests start..end-1: [n, Hk, group, D] (DECODE) or [n, Hq, q_bound, D] (EXTEND)."""
-        n, kv_bound = end - start, md.kv_bound
-        num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
         if md.q_index is None and torch.compiler.is_compiling():
             return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end)
+        n, kv_bound = end - start, md.kv_bound
+        num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
         # index_select over the flattened slots is several times faster than advanced
         # indexing with a [n, kv_bound] index on CPU.
         slots = md.kv_slots[start:end].reshape(-1)

@@ -23,6 +23,7 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
+from executor.models.layers import Embedding
 
 PROMPTS = [
     "The capital of France is",
@@ -104,8 +105,10 @@ def all_position_logits(ex: ModelExecutor, ids: list[int]) -> torch.Tensor:
     hidden = captured[-1]
     with torch.inference_mode():
         head = ex.model.lm_head
-        if head is None:
-            return torch.nn.functional.linear(hidden, ex.model.embed_tokens.weight).float()
+        if head is None:  # tied to a float embedding
+            embed = ex.model.embed_tokens
+            assert isinstance(embed, Embedding)
+            return torch.nn.functional.linear(hidden, embed.weight).float()
         return head(hidden).float()
 
 
@@ -129,6 +132,12 @@ def main() -> None:
     p.add_argument("--text-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--cache-dir", default="")
+    p.add_argument(
+        "--gguf-dtype",
+        default="auto",
+        help="the gguf path's model dtype (auto: bfloat16 on CPUs with native bfloat16, where "
+        "norms, rotary and attention run in bfloat16 too; float32 elsewhere)",
+    )
     args = p.parse_args()
     base = ExecutorConfig(
         model=args.model,
@@ -136,10 +145,12 @@ def main() -> None:
         kv_slots=4096,
         max_context_len=2048,
         cache_dir=args.cache_dir,
+        dtype="float32",  # the reference is float32 whatever the CPU (auto may be bfloat16)
     )
     ref = ModelExecutor(base)
-    quant = ModelExecutor(base.replace(quantization="gguf"))
+    quant = ModelExecutor(base.replace(quantization="gguf", dtype=args.gguf_dtype))
     tok = ref.load_tokenizer()
+    print(f"gguf path: dtype {quant.info.dtype} (--gguf-dtype {args.gguf_dtype})")
     print(
         f"weights: float32 {ref.loaded.weight_bytes / 2**20:.1f} MiB, "
         f"gguf {quant.loaded.weight_bytes / 2**20:.1f} MiB "
