@@ -171,7 +171,8 @@ def main() -> None:
     if "gguf" in weights and "none" in weights:
         ratio = weights["gguf"] / weights["none"]
         print(f"weight bytes gguf / none: {ratio:.3f} (target <= 0.333)")
-    llama_ms.append(measure_llama_cpp(source.path, args))
+    if llama_ms[0] is not None:  # else the reason was printed once already
+        llama_ms.append(measure_llama_cpp(source.path, args))
     readings = [ms for ms in llama_ms if ms is not None]
     if not readings:
         return
