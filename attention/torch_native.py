@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from attention.base import AttentionBackend
+from attention.base import AttentionBackend, store_layer_kv
 from ops.host_read_guard import host_mirror_read
 from ops.host_transfer import to_host
 
@@ -61,7 +61,7 @@ class TorchNativeBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
+        k_buffer, v_buffer = store_layer_kv(self.kv_pool, layer_id, fb, k, v)
 
         md: TorchNativeMetadata = fb.attn_metadata
         req_to_token = self.req_to_token_pool.req_to_token

@@ -7,12 +7,11 @@ attends. Once the metadata is built nothing depends on data: no host reads, no
 data-dependent shapes, so the same forward runs inside a captured graph.
 
 Shapes come from host ints only: eager steps use the batch's `seq_len_bound` /
-`extend_len_bound` (powers of two, see `ForwardBatch`); captured graphs use the static
-KV-length bucket of the graph (`graph_kv_buckets`: powers of 4 from 256 up to
-`max_context_len`), so a captured step gathers what its batch's contexts need, not
-`max_context_len` for every request. Graph capture
-covers DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs
-attention between its captured pieces).
+`extend_len_bound` (see `ForwardBatch`); captured graphs use the static KV-length bucket the
+DECODE runner captures them at (the backend is `graph_kv_bounded`), so a captured step gathers
+what its batch's contexts need, not `max_context_len` for every request. Graph capture covers
+DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs attention
+between its captured pieces).
 """
 
 from __future__ import annotations
@@ -23,17 +22,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from attention.base import AttentionBackend, AttentionLayout
+from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 # Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm
-# (benchmarks/attention_backends.py: 2-3x faster than one batch-wide gather at bs 64 x 4096).
+# (benchmarks/attention_backends.py compares it with one batch-wide gather).
 CPU_GATHER_BYTES = 6 << 20
-# KV-length buckets of captured DECODE graphs: powers of 4 from here up to max_context_len.
-SMALLEST_KV_BUCKET = 256
 
 
 @dataclass
@@ -72,9 +69,9 @@ def cuda_graph_refusal(device: torch.device, max_context_len: int) -> str | None
     """Why torch_paged refuses DECODE graphs on `device`, or None.
 
     Under capture the gather is sized by the graph's KV-length bucket, up to
-    max_context_len keys per request per layer: at bucket 160 with 8192-token contexts a
-    Llama-8B shape gathers about 5.4 GB per layer per step, slower than eager (sized by the
-    batch's own bound) and likely out of memory at capture. On CPU the gathers run in
+    max_context_len keys per request per layer: gigabytes per layer per step for a large
+    batch of long contexts, slower than eager (sized by the batch's own bound) and likely out
+    of memory at capture. On CPU the gathers run in
     cache-sized chunks of requests and the stand-in captures nothing real, so it stays on."""
     if device.type != "cuda":
         return None
@@ -89,6 +86,7 @@ class TorchPagedBackend(AttentionBackend):
     name: ClassVar[str] = "torch_paged"
     needs_cpu_seq_lens: ClassVar[bool] = False
     supports_graph_capture: ClassVar[bool] = True
+    graph_kv_bounded: ClassVar[bool] = True
 
     def __init__(
         self, layout: AttentionLayout, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool
@@ -100,7 +98,11 @@ class TorchPagedBackend(AttentionBackend):
         self._kv_positions = torch.arange(self.max_context_len, device=self.device)
         self._graph: _GraphBuffers | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
-        self.graph_capture_refusal = cuda_graph_refusal(self.device, self.max_context_len)
+
+    def graph_capture_refusal(self) -> str | None:
+        return super().graph_capture_refusal() or cuda_graph_refusal(
+            self.device, self.max_context_len
+        )
 
     # --- eager -------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:
@@ -132,25 +134,15 @@ class TorchPagedBackend(AttentionBackend):
             mask=torch.zeros(n, dtype=torch.bool, device=self.device),
             max_bs=max_bs,
         )
-        self._graph_metadata.clear()
-
-    def graph_kv_buckets(self) -> list[int]:
-        sizes, size = [], SMALLEST_KV_BUCKET
-        while size < self.max_context_len:
-            sizes.append(size)
-            size *= 4
-        return [*sizes, self.max_context_len]
-
-    def graph_kv_bucket(self, seq_len_bound: int | None) -> int:
-        bound = self.max_context_len if seq_len_bound is None else seq_len_bound
-        return next(b for b in self.graph_kv_buckets() if b >= min(bound, self.max_context_len))
 
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> TorchPagedMetadata:
         g = self._graph
-        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.max_bs if g else 0)
-        assert g is not None
+        if g is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if bs > g.max_bs:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={g.max_bs}")
         kv = kv_bucket or self.max_context_len
         if kv > self.max_context_len:
             raise ValueError(f"kv bucket {kv} exceeds max_context_len={self.max_context_len}")
@@ -214,7 +206,7 @@ class TorchPagedBackend(AttentionBackend):
     def chunk_rows(self, bs: int, kv_bound: int, element_size: int) -> int:
         """Requests attended per chunk: all of them on CUDA; on CPU as many as keep the
         gathered K and V within `CPU_GATHER_BYTES`, so they are still in cache when SDPA
-        reads them (2-3x faster for large batches than one batch-wide gather). A function of
+        reads them (faster for large batches than one batch-wide gather). A function of
         shapes only, so a captured graph replays the same chunks."""
         if self.device.type != "cpu":
             return bs
@@ -224,7 +216,7 @@ class TorchPagedBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
+        k_buffer, v_buffer = store_layer_kv(self.kv_pool, layer_id, fb, k, v)
 
         md: TorchPagedMetadata = fb.attn_metadata
         bs, kv_bound = md.kv_slots.shape
@@ -310,8 +302,7 @@ class TorchPagedBackend(AttentionBackend):
         (`compiled_step`): inductor turns it into a few loops that read each key and value
         straight from the pool through `kv_slots` (no gathered [n, kv_bound, Hk, D] copies)
         and keep scores and softmax in float32, instead of a gather kernel and an SDPA call
-        per layer. Measured on SmolLM2 (2-core EPYC): about 0.4 ms a bs-1 step and 5 ms a
-        bs-32 step faster. -> [n, Hk, group, D], as `_attend`."""
+        per layer. -> [n, Hk, group, D], as `_attend`."""
         n, kv_bound = end - start, md.kv_bound
         num_kv_heads, head_dim = k_buffer.shape[1], q.shape[2]
         group = q.shape[1] // num_kv_heads

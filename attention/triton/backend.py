@@ -2,8 +2,8 @@
 
 Metadata is built on the device from `req_to_token`, `seq_lens` and the extend lengths
 (never from host mirrors), sized by the batch's shape bounds in eager steps and by
-preallocated buffers at their maximum size for captured DECODE graphs (the seeds'
-Pattern A: capture binds buffer slices, then fills them through replay).
+preallocated buffers at their maximum size for captured DECODE graphs: capture binds a
+bucket's slices of those buffers, then fills them through replay.
 
 `triton` is imported when a backend is created, not when this module is imported, so
 CPU installs without triton can still list the backend and get a clear error for it.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from attention.base import AttentionBackend, AttentionLayout
+from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
 from attention.triton import launch
 from ops.device_scope import check_device
 
@@ -184,14 +184,15 @@ class TritonAttnBackend(AttentionBackend):
                 (max_bs, lay.num_heads, self.max_kv_splits), dtype=f32, device=self.device
             ),
         )
-        self._graph_metadata.clear()
 
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> TritonDecodeMetadata:  # the kernels read each request's length: one KV bucket
         g = self._graph
-        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.num_kv_splits.shape[0] if g else 0)
-        assert g is not None
+        if g is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if bs > g.num_kv_splits.shape[0]:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={g.num_kv_splits.shape[0]}")
         md = TritonDecodeMetadata(
             kv_indptr=g.kv_indptr[: bs + 1],
             kv_indices=g.kv_indices,
@@ -237,7 +238,7 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
         self._check_current("triton attention")
-        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
+        k_buffer, v_buffer = store_layer_kv(self.kv_pool, layer_id, fb, k, v)
         out = torch.empty_like(q)
         md = fb.attn_metadata
         if isinstance(md, TritonDecodeMetadata):
