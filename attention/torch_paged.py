@@ -12,17 +12,23 @@ DECODE runner captures them at (the backend is `graph_kv_bounded`), so a capture
 what its batch's contexts need, not `max_context_len` for every request. Graph capture covers
 DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs attention
 between its captured pieces).
+
+A layer with a sliding window W reads its own metadata (`TorchPagedMetadata.windows[W]`,
+built once per step for every window size of the model): keys gathered from each request's
+window start, at most W per DECODE query, so K/V of older positions are never read; a
+position past the request's length reads the reserved slot 0. A plain layer pays nothing for
+it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
+from attention.sdpa import sdpa, soft_cap
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
@@ -38,7 +44,8 @@ class TorchPagedMetadata:
     """What `forward` needs, for one step (eager) or one captured bucket (graph buffers).
 
     `kv_slots` beyond a request's length hold whatever its row holds (always a valid slot,
-    at worst the reserved slot 0); `mask` hides them.
+    at worst the reserved slot 0); `mask` hides them. In a window's metadata key j of request
+    i is position `first_i + j` (`first_i`: the window start of its first query).
     """
 
     kv_slots: torch.Tensor  # [bs, kv_bound] int64: KV slot of key position j of request i
@@ -46,6 +53,8 @@ class TorchPagedMetadata:
     # EXTEND only (DECODE has one query per request, already in batch order):
     q_index: torch.Tensor | None = None  # [bs, q_bound] int64: token of T behind each query row
     out_index: torch.Tensor | None = None  # [T] int64: each token's row in [bs * q_bound]
+    # Per window size of the model's windowed layers: the same batch over the windows' keys.
+    windows: dict[int, TorchPagedMetadata] = field(default_factory=dict)
 
     @property
     def kv_bound(self) -> int:
@@ -63,6 +72,8 @@ class _GraphBuffers:
     kv_slots: torch.Tensor  # [max_bs * max_context_len] int64, viewed [bs, kv_bucket]
     mask: torch.Tensor  # [max_bs * max_context_len] bool, viewed [bs, 1, 1, kv_bucket]
     max_bs: int
+    # Per window W: [max_bs * min(W, max_context_len)], viewed [bs, min(W, kv_bucket)].
+    windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def cuda_graph_refusal(device: torch.device, max_context_len: int) -> str | None:
@@ -118,12 +129,32 @@ class TorchPagedBackend(AttentionBackend):
                 out_index=torch.empty(num_tokens, dtype=torch.int64, device=self.device),
             )
             self._fill_extend(md, fb)
-        else:
-            md = TorchPagedMetadata(
-                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
-                mask=torch.empty((bs, 1, 1, kv_bound), dtype=torch.bool, device=self.device),
-            )
-            self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+            for w in self.layout.sliding_windows:
+                width = min(kv_bound, w + q_bound - 1)  # the first query's window to the last key
+                md.windows[w] = TorchPagedMetadata(
+                    kv_slots=torch.empty((bs, width), dtype=torch.int64, device=self.device),
+                    mask=torch.empty((bs, 1, q_bound, width), dtype=torch.bool, device=self.device),
+                    q_index=md.q_index,
+                    out_index=md.out_index,
+                )
+                self._fill_extend_window(md.windows[w], fb, w)
+            return md
+        md = TorchPagedMetadata(
+            kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+            mask=torch.empty((bs, 1, 1, kv_bound), dtype=torch.bool, device=self.device),
+            windows={
+                w: TorchPagedMetadata(
+                    kv_slots=torch.empty(
+                        (bs, min(w, kv_bound)), dtype=torch.int64, device=self.device
+                    ),
+                    mask=torch.empty(
+                        (bs, 1, 1, min(w, kv_bound)), dtype=torch.bool, device=self.device
+                    ),
+                )
+                for w in self.layout.sliding_windows
+            },
+        )
+        self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
         return md
 
     # --- graphs ------------------------------------------------------------------------
@@ -133,6 +164,17 @@ class TorchPagedBackend(AttentionBackend):
             kv_slots=torch.zeros(n, dtype=torch.int64, device=self.device),
             mask=torch.zeros(n, dtype=torch.bool, device=self.device),
             max_bs=max_bs,
+            windows={
+                w: (
+                    torch.zeros(
+                        max_bs * min(w, self.max_context_len), dtype=torch.int64, device=self.device
+                    ),
+                    torch.zeros(
+                        max_bs * min(w, self.max_context_len), dtype=torch.bool, device=self.device
+                    ),
+                )
+                for w in self.layout.sliding_windows
+            },
         )
 
     def bind_graph_metadata(
@@ -147,9 +189,17 @@ class TorchPagedBackend(AttentionBackend):
         if kv > self.max_context_len:
             raise ValueError(f"kv bucket {kv} exceeds max_context_len={self.max_context_len}")
         # Contiguous views of the flat buffers: the mask fill writes it as [bs, kv].
+        windows = {}
+        for w, (slots, mask) in g.windows.items():
+            width = min(w, kv)
+            windows[w] = TorchPagedMetadata(
+                kv_slots=slots[: bs * width].view(bs, width),
+                mask=mask[: bs * width].view(bs, 1, 1, width),
+            )
         return TorchPagedMetadata(
             kv_slots=g.kv_slots[: bs * kv].view(bs, kv),
             mask=g.mask[: bs * kv].view(bs, 1, 1, kv),
+            windows=windows,
         )
 
     def fill_graph_metadata(
@@ -178,6 +228,28 @@ class TorchPagedBackend(AttentionBackend):
             seq_lens[:bs, None],
             out=md.mask.view(bs, kv_bound),
         )
+        for w, wmd in md.windows.items():
+            # The query at position seq_len - 1 sees its last w keys: from seq_len - w on.
+            first = torch.clamp(seq_lens[:bs] - w, min=0)
+            valid = self._window_slots(wmd, req_pool_indices[:bs], first, seq_lens[:bs])
+            wmd.mask.view(bs, wmd.kv_bound).copy_(valid)
+
+    def _window_slots(
+        self,
+        md: TorchPagedMetadata,
+        req_pool_indices: torch.Tensor,
+        first: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fill `md.kv_slots` with positions first_i.. of each request (slot 0 past its
+        length, so nothing outside the request is read); -> [bs, width] bool: position
+        exists."""
+        positions = first[:, None] + self._kv_positions[: md.kv_bound]  # [bs, width]
+        valid = positions < seq_lens[:, None]
+        in_row = torch.clamp(positions, max=self.max_context_len - 1)
+        slots = self.req_to_token_pool.req_to_token[req_pool_indices[:, None], in_row]
+        md.kv_slots.copy_(slots.masked_fill(~valid, 0))
+        return valid
 
     def _fill_extend(self, md: TorchPagedMetadata, fb: ForwardBatch) -> None:
         assert md.q_index is not None and md.out_index is not None
@@ -202,6 +274,20 @@ class TorchPagedBackend(AttentionBackend):
         token = torch.arange(num_tokens, device=self.device)
         torch.add(request * q_bound, token - fb.extend_start_loc[request], out=md.out_index)
 
+    def _fill_extend_window(self, md: TorchPagedMetadata, fb: ForwardBatch, window: int) -> None:
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        prefix, seq_lens = fb.extend_prefix_lens, fb.seq_lens
+        first = torch.clamp(prefix + 1 - window, min=0)  # the first new token's window start
+        valid = self._window_slots(md, fb.req_pool_indices, first, seq_lens)
+        positions = first[:, None] + self._kv_positions[: md.kv_bound]  # [bs, width]
+        # Padded query rows (r >= extend_len) repeat the request's last token, so every row
+        # sees at least itself.
+        rows = self._kv_positions[: md.q_bound]
+        q_pos = prefix[:, None] + torch.minimum(rows, fb.extend_seq_lens[:, None] - 1)
+        keys, queries = positions[:, None, :], q_pos[:, :, None]
+        visible = valid[:, None, :] & (keys <= queries) & (keys > queries - window)
+        md.mask.copy_(visible.unsqueeze(1))
+
     # --- compute -----------------------------------------------------------------------
     def chunk_rows(self, bs: int, kv_bound: int, element_size: int) -> int:
         """Requests attended per chunk: all of them on CUDA; on CPU as many as keep the
@@ -219,10 +305,14 @@ class TorchPagedBackend(AttentionBackend):
         k_buffer, v_buffer = store_layer_kv(self.kv_pool, layer_id, fb, k, v)
 
         md: TorchPagedMetadata = fb.attn_metadata
+        spec = self.layout.layer(layer_id)
+        if spec.sliding_window is not None:
+            md = md.windows[spec.sliding_window]
+        softcap = spec.logit_softcap
         bs, kv_bound = md.kv_slots.shape
         chunk = self.chunk_rows(bs, kv_bound, k_buffer.element_size())
         parts = [
-            self._attend(q, k_buffer, v_buffer, md, start, min(bs, start + chunk))
+            self._attend(q, k_buffer, v_buffer, md, start, min(bs, start + chunk), softcap)
             for start in range(0, bs, chunk)
         ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -255,10 +345,11 @@ class TorchPagedBackend(AttentionBackend):
         md: TorchPagedMetadata,
         start: int,
         end: int,
+        softcap: float | None,
     ) -> torch.Tensor:
         """Requests start..end-1: [n, Hk, group, D] (DECODE) or [n, Hq, q_bound, D] (EXTEND)."""
         if md.q_index is None and torch.compiler.is_compiling():
-            return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end)
+            return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end, softcap)
         n, kv_bound = end - start, md.kv_bound
         num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
         # index_select over the flattened slots is several times faster than advanced
@@ -273,19 +364,21 @@ class TorchPagedBackend(AttentionBackend):
             # DECODE: the query heads sharing a KV head become that head's query rows
             # (head h reads KV head h // group), so K/V are never repeated per group.
             group = num_heads // num_kv_heads
-            return F.scaled_dot_product_attention(
+            return sdpa(
                 q[start:end].view(n, num_kv_heads, group, head_dim),
                 keys,
                 values,
-                attn_mask=mask,  # [n, 1, 1, kv_bound] broadcasts over heads and rows
+                mask,  # [n, 1, 1, kv_bound] broadcasts over heads and rows
                 scale=self.layout.scaling,
+                softcap=softcap,
             )
-        return F.scaled_dot_product_attention(
+        return sdpa(
             q[md.q_index[start:end]].transpose(1, 2),  # [n, Hq, q_bound, D]
             keys,
             values,
-            attn_mask=mask,
+            mask,
             scale=self.layout.scaling,
+            softcap=softcap,
             enable_gqa=num_heads != num_kv_heads,
         )
 
@@ -297,6 +390,7 @@ class TorchPagedBackend(AttentionBackend):
         md: TorchPagedMetadata,
         start: int,
         end: int,
+        softcap: float | None,
     ) -> torch.Tensor:
         """DECODE attention written as indexing, products and sums, for a whole-step compile
         (`compiled_step`): inductor turns it into a few loops that read each key and value
@@ -311,6 +405,8 @@ class TorchPagedBackend(AttentionBackend):
         values = v_buffer[slots].float()
         queries = q[start:end].view(n, 1, num_kv_heads, group, head_dim).float()
         scores = (queries * keys[:, :, :, None, :]).sum(-1) * self.layout.scaling  # [n, L, Hk, G]
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         visible = md.mask[start:end].view(n, kv_bound, 1, 1)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=1)
         out = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [n, Hk, G, D]
