@@ -22,6 +22,8 @@ _TO_GGUF = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -60,6 +62,8 @@ def write_gguf(
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(config.num_heads)
     w.add_head_count_kv(config.num_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
