@@ -14,14 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
+from executor.graphs.graph import GraphFactory
 from executor.model_executor import ModelExecutor
 from executor.models.gguf_loader import load_gguf
 from executor.models.hf_loader import load_hf_directory
 from executor.models.loader import read_model_config
+from executor.models.moe import SparseMoeBlock
+from executor.models.registry import create_model
+from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.models.weights import load_hf_weights
 from tests.gguf_writer import write_gguf
 from tests.parity_util import assert_greedy_matches, check_parity, hf_greedy
 from tests.server_util import running_server, tiny_config
@@ -45,6 +51,16 @@ SMALL = {
 HF_CONFIGS: dict[str, Callable[[], object]] = {
     # head_dim 32, not hidden / heads (16): Qwen3 allows it.
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, rope_theta=1e6),
+    # 4 experts, top 2, renormalised; layer 1 of 3 dense (mlp_only_layers).
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **{**SMALL, "num_hidden_layers": 3},
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
 PROMPT_LENGTHS = (1, 7, 40)
 
@@ -182,5 +198,32 @@ def test_an_unknown_architecture_is_refused_naming_the_supported(
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'MambaForCausalLM' is not supported") as err:
         read_model_config(_config(tmp_path, cache_dir))
-    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         assert name in str(err.value)
+
+
+def test_experts_run_grouped_and_dense_alike_and_capture_safely() -> None:
+    """The grouped experts (sorted assignments, device-side offsets) equal a per-token
+    reference and the dense fallback, and run under the capture rules (no host reads)."""
+    config = TINY_CONFIGS["tiny-random-qwen3-moe"]
+    model = create_model(config, 64, device=torch.device("cpu"), dtype=torch.float32)
+    load_hf_weights(model, tiny_random_weights(config))
+    block = model.decoder_layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = torch.randn(11, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ids, weights = block.route(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(11))  # norm_topk_prob
+    experts = block.experts
+    reference = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(config.moe.top_k if config.moe else 0):
+            e = int(ids[t, j])
+            gate, up = F.linear(x[t], experts.gate_up[e]).chunk(2)
+            reference[t] += weights[t, j] * F.linear(F.silu(gate) * up, experts.down[e])
+    torch.testing.assert_close(experts.grouped(x, ids, weights), reference)
+    torch.testing.assert_close(experts.dense(x, ids, weights), reference)
+    out = torch.zeros_like(x)
+    graph = GraphFactory(torch.device("cpu"), "standin").new()
+    graph.capture(lambda: out.copy_(block(x)))
+    graph.replay()
+    torch.testing.assert_close(out, reference)

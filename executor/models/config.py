@@ -12,6 +12,54 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: a router picks `top_k` of `num_experts` per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+    sparse_step: int = 1  # layer i is sparse when (i + 1) % sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not one of these (dense MLP)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})"
+            )
+        if self.sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.sparse_step}")
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> MoeConfig | None:
+        """From config.json's keys (Qwen-MoE and Mixtral names); None for a dense model."""
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        if experts == 0:
+            return None
+        return cls(
+            num_experts=int(experts),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+        }
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs to build itself; nothing about serving."""
 
@@ -28,6 +76,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2's default)
+    moe: MoeConfig | None = None  # None: every layer has a dense MLP
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -36,7 +85,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         from executor.models.registry import model_class
 
-        model_class(self.architecture)  # refuses an unknown one, naming the supported
+        # Refuses an unknown architecture (naming the supported) or what its code lacks.
+        model_class(self.architecture).check_config(self)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -77,6 +127,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", family.default_attention_bias),
+            moe=MoeConfig.from_hf_config(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name or cfg.get("_name_or_path", "") or family.model_type,
@@ -105,6 +156,8 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "mlp_bias": False,
         }
+        if self.moe is not None:
+            cfg.update(self.moe.to_hf_config())
         if self.bos_token_id is not None:
             cfg["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -115,3 +168,14 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """The inverse of `as_dict` after a JSON round trip (tuples came back as lists)."""
+        data = {k: v for k, v in data.items() if k != "extra"}
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        moe = data.get("moe")
+        if moe is not None:
+            moe = {**moe, "mlp_only_layers": tuple(moe.get("mlp_only_layers", ()))}
+            data["moe"] = MoeConfig(**moe)
+        return cls(**data)

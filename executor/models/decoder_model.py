@@ -84,7 +84,6 @@ class DecoderModel(nn.Module, ABC):
         `plan` of size > 1 this is one rank's shard and `comm` its group."""
         super().__init__()
         dd: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.check_config(config)
         self.config = config
         self.plan = plan or ShardPlan.single(config)
         self.comm = comm or TpComm()
@@ -115,7 +114,8 @@ class DecoderModel(nn.Module, ABC):
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        """Refuse hyper-parameters this family's code does not implement (ValueError)."""
+        """Refuse hyper-parameters this family's code does not implement (ValueError);
+        `ModelConfig` asks when it is built, so a model is refused at start-up."""
 
     @abstractmethod
     def make_layer(

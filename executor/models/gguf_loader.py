@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.models.config import ModelConfig
+from executor.models.config import ModelConfig, MoeConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.file_cache import atomic_write, cache_path
 from executor.models.gguf_blocks import BLOCK_FORMATS, read_blocks
@@ -88,6 +88,21 @@ def read_config(reader: Any, name: str) -> ModelConfig:
     if eot is not None:
         eos_ids.add(int(eot))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    experts = int(_field(reader, f"{arch}.expert_count", 0))
+    moe = None
+    if experts > 0:
+        # No GGUF key names the dense layers: they are the ones without a router.
+        blocks = int(_field(reader, f"{arch}.block_count"))
+        dense = tuple(
+            i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+        )
+        moe = MoeConfig(
+            num_experts=experts,
+            top_k=int(_field(reader, f"{arch}.expert_used_count")),
+            intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length")),
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            mlp_only_layers=dense,
+        )
     return ModelConfig(
         architecture=family.model_type,
         vocab_size=int(vocab),
@@ -102,6 +117,7 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        moe=moe,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(sorted(eos_ids)),
         name=str(_field(reader, "general.name", name)),
@@ -112,9 +128,7 @@ def _config_from_json(text: str) -> ModelConfig | None:
     data = json.loads(text)
     if data.pop("format", None) != CACHE_FORMAT:
         return None
-    data.pop("extra", None)
-    data["eos_token_ids"] = tuple(data["eos_token_ids"])
-    return ModelConfig(**data)
+    return ModelConfig.from_dict(data)
 
 
 def read_gguf_config(path: Path, cache_dir: Path | None) -> ModelConfig:

@@ -13,6 +13,7 @@ from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from executor.models.qwen3 import Qwen3ForCausalLM
+from executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from executor.parallel.comm import TpComm
 from executor.parallel.shard import ShardPlan
 
@@ -20,6 +21,7 @@ MODELS: dict[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.models.config import ModelConfig
+from executor.models.config import ModelConfig, MoeConfig
 from executor.models.registry import create_model
 
 TINY_CONFIGS: dict[str, ModelConfig] = {
@@ -64,6 +64,30 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
         eos_token_ids=(2,),
         name="tiny-random-qwen3",
     ),
+    "tiny-random-qwen3-moe": ModelConfig(
+        architecture="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,  # the dense layer's (layer 1: mlp_only_layers)
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        moe=MoeConfig(
+            num_experts=4,
+            top_k=2,
+            intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=(1,),
+        ),
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-random-qwen3-moe",
+    ),
 }
 
 
@@ -97,9 +121,17 @@ def tiny_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.T
         if qk_norm:
             t[p + "self_attn.q_norm.weight"] = norm(d)
             t[p + "self_attn.k_norm.weight"] = norm(d)
-        t[p + "mlp.gate_proj.weight"] = linear(config.intermediate_size, h)
-        t[p + "mlp.up_proj.weight"] = linear(config.intermediate_size, h)
-        t[p + "mlp.down_proj.weight"] = linear(h, config.intermediate_size)
+        if config.moe is not None and config.moe.is_sparse(i):
+            inter = config.moe.intermediate_size
+            t[p + "mlp.gate.weight"] = linear(config.moe.num_experts, h)
+            for e in range(config.moe.num_experts):
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = linear(inter, h)
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = linear(inter, h)
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = linear(h, inter)
+        else:
+            t[p + "mlp.gate_proj.weight"] = linear(config.intermediate_size, h)
+            t[p + "mlp.up_proj.weight"] = linear(config.intermediate_size, h)
+            t[p + "mlp.down_proj.weight"] = linear(h, config.intermediate_size)
         t[p + "input_layernorm.weight"] = norm(h)
         t[p + "post_attention_layernorm.weight"] = norm(h)
     t["model.norm.weight"] = norm(h)

@@ -29,7 +29,7 @@ from executor.models.config import ModelConfig
 
 # Hugging Face name pattern (fnmatch) -> (the axis it is split on, which range): column-parallel
 # tensors split rows (0), row-parallel ones columns (1). Ranges: q, kv (heads), mlp
-# (intermediate columns), vocab.
+# (intermediate columns), experts (each expert's intermediate columns), vocab.
 SplitRows = Mapping[str, tuple[int, str]]
 
 
@@ -46,6 +46,9 @@ class ShardPlan:
     intermediate_start: int
     vocab_size: int  # the model's vocabulary
     vocab_per_rank: int  # rows of the embedding / LM head on each rank (padded)
+    # Each expert's columns on this rank (a mixture of experts shards every expert alike).
+    expert_intermediate_size: int = 0
+    expert_intermediate_start: int = 0
     splits: tuple[tuple[str, int, str], ...] = ()  # the family's TP_SPLITS rows
 
     @property
@@ -78,6 +81,11 @@ class ShardPlan:
                 f"tp_size {size} does not divide the model's intermediate_size "
                 f"{config.intermediate_size}"
             )
+        expert_inter = config.moe.intermediate_size if config.moe is not None else 0
+        if expert_inter % size != 0:
+            raise ValueError(
+                f"tp_size {size} does not divide the model's moe_intermediate_size {expert_inter}"
+            )
         local_heads = heads // size
         if kv >= size:
             local_kv, kv_start = kv // size, rank * (kv // size)
@@ -96,6 +104,8 @@ class ShardPlan:
             intermediate_start=rank * inter,
             vocab_size=config.vocab_size,
             vocab_per_rank=-(-config.vocab_size // size),
+            expert_intermediate_size=expert_inter // size,
+            expert_intermediate_start=rank * (expert_inter // size),
             splits=tuple((pattern, axis, which) for pattern, (axis, which) in splits.items()),
         )
 
@@ -107,6 +117,9 @@ class ShardPlan:
             return self.kv_head_start * d, (self.kv_head_start + self.num_kv_heads) * d
         if which == "mlp":
             return self.intermediate_start, self.intermediate_start + self.intermediate_size
+        if which == "experts":
+            start = self.expert_intermediate_start
+            return start, start + self.expert_intermediate_size
         return self.vocab_start, self.vocab_start + self.vocab_per_rank
 
     def split_of(self, name: str) -> tuple[int, int, int] | None:
