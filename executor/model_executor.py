@@ -27,7 +27,7 @@ import structlog
 import torch
 
 import executor
-from attention import AttentionLayout, create_backend, decide_needs_cpu_seq_lens
+from attention import create_backend, decide_needs_cpu_seq_lens
 from attention.selection import SeqLensPolicy
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.config import (
@@ -253,9 +253,7 @@ class ModelExecutor:
             self.dtype,
             self.device,
         )
-        layout = AttentionLayout(
-            plan.num_heads, plan.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
-        )
+        layout = mcfg.attention_layout(plan.num_heads, plan.num_kv_heads)
         self.attn_backend = create_backend(
             config.attention_backend,
             layout=layout,
