@@ -122,59 +122,47 @@ class TorchPagedBackend(AttentionBackend):
         if fb.forward_mode.is_extend():
             # No bound: the step's token count (a shape), and never past the context length.
             q_bound = fb.extend_len_bound or min(num_tokens, self.max_context_len)
-            md = TorchPagedMetadata(
-                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
-                mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
-                q_index=torch.empty((bs, q_bound), dtype=torch.int64, device=self.device),
-                out_index=torch.empty(num_tokens, dtype=torch.int64, device=self.device),
-            )
+            md = self._empty(bs, q_bound, kv_bound)
+            md.q_index = torch.empty((bs, q_bound), dtype=torch.int64, device=self.device)
+            md.out_index = torch.empty(num_tokens, dtype=torch.int64, device=self.device)
             self._fill_extend(md, fb)
             for w in self.layout.sliding_windows:
                 width = min(kv_bound, w + q_bound - 1)  # the first query's window to the last key
-                md.windows[w] = TorchPagedMetadata(
-                    kv_slots=torch.empty((bs, width), dtype=torch.int64, device=self.device),
-                    mask=torch.empty((bs, 1, q_bound, width), dtype=torch.bool, device=self.device),
-                    q_index=md.q_index,
-                    out_index=md.out_index,
-                )
-                self._fill_extend_window(md.windows[w], fb, w)
+                window = self._empty(bs, q_bound, width)
+                window.q_index, window.out_index = md.q_index, md.out_index
+                self._fill_extend_window(window, fb, w)
+                md.windows[w] = window
             return md
-        md = TorchPagedMetadata(
-            kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
-            mask=torch.empty((bs, 1, 1, kv_bound), dtype=torch.bool, device=self.device),
-            windows={
-                w: TorchPagedMetadata(
-                    kv_slots=torch.empty(
-                        (bs, min(w, kv_bound)), dtype=torch.int64, device=self.device
-                    ),
-                    mask=torch.empty(
-                        (bs, 1, 1, min(w, kv_bound)), dtype=torch.bool, device=self.device
-                    ),
-                )
-                for w in self.layout.sliding_windows
-            },
-        )
+        md = self._empty(bs, 1, kv_bound)
+        md.windows = {w: self._empty(bs, 1, min(w, kv_bound)) for w in self.layout.sliding_windows}
         self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
         return md
+
+    def _empty(self, bs: int, q_bound: int, kv_bound: int) -> TorchPagedMetadata:
+        return TorchPagedMetadata(
+            kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+            mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
+        )
 
     # --- graphs ------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         n = max_bs * self.max_context_len
+        kv_slots, mask = self._flat_buffers(n)
         self._graph = _GraphBuffers(
-            kv_slots=torch.zeros(n, dtype=torch.int64, device=self.device),
-            mask=torch.zeros(n, dtype=torch.bool, device=self.device),
+            kv_slots=kv_slots,
+            mask=mask,
             max_bs=max_bs,
             windows={
-                w: (
-                    torch.zeros(
-                        max_bs * min(w, self.max_context_len), dtype=torch.int64, device=self.device
-                    ),
-                    torch.zeros(
-                        max_bs * min(w, self.max_context_len), dtype=torch.bool, device=self.device
-                    ),
-                )
+                w: self._flat_buffers(max_bs * min(w, self.max_context_len))
                 for w in self.layout.sliding_windows
             },
+        )
+
+    def _flat_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat (kv_slots, mask) storage of graph metadata, viewed per bucket by `bind`."""
+        return (
+            torch.zeros(n, dtype=torch.int64, device=self.device),
+            torch.zeros(n, dtype=torch.bool, device=self.device),
         )
 
     def bind_graph_metadata(
