@@ -114,9 +114,9 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[
     return get
 
 
-def _config(path: Path, cache_dir: Path, **changes: object) -> ExecutorConfig:
+def _config(model: Path | str, cache_dir: Path, **changes: object) -> ExecutorConfig:
     values: dict[str, object] = {
-        "model": str(path),
+        "model": str(model),
         "device": "cpu",
         "max_reqs": 8,
         "kv_slots": 1024,
@@ -256,3 +256,31 @@ def test_experts_run_grouped_and_dense_alike_and_capture_safely() -> None:
     graph.capture(lambda: out.copy_(block(x)))
     graph.replay()
     torch.testing.assert_close(out, reference)
+
+
+def test_experts_compile_in_the_compiled_graph_backend(cache_dir: Path) -> None:
+    """Under torch.compile (float32 on CPU) the experts take the dense form the compiler
+    traces; the full-graph path then gives the eager tokens."""
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    tokens = {}
+    for backend, mode in (("standin", "none"), ("compiled", "decode")):
+        ex = ModelExecutor(
+            _config(
+                "tiny-random-qwen3-moe",
+                cache_dir,
+                graph_backend=backend,
+                graph_mode=mode,
+                graph_batch_sizes="2",
+            )
+        )
+        assert all(not r.failed for r in ex.capture_reports), ex.capture_reports
+        paths: set[str] = set()
+
+        def forward(batch: object, ex: ModelExecutor = ex, paths: set[str] = paths) -> object:
+            out = ex.forward(batch)  # type: ignore[arg-type]
+            paths.add(out.stats.path)
+            return out
+
+        tokens[mode] = generate(forward, ex.limits, prompts, max_new_tokens=6, ignore_eos=True)
+        assert ("full_graph" in paths) == (mode == "decode"), paths
+    assert tokens["decode"] == tokens["none"]

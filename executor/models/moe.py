@@ -7,9 +7,9 @@ renormalised to sum to 1 (`norm_topk_prob`). The experts' SiLU-gated MLPs are st
 assignments sorted by expert (`F.grouped_mm` with device-side offsets), then each output,
 times its routing weight, is added back to its token. Every shape is fixed by the token
 count, and nothing reads a device value on the host, so the block runs inside a captured
-graph. Where the grouped kernel does not take the dtype (CUDA wants bfloat16), every expert
-runs densely over every token, weighted by the routing weights (zero where not chosen):
-the same values at E / k times the arithmetic.
+graph. Where the grouped kernel does not take the dtype (CUDA, and torch.compile, want
+bfloat16), every expert runs densely over every token, weighted by the routing weights (zero
+where not chosen): the same values at E / k times the arithmetic.
 
 Tensor parallelism shards every expert alike (gate-up column-parallel, down row-parallel,
 on `ShardPlan.expert_intermediate_size`): the block's output is a partial sum, all-reduced
@@ -66,7 +66,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids / weights [T, k] -> sum over k of weight * expert(x): [T, H]."""
-        if x.device.type == "cpu" or x.dtype == torch.bfloat16:
+        # The grouped kernel takes bfloat16 (on CUDA too), and float32 only eagerly on the
+        # CPU: its meta kernel, which torch.compile traces with, wants bfloat16.
+        if x.dtype == torch.bfloat16 or (
+            x.device.type == "cpu" and not torch.compiler.is_compiling()
+        ):
             return self.grouped(x, ids, weights)
         return self.dense(x, ids, weights)
 
