@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.base import AttentionBackend
-from ops.host_read_guard import host_mirror_read
+from ops.host_reads import host_mirror_read
 from ops.host_transfer import to_host
 
 if TYPE_CHECKING:

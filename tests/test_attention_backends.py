@@ -21,8 +21,8 @@ from attention import (
 from executor.batch_prep import length_bound, make_decode_batch, make_extend_batch
 from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.graphs.capture_rules import ForbiddenValue, HostReadGuard
 from executor.model_executor import ModelExecutor
-from ops.host_read_guard import ForbiddenValue, HostReadGuard
 from tests.attention_cases import Case, make_case, make_layout, random_lengths, run
 
 MakeExecutor = Callable[..., ModelExecutor]

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from ops.device_scope import check_device
-from ops.host_read_guard import HostReadError, HostReadGuard
 
 WARMUP_RUNS = 2
 
