@@ -44,7 +44,8 @@ class ExecutorConfig:
     """
 
     model: str = setting(
-        "smollm2", "model: smollm2, tiny-random, tiny-random-qwen2, a .gguf file or a HF directory"
+        "smollm2",
+        "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe], a .gguf file or a HF directory",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting(

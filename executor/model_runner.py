@@ -28,7 +28,8 @@ from executor.graphs.capture import CaptureReport
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
-from executor.models.llama import LayerHalves, LlamaForCausalLM, compile_halves
+from executor.models.blocks import LayerFns, compile_layer_fns
+from executor.models.decoder_model import DecoderModel
 from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats
@@ -71,7 +72,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         attn_backend: AttentionBackend,
         *,
         device: torch.device,
@@ -96,17 +97,17 @@ class ModelRunner:
         self.graph_factory = GraphFactory(
             device, graph_backend, cache_dir=cache_dir, compiled=self._compiled_model, stop=stop
         )
-        self._compiled_halves: LayerHalves | None = None
+        self._compiled_fns: LayerFns | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
 
     # --- graphs --------------------------------------------------------------------------
     @contextmanager
     def _compiled_model(self) -> Iterator[None]:
-        """The model with its layer halves compiled (the `compiled` graph backend)."""
-        if self._compiled_halves is None:
-            self._compiled_halves = compile_halves()
-        with self.model.using_halves(self._compiled_halves):
+        """The model with its layer functions compiled (the `compiled` graph backend)."""
+        if self._compiled_fns is None:
+            self._compiled_fns = compile_layer_fns()
+        with self.model.using_compiled_fns(self._compiled_fns):
             yield
 
     def enable_graphs(self, mode: str, *, progress: bool = True) -> list[CaptureReport]:

@@ -18,7 +18,7 @@ from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.graph import Graph, GraphFactory
-from executor.models.llama import LlamaForCausalLM
+from executor.models.decoder_model import DecoderModel
 from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
@@ -39,7 +39,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         attn_backend: AttentionBackend,
         *,
         device: torch.device,
