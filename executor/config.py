@@ -61,7 +61,8 @@ class ExecutorConfig:
     max_batch_size: int = setting(0, "most requests in one batch; 0 = max_reqs")
     max_tokens_per_batch: int = setting(8192, "most tokens in one batch (EXTEND chunks must fit)")
     attention_backend: str = setting(
-        "auto", "auto (triton on CUDA, torch_paged on CPU) | torch_native | torch_paged | triton"
+        "auto",
+        " | ".join(["auto (triton on CUDA, torch_paged on CPU)", *ATTENTION_BACKEND_NAMES[1:]]),
     )
     graph_mode: str = setting(
         "auto",

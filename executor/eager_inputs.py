@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.forward_batch import ForwardBatch
+from executor.graphs.buckets import next_power_of_2
 from registry import BufferRegistry, FillStats, build_decode_registry, build_prefill_registry
 
 EAGER_DECODE = "eager_decode"
@@ -23,10 +24,6 @@ EAGER_EXTEND = "eager_extend"
 # sglang's eager registry uses) keeps it independent of the attention backend; a graph
 # runner's registry that shares the pooled buffer resets its own tails on every fill.
 EAGER_SEQ_LEN_FILL_VALUE = 0
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @dataclass

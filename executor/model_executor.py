@@ -27,7 +27,7 @@ import structlog
 import torch
 
 import executor
-from attention import AttentionLayout, create_backend, decide_needs_cpu_seq_lens
+from attention import create_backend, decide_needs_cpu_seq_lens
 from attention.selection import SeqLensPolicy
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.config import (
@@ -253,9 +253,7 @@ class ModelExecutor:
             self.dtype,
             self.device,
         )
-        layout = AttentionLayout(
-            plan.num_heads, plan.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
-        )
+        layout = mcfg.attention_layout(plan.num_heads, plan.num_kv_heads)
         self.attn_backend = create_backend(
             config.attention_backend,
             layout=layout,
@@ -294,11 +292,13 @@ class ModelExecutor:
         self.leader: TpLeader | None = None
         if graph_mode != "none":  # on every rank, in the same order (captures run collectives)
             self._record_captures(self.runner.enable_graphs(graph_mode))
-        if wants_decode_graphs(graph_mode) and self.attn_backend.graph_capture_refusal:
+        if wants_decode_graphs(graph_mode) and (
+            refusal := self.attn_backend.graph_capture_refusal()
+        ):
             log.warning(
                 "decode graphs refused: DECODE runs eagerly",
                 attention_backend=self.attn_backend.name,
-                reason=self.attn_backend.graph_capture_refusal,
+                reason=refusal,
             )
         if self.comm.enabled and self.comm.rank == 0:
             # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
@@ -353,7 +353,7 @@ class ModelExecutor:
                 f"graph_mode={mode}: a graph capture is in progress ({self.graph_capture}); "
                 "retry when GetRuntimeConfig's graph_capture is no longer 'capturing'"
             )
-        if wants_decode_graphs(mode) and not self.attn_backend.can_capture:
+        if wants_decode_graphs(mode) and self.attn_backend.graph_capture_refusal() is not None:
             raise ToggleRefusedError(
                 f"graph_mode={mode}: attention backend {self.attn_backend.name!r} cannot be "
                 f"captured in a graph{self._capture_refusal()}"
@@ -379,7 +379,7 @@ class ModelExecutor:
         return mode
 
     def _capture_refusal(self) -> str:
-        reason = self.attn_backend.graph_capture_refusal
+        reason = self.attn_backend.graph_capture_refusal()
         return f" ({reason})" if reason else ""
 
     def _use_graph_mode(self, mode: str, needs: bool, reports: list[CaptureReport]) -> None:

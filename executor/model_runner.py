@@ -131,7 +131,7 @@ class ModelRunner:
         if (
             wants_decode_graphs(mode)
             and self.decode_graphs is None
-            and self.attn_backend.can_capture
+            and self.attn_backend.graph_capture_refusal() is None
         ):
             missing.append("decode")
         if wants_piecewise(mode) and self.piecewise is None:

@@ -1,4 +1,5 @@
-"""Write a small model as GGUF the way llama.cpp's converter does (Q/K rows permuted)."""
+"""Write a small model as GGUF the way llama.cpp's converter does (Llama's Q/K rows permuted,
+Gemma 2's norm weights stored plus one)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ _TO_GGUF = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+# Gemma 2's sandwich norms (its pre-feedforward norm takes Llama's `ffn_norm`).
+_GEMMA2_TO_GGUF = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 # Experts: llama.cpp stacks each layer's per-expert matrices into one [E, rows, cols] tensor.
 _EXPERT_STACKS = {
     "gate_proj": "ffn_gate_exps",
@@ -38,13 +45,14 @@ _EXPERT_STACKS = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name.startswith("blk."):  # already a stacked expert tensor
         return hf_name
     if hf_name in _TO_GGUF:
         return _TO_GGUF[hf_name]
     _, _, idx, rest = hf_name.split(".", 3)
-    return f"blk.{idx}.{_TO_GGUF[rest]}"
+    names = {**_TO_GGUF, **_GEMMA2_TO_GGUF} if arch == "gemma2" else _TO_GGUF
+    return f"blk.{idx}.{names[rest]}"
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -100,15 +108,24 @@ def write_gguf(
         w.add_expert_used_count(config.moe.top_k)
         w.add_expert_feed_forward_length(config.moe.intermediate_size)
         w.add_expert_weights_norm(config.moe.norm_topk_prob)
+    attention = config.attention
+    if attention is not None and attention.sliding_window is not None:
+        w.add_sliding_window(attention.sliding_window)
+    if attention is not None and attention.attn_logit_softcapping is not None:
+        w.add_attn_logit_softcapping(attention.attn_logit_softcapping)
+    if attention is not None and attention.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(attention.final_logit_softcapping)
     for name, t in _stack_experts(tensors).items():
         data = t.float().numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             data = permute_qk(data, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
         if data.ndim == 2 and qtype_2d != gguf.GGMLQuantizationType.F32:
             q = gguf.quants.quantize(data, qtype_2d)
-            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=qtype_2d)
+            w.add_tensor(gguf_name(name, arch), q, raw_shape=q.shape, raw_dtype=qtype_2d)
         else:
-            w.add_tensor(gguf_name(name), data)
+            w.add_tensor(gguf_name(name, arch), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

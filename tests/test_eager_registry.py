@@ -19,8 +19,9 @@ from executor.batch_prep import (
     make_extend_batch,
     make_idle_batch,
 )
-from executor.eager_inputs import EAGER_DECODE, EAGER_EXTEND, EagerInputs, next_power_of_2
+from executor.eager_inputs import EAGER_DECODE, EAGER_EXTEND, EagerInputs
 from executor.forward_batch import ForwardBatch
+from executor.graphs.buckets import next_power_of_2
 from executor.model_executor import ModelExecutor
 from tests.random_batches import BatchGenerator
 

@@ -496,7 +496,7 @@ def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor
 
 # --- torch_paged refuses DECODE graphs on CUDA ----------------------------------------------
 def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
-    make_executor: MakeExecutor,
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from attention.torch_paged import cuda_graph_refusal
 
@@ -504,7 +504,8 @@ def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     reason = cuda_graph_refusal(torch.device("cuda", 0), 8192)
     assert reason is not None and "8192" in reason and "triton" in reason
     ex = make_executor(graph_mode="none", graph_batch_sizes="1,2")
-    ex.attn_backend.graph_capture_refusal = reason  # what __init__ sets on a CUDA device
+    # What the backend says on a CUDA device.
+    monkeypatch.setattr(ex.attn_backend, "graph_capture_refusal", lambda: reason)
     with pytest.raises(ToggleRefusedError, match="use attention_backend=triton"):
         ex.set_graph_mode("decode")
     assert ex.graph_mode == "none"

@@ -8,6 +8,7 @@ served model; an unknown architecture is refused at start-up naming the supporte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.graphs.graph import GraphFactory
 from executor.model_executor import ModelExecutor
+from executor.models.config import AttentionConfig, ModelConfig
 from executor.models.gguf_loader import load_gguf
 from executor.models.hf_loader import load_hf_directory
 from executor.models.loader import read_model_config
@@ -60,6 +62,18 @@ HF_CONFIGS: dict[str, Callable[[], object]] = {
         moe_intermediate_size=32,
         norm_topk_prob=True,
         mlp_only_layers=[1],
+    ),
+    # 4 layers, the even ones windowed to 8 keys (every prompt but the 1-token one is longer,
+    # and generation runs past it), soft-capped scores and logits, q.k scaled by 24 ** -0.5
+    # (not head_dim), tied embeddings; transformers' eager attention (its reference path).
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**SMALL, "num_hidden_layers": 4, "tie_word_embeddings": True},
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        attn_implementation="eager",
     ),
 }
 PROMPT_LENGTHS = (1, 7, 40)
@@ -159,15 +173,16 @@ def test_family_at_tp2_gives_transformers_tokens(
         assert_greedy_matches(b, ref, gaps)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
 def test_served_family_answers_with_transformers_tokens(
-    hf_model: Callable[[str], tuple[Path, object]], tmp_path: Path
+    hf_model: Callable[[str], tuple[Path, object]], tmp_path: Path, family: str
 ) -> None:
-    directory, hf = hf_model("qwen3")
+    directory, hf = hf_model(family)
     prompts = _prompts(512, seed=2)
     config = tiny_config(tmp_path, model=str(directory), graph_mode="both")
     with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as c:
         info = c.info()
-        assert info.info.architecture == "qwen3"
+        assert info.info.architecture == family
         got = generate(c.forward, info.info.limits, prompts, max_new_tokens=16, ignore_eos=True)
     for prompt, tokens in zip(prompts, got, strict=True):
         ref, gaps = hf_greedy(hf, prompt, 16)  # type: ignore[arg-type]
@@ -184,9 +199,17 @@ def test_family_loads_from_gguf_with_the_same_weights(
     loaded_config, loaded = load_gguf(tmp_path / "m.gguf", cache_dir=None)
     assert loaded_config.architecture == config.architecture
     assert loaded_config.head_dim == config.head_dim
+    assert loaded_config.attention == _gguf_attention(config)
     assert set(loaded) == set(tensors)
     for name, t in tensors.items():
-        assert torch.equal(loaded[name], t), name
+        # Exact, but for Gemma 2's norms, stored plus one (float32 rounding of w + 1 - 1).
+        torch.testing.assert_close(loaded[name], t, atol=3e-7, rtol=0, msg=name)
+
+
+def _gguf_attention(config: ModelConfig) -> AttentionConfig | None:
+    """What GGUF carries of `config.attention`: no query scalar (llama.cpp derives it)."""
+    a = config.attention
+    return None if a is None else dataclasses.replace(a, query_pre_attn_scalar=None)
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported(
@@ -198,7 +221,13 @@ def test_an_unknown_architecture_is_refused_naming_the_supported(
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'MambaForCausalLM' is not supported") as err:
         read_model_config(_config(tmp_path, cache_dir))
-    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    for name in (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Gemma2ForCausalLM",
+    ):
         assert name in str(err.value)
 
 

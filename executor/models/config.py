@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from attention.base import AttentionLayout, LayerAttention
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -60,6 +62,58 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    """What a family adds to plain causal attention and its logits (Gemma 2's keys).
+
+    `sliding_layers` attend only to their last `sliding_window` keys; q.k is scaled by
+    `query_pre_attn_scalar ** -0.5` (None: head_dim); scores and final logits are soft-capped
+    (x -> c * tanh(x / c)) where a cap is set.
+    """
+
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    query_pre_attn_scalar: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def window(self, layer_id: int) -> int | None:
+        return self.sliding_window if layer_id in self.sliding_layers else None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> AttentionConfig | None:
+        """From config.json; None when it sets none of these. Without `layer_types` a Gemma 2
+        config windows its even layers (transformers' Gemma2Config default)."""
+        types = cfg.get("layer_types")
+        if types is None and cfg.get("model_type") == "gemma2":
+            types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(cfg["num_hidden_layers"])
+            ]
+        window = cfg.get("sliding_window")
+        sliding = tuple(i for i, t in enumerate(types or ()) if t == "sliding_attention")
+        found = cls(
+            sliding_window=int(window) if window and sliding else None,
+            sliding_layers=sliding if window else (),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+        return None if found == cls() else found
+
+    def to_hf_config(self, num_layers: int) -> dict[str, Any]:
+        return {
+            "sliding_window": self.sliding_window,
+            "layer_types": [
+                "sliding_attention" if self.window(i) else "full_attention"
+                for i in range(num_layers)
+            ],
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "attn_logit_softcapping": self.attn_logit_softcapping,
+            "final_logit_softcapping": self.final_logit_softcapping,
+        }
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs to build itself; nothing about serving."""
 
@@ -77,6 +131,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2's default)
     moe: MoeConfig | None = None  # None: every layer has a dense MLP
+    attention: AttentionConfig | None = None  # None: plain causal attention everywhere
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -96,7 +151,24 @@ class ModelConfig:
 
     @property
     def attention_scaling(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        scalar = self.attention.query_pre_attn_scalar if self.attention else None
+        return 1.0 / math.sqrt(scalar or self.head_dim)
+
+    def attention_layout(self, num_heads: int, num_kv_heads: int) -> AttentionLayout:
+        """What the attention backend needs for this rank's heads: geometry, scaling, and
+        each layer's window and soft-cap (none: plain attention everywhere, at no cost)."""
+        a = self.attention
+        layers = (
+            ()
+            if a is None
+            else tuple(
+                LayerAttention(a.window(i), a.attn_logit_softcapping)
+                for i in range(self.num_layers)
+            )
+        )
+        return AttentionLayout(
+            num_heads, num_kv_heads, self.head_dim, self.attention_scaling, layers
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
@@ -128,6 +200,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", family.default_attention_bias),
             moe=MoeConfig.from_hf_config(cfg),
+            attention=AttentionConfig.from_hf_config(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name or cfg.get("_name_or_path", "") or family.model_type,
@@ -158,6 +231,8 @@ class ModelConfig:
         }
         if self.moe is not None:
             cfg.update(self.moe.to_hf_config())
+        if self.attention is not None:
+            cfg.update(self.attention.to_hf_config(self.num_layers))
         if self.bos_token_id is not None:
             cfg["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -178,4 +253,8 @@ class ModelConfig:
         if moe is not None:
             moe = {**moe, "mlp_only_layers": tuple(moe.get("mlp_only_layers", ()))}
             data["moe"] = MoeConfig(**moe)
+        attention = data.get("attention")
+        if attention is not None:
+            attention = {**attention, "sliding_layers": tuple(attention["sliding_layers"])}
+            data["attention"] = AttentionConfig(**attention)
         return cls(**data)

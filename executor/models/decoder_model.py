@@ -66,6 +66,9 @@ class DecoderModel(nn.Module, ABC):
     TP_SPLITS: ClassVar[SplitRows]
     GGUF_NAMES: ClassVar[dict[str, str]]
     GGUF_PERMUTED_QK: ClassVar[bool] = False
+    # llama.cpp's converter stored every `*norm.weight` plus this (Gemma: 1); the loader
+    # subtracts it.
+    GGUF_NORM_SHIFT: ClassVar[float] = 0.0
     # A family's hooks around the shared body (None: not used).
     embedding_scale: float | None = None  # multiplies the embeddings (Gemma: sqrt(hidden))
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.models.config import ModelConfig, MoeConfig
+from executor.models.config import AttentionConfig, ModelConfig, MoeConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.file_cache import atomic_write, cache_path
 from executor.models.gguf_blocks import BLOCK_FORMATS, read_blocks
@@ -73,6 +73,27 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def _attention_config(
+    reader: Any, arch: str, num_layers: int, hidden: int, num_heads: int
+) -> AttentionConfig | None:
+    """Sliding windows and soft-caps (Gemma 2's keys), None without any. GGUF names no windowed
+    layers and no query scalar: as llama.cpp, Gemma 2 windows its even layers and scales q.k
+    by head_dim ** -0.5, hidden / heads for its 46-layer (27B) model."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    attn_cap = _field(reader, f"{arch}.attn_logit_softcapping")
+    final_cap = _field(reader, f"{arch}.final_logit_softcapping")
+    if window is None and attn_cap is None and final_cap is None:
+        return None
+    gemma2 = arch == "gemma2"
+    return AttentionConfig(
+        sliding_window=int(window) if window else None,
+        sliding_layers=tuple(range(0, num_layers, 2)) if window and gemma2 else (),
+        query_pre_attn_scalar=hidden // num_heads if gemma2 and num_layers == 46 else None,
+        attn_logit_softcapping=float(attn_cap) if attn_cap is not None else None,
+        final_logit_softcapping=float(final_cap) if final_cap is not None else None,
+    )
+
+
 def read_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     family = from_gguf_architecture(arch)
@@ -118,6 +139,9 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         moe=moe,
+        attention=_attention_config(
+            reader, arch, int(_field(reader, f"{arch}.block_count")), hidden, num_heads
+        ),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(sorted(eos_ids)),
         name=str(_field(reader, "general.name", name)),
@@ -169,6 +193,9 @@ def _float_tensor(t: Any, config: ModelConfig) -> torch.Tensor:
     n_head = _permuted_rows(t.name, config)
     if n_head is not None:
         data = unpermute_qk(data, n_head)
+    shift = model_class(config.architecture).GGUF_NORM_SHIFT
+    if shift and t.name.endswith("norm.weight"):
+        data = data - np.float32(shift)
     if not data.flags.writeable or not data.flags.c_contiguous:  # F32 tensors are views of the mmap
         data = np.array(data, copy=True, order="C")
     return torch.from_numpy(data)

@@ -11,6 +11,7 @@ import torch
 
 from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
+from executor.models.gemma2 import Gemma2ForCausalLM
 from executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from executor.models.qwen3 import Qwen3ForCausalLM
 from executor.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -21,6 +22,7 @@ MODELS: dict[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 

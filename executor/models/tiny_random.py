@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.models.config import ModelConfig, MoeConfig
+from executor.models.config import AttentionConfig, ModelConfig, MoeConfig
 from executor.models.registry import create_model
 
 TINY_CONFIGS: dict[str, ModelConfig] = {
@@ -88,6 +88,30 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
         eos_token_ids=(2,),
         name="tiny-random-qwen3-moe",
     ),
+    "tiny-random-gemma2": ModelConfig(
+        architecture="gemma2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attention=AttentionConfig(
+            sliding_window=8,  # shorter than most prompts, so windowing matters
+            sliding_layers=(0, 2),
+            query_pre_attn_scalar=24,  # not head_dim
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        ),
+        bos_token_id=2,
+        eos_token_ids=(1,),
+        name="tiny-random-gemma2",
+    ),
 }
 
 
@@ -132,8 +156,10 @@ def tiny_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.T
             t[p + "mlp.gate_proj.weight"] = linear(config.intermediate_size, h)
             t[p + "mlp.up_proj.weight"] = linear(config.intermediate_size, h)
             t[p + "mlp.down_proj.weight"] = linear(h, config.intermediate_size)
-        t[p + "input_layernorm.weight"] = norm(h)
-        t[p + "post_attention_layernorm.weight"] = norm(h)
+        # Every hidden-size norm the layer holds (two; four with Gemma 2's sandwich norms).
+        for path, _ in shape.decoder_layers[i].named_parameters():
+            if path.endswith("layernorm.weight"):
+                t[p + path] = norm(h)
     t["model.norm.weight"] = norm(h)
     if not config.tie_word_embeddings:
         t["lm_head.weight"] = linear(config.vocab_size, h) * 4.0
