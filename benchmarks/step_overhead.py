@@ -2,6 +2,7 @@
 
     python benchmarks/step_overhead.py                              # bs 1, 32, 256; 200 steps each
     python benchmarks/step_overhead.py --batch-sizes 1,32 --steps 100
+    python benchmarks/step_overhead.py --server-env OMP_WAIT_POLICY=PASSIVE  # the executor's env
 
 For each batch size, call by call in alternation (the order flips every call, so drift and
 the neighbours' load fall on both alike):
@@ -236,6 +237,13 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,32,256")
     ap.add_argument("--steps", type=int, default=200, help="measured steps per batch size")
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for the executor's process (repeatable)",
+    )
     ap.add_argument("--bare-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server is not None:
@@ -253,9 +261,10 @@ def main() -> None:
     model, simd = cpu_description()
     print(f"# {model} ({simd}); torch {torch.__version__}, grpcio {grpc.__version__}, ", end="")
     print(f"Python {platform.python_version()}; {args.steps} steps per bs after {args.warmup}")
-    print(f"# executor: python -m executor serve {' '.join(flags)}")
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    print(f"# executor: {' '.join(args.server_env)} python -m executor serve {' '.join(flags)}")
     results = []
-    with served(flags) as executor, bare_served() as bare:
+    with served(flags, env) as executor, bare_served() as bare:
         first_row = 1
         for bs in sizes:
             r = measure(
