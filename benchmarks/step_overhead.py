@@ -262,7 +262,7 @@ def main() -> None:
     print(f"# {model} ({simd}); torch {torch.__version__}, grpcio {grpc.__version__}, ", end="")
     print(f"Python {platform.python_version()}; {args.steps} steps per bs after {args.warmup}")
     env = dict(kv.split("=", 1) for kv in args.server_env)
-    print(f"# executor: {' '.join(args.server_env)} python -m executor serve {' '.join(flags)}")
+    print(f"# executor: {' '.join([*args.server_env, 'python -m executor serve', *flags])}")
     results = []
     with served(flags, env) as executor, bare_served() as bare:
         first_row = 1
