@@ -15,7 +15,7 @@ import torch
 
 from attention.base import AttentionBackend, store_layer_kv
 from attention.sdpa import sdpa
-from ops.host_read_guard import host_mirror_read
+from ops.host_reads import host_mirror_read
 from ops.host_transfer import to_host
 
 if TYPE_CHECKING:

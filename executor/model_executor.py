@@ -307,7 +307,7 @@ class ModelExecutor:
         self.sampler = Sampler(self.device, config.seed)
         self.staging = H2DStaging(self.device)  # the step's one host-to-device copy
         # Wraps the device part of every step (device move, model, sampling). Tests install
-        # ops.host_read_guard.HostReadGuard here to prove every host read there is counted.
+        # executor.graphs.capture_rules.HostReadGuard here to prove every host read there is counted.
         self.device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
         # Tests only (executor/errors.py): make the forward or the sampler raise on a chosen step.
         self.faults: FaultInjector | None = None

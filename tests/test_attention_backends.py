@@ -22,8 +22,8 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import length_bound
+from executor.graphs.capture_rules import ForbiddenValue, HostReadGuard
 from executor.model_executor import ModelExecutor
-from ops.host_read_guard import ForbiddenValue, HostReadGuard
 from tests.attention_cases import Case, make_case, make_layout, random_lengths, run
 
 MakeExecutor = Callable[..., ModelExecutor]

@@ -22,6 +22,7 @@ from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.errors import ToggleRefusedError
 from executor.forward_batch import SamplingParams
+from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
 from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
@@ -29,7 +30,7 @@ from executor.models.blocks import DecoderLayer
 from ops import device_scope as ds
 from ops import h2d_staging
 from ops.h2d_staging import H2DStaging, StagedField
-from ops.host_read_guard import HostReadError, HostReadGuard, declare_pinned
+from ops.host_reads import declare_pinned
 from ops.host_transfer import host_transfers, to_device
 
 MakeExecutor = Callable[..., ModelExecutor]

@@ -1,4 +1,4 @@
-"""oneDNN-packed float linears (`ops/onednn_linear.py`, `PackedLinear`, `linear_kernel`)."""
+"""oneDNN-packed float linears (`executor/models/onednn_linear.py`, `PackedLinear`, `linear_kernel`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
 from executor.models.layers import Linear, PackedLinear
+from executor.models.onednn_linear import PackedWeight, onednn_linear, packed_weights_alive
 from executor.models.packing import choose_linear_kernel
-from ops.onednn_linear import PackedWeight, onednn_linear, packed_weights_alive
 
 MakeExecutor = Callable[..., ModelExecutor]
 

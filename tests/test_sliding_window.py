@@ -24,8 +24,8 @@ from attention.sdpa import soft_cap
 from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import kv_bucket
+from executor.graphs.capture_rules import HostReadGuard
 from executor.model_executor import ForwardOutput, ModelExecutor
-from ops.host_read_guard import HostReadGuard
 from tests.attention_cases import Case, make_case
 from tests.test_attention_backends import padded_decode_view
 

@@ -2,7 +2,7 @@
 
 A runner keeps one captured entry per bucket size (a batch size for full-graph DECODE, a token
 count for piecewise EXTEND). Capture and replay stage their inputs through the same registry
-`fill_from` (the seeds' rule), here in one place. A subclass says how one bucket is captured,
+`fill_from`, here in one place, so capture and replay cannot disagree. A subclass says how one bucket is captured,
 which size picks a batch's bucket, and how a replay runs.
 """
 

@@ -2,7 +2,7 @@
 
 Capture and replay stage their inputs through one `build_decode_registry(...).fill_from`
 call, so every slot - `num_token_non_padded` included - holds at capture exactly what a
-replay of a batch of the bucket's size gives it (the seeds' capture/replay alignment fix).
+replay of a batch of the bucket's size gives it.
 A batch is padded up to its bucket: padded requests read row 0 (all slot 0) with
 `seq_len_fill_value` tokens and write their one token to the reserved slot 0. The LM head
 runs outside the graph on the real rows only.

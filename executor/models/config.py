@@ -45,7 +45,9 @@ class MoeConfig:
             num_experts=int(experts),
             top_k=int(cfg["num_experts_per_tok"]),
             intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            # Absent: transformers' default, False for Qwen-MoE; Mixtral (num_local_experts)
+            # always renormalises and has no key.
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", "num_local_experts" in cfg)),
             sparse_step=int(cfg.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         )
