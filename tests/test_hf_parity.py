@@ -23,7 +23,14 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize(
-    "model", ["tiny-random", "tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-qwen3-moe"]
+    "model",
+    [
+        "tiny-random",
+        "tiny-random-qwen2",
+        "tiny-random-qwen3",
+        "tiny-random-qwen3-moe",
+        "tiny-random-gemma2",  # transformers' default attention for Gemma 2 is eager
+    ],
 )
 def test_tiny_random_matches_transformers(tmp_path: Path, cache_dir: Path, model: str) -> None:
     config = TINY_CONFIGS[model]
