@@ -124,7 +124,7 @@ def measure(ex: ModelExecutor, bs: int, iters: int, steps: int) -> str:
     # Staging alone, on one completed, on-device decode batch.
     host = complete_batch(
         decode_batch(rows, PROMPT_LEN + 1, first_slot=1 + bs * PROMPT_LEN),
-        needs_cpu_seq_lens=ex.needs_cpu_seq_lens,
+        needs_cpu_seq_lens=ex.toggles.needs_cpu_seq_lens,
     )
     fb = host.to(device)
     inputs = ex.runner.eager_inputs
@@ -142,7 +142,7 @@ def measure(ex: ModelExecutor, bs: int, iters: int, steps: int) -> str:
     slot = 1 + bs * PROMPT_LEN
     for i in range(steps):
         no_copy = i % 2 == 1
-        ex.runner.eager_input_no_copy = no_copy
+        ex.toggles.eager_input_no_copy = no_copy
         batch = decode_batch(rows, PROMPT_LEN + 1 + i, first_slot=slot)
         slot += bs
         _sync(device)

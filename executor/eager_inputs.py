@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.forward_batch import ForwardBatch
+from executor.step.toggles import Toggles
 from registry import BufferRegistry, FillStats, build_decode_registry, build_prefill_registry
 
 EAGER_DECODE = "eager_decode"
@@ -73,22 +74,12 @@ class StagedBatch:
 class EagerInputs:
     """Stages eager batches: DECODE into a bs-axis registry, EXTEND into a token-axis one."""
 
-    def __init__(self, device: torch.device, *, needs_cpu_seq_lens: bool) -> None:
+    def __init__(self, device: torch.device, toggles: Toggles) -> None:
         self.device = device
-        self._needs_cpu_seq_lens = needs_cpu_seq_lens
+        self.toggles = toggles
+        self._needs_cpu_seq_lens = toggles.needs_cpu_seq_lens  # what the decode registry holds
         self.decode = GrowingRegistry(EAGER_DECODE, self._build_decode)
         self.extend = GrowingRegistry(EAGER_EXTEND, self._build_extend)
-
-    @property
-    def needs_cpu_seq_lens(self) -> bool:
-        """Whether the decode registry stages `seq_lens_cpu` (a change rebuilds it)."""
-        return self._needs_cpu_seq_lens
-
-    @needs_cpu_seq_lens.setter
-    def needs_cpu_seq_lens(self, value: bool) -> None:
-        if value != self._needs_cpu_seq_lens:
-            self._needs_cpu_seq_lens = value
-            self.decode.drop()
 
     def _build_decode(self, max_bs: int, max_num_tokens: int) -> BufferRegistry:
         return build_decode_registry(
@@ -110,6 +101,9 @@ class EagerInputs:
         Fields the registry does not hold (sampling, `extend_*`, `prefix_cache_loc`,
         `input_embeds`) are carried from `fb` unchanged.
         """
+        if self.toggles.needs_cpu_seq_lens != self._needs_cpu_seq_lens:  # a runtime change
+            self._needs_cpu_seq_lens = self.toggles.needs_cpu_seq_lens
+            self.decode.drop()
         bs, num_tokens = fb.batch_size, fb.num_tokens
         cache = self.extend if fb.forward_mode.is_extend() else self.decode
         reg = cache.ensure(bs, num_tokens)

@@ -22,6 +22,8 @@ from executor.batch_prep import (
 from executor.eager_inputs import EAGER_DECODE, EAGER_EXTEND, EagerInputs, next_power_of_2
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
+from executor.step.paths import GraphMode, SeqLensPolicy
+from executor.step.toggles import Toggles
 from tests.random_batches import BatchGenerator
 
 MakeExecutor = Callable[..., ModelExecutor]
@@ -106,7 +108,7 @@ def test_step_stats_report_the_path_and_what_the_fill_copied(
 
 def test_the_config_flag_selects_the_no_copy_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(eager_input_no_copy=True)
-    assert ex.runner.eager_input_no_copy is True
+    assert ex.toggles.eager_input_no_copy is True
     _prefill(ex, [1], [4])
     s = ex.forward(_decode_batch([1], [5], first_slot=200)).stats
     assert (s.path, s.fill_registry, s.fill_tensors, s.fill_bytes) == ("eager_no_copy", None, 0, 0)
@@ -119,7 +121,7 @@ def test_toggling_no_copy_between_batches_switches_the_path(make_executor: MakeE
         _prefill(e, [1, 2], [5, 3])
     paths = []
     for i, no_copy in enumerate([False, True, True, False, True]):
-        ex.runner.eager_input_no_copy = no_copy
+        ex.toggles.eager_input_no_copy = no_copy
         fb = _decode_batch([1, 2], [6 + i, 4 + i], first_slot=300 + 2 * i)
         out, want = ex.forward(fb, return_logits=True), ref.forward(fb, return_logits=True)
         paths.append((out.stats.path, out.stats.fill_registry))
@@ -158,7 +160,7 @@ def test_the_model_and_attention_read_the_staged_view(
     assert fb.attn_metadata is None  # the caller's batch is not mutated
     assert out.fill_registry == EAGER_EXTEND and out.fill_stats.tensors_copied == 2
 
-    ex.runner.eager_input_no_copy = True
+    ex.toggles.eager_input_no_copy = True
     ex.runner.forward(fb)
     assert seen[1] is not fb and seen[1].positions is fb.positions
 
@@ -185,14 +187,15 @@ def test_registries_are_rebuilt_at_the_next_power_of_two(make_executor: MakeExec
 
 
 def test_needs_cpu_seq_lens_decides_whether_the_host_mirror_is_staged() -> None:
-    inputs = EagerInputs(torch.device("cpu"), needs_cpu_seq_lens=False)
+    toggles = Toggles(GraphMode.NONE, SeqLensPolicy.AUTO, False, eager_input_no_copy=False)
+    inputs = EagerInputs(torch.device("cpu"), toggles)
     host = _decode_batch([1, 2], [3, 4], first_slot=10)
     fb = complete_batch(host, needs_cpu_seq_lens=False, max_context_len=1024)
     staged = inputs.stage(fb)
     reg = inputs.decode.registry
     assert reg is not None and not reg.has_slot("seq_lens_cpu")
     assert staged.fb.seq_lens_cpu is None and staged.stats.tensors_copied == 5
-    inputs.needs_cpu_seq_lens = True  # a runtime change rebuilds the decode registry
+    toggles.needs_cpu_seq_lens = True  # a runtime change rebuilds the decode registry
     staged = inputs.stage(complete_batch(host, needs_cpu_seq_lens=True, max_context_len=1024))
     reg = inputs.decode.registry
     assert reg is not None and reg.has_slot("seq_lens_cpu")

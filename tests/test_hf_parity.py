@@ -18,10 +18,11 @@ from executor.batch_prep import make_extend_batch
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.forward_batch import ForwardBatch
-from executor.model_executor import ForwardOutput, ModelExecutor
+from executor.model_executor import ModelExecutor
 from executor.models.hf_loader import save_hf_directory
 from executor.models.loader import load_model, packaged_smollm2_path
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.step.outputs import ForwardOutput
 
 transformers = pytest.importorskip("transformers")
 

@@ -57,29 +57,29 @@ def test_set_needs_cpu_seq_lens_reaches_batches_and_the_registry(
 ) -> None:
     ex = make_executor(attention_backend="torch_paged")
     base = _decode_fill_tensors(ex, 1)
-    assert ex.set_needs_cpu_seq_lens("on") is True
-    assert ex.needs_cpu_seq_lens is True and ex.runner.eager_inputs.needs_cpu_seq_lens is True
-    assert ex.needs_cpu_seq_lens_policy == "on"
+    assert ex.control.set_needs_cpu_seq_lens("on") is True
+    assert ex.toggles.needs_cpu_seq_lens is True and ex.runner.toggles.needs_cpu_seq_lens is True
+    assert ex.toggles.seq_lens_policy == "on"
     assert _decode_fill_tensors(ex, 2) == base + 1
-    assert ex.set_needs_cpu_seq_lens("off") is False
-    assert ex.runner.eager_inputs.needs_cpu_seq_lens is False
+    assert ex.control.set_needs_cpu_seq_lens("off") is False
+    assert ex.runner.toggles.needs_cpu_seq_lens is False
     assert _decode_fill_tensors(ex, 3) == base
 
 
 def test_off_is_refused_where_a_backend_reads_host_lengths(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError, match="torch_native"):
-        ex.set_needs_cpu_seq_lens("off")
-    assert (ex.needs_cpu_seq_lens_policy, ex.needs_cpu_seq_lens) == ("auto", True)
-    assert ex.runner.eager_inputs.needs_cpu_seq_lens is True
+        ex.control.set_needs_cpu_seq_lens("off")
+    assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
+    assert ex.runner.toggles.needs_cpu_seq_lens is True
 
 
 def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_paged", graph_mode="extend")
-    assert ex.needs_cpu_seq_lens is True
+    assert ex.toggles.needs_cpu_seq_lens is True
     with pytest.raises(ToggleRefusedError, match="piecewise"):
-        ex.apply_toggles(needs_cpu_seq_lens="off")
-    assert (ex.needs_cpu_seq_lens_policy, ex.needs_cpu_seq_lens) == ("auto", True)
+        ex.control.apply_toggles(needs_cpu_seq_lens="off")
+    assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
 
 
 def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: MakeExecutor) -> None:
@@ -93,30 +93,32 @@ def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: Ma
             pass
 
     ex = make_executor(graph_batch_sizes="1,2", piecewise_token_sizes="8")
-    ex.observer = Recorder()
-    ex.apply_toggles(graph_mode="decode")
-    assert (ex.graph_mode, ex.runner.graph_mode, captures) == (
+    ex.control.observer = Recorder()  # captures are reported by the graph control
+    ex.control.apply_toggles(graph_mode="decode")
+    assert (ex.toggles.graph_mode, ex.runner.toggles.graph_mode, captures) == (
         "decode",
         "decode",
         [("decode", True)],
     )
-    ex.apply_toggles(graph_mode="both")  # turning the piecewise path on re-decides the mirror
-    assert captures[-1] == ("piecewise", True) and ex.needs_cpu_seq_lens is True
+    ex.control.apply_toggles(
+        graph_mode="both"
+    )  # turning the piecewise path on re-decides the mirror
+    assert captures[-1] == ("piecewise", True) and ex.toggles.needs_cpu_seq_lens is True
     native = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError, match="cannot be captured"):
-        native.apply_toggles(graph_mode="decode")
-    assert native.graph_mode == "none"
+        native.control.apply_toggles(graph_mode="decode")
+    assert native.toggles.graph_mode == "none"
 
 
 def test_apply_toggles_is_all_or_nothing(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError):
-        ex.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="off")
+        ex.control.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="off")
     with pytest.raises(ToggleRefusedError):
-        ex.apply_toggles(eager_input_no_copy=True, graph_mode="both")
-    assert ex.eager_input_no_copy is False and ex.needs_cpu_seq_lens_policy == "auto"
-    ex.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="on")
-    assert ex.eager_input_no_copy is True and ex.needs_cpu_seq_lens_policy == "on"
+        ex.control.apply_toggles(eager_input_no_copy=True, graph_mode="both")
+    assert ex.toggles.eager_input_no_copy is False and ex.toggles.seq_lens_policy == "auto"
+    ex.control.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="on")
+    assert ex.toggles.eager_input_no_copy is True and ex.toggles.seq_lens_policy == "on"
 
 
 def test_updates_check_their_values() -> None:

@@ -17,8 +17,8 @@ import torch
 
 from executor.errors import BatchTooLargeError, BatchValidationError, RuntimeConfigError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
-from executor.model_executor import ExecutorInfo, ForwardOutput, StepStats
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
+from executor.step.outputs import ExecutorInfo, ForwardOutput, StepStats
 from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
