@@ -20,7 +20,7 @@ from executor.batch_prep import complete_batch
 from executor.errors import TestHooks
 from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
-from executor.kv_cache import ReqToTokenPool, RowCells, RowWrite
+from executor.kv_cache import ReqToTokenPool, RowWrite, WritePlan
 from executor.model_runner import ModelRunner
 from executor.observer import ExecutorObserver
 from executor.parallel import broadcast
@@ -38,11 +38,11 @@ from ops.host_transfer import host_transfers, to_host
 
 @dataclass(frozen=True)
 class Admitted:
-    """A batch the step accepted: completed with its derived fields, and the row-table
-    cells it writes. Nothing was changed to admit it."""
+    """A batch the step accepted: completed with its derived fields, and its row-table
+    write checked against the slot owners. Nothing was changed to admit it."""
 
     batch: ForwardBatch
-    cells: RowCells
+    write: WritePlan
 
 
 class Step:
@@ -91,8 +91,9 @@ class Step:
         return out
 
     def admit(self, batch: ForwardBatch) -> Admitted:
-        """Every check a batch must pass, on host data (BatchValidationError, nothing
-        changed); then its derived fields and the cells it writes."""
+        """Every refusal a decoded batch can meet, in one place, on host data, before
+        anything is uploaded or written (BatchValidationError; nothing changed): the batch's
+        rules, then its row-table write against the slots live rows hold."""
         validate_batch(
             batch,
             self.limits,
@@ -103,13 +104,14 @@ class Step:
         return self.complete(batch)
 
     def complete(self, batch: ForwardBatch) -> Admitted:
-        """The derived fields and row cells of a batch (warm-up skips `admit`'s checks)."""
+        """The derived fields of a batch and its checked row-table write (warm-up, on the
+        reserved row 0, skips the batch rules)."""
         host = complete_batch(
             batch,
             needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
             max_context_len=self.limits.max_context_len,
         )
-        return Admitted(host, self.pool.row_cells(host))
+        return Admitted(host, self.pool.check_write(host))
 
     def run(
         self, admitted: Admitted, clock: StepClock, *, return_logits: bool, keep_rows: bool
@@ -160,9 +162,12 @@ class Step:
         """One staged host-to-device copy of the batch's device fields, its sampling
         parameters and its row-table cells (ops.h2d_staging); the row-table write from the
         staged cells; and, on rank 0 of a group, the step's broadcast."""
-        host, cells = admitted.batch, admitted.cells
+        host, cells = admitted.batch, admitted.write.cells
         views = self.staging.stage(host.staged_fields() + cells.staged_fields())
-        write = self.pool.write_batch(host, cells, cells.from_views(views))  # IDLE too: releases
+        # IDLE too: it may release rows.
+        write = self.pool.write_batch(
+            host, device_cells=cells.from_views(views), plan=admitted.write
+        )
         if self.leader is not None:  # every rank runs what rank 0 accepted
             try:
                 step = self.future.resolved_for_workers(host)  # workers keep no future table
@@ -175,8 +180,7 @@ class Step:
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
         """A worker rank: a step rank 0 admitted and broadcast (staging, row-table write,
         this rank's part of the model and its collectives; rank 0 samples)."""
-        admitted = Admitted(host, self.pool.row_cells(host))
-        fb, write = self._stage(admitted, keep_rows=keep_rows)
+        fb, write = self._stage(Admitted(host, self.pool.check_write(host)), keep_rows=keep_rows)
         try:
             self.runner.forward(fb)  # references resolved by rank 0
         except BaseException:
