@@ -2,10 +2,11 @@
 
 Dispatch: DECODE takes the full-graph path when graphs are on for it and the batch fits a
 captured bucket; EXTEND takes the piecewise path likewise; everything else runs eagerly.
-Eager stages the batch through an eager input registry (:mod:`executor.eager_inputs`) so
-the model reads registry buffers as it does under the graph runners; `eager_input_no_copy`
-skips that copy and runs on the batch's own tensors. When a graph path was wanted but the
-batch ran eagerly, the output says why (`graph_fallback`).
+Eager runs the model on the batch's own device tensors, the step's one staged upload: on
+the default path they are the eager input registry's buffers (:mod:`executor.eager_inputs`)
+and the output accounts that copy to it; with `eager_input_no_copy` nothing is accounted
+to a registry. When a graph path was wanted but the batch ran eagerly, the output says why
+(`graph_fallback`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from executor.runner_output import RunnerOutput
 from executor.step.paths import GraphMode, Path
 from executor.step.toggles import Toggles
 from ops.future_tokens import resolve_future_tokens
-from registry import FillStats
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +75,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = device
         self.toggles = toggles
-        self.eager_inputs = EagerInputs(device, toggles)
+        self.eager_inputs = EagerInputs()
         self.graph_settings = graphs
         self.graph_factory = GraphFactory(
             device, graph_backend, cache_dir=cache_dir, compiled=self._compiled_model, stop=stop
@@ -203,29 +203,25 @@ class ModelRunner:
                 (0, self.model.config.vocab_size), dtype=torch.float32, device=fb.seq_lens.device
             )
             return RunnerOutput(logits=logits, path=path, padded_batch_size=0, padded_num_tokens=0)
-        fill_registry: str | None = None
-        fill_stats = FillStats()
-        if no_copy:
-            view = dataclasses.replace(fb)  # a fresh wrapper aliasing the batch's tensors
-        else:
-            staged = self.eager_inputs.stage(fb)
-            view, fill_registry, fill_stats = staged.fb, staged.registry, staged.stats
-        # NOTE: metadata is planned from the batch the model actually reads (`view` is ours).
-        view.attn_metadata = self.attn_backend.init_forward_metadata(view)
-        assert view.positions is not None
-        input_ids = view.input_ids
+        # NOTE: the model reads `fb`'s own tensors (the step's staged views) on both eager
+        # paths; the batch is not mutated: its attention metadata rides on one replace.
+        run = dataclasses.replace(fb, attn_metadata=self.attn_backend.init_forward_metadata(fb))
+        assert run.positions is not None
+        input_ids = run.input_ids
         if fb.future_refs and input_ids is not None and self.future_tokens is not None:
             input_ids = resolve_future_tokens(input_ids, self.future_tokens)
         hidden = self.model.forward(
-            input_ids, view.positions, view, self.attn_backend, view.input_embeds
+            input_ids, run.positions, run, self.attn_backend, run.input_embeds
         )
-        # The logits are fresh memory, not a registry view: they survive the next fill.
-        logits = self.model.compute_logits(hidden, view)
+        logits = self.model.compute_logits(hidden, run)
+        if no_copy:
+            return RunnerOutput(logits, path, fb.batch_size, fb.num_tokens)
+        registry = self.eager_inputs.registry_for(fb)
         return RunnerOutput(
-            logits=logits,
-            path=path,
-            padded_batch_size=view.batch_size,
-            padded_num_tokens=view.num_tokens,
-            fill_registry=fill_registry,
-            fill_stats=fill_stats,
+            logits,
+            path,
+            fb.batch_size,
+            fb.num_tokens,
+            fill_registry=registry.name,
+            fill_stats=registry.fill_stats(fb),
         )
