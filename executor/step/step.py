@@ -3,6 +3,8 @@
 :meth:`Step.forward` is the whole step: admit the batch (every refusal, before anything is
 uploaded or written), stage it (one host-to-device copy, the row-table write), run the
 model on the path the runner picks, sample. A failure after the write undoes it.
+The clock's phases: `validate` is the admission (rules, derived fields, the owner check),
+`stage` the upload and the write, then `forward` and `sample`; `total` spans them.
 It is not thread-safe: one thread owns the device; a background graph capture takes
 `lock` bucket by bucket.
 
@@ -34,6 +36,7 @@ from executor.step.toggles import Toggles
 from executor.validation import BatchLimits, validate_batch
 from ops.h2d_staging import H2DStaging
 from ops.host_transfer import host_transfers, to_host
+from ops.sampling import SamplingPlan
 
 
 @dataclass(frozen=True)
@@ -127,21 +130,10 @@ class Step:
         try:
             with self.hooks.device_step_guard():
                 with clock.phase("forward"):
-                    ran = self.runner.forward(fb)
+                    ran = self.runner.forward(fb)  # full graph, piecewise or eager
                     self.hooks.check("forward")
                 with clock.phase("sample"):
-                    self.hooks.check("sampler")
-                    assert fb.sampling is not None
-                    out = self.sampler.sample(
-                        ran.logits,
-                        plan,
-                        fb.sampling,
-                        fb.seq_lens,
-                        return_logprob=host.return_logprob,
-                        top_logprobs_num=host.top_logprobs_num,
-                    )
-                    if return_logits:
-                        out.logits = to_host(ran.logits, "logits")
+                    out = self._sample(host, fb, ran, plan, return_logits=return_logits)
                     if future is not None:  # last: nothing after it can fail the step
                         self.future.store(
                             fb.future_token_slots,
@@ -157,6 +149,31 @@ class Step:
         if not keep_rows:
             self.pool.undo(write)
         return ran, out
+
+    def _sample(
+        self,
+        host: ForwardBatch,
+        fb: ForwardBatch,
+        ran: RunnerOutput,
+        plan: SamplingPlan,
+        *,
+        return_logits: bool,
+    ) -> ForwardOutput:
+        """The next tokens (and logprobs) from the step's logits: one host transfer, plus
+        the logits themselves when asked."""
+        self.hooks.check("sampler")
+        assert fb.sampling is not None
+        out = self.sampler.sample(
+            ran.logits,
+            plan,
+            fb.sampling,
+            fb.seq_lens,
+            return_logprob=host.return_logprob,
+            top_logprobs_num=host.top_logprobs_num,
+        )
+        if return_logits:
+            out.logits = to_host(ran.logits, "logits")
+        return out
 
     def _stage(self, admitted: Admitted, *, keep_rows: bool) -> tuple[ForwardBatch, RowWrite]:
         """One staged host-to-device copy of the batch's device fields, its sampling
