@@ -422,3 +422,21 @@ def test_cli_sends_the_token_from_its_file(
             == 0
         )
         assert _printed_json(capsys)["needs_cpu_seq_lens_effective"] is True
+
+
+def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
+    from executor.service import codec
+    from executor.step.paths import GraphMode, Path, SeqLensPolicy
+    from executor.step.toggles import CaptureState, Toggles
+
+    assert [str(p) for p in Path] == ["eager", "eager_no_copy", "full_graph", "piecewise"]
+    assert set(codec._GRAPH_MODE) == set(GraphMode)
+    assert set(codec._NEEDS_CPU_SEQ_LENS) == set(SeqLensPolicy)
+    assert [m for m in GraphMode if m.decode_graphs] == ["decode", "both"]
+    assert [m for m in GraphMode if m.piecewise] == ["extend", "both"]
+    t = Toggles(GraphMode.NONE, SeqLensPolicy.AUTO, False, eager_input_no_copy=False)
+    assert t.graph_capture == "idle"
+    t.capture, t.capture_target = CaptureState.CAPTURING, GraphMode.EXTEND
+    assert t.graph_capture == "capturing graph_mode=extend"
+    t.capture, t.capture_error = CaptureState.FAILED, "RuntimeError: boom"
+    assert t.graph_capture == "failed: RuntimeError: boom"
