@@ -91,6 +91,9 @@ class Step:
             with self.lock, self._group():
                 ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
         out.stats = self._stats(admitted.batch, ran, clock, transfers)
+        if ran.graph_fallback is not None:
+            kind, reason = ran.graph_fallback.split(":", 1)
+            self.observer.on_graph_fallback(kind, reason)
         return out
 
     def admit(self, batch: ForwardBatch) -> Admitted:
@@ -221,9 +224,6 @@ class Step:
         d2h, h2d_syncs, h2d_copies = (
             now - then for now, then in zip(host_transfers.totals(), transfers, strict=True)
         )
-        if ran.graph_fallback is not None:
-            kind, reason = ran.graph_fallback.split(":", 1)
-            self.observer.on_graph_fallback(kind, reason)
         return StepStats(
             path=ran.path,
             batch_size=host.batch_size,
