@@ -3,14 +3,19 @@
 Eager steps call :meth:`AttentionBackend.init_forward_metadata` and put the returned object on
 the batch (`fb.attn_metadata`). Graph runners use the capture/replay pair instead:
 :meth:`init_graph_state` allocates every buffer a graph will read at its maximum size once;
-:meth:`init_forward_metadata_capture` binds slices of them for one bucket and then fills them
-through :meth:`init_forward_metadata_replay`, so capture and replay share one code path (the
-seeds' "Pattern A"). :meth:`forward` stores the new tokens' K/V and attends.
+:meth:`init_forward_metadata_capture` binds one bucket's slices of those buffers and fills
+them through :meth:`init_forward_metadata_replay`, so what a graph saw at capture is what a
+replay of the same batch gives it. A backend writes the two halves, `bind_graph_metadata` and
+`fill_graph_metadata`; the runner keeps the bound object of each bucket. :meth:`forward`
+stores the new tokens' K/V (`store_layer_kv`) and attends.
 
 Class flags:
 - `needs_cpu_seq_lens`: the backend reads `fb.seq_lens_cpu` / `fb.seq_lens_sum` (host
   mirrors). A backend that never does sets it False, and the executor can drop the mirror.
 - `supports_graph_capture`: the backend implements the capture/replay hooks.
+- `graph_kv_bounded`: under capture the backend reads a static number of keys per request
+  (the graph's KV-length bound) instead of each request's own length, so DECODE graphs are
+  captured per KV-length bucket as well (`executor.graphs.buckets.kv_buckets`).
 """
 
 from __future__ import annotations
@@ -33,26 +38,59 @@ class GraphCaptureUnsupportedError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention adds to plain causal softmax attention.
+
+    - `sliding_window` W: a token at position p sees keys at positions p - W + 1 .. p (its last
+      W keys, itself included; transformers' `kv_idx > q_idx - sliding_window`), and the
+      backend never reads the K/V of older positions. None: every earlier key.
+    - `logit_softcap` c: scores become c * tanh(scores / c) before the mask and softmax.
+    """
+
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
+
+
+PLAIN_LAYER = LayerAttention()
+
+
+@dataclass(frozen=True)
 class AttentionLayout:
-    """Head geometry shared by every layer of the model."""
+    """Head geometry shared by every layer of the model, plus what each layer adds.
+
+    `scaling` multiplies q.k (1/sqrt(head_dim) for most models; Gemma 2 sets its own).
+    `layers[i]` is layer i's window and soft-cap; an empty tuple means plain attention
+    everywhere.
+    """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scaling: float
+    layers: tuple[LayerAttention, ...] = ()
+
+    def layer(self, layer_id: int) -> LayerAttention:
+        return self.layers[layer_id] if self.layers else PLAIN_LAYER
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The distinct window sizes of the model's layers, ascending."""
+        return tuple(sorted({s.sliding_window for s in self.layers if s.sliding_window}))
 
 
 class AttentionBackend(ABC):
     """Paged attention over `ReqToTokenPool` + `KVPool`."""
 
-    @property
-    def can_capture(self) -> bool:
-        """Whether this backend instance can run inside a captured graph."""
-        return self.supports_graph_capture and self.graph_capture_refusal is None
-
     name: ClassVar[str] = "base"
     needs_cpu_seq_lens: ClassVar[bool] = True
     supports_graph_capture: ClassVar[bool] = False
+    graph_kv_bounded: ClassVar[bool] = False
 
     def __init__(
         self, layout: AttentionLayout, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool
@@ -60,12 +98,12 @@ class AttentionBackend(ABC):
         self.layout = layout
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
-        # Why this instance refuses graph capture although its class supports it (e.g. a
-        # device where its captured gathers would not fit); None: `supports_graph_capture`.
-        self.graph_capture_refusal: str | None = None
-        # Metadata of every captured bucket, bound to slices of the graph buffers.
-        # Keyed by (batch-size bucket, KV-length bucket).
-        self._graph_metadata: dict[tuple[int, int], Any] = {}
+
+    def graph_capture_refusal(self) -> str | None:
+        """Why this backend instance cannot run inside a captured DECODE graph, or None."""
+        if not self.supports_graph_capture:
+            return f"attention backend {self.name!r} does not support graph capture"
+        return None
 
     # --- eager -------------------------------------------------------------------------
     @abstractmethod
@@ -79,66 +117,31 @@ class AttentionBackend(ABC):
             f"attention backend {self.name!r} does not support graph capture"
         )
 
-    def graph_kv_buckets(self) -> list[int]:
-        """The KV-length buckets a DECODE graph is captured at, per batch-size bucket. `[0]`
-        (one graph per batch size) for a backend whose captured work follows each request's
-        real length; a backend that gathers a static KV bound under capture lists bounds, so
-        a batch pays for the bucket its contexts need, not for `max_context_len`."""
-        return [0]
-
-    def graph_kv_bucket(self, seq_len_bound: int | None) -> int:
-        """The KV bucket of a batch whose longest request is at most `seq_len_bound` tokens
-        (None: unknown, the largest)."""
-        return 0
-
     def init_forward_metadata_capture(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> Any:
-        """Bind this bucket's buffer slices into a metadata object, then fill them through
-        replay: capture and replay share one code path (the seeds' Pattern A), so what a
-        graph saw at capture is what a replay of the same batch gives it."""
+        """The metadata object of one captured bucket: bound to slices of the graph buffers,
+        then filled for `fb_view` exactly as a replay fills it. `kv_bucket` is the graph's
+        KV-length bound (0 where the backend is not `graph_kv_bounded`)."""
         md = self.bind_graph_metadata(bs, num_tokens, fb_view, kv_bucket)
-        self._graph_metadata[(bs, kv_bucket)] = md
-        self.init_forward_metadata_replay(bs, fb_view, kv_bucket=kv_bucket)
+        self.init_forward_metadata_replay(md, bs, fb_view)
         return md
 
     def init_forward_metadata_replay(
         self,
+        md: Any,
         bs: int,
         fb_view: ForwardBatch,
         seq_lens_cpu: torch.Tensor | None = None,
-        kv_bucket: int = 0,
     ) -> None:
-        """Refill the bucket's bound buffers in place for this step's (padded) batch."""
-        md = self._graph_metadata.get((bs, kv_bucket))
-        if md is None:
-            raise KeyError(
-                f"no captured bucket for bs={bs}, kv={kv_bucket} "
-                f"(captured: {sorted(self._graph_metadata)})"
-            )
+        """Refill a captured bucket's metadata `md` in place for this step's (padded) batch."""
         self.fill_graph_metadata(md, bs, fb_view, seq_lens_cpu)
-
-    def check_decode_bucket(
-        self, bs: int, num_tokens: int, fb_view: ForwardBatch, graph_state: object, max_bs: int
-    ) -> None:
-        """The precondition of a decode-only capture: graph state allocated, a DECODE batch
-        (one token per request), a bucket within the allocated maximum."""
-        if graph_state is None:
-            raise RuntimeError("init_graph_state must run before capture")
-        if not fb_view.forward_mode.is_decode() or num_tokens != bs:
-            raise GraphCaptureUnsupportedError(
-                f"attention backend {self.name!r} captures DECODE batches only "
-                f"(got {fb_view.forward_mode.name} with bs={bs}, num_tokens={num_tokens})"
-            )
-        if bs > max_bs:
-            raise ValueError(f"bucket bs={bs} exceeds max_bs={max_bs}")
 
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> Any:
         """A metadata object for one bucket whose tensors are slices of the graph buffers
-        allocated by `init_graph_state` (values are filled by `fill_graph_metadata`);
-        `kv_bucket` is one of `graph_kv_buckets()`."""
+        allocated by `init_graph_state` (values are filled by `fill_graph_metadata`)."""
         raise GraphCaptureUnsupportedError(
             f"attention backend {self.name!r} does not support graph capture"
         )
@@ -151,13 +154,6 @@ class AttentionBackend(ABC):
         raise GraphCaptureUnsupportedError(
             f"attention backend {self.name!r} does not support graph capture"
         )
-
-    def store_kv(
-        self, layer_id: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' K/V at `fb.out_cache_loc`; the layer's (K, V) buffers."""
-        store_kv(self.kv_pool.k, self.kv_pool.v, layer_id, fb.out_cache_loc, k, v)
-        return self.kv_pool.k_buffer(layer_id), self.kv_pool.v_buffer(layer_id)
 
     def graph_seq_len_fill_value(self) -> int:
         """`seq_lens` of a padded row: one token, read from the reserved slot 0 via row 0."""
@@ -172,3 +168,11 @@ class AttentionBackend(ABC):
 
         q [T, Hq, D], k and v [T, Hk, D] -> output [T, Hq, D].
         """
+
+
+def store_layer_kv(
+    kv_pool: KVPool, layer_id: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new tokens' K/V at `fb.out_cache_loc`; the layer's (K, V) buffers."""
+    store_kv(kv_pool.k, kv_pool.v, layer_id, fb.out_cache_loc, k, v)
+    return kv_pool.k_buffer(layer_id), kv_pool.v_buffer(layer_id)

@@ -81,7 +81,7 @@ def decide_needs_cpu_seq_lens(
                 "needs_cpu_seq_lens=off, but attention backend "
                 f"{', '.join(repr(r) for r in readers)} reads seq_lens_cpu; use "
                 "needs_cpu_seq_lens=auto, or an attention backend that does not need it "
-                "(torch_paged, triton)"
+                f"({', '.join(n for n, cls in BACKENDS.items() if not cls.needs_cpu_seq_lens)})"
             )
         if piecewise:
             raise ValueError(

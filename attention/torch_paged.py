@@ -7,33 +7,36 @@ attends. Once the metadata is built nothing depends on data: no host reads, no
 data-dependent shapes, so the same forward runs inside a captured graph.
 
 Shapes come from host ints only: eager steps use the batch's `seq_len_bound` /
-`extend_len_bound` (powers of two, see `ForwardBatch`); captured graphs use the static
-KV-length bucket of the graph (`graph_kv_buckets`: powers of 4 from 256 up to
-`max_context_len`), so a captured step gathers what its batch's contexts need, not
-`max_context_len` for every request. Graph capture
-covers DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs
-attention between its captured pieces).
+`extend_len_bound` (see `ForwardBatch`); captured graphs use the static KV-length bucket the
+DECODE runner captures them at (the backend is `graph_kv_bounded`), so a captured step gathers
+what its batch's contexts need, not `max_context_len` for every request. Graph capture covers
+DECODE (the full-graph path); EXTEND always runs eagerly (the piecewise path runs attention
+between its captured pieces).
+
+A layer with a sliding window W reads its own metadata (`TorchPagedMetadata.windows[W]`,
+built once per step for every window size of the model): keys gathered from each request's
+window start, at most W per DECODE query, so K/V of older positions are never read; a
+position past the request's length reads the reserved slot 0. A plain layer pays nothing for
+it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from attention.base import AttentionBackend, AttentionLayout
+from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
+from attention.sdpa import sdpa, soft_cap
 
 if TYPE_CHECKING:
     from executor.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 # Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm
-# (benchmarks/attention_backends.py: 2-3x faster than one batch-wide gather at bs 64 x 4096).
+# (benchmarks/attention_backends.py compares it with one batch-wide gather).
 CPU_GATHER_BYTES = 6 << 20
-# KV-length buckets of captured DECODE graphs: powers of 4 from here up to max_context_len.
-SMALLEST_KV_BUCKET = 256
 
 
 @dataclass
@@ -41,7 +44,8 @@ class TorchPagedMetadata:
     """What `forward` needs, for one step (eager) or one captured bucket (graph buffers).
 
     `kv_slots` beyond a request's length hold whatever its row holds (always a valid slot,
-    at worst the reserved slot 0); `mask` hides them.
+    at worst the reserved slot 0); `mask` hides them. In a window's metadata key j of request
+    i is position `first_i + j` (`first_i`: the window start of its first query).
     """
 
     kv_slots: torch.Tensor  # [bs, kv_bound] int64: KV slot of key position j of request i
@@ -49,6 +53,8 @@ class TorchPagedMetadata:
     # EXTEND only (DECODE has one query per request, already in batch order):
     q_index: torch.Tensor | None = None  # [bs, q_bound] int64: token of T behind each query row
     out_index: torch.Tensor | None = None  # [T] int64: each token's row in [bs * q_bound]
+    # Per window size of the model's windowed layers: the same batch over the windows' keys.
+    windows: dict[int, TorchPagedMetadata] = field(default_factory=dict)
 
     @property
     def kv_bound(self) -> int:
@@ -66,15 +72,17 @@ class _GraphBuffers:
     kv_slots: torch.Tensor  # [max_bs * max_context_len] int64, viewed [bs, kv_bucket]
     mask: torch.Tensor  # [max_bs * max_context_len] bool, viewed [bs, 1, 1, kv_bucket]
     max_bs: int
+    # Per window W: [max_bs * min(W, max_context_len)], viewed [bs, min(W, kv_bucket)].
+    windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def cuda_graph_refusal(device: torch.device, max_context_len: int) -> str | None:
     """Why torch_paged refuses DECODE graphs on `device`, or None.
 
     Under capture the gather is sized by the graph's KV-length bucket, up to
-    max_context_len keys per request per layer: at bucket 160 with 8192-token contexts a
-    Llama-8B shape gathers about 5.4 GB per layer per step, slower than eager (sized by the
-    batch's own bound) and likely out of memory at capture. On CPU the gathers run in
+    max_context_len keys per request per layer: gigabytes per layer per step for a large
+    batch of long contexts, slower than eager (sized by the batch's own bound) and likely out
+    of memory at capture. On CPU the gathers run in
     cache-sized chunks of requests and the stand-in captures nothing real, so it stays on."""
     if device.type != "cuda":
         return None
@@ -89,6 +97,7 @@ class TorchPagedBackend(AttentionBackend):
     name: ClassVar[str] = "torch_paged"
     needs_cpu_seq_lens: ClassVar[bool] = False
     supports_graph_capture: ClassVar[bool] = True
+    graph_kv_bounded: ClassVar[bool] = True
 
     def __init__(
         self, layout: AttentionLayout, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool
@@ -100,7 +109,11 @@ class TorchPagedBackend(AttentionBackend):
         self._kv_positions = torch.arange(self.max_context_len, device=self.device)
         self._graph: _GraphBuffers | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
-        self.graph_capture_refusal = cuda_graph_refusal(self.device, self.max_context_len)
+
+    def graph_capture_refusal(self) -> str | None:
+        return super().graph_capture_refusal() or cuda_graph_refusal(
+            self.device, self.max_context_len
+        )
 
     # --- eager -------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:
@@ -109,55 +122,72 @@ class TorchPagedBackend(AttentionBackend):
         if fb.forward_mode.is_extend():
             # No bound: the step's token count (a shape), and never past the context length.
             q_bound = fb.extend_len_bound or min(num_tokens, self.max_context_len)
-            md = TorchPagedMetadata(
-                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
-                mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
-                q_index=torch.empty((bs, q_bound), dtype=torch.int64, device=self.device),
-                out_index=torch.empty(num_tokens, dtype=torch.int64, device=self.device),
-            )
+            md = self._empty(bs, q_bound, kv_bound)
+            md.q_index = torch.empty((bs, q_bound), dtype=torch.int64, device=self.device)
+            md.out_index = torch.empty(num_tokens, dtype=torch.int64, device=self.device)
             self._fill_extend(md, fb)
-        else:
-            md = TorchPagedMetadata(
-                kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
-                mask=torch.empty((bs, 1, 1, kv_bound), dtype=torch.bool, device=self.device),
-            )
-            self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+            for w in self.layout.sliding_windows:
+                width = min(kv_bound, w + q_bound - 1)  # the first query's window to the last key
+                window = self._empty(bs, q_bound, width)
+                window.q_index, window.out_index = md.q_index, md.out_index
+                self._fill_extend_window(window, fb, w)
+                md.windows[w] = window
+            return md
+        md = self._empty(bs, 1, kv_bound)
+        md.windows = {w: self._empty(bs, 1, min(w, kv_bound)) for w in self.layout.sliding_windows}
+        self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
         return md
+
+    def _empty(self, bs: int, q_bound: int, kv_bound: int) -> TorchPagedMetadata:
+        return TorchPagedMetadata(
+            kv_slots=torch.empty((bs, kv_bound), dtype=torch.int64, device=self.device),
+            mask=torch.empty((bs, 1, q_bound, kv_bound), dtype=torch.bool, device=self.device),
+        )
 
     # --- graphs ------------------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         n = max_bs * self.max_context_len
+        kv_slots, mask = self._flat_buffers(n)
         self._graph = _GraphBuffers(
-            kv_slots=torch.zeros(n, dtype=torch.int64, device=self.device),
-            mask=torch.zeros(n, dtype=torch.bool, device=self.device),
+            kv_slots=kv_slots,
+            mask=mask,
             max_bs=max_bs,
+            windows={
+                w: self._flat_buffers(max_bs * min(w, self.max_context_len))
+                for w in self.layout.sliding_windows
+            },
         )
-        self._graph_metadata.clear()
 
-    def graph_kv_buckets(self) -> list[int]:
-        sizes, size = [], SMALLEST_KV_BUCKET
-        while size < self.max_context_len:
-            sizes.append(size)
-            size *= 4
-        return [*sizes, self.max_context_len]
-
-    def graph_kv_bucket(self, seq_len_bound: int | None) -> int:
-        bound = self.max_context_len if seq_len_bound is None else seq_len_bound
-        return next(b for b in self.graph_kv_buckets() if b >= min(bound, self.max_context_len))
+    def _flat_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat (kv_slots, mask) storage of graph metadata, viewed per bucket by `bind`."""
+        return (
+            torch.zeros(n, dtype=torch.int64, device=self.device),
+            torch.zeros(n, dtype=torch.bool, device=self.device),
+        )
 
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> TorchPagedMetadata:
         g = self._graph
-        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.max_bs if g else 0)
-        assert g is not None
+        if g is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if bs > g.max_bs:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={g.max_bs}")
         kv = kv_bucket or self.max_context_len
         if kv > self.max_context_len:
             raise ValueError(f"kv bucket {kv} exceeds max_context_len={self.max_context_len}")
         # Contiguous views of the flat buffers: the mask fill writes it as [bs, kv].
+        windows = {}
+        for w, (slots, mask) in g.windows.items():
+            width = min(w, kv)
+            windows[w] = TorchPagedMetadata(
+                kv_slots=slots[: bs * width].view(bs, width),
+                mask=mask[: bs * width].view(bs, 1, 1, width),
+            )
         return TorchPagedMetadata(
             kv_slots=g.kv_slots[: bs * kv].view(bs, kv),
             mask=g.mask[: bs * kv].view(bs, 1, 1, kv),
+            windows=windows,
         )
 
     def fill_graph_metadata(
@@ -186,6 +216,28 @@ class TorchPagedBackend(AttentionBackend):
             seq_lens[:bs, None],
             out=md.mask.view(bs, kv_bound),
         )
+        for w, wmd in md.windows.items():
+            # The query at position seq_len - 1 sees its last w keys: from seq_len - w on.
+            first = torch.clamp(seq_lens[:bs] - w, min=0)
+            valid = self._window_slots(wmd, req_pool_indices[:bs], first, seq_lens[:bs])
+            wmd.mask.view(bs, wmd.kv_bound).copy_(valid)
+
+    def _window_slots(
+        self,
+        md: TorchPagedMetadata,
+        req_pool_indices: torch.Tensor,
+        first: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fill `md.kv_slots` with positions first_i.. of each request (slot 0 past its
+        length, so nothing outside the request is read); -> [bs, width] bool: position
+        exists."""
+        positions = first[:, None] + self._kv_positions[: md.kv_bound]  # [bs, width]
+        valid = positions < seq_lens[:, None]
+        in_row = torch.clamp(positions, max=self.max_context_len - 1)
+        slots = self.req_to_token_pool.req_to_token[req_pool_indices[:, None], in_row]
+        md.kv_slots.copy_(slots.masked_fill(~valid, 0))
+        return valid
 
     def _fill_extend(self, md: TorchPagedMetadata, fb: ForwardBatch) -> None:
         assert md.q_index is not None and md.out_index is not None
@@ -210,11 +262,25 @@ class TorchPagedBackend(AttentionBackend):
         token = torch.arange(num_tokens, device=self.device)
         torch.add(request * q_bound, token - fb.extend_start_loc[request], out=md.out_index)
 
+    def _fill_extend_window(self, md: TorchPagedMetadata, fb: ForwardBatch, window: int) -> None:
+        assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
+        prefix, seq_lens = fb.extend_prefix_lens, fb.seq_lens
+        first = torch.clamp(prefix + 1 - window, min=0)  # the first new token's window start
+        valid = self._window_slots(md, fb.req_pool_indices, first, seq_lens)
+        positions = first[:, None] + self._kv_positions[: md.kv_bound]  # [bs, width]
+        # Padded query rows (r >= extend_len) repeat the request's last token, so every row
+        # sees at least itself.
+        rows = self._kv_positions[: md.q_bound]
+        q_pos = prefix[:, None] + torch.minimum(rows, fb.extend_seq_lens[:, None] - 1)
+        keys, queries = positions[:, None, :], q_pos[:, :, None]
+        visible = valid[:, None, :] & (keys <= queries) & (keys > queries - window)
+        md.mask.copy_(visible.unsqueeze(1))
+
     # --- compute -----------------------------------------------------------------------
     def chunk_rows(self, bs: int, kv_bound: int, element_size: int) -> int:
         """Requests attended per chunk: all of them on CUDA; on CPU as many as keep the
         gathered K and V within `CPU_GATHER_BYTES`, so they are still in cache when SDPA
-        reads them (2-3x faster for large batches than one batch-wide gather). A function of
+        reads them (faster for large batches than one batch-wide gather). A function of
         shapes only, so a captured graph replays the same chunks."""
         if self.device.type != "cpu":
             return bs
@@ -224,13 +290,17 @@ class TorchPagedBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
+        k_buffer, v_buffer = store_layer_kv(self.kv_pool, layer_id, fb, k, v)
 
         md: TorchPagedMetadata = fb.attn_metadata
+        spec = self.layout.layer(layer_id)
+        if spec.sliding_window is not None:
+            md = md.windows[spec.sliding_window]
+        softcap = spec.logit_softcap
         bs, kv_bound = md.kv_slots.shape
         chunk = self.chunk_rows(bs, kv_bound, k_buffer.element_size())
         parts = [
-            self._attend(q, k_buffer, v_buffer, md, start, min(bs, start + chunk))
+            self._attend(q, k_buffer, v_buffer, md, start, min(bs, start + chunk), softcap)
             for start in range(0, bs, chunk)
         ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -263,10 +333,11 @@ class TorchPagedBackend(AttentionBackend):
         md: TorchPagedMetadata,
         start: int,
         end: int,
+        softcap: float | None,
     ) -> torch.Tensor:
         """Requests start..end-1: [n, Hk, group, D] (DECODE) or [n, Hq, q_bound, D] (EXTEND)."""
         if md.q_index is None and torch.compiler.is_compiling():
-            return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end)
+            return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end, softcap)
         n, kv_bound = end - start, md.kv_bound
         num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
         # index_select over the flattened slots is several times faster than advanced
@@ -281,19 +352,21 @@ class TorchPagedBackend(AttentionBackend):
             # DECODE: the query heads sharing a KV head become that head's query rows
             # (head h reads KV head h // group), so K/V are never repeated per group.
             group = num_heads // num_kv_heads
-            return F.scaled_dot_product_attention(
+            return sdpa(
                 q[start:end].view(n, num_kv_heads, group, head_dim),
                 keys,
                 values,
-                attn_mask=mask,  # [n, 1, 1, kv_bound] broadcasts over heads and rows
+                mask,  # [n, 1, 1, kv_bound] broadcasts over heads and rows
                 scale=self.layout.scaling,
+                softcap=softcap,
             )
-        return F.scaled_dot_product_attention(
+        return sdpa(
             q[md.q_index[start:end]].transpose(1, 2),  # [n, Hq, q_bound, D]
             keys,
             values,
-            attn_mask=mask,
+            mask,
             scale=self.layout.scaling,
+            softcap=softcap,
             enable_gqa=num_heads != num_kv_heads,
         )
 
@@ -305,13 +378,13 @@ class TorchPagedBackend(AttentionBackend):
         md: TorchPagedMetadata,
         start: int,
         end: int,
+        softcap: float | None,
     ) -> torch.Tensor:
         """DECODE attention written as indexing, products and sums, for a whole-step compile
         (`compiled_step`): inductor turns it into a few loops that read each key and value
         straight from the pool through `kv_slots` (no gathered [n, kv_bound, Hk, D] copies)
         and keep scores and softmax in float32, instead of a gather kernel and an SDPA call
-        per layer. Measured on SmolLM2 (2-core EPYC): about 0.4 ms a bs-1 step and 5 ms a
-        bs-32 step faster. -> [n, Hk, group, D], as `_attend`."""
+        per layer. -> [n, Hk, group, D], as `_attend`."""
         n, kv_bound = end - start, md.kv_bound
         num_kv_heads, head_dim = k_buffer.shape[1], q.shape[2]
         group = q.shape[1] // num_kv_heads
@@ -320,6 +393,8 @@ class TorchPagedBackend(AttentionBackend):
         values = v_buffer[slots].float()
         queries = q[start:end].view(n, 1, num_kv_heads, group, head_dim).float()
         scores = (queries * keys[:, :, :, None, :]).sum(-1) * self.layout.scaling  # [n, L, Hk, G]
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         visible = md.mask[start:end].view(n, kv_bound, 1, 1)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=1)
         out = (probs[..., None] * values[:, :, :, None, :]).sum(1)  # [n, Hk, G, D]

@@ -4,7 +4,7 @@ One "step" is what a model step runs through its linears: 30 layers x (qkv 576->
 o 576->576, gate_up 576->3072, down 1536->576) plus the tied head 576->49152, each layer with
 its own weights (so they come from DRAM, as in a real step, not from cache). For each row count
 (the batch size of a DECODE step) it prints the median ms of such a step for `F.linear` on the
-plain weight (`linear_kernel=aten`) and for `ops.onednn_linear` on weights packed with each
+plain weight (`linear_kernel=aten`) and for `executor.models.onednn_linear` on weights packed with each
 batch hint (`linear_kernel=onednn` packs with `PACK_BATCH_HINT`).
 
     python benchmarks/packed_linear.py [--rows 1,8,32,64] [--hints 1,8,16,32,64] [--repeats 10]
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
-from ops.onednn_linear import PACK_BATCH_HINT, PackedWeight, onednn_linear
+from executor.models.onednn_linear import PACK_BATCH_HINT, PackedWeight, onednn_linear
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] of one layer

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.graphs.buckets import length_bound
 
 
 def _i64(values: Sequence[int]) -> torch.Tensor:
@@ -93,23 +94,6 @@ def make_idle_batch() -> ForwardBatch:
 
 def _as_i64(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(torch.int64)
-
-
-# Steps per octave of a length bound: lengths round up to a sixteenth of their power of two.
-LENGTH_BOUND_STEPS = 8
-
-
-def length_bound(max_len: int, cap: int) -> int:
-    """The shape bound of a length, at most `cap`: `max_len` rounded up to a multiple of a
-    sixteenth of its next power of two (1, 2, ..., 16, 18, 20, ..., 32, 36, ..., 128, 144, ...).
-    At most 1/8 over `max_len`, so a gather sized by it reads at most 12.5% padding (a power
-    of two read up to 2x: 256 keys per request for 129-token contexts, where this reads 144),
-    with 8 distinct bounds per octave (about 100 up to 8192)."""
-    power = 1
-    while power < max_len:
-        power *= 2
-    step = max(1, power // (2 * LENGTH_BOUND_STEPS))
-    return min(-(-max_len // step) * step, cap)
 
 
 def _future_refs(input_ids: torch.Tensor | None) -> int:

@@ -45,7 +45,8 @@ class ExecutorConfig:
     """
 
     model: str = setting(
-        "smollm2", "model: smollm2, tiny-random, tiny-random-qwen2, a .gguf file or a HF directory"
+        "smollm2",
+        "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe], a .gguf file or a HF directory",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting(
@@ -61,7 +62,8 @@ class ExecutorConfig:
     max_batch_size: int = setting(0, "most requests in one batch; 0 = max_reqs")
     max_tokens_per_batch: int = setting(8192, "most tokens in one batch (EXTEND chunks must fit)")
     attention_backend: str = setting(
-        "auto", "auto (triton on CUDA, torch_paged on CPU) | torch_native | torch_paged | triton"
+        "auto",
+        " | ".join(["auto (triton on CUDA, torch_paged on CPU)", *ATTENTION_BACKEND_NAMES[1:]]),
     )
     graph_mode: str = setting(
         "auto",
@@ -259,7 +261,7 @@ class DtypeChoice:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: the CPUs where bfloat16 matmuls are not emulated (slower than
-    float32 elsewhere: 3x on an AVX2 EPYC, docs/performance.md)."""
+    float32 elsewhere: docs/performance.md)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

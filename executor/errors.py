@@ -96,7 +96,7 @@ class TestHooks:
     """What tests install into the step (nothing in production sets them).
 
     `faults` raises at the step's `forward` / `sampler` sites; `device_step_guard` wraps the
-    device part of every step (tests install `ops.host_read_guard.HostReadGuard` there to
+    device part of every step (tests install `executor.graphs.capture_rules.HostReadGuard` there to
     prove every host read is counted).
     """
 

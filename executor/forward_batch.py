@@ -129,7 +129,7 @@ class ForwardBatch:
     # NOTE: shape parameters, not host mirrors. The batch arrives on the host (from the wire)
     # and the executor reads it there anyway to validate it, so `complete_batch` also records
     # a static upper bound of the lengths: the largest one rounded up to an eighth of an
-    # octave, capped at max_context_len (`batch_prep.length_bound`: at most 12.5% padding,
+    # octave, capped at max_context_len (`graphs.buckets.length_bound`: at most 12.5% padding,
     # 8 distinct shapes per octave). Reading them is neither a read of `seq_lens_cpu` nor a
     # device-to-host transfer, so a backend with `needs_cpu_seq_lens = False` may size its
     # gathers and grids by them. Under graph capture backends use the static maximum

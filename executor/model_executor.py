@@ -21,7 +21,7 @@ import threading
 import structlog
 
 import executor
-from attention import AttentionLayout, create_backend, decide_needs_cpu_seq_lens
+from attention import create_backend, decide_needs_cpu_seq_lens
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
@@ -141,9 +141,7 @@ class ModelExecutor:
             self.dtype,
             self.device,
         )
-        layout = AttentionLayout(
-            plan.num_heads, plan.num_kv_heads, mcfg.head_dim, mcfg.attention_scaling
-        )
+        layout = mcfg.attention_layout(plan.num_heads, plan.num_kv_heads)
         self.attn_backend = create_backend(
             config.attention_backend,
             layout=layout,

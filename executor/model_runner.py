@@ -29,7 +29,8 @@ from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
-from executor.models.llama import LayerHalves, LlamaForCausalLM, compile_halves
+from executor.models.blocks import LayerFns, compile_layer_fns
+from executor.models.decoder_model import DecoderModel
 from executor.runner_output import RunnerOutput
 from executor.step.paths import GraphMode, Path
 from executor.step.toggles import Toggles
@@ -57,7 +58,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         attn_backend: AttentionBackend,
         *,
         device: torch.device,
@@ -80,17 +81,17 @@ class ModelRunner:
         self.graph_factory = GraphFactory(
             device, graph_backend, cache_dir=cache_dir, compiled=self._compiled_model, stop=stop
         )
-        self._compiled_halves: LayerHalves | None = None
+        self._compiled_fns: LayerFns | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
 
     # --- graphs --------------------------------------------------------------------------
     @contextmanager
     def _compiled_model(self) -> Iterator[None]:
-        """The model with its layer halves compiled (the `compiled` graph backend)."""
-        if self._compiled_halves is None:
-            self._compiled_halves = compile_halves()
-        with self.model.using_halves(self._compiled_halves):
+        """The model with its layer functions compiled (the `compiled` graph backend)."""
+        if self._compiled_fns is None:
+            self._compiled_fns = compile_layer_fns()
+        with self.model.using_compiled_fns(self._compiled_fns):
             yield
 
     def enable_graphs(self, mode: GraphMode, *, progress: bool = True) -> list[CaptureReport]:
@@ -108,7 +109,11 @@ class ModelRunner:
         if mode is not GraphMode.NONE and self.graph_settings is None:
             raise ValueError("this runner was built without graph settings")
         missing = []
-        if mode.decode_graphs and self.decode_graphs is None and self.attn_backend.can_capture:
+        if (
+            mode.decode_graphs
+            and self.decode_graphs is None
+            and self.attn_backend.graph_capture_refusal() is None
+        ):
             missing.append("decode")
         if mode.piecewise and self.piecewise is None:
             missing.append("piecewise")

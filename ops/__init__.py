@@ -1,7 +1,8 @@
 """Small device ops with a torch reference implementation each.
 
-Every op here is a plain function over tensors: no module state except the host-transfer
-counters in :mod:`ops.host_transfer`, which metrics read.
+Every op here is a plain function over tensors. The only module state is the host-transfer
+accounting: the counters of :mod:`ops.host_transfer`, which metrics read, and the thread-local
+declarations of :mod:`ops.host_reads`, which a host-read guard checks.
 """
 
 from ops.activation import silu_and_mul

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.host_read_guard import declare_pinned
+from ops.host_reads import declare_pinned
 from ops.host_transfer import to_device
 
 ALIGN = 64  # bytes: every field starts on a cache line, so dtype views are aligned

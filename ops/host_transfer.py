@@ -4,7 +4,7 @@ Every device-to-host read on the forward path calls :func:`to_host` with a `reas
 (``sampled_tokens``, ``logits``, ``seq_lens_cpu``, ...). The counts feed the
 `model_executor_d2h_syncs_total` metric, and tests assert them exactly. On a CPU device the
 "transfer" is a copy, counted all the same so that the accounting is checked in CI. Tests
-run the step under :class:`ops.host_read_guard.HostReadGuard`, which fails on any host read
+run the step under `executor.graphs.capture_rules.HostReadGuard`, which fails on any host read
 that bypasses this door.
 
 The other direction goes through :func:`to_device`: an upload from pinned memory with
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ops.host_read_guard import check_upload, counted_transfer, is_pinned, mark_host
+from ops.host_reads import check_upload, counted_transfer, is_pinned, mark_host
 
 
 @dataclass

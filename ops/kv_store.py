@@ -3,8 +3,8 @@
 The pool is one [layers, slots + 1, Hk, D] tensor per kind (`executor.kv_cache.KVPool`) and
 the write addresses it whole, by (layer, slot), never through a per-layer view. That matters
 inside a whole-step compile (`compiled_step` graphs): functionalizing a write into a view of
-a graph input made inductor copy the whole pool every step (a 188 MiB pool: 300 ms a SmolLM2
-step instead of 26), while an `index_put_` on the pool itself is re-inplaced by inductor into
+a graph input made inductor copy the whole pool every step, while an `index_put_` on the pool
+itself is re-inplaced by inductor into
 a scatter of the new rows (tests/test_ops.py reads the generated code for pool-sized copies).
 Eager steps take the per-layer `index_copy_`, the cheaper call there.
 """

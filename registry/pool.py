@@ -36,9 +36,3 @@ def share_input_buffer(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if canonical is tensor:
         return tensor
     return canonical.as_strided(tensor.size(), tensor.stride())
-
-
-def shared_buffer_count() -> int:
-    """How many canonical buffers the pool holds (for tests and memory reports)."""
-    with _lock:
-        return len(_pool)

@@ -46,6 +46,7 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_reqs: int = 16,
+    num_layers: int = 1,
 ) -> Case:
     """`prefix_lens[i]` cached tokens and `extend_lens[i]` new ones per request (DECODE: 1)."""
     device = torch.device(device)
@@ -55,7 +56,7 @@ def make_case(
     total = sum(seq_lens)
     kv_slots = 2 * total + 64
     pool = ReqToTokenPool(max_reqs, max_context_len, device)
-    kv = KVPool(kv_slots, 1, layout.num_kv_heads, layout.head_dim, dtype, device)
+    kv = KVPool(kv_slots, num_layers, layout.num_kv_heads, layout.head_dim, dtype, device)
     kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
     kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
     rows = (torch.randperm(max_reqs, generator=g)[:bs] + 1).tolist()

@@ -18,11 +18,12 @@ from attention import (
     backend_class,
     create_backend,
 )
-from executor.batch_prep import length_bound, make_decode_batch, make_extend_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.graphs.buckets import length_bound
+from executor.graphs.capture_rules import ForbiddenValue, HostReadGuard
 from executor.model_executor import ModelExecutor
-from ops.host_read_guard import ForbiddenValue, HostReadGuard
 from tests.attention_cases import Case, make_case, make_layout, random_lengths, run
 
 MakeExecutor = Callable[..., ModelExecutor]
@@ -214,7 +215,7 @@ def test_replay_after_another_batch_leaves_nothing_stale() -> None:
     captured.kv_slots.fill_(7)  # poison every buffer the graph reads
     captured.mask.fill_(True)
     with HostReadGuard():
-        paged.init_forward_metadata_replay(bs, b_view)
+        paged.init_forward_metadata_replay(captured, bs, b_view)
     eager = paged.init_forward_metadata(dataclasses.replace(b_view, seq_len_bound=512))
     assert_same_metadata(captured, eager)
     # And attention over the captured metadata equals eager attention for that batch.
@@ -223,22 +224,24 @@ def test_replay_after_another_batch_leaves_nothing_stale() -> None:
     torch.testing.assert_close(out_graph, out_eager, atol=1e-6, rtol=0)
 
 
-def test_capture_refuses_extend_and_uncaptured_buckets() -> None:
-    case = make_case(ForwardMode.EXTEND, [0], [4], make_layout(4, 2, 32))
+def test_capture_needs_graph_state_and_a_bucket_within_it() -> None:
+    _, case = _decode_case(4, seed=2)
     paged = TorchPagedBackend(case.layout, case.req_to_token_pool, case.kv_pool)
+    view = padded_decode_view(case.fb, 4, 1)
     with pytest.raises(RuntimeError, match="init_graph_state"):
-        paged.init_forward_metadata_capture(1, 4, case.fb)
-    paged.init_graph_state(max_bs=4, max_num_tokens=4)
-    with pytest.raises(GraphCaptureUnsupportedError, match="DECODE"):
-        paged.init_forward_metadata_capture(1, 4, case.fb)
-    with pytest.raises(KeyError, match="bs=2"):
-        paged.init_forward_metadata_replay(2, case.fb)
+        paged.init_forward_metadata_capture(4, 4, view)
+    paged.init_graph_state(max_bs=2, max_num_tokens=2)
+    with pytest.raises(ValueError, match="bs=4 exceeds max_bs=2"):
+        paged.init_forward_metadata_capture(4, 4, view)
 
 
 def test_native_refuses_graph_capture() -> None:
     case = make_case(ForwardMode.DECODE, [3], [1], make_layout(4, 2, 32))
     native = TorchNativeBackend(case.layout, case.req_to_token_pool, case.kv_pool)
     assert not native.supports_graph_capture and native.needs_cpu_seq_lens
+    assert native.graph_capture_refusal() == (
+        "attention backend 'torch_native' does not support graph capture"
+    )
     with pytest.raises(GraphCaptureUnsupportedError):
         native.init_graph_state(4, 4)
 

@@ -11,6 +11,8 @@ from executor.graphs.buckets import (
     cpu_piecewise_buckets,
     default_decode_buckets,
     default_piecewise_buckets,
+    kv_bucket,
+    kv_buckets,
     normalize_buckets,
     pad_to_bucket,
     parse_bucket_list,
@@ -57,3 +59,12 @@ def test_cpu_ladders_are_powers_of_two_with_the_maximum() -> None:
     assert cpu_decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert cpu_piecewise_buckets(1024) == [16, 32, 64, 128, 256, 512, 1024]
     assert cpu_piecewise_buckets(10) == [10]
+
+
+def test_kv_buckets_are_powers_of_4_from_256_up_to_the_context_length() -> None:
+    assert kv_buckets(1024) == [256, 1024]
+    assert kv_buckets(8192) == [256, 1024, 4096, 8192]
+    assert kv_buckets(100) == [100]
+    # A batch pads to the smallest KV bucket that holds its longest request.
+    assert [kv_bucket(n, 8192) for n in (1, 256, 257, 5000, 9000)] == [256, 256, 1024, 8192, 8192]
+    assert kv_bucket(None, 8192) == 8192

@@ -16,6 +16,7 @@ import torch
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, resolve_graph_backend
+from executor.graphs.buckets import kv_bucket
 from executor.graphs.graph import CompiledGraph, GraphFactory, StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
@@ -122,11 +123,11 @@ def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     graph = make_executor(graph_mode="decode", graph_batch_sizes="1,2")
     backend = graph.attn_backend
     assert isinstance(backend, TorchPagedBackend)
-    assert backend.graph_kv_buckets() == [256, 1024]  # max_context_len 1024
-    assert backend.graph_kv_bucket(300) == 1024 and backend.graph_kv_bucket(None) == 1024
-    # One graph per (batch size, KV bucket), its gather as wide as its KV bucket.
     decode = graph.runner.decode_graphs
     assert decode is not None
+    assert decode.kv_buckets == [256, 1024]  # max_context_len 1024
+    assert kv_bucket(300, 1024) == 1024 and kv_bucket(None, 1024) == 1024
+    # One graph per (batch size, KV bucket), its gather as wide as its KV bucket.
     for bs, by_kv in decode.captured.items():
         for kv, captured in by_kv.items():
             assert tuple(captured.view.attn_metadata.kv_slots.shape) == (bs, kv)
@@ -134,9 +135,9 @@ def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     replayed: list[int] = []
     real_replay = backend.init_forward_metadata_replay
 
-    def spy(bs: int, fb_view, seq_lens_cpu=None, kv_bucket: int = 0) -> None:  # type: ignore[no-untyped-def]
-        replayed.append(kv_bucket)
-        real_replay(bs, fb_view, seq_lens_cpu, kv_bucket)
+    def spy(md, bs: int, fb_view, seq_lens_cpu=None) -> None:  # type: ignore[no-untyped-def]
+        replayed.append(md.kv_bound)
+        real_replay(md, bs, fb_view, seq_lens_cpu)
 
     monkeypatch.setattr(backend, "init_forward_metadata_replay", spy)
     for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024

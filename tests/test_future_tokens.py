@@ -20,6 +20,7 @@ from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.errors import BatchValidationError, FaultInjector, InjectedFault
 from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.graphs.capture_rules import HostReadGuard
 from executor.model_executor import ModelExecutor
 from executor.service.codec import batch_from_proto, batch_to_proto
 from executor.step.outputs import ForwardOutput
@@ -28,7 +29,6 @@ from ops.future_tokens import (
     resolve_future_tokens_reference,
     store_future_tokens,
 )
-from ops.host_read_guard import HostReadGuard
 from tests.server_util import Scrape, running_server, tiny_config
 
 MakeExecutor = Callable[..., ModelExecutor]

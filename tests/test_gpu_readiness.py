@@ -22,14 +22,15 @@ from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.errors import ToggleRefusedError
 from executor.forward_batch import SamplingParams
+from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
 from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
-from executor.models.llama import LlamaDecoderLayer
+from executor.models.blocks import DecoderLayer
 from ops import device_scope as ds
 from ops import h2d_staging
 from ops.h2d_staging import H2DStaging, StagedField
-from ops.host_read_guard import HostReadError, HostReadGuard, declare_pinned
+from ops.host_reads import declare_pinned
 from ops.host_transfer import host_transfers, to_device
 
 MakeExecutor = Callable[..., ModelExecutor]
@@ -133,17 +134,17 @@ def test_device_scope_makes_cuda_n_current_and_launch_checks_refuse_without_it(
 def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = LlamaDecoderLayer.post_attention
+    real = DecoderLayer.post_attention
     oom_at = {"rows": 2}
 
     def post_attention(
-        self: LlamaDecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
+        self: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if attn_out.shape[0] == oom_at["rows"]:
             raise torch.OutOfMemoryError("injected: no room for bucket 2")
         return real(self, attn_out, residual)
 
-    monkeypatch.setattr(LlamaDecoderLayer, "post_attention", post_attention)
+    monkeypatch.setattr(DecoderLayer, "post_attention", post_attention)
     ex = make_executor(graph_mode="decode", graph_batch_sizes="1,2,4")
     oom_at["rows"] = -1  # capture is over: eager and replays run normally
     [report] = ex.control.capture_reports
@@ -176,21 +177,21 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     ex.forward(make_extend_batch(input_ids=[[3, 4]], req_pool_indices=[1], out_cache_loc=[[1, 2]]))
     decode = make_decode_batch(input_ids=[7], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[5])
     assert ex.forward(decode).stats.path == "full_graph"
-    real = LlamaDecoderLayer.post_attention
+    real = DecoderLayer.post_attention
 
     def unsafe(
-        self: LlamaDecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
+        self: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if attn_out.sum().item() == float("inf"):  # a host read: poisons a capture
             raise AssertionError("unreachable")
         return real(self, attn_out, residual)
 
-    monkeypatch.setattr(LlamaDecoderLayer, "post_attention", unsafe)
+    monkeypatch.setattr(DecoderLayer, "post_attention", unsafe)
     [report] = ex.control.set_graph_mode("both")  # the piecewise runner captures now, and poisons
     assert report.kind == "piecewise" and report.poisoned is not None
     assert len(report.failed) == 1 and report.captured == []
     assert ex.info.graph_capture_disabled == report.poisoned
-    monkeypatch.setattr(LlamaDecoderLayer, "post_attention", real)
+    monkeypatch.setattr(DecoderLayer, "post_attention", real)
     # The decode graphs captured before are not replayed any more: eager, with the reason.
     out = ex.forward(
         make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[6])
@@ -500,7 +501,7 @@ def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor
 
 # --- torch_paged refuses DECODE graphs on CUDA ----------------------------------------------
 def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
-    make_executor: MakeExecutor,
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from attention.torch_paged import cuda_graph_refusal
 
@@ -508,7 +509,8 @@ def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     reason = cuda_graph_refusal(torch.device("cuda", 0), 8192)
     assert reason is not None and "8192" in reason and "triton" in reason
     ex = make_executor(graph_mode="none", graph_batch_sizes="1,2")
-    ex.attn_backend.graph_capture_refusal = reason  # what __init__ sets on a CUDA device
+    # What the backend says on a CUDA device.
+    monkeypatch.setattr(ex.attn_backend, "graph_capture_refusal", lambda: reason)
     with pytest.raises(ToggleRefusedError, match="use attention_backend=triton"):
         ex.control.set_graph_mode("decode")
     assert ex.toggles.graph_mode == "none"

@@ -19,7 +19,8 @@ from executor.forward_batch import ForwardBatch
 from executor.graphs.graph import CpuGraph, GraphCaptureError
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor
-from executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from executor.models.blocks import DecoderLayer
+from executor.models.llama import LlamaForCausalLM
 from ops.host_transfer import to_host
 from tests.random_batches import BatchGenerator
 
@@ -188,16 +189,16 @@ def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference = make_executor(graph_mode="none")
-    real = LlamaDecoderLayer.post_attention
+    real = DecoderLayer.post_attention
 
     def unsafe(
-        self: LlamaDecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
+        self: DecoderLayer, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if attn_out.abs().sum().item() < 0:  # a host read: fine eagerly, refused in capture
             raise AssertionError("unreachable")
         return real(self, attn_out, residual)
 
-    monkeypatch.setattr(LlamaDecoderLayer, "post_attention", unsafe)
+    monkeypatch.setattr(DecoderLayer, "post_attention", unsafe)
     ex = make_executor(graph_mode="both", graph_batch_sizes="1,2", piecewise_token_sizes="8")
     reports = {r.kind: r for r in ex.control.capture_reports}
     # As on CUDA, the forbidden op poisons the capture: the largest bucket fails, nothing

@@ -7,86 +7,24 @@ logits within 1e-3), after which the sequences are no longer comparable.
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from executor.batch_prep import make_extend_batch
-from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
-from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.models.hf_loader import save_hf_directory
 from executor.models.loader import load_model, packaged_smollm2_path
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
-from executor.step.outputs import ForwardOutput
+from tests.parity_util import check_parity
 
 transformers = pytest.importorskip("transformers")
 
-NEW_TOKENS = 32
-LOGIT_TOL = 1e-3
 
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens from transformers, with the top-2 logit gap at each step."""
-    tokens, gaps = [], []
-    past = None
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(n):
-            out = model(ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[0, -1]
-            top2 = logits.topk(2).values
-            tokens.append(int(logits.argmax()))
-            gaps.append(float(top2[0] - top2[1]))
-            ids = torch.tensor([[tokens[-1]]])
-    return tokens, gaps
-
-
-def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float]) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        if a != b:
-            assert gaps[i] <= LOGIT_TOL, (
-                f"token {i}: ours {a}, transformers {b}, top-2 gap {gaps[i]:.2e} is no near-tie"
-            )
-            return
-
-
-def check_parity(ex: ModelExecutor, hf: torch.nn.Module, prompts: list[list[int]]) -> Counter[str]:
-    """Prefill logits and greedy tokens against transformers; the paths our steps took."""
-    paths: Counter[str] = Counter()
-
-    def forward(fb: ForwardBatch, **kwargs: Any) -> ForwardOutput:
-        out = ex.forward(fb, **kwargs)
-        paths[out.stats.path] += 1
-        return out
-
-    slot = 1
-    for row, prompt in enumerate(prompts, start=1):
-        fb = make_extend_batch(
-            input_ids=[prompt],
-            req_pool_indices=[row],
-            out_cache_loc=[list(range(slot, slot + len(prompt)))],
-        )
-        slot += len(prompt)
-        ours = forward(fb, return_logits=True).logits
-        assert ours is not None
-        with torch.inference_mode():
-            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
-        diff = float((ours[0] - ref).abs().max())
-        assert diff <= LOGIT_TOL, f"prompt {row}: prefill logits differ by {diff}"
-    ours_gen = generate(forward, ex.limits, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for prompt, ours_tokens in zip(prompts, ours_gen, strict=True):
-        ref_tokens, gaps = hf_greedy(hf, prompt, NEW_TOKENS)
-        assert_greedy_matches(ours_tokens, ref_tokens, gaps)
-    return paths
-
-
-@pytest.mark.parametrize("model", ["tiny-random", "tiny-random-qwen2"])
+@pytest.mark.parametrize(
+    "model", ["tiny-random", "tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-qwen3-moe"]
+)
 def test_tiny_random_matches_transformers(tmp_path: Path, cache_dir: Path, model: str) -> None:
     config = TINY_CONFIGS[model]
     save_hf_directory(tmp_path / model, config, tiny_random_weights(config))

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from executor.models import gguf_loader
 from executor.models.gguf_loader import load_gguf, unpermute_qk
 from executor.models.hf_loader import load_hf_directory, save_hf_directory
-from executor.models.llama import LlamaForCausalLM
 from executor.models.loader import load_model, packaged_smollm2_path, resolve_model_spec
+from executor.models.registry import create_model
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
 from tests.gguf_writer import permute_qk, write_gguf
@@ -106,7 +106,7 @@ def test_sharded_hf_directory_loads(tmp_path: Path) -> None:
 def test_missing_and_misshaped_tensors_are_named(tmp_path: Path) -> None:
     config = TINY_CONFIGS["tiny-random"]
     tensors = tiny_random_weights(config)
-    model = LlamaForCausalLM(config, 64, device=torch.device("cpu"), dtype=torch.float32)
+    model = create_model(config, 64, device=torch.device("cpu"), dtype=torch.float32)
     broken = dict(tensors)
     del broken["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):

@@ -13,12 +13,12 @@ from attention import TorchNativeBackend, TorchPagedBackend, decide_needs_cpu_se
 from attention.base import AttentionBackend
 from executor.batch_prep import (
     complete_batch,
-    length_bound,
     make_decode_batch,
     make_extend_batch,
     make_idle_batch,
 )
 from executor.config import ExecutorConfig
+from executor.graphs.buckets import length_bound
 from executor.model_executor import ModelExecutor
 from tests.attention_cases import make_case, make_layout
 

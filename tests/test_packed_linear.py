@@ -1,4 +1,4 @@
-"""oneDNN-packed float linears (`ops/onednn_linear.py`, `PackedLinear`, `linear_kernel`)."""
+"""oneDNN-packed float linears (`executor/models/onednn_linear.py`, `PackedLinear`, `linear_kernel`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
 from executor.models.layers import Linear, PackedLinear
+from executor.models.onednn_linear import PackedWeight, onednn_linear, packed_weights_alive
 from executor.models.packing import choose_linear_kernel
-from ops.onednn_linear import PackedWeight, onednn_linear, packed_weights_alive
 
 MakeExecutor = Callable[..., ModelExecutor]
 
@@ -104,9 +104,9 @@ def test_executor_packs_every_float_linear_and_gives_the_aten_tokens(
     packed = make_executor()  # auto: onednn on CPU in float32
     assert packed.loaded.linear_kernel == "onednn" and plain.loaded.linear_kernel == "aten"
     layer = packed.model.decoder_layers[0]
-    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        assert isinstance(getattr(layer, name), PackedLinear), name
-        assert isinstance(getattr(plain.model.decoder_layers[0], name), Linear), name
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        assert isinstance(layer.get_submodule(name), PackedLinear), name
+        assert isinstance(plain.model.decoder_layers[0].get_submodule(name), Linear), name
     assert not any(isinstance(m, Linear) for m in packed.model.modules())
     # Both hold the same weights, once each; a tied head adds its packed copy.
     head = packed.model.lm_head

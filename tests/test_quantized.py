@@ -25,9 +25,9 @@ from executor.config import ExecutorConfig
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
+from executor.models.decoder_model import DecoderModel
 from executor.models.gguf_blocks import read_blocks
 from executor.models.layers import Linear, PackedLinear
-from executor.models.llama import LlamaForCausalLM
 from executor.models.loader import load_model
 from executor.models.quant_formats import GroupQuant, quantize_int4, quantize_int8
 from executor.models.quantize import check_quantization
@@ -177,7 +177,7 @@ def _write(tmp_path: Path, model: str, qtype: Q) -> Path:
     return path
 
 
-def _load(spec: str | Path, quantization: str) -> LlamaForCausalLM:
+def _load(spec: str | Path, quantization: str) -> DecoderModel:
     return load_model(
         str(spec),
         device=CPU,
@@ -191,11 +191,10 @@ def _load(spec: str | Path, quantization: str) -> LlamaForCausalLM:
 def test_gguf_mode_keeps_every_block_tensor_quantized(tmp_path: Path) -> None:
     model = _load(_write(tmp_path, "tiny-random-qwen2", Q.Q4_1), "gguf")
     layer = model.decoder_layers[0]
-    for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        assert (
-            isinstance(getattr(layer, attr), Int4Linear) and getattr(layer, attr).format == "Q4_1"
-        )
-    assert layer.qkv_proj.bias is not None  # Qwen2's QKV bias, kept float
+    for attr in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        linear = layer.get_submodule(attr)
+        assert isinstance(linear, Int4Linear) and linear.format == "Q4_1"
+    assert layer.self_attn.qkv_proj.bias is not None  # Qwen2's QKV bias, kept float
     # Tied head and embedding: the one 2-D tensor, both quantized.
     assert isinstance(model.lm_head, Int4Linear) and isinstance(
         model.embed_tokens, QuantizedEmbedding
@@ -313,14 +312,14 @@ def test_float_models_quantize_at_load(make_executor: MakeExecutor, mode: str) -
     ref, quant = make_executor(linear_kernel="aten"), make_executor(quantization=mode)
     quantize = quantize_int4 if mode == "int4" else quantize_int8
     for ref_layer in ref.model.decoder_layers:
-        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            weight = getattr(ref_layer, attr).weight
+        for attr in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            weight = ref_layer.get_submodule(attr).weight
             weight.copy_(quantize(weight).dequantize())
     layer = quant.model.decoder_layers[1]
     kind = Int4Linear if mode == "int4" else Int8Linear
     assert all(
-        isinstance(getattr(layer, a), kind)
-        for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        isinstance(layer.get_submodule(a), kind)
+        for a in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     )
     # Float checkpoints keep a float head (packed where the float linears are).
     head = PackedLinear if quant.loaded.linear_kernel == "onednn" else Linear
@@ -426,7 +425,7 @@ def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
 ) -> None:
     path = _write(tmp_path, "tiny-random-qwen2", Q.Q8_0)
 
-    def load() -> LlamaForCausalLM:
+    def load() -> DecoderModel:
         return load_model(
             str(path),
             device=CPU,
@@ -437,14 +436,14 @@ def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
         ).model
 
     first = load()
-    assert len(list((tmp_path / "cache" / "gguf").glob("*.packed-v1-cpu-float32-*"))) == 1
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.packed-v2-cpu-float32-*"))) == 1
 
     def no_reader(*_: object) -> None:
         raise AssertionError("the cached model must not parse the GGUF's tensors again")
 
     monkeypatch.setattr("executor.models.loader.read_gguf_blocks", no_reader)
     second = load()
-    for name in ("layers.1.qkv_proj", "lm_head", "embed_tokens"):
+    for name in ("layers.1.self_attn.qkv_proj", "lm_head", "embed_tokens"):
         a, b = first.get_submodule(name), second.get_submodule(name)
         assert type(a) is type(b) and a.cached_attrs() == b.cached_attrs(), name
     assert first.state_dict().keys() == second.state_dict().keys()
@@ -453,7 +452,8 @@ def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
     ids = torch.tensor([3, 99, 511])
     assert torch.equal(first.embed_tokens(ids), second.embed_tokens(ids))
     h = torch.randn(2, 64)
-    assert torch.equal(first.layers[0].qkv_proj(h), second.layers[0].qkv_proj(h))
+    qkv = "layers.0.self_attn.qkv_proj"
+    assert torch.equal(first.get_submodule(qkv)(h), second.get_submodule(qkv)(h))
     assert torch.equal(
         first.compute_logits(h, _decode_batch(2)), second.compute_logits(h, _decode_batch(2))
     )

@@ -17,10 +17,10 @@ from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.hf_loader import lazy_safetensors
 from executor.models.loader import read_model_config
+from executor.models.registry import shard_plan
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.broadcast import STEP, Command, receive, send
 from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan
 from tests.tp_util import generate_tp, run_generations
 
 TINY = TINY_CONFIGS["tiny-random"]
@@ -40,7 +40,7 @@ def _config(tiny: ModelConfig, **changes: object) -> ModelConfig:
 
 
 def test_plan_splits_heads_mlp_and_vocab() -> None:
-    plans = [ShardPlan.build(TINY, 2, r) for r in range(2)]
+    plans = [shard_plan(TINY, 2, r) for r in range(2)]
     assert [(p.num_heads, p.head_start) for p in plans] == [(2, 0), (2, 2)]
     assert [(p.num_kv_heads, p.kv_head_start) for p in plans] == [(1, 0), (1, 1)]
     assert [p.intermediate_size for p in plans] == [64, 64]
@@ -51,7 +51,7 @@ def test_plan_splits_heads_mlp_and_vocab() -> None:
 
 def test_plan_replicates_kv_heads_when_ranks_outnumber_them() -> None:
     # 4 query heads, 2 KV heads, 4 ranks: ranks 0,1 share KV head 0; ranks 2,3 KV head 1.
-    plans = [ShardPlan.build(TINY, 4, r) for r in range(4)]
+    plans = [shard_plan(TINY, 4, r) for r in range(4)]
     assert [(p.num_kv_heads, p.kv_head_start) for p in plans] == [(1, 0), (1, 0), (1, 1), (1, 1)]
     assert [p.head_start for p in plans] == [0, 1, 2, 3]
 
@@ -66,13 +66,13 @@ def test_plan_replicates_kv_heads_when_ranks_outnumber_them() -> None:
 )
 def test_plan_refuses_counts_that_do_not_divide(changes: dict, size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ShardPlan.build(_config(TINY, **changes), size, 0)
+        shard_plan(_config(TINY, **changes), size, 0)
 
 
 def test_vocab_shards_pad_the_last_rank_with_zeros() -> None:
     cfg = _config(TINY, vocab_size=511)
     weight = torch.arange(511 * 2, dtype=torch.float32).view(511, 2)
-    first, last = (ShardPlan.build(cfg, 2, r).take("lm_head.weight", weight) for r in (0, 1))
+    first, last = (shard_plan(cfg, 2, r).take("lm_head.weight", weight) for r in (0, 1))
     assert first.shape == last.shape == (256, 2)
     torch.testing.assert_close(torch.cat([first, last])[:511], weight)
     assert torch.count_nonzero(last[-1]) == 0
@@ -84,7 +84,7 @@ def test_lazy_safetensors_shard_equals_the_slice_of_the_full_tensor(tmp_path: Pa
     tensors = tiny_random_weights(TINY)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     lazy = lazy_safetensors([tmp_path / "model.safetensors"])
-    plan = ShardPlan.build(TINY, 2, 1)
+    plan = shard_plan(TINY, 2, 1)
     for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         torch.testing.assert_close(plan.take(name, lazy[name]), plan.take(name, tensors[name]))
     _, start, stop = plan.split_of("model.layers.0.mlp.down_proj.weight") or (0, 0, 0)

@@ -21,9 +21,9 @@ import torch
 from attention import TorchNativeBackend, TritonAttnBackend
 from attention.base import AttentionLayout
 from attention.triton.backend import TritonDecodeMetadata
-from executor.batch_prep import length_bound
 from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.graphs.buckets import length_bound
 from executor.model_executor import ModelExecutor
 from tests.attention_cases import Case, make_case, make_layout, run
 from tests.test_attention_backends import padded_decode_view
@@ -147,7 +147,7 @@ def test_capture_then_replay_equals_eager_and_leaves_nothing_stale() -> None:
     captured.kv_indptr.fill_(-5)  # poison everything the graph reads
     captured.kv_indices.fill_(-1)
     captured.num_kv_splits.fill_(99)
-    backend.init_forward_metadata_replay(bucket, _to(view_b))
+    backend.init_forward_metadata_replay(captured, bucket, _to(view_b))
     eager = backend.init_forward_metadata(_eager(view_b))
     _assert_same(captured, eager)
     # Attention over the captured metadata equals eager attention for that padded batch.

@@ -3,13 +3,15 @@
 Triton's interpreter (which the kernel tests use on CPU) is more lenient than its
 compiler, so this lowers every kernel through the NVIDIA backend (TTIR -> TTGIR -> PTX ->
 cubin with the ptxas that ships in the triton wheel) for sm_80 and sm_90, in float32 and
-bfloat16, and checks that each fits the target's shared memory. Run by
+bfloat16, with and without the optional features (a window start, a sliding window, a logit
+soft-cap), and checks that each fits the target's shared memory. Run by
 tests/test_triton_kernels.py in a subprocess, because the interpreter flag set for that
 session must be off here. Exit status: 0 all compiled, 1 a failure, 3 no NVIDIA backend.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ def main() -> int:
     failures = 0
     for arch, smem_limit in TARGETS.items():
         target = GPUTarget("cuda", arch, 32)
-        for hq, hk, d, dt in CONFIGS:
+        for (hq, hk, d, dt), on in itertools.product(CONFIGS, (False, True)):
             dl = L.decode_launch(4, hq, hk, d, L.DEFAULT_MAX_KV_SPLITS, 132)
             el = L.extend_launch(4, hq, d, 512)
             p = f"*{dt}"
@@ -61,8 +63,9 @@ def main() -> int:
                         "kv_lens_ptr": "*i64",
                         "kv_indptr_ptr": "*i32",
                         "kv_indices_ptr": "*i64",
+                        "kv_start_ptr": "*i64",
                     },
-                    {"BLOCK": L.KV_INDICES_BLOCK},
+                    {"BLOCK": L.KV_INDICES_BLOCK, "HAS_START": on},
                     L.NUM_WARPS,
                     1,
                 ),
@@ -78,6 +81,7 @@ def main() -> int:
                         "att_out_ptr": "*fp32",
                         "att_lse_ptr": "*fp32",
                         "sm_scale": "fp32",
+                        "logit_cap": "fp32",
                     },
                     {
                         "KV_GROUP": hq // hk,
@@ -86,6 +90,7 @@ def main() -> int:
                         "BLOCK_D": dl.block_d,
                         "BLOCK_N": dl.block_n,
                         "MIN_BLOCK_KV": L.MIN_BLOCK_KV,
+                        "HAS_SOFTCAP": on,
                     },
                     dl.num_warps,
                     dl.num_stages,
@@ -116,6 +121,8 @@ def main() -> int:
                         "kv_indptr_ptr": "*i32",
                         "kv_indices_ptr": "*i64",
                         "sm_scale": "fp32",
+                        "logit_cap": "fp32",
+                        "window": "i32",
                     },
                     {
                         "KV_GROUP": hq // hk,
@@ -123,13 +130,15 @@ def main() -> int:
                         "BLOCK_M": el.block_m,
                         "BLOCK_N": el.block_n,
                         "BLOCK_D": el.block_d,
+                        "HAS_SOFTCAP": on,
+                        "HAS_WINDOW": on,
                     },
                     el.num_warps,
                     el.num_stages,
                 ),
             }
             for name, (fn, types, consts, warps, stages) in jobs.items():
-                where = f"sm_{arch} {dt} Hq={hq} Hk={hk} D={d} {name}"
+                where = f"sm_{arch} {dt} Hq={hq} Hk={hk} D={d} {name}{' (features on)' * on}"
                 try:
                     shared = compile_one(fn, types, consts, target, warps, stages).metadata.shared
                 except Exception as exc:  # report every kernel, then fail

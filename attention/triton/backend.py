@@ -2,8 +2,13 @@
 
 Metadata is built on the device from `req_to_token`, `seq_lens` and the extend lengths
 (never from host mirrors), sized by the batch's shape bounds in eager steps and by
-preallocated buffers at their maximum size for captured DECODE graphs (the seeds'
-Pattern A: capture binds buffer slices, then fills them through replay).
+preallocated buffers at their maximum size for captured DECODE graphs: capture binds a
+bucket's slices of those buffers, then fills them through replay.
+
+A layer with a sliding window W reads its own `kv_indptr` / `kv_indices`
+(`metadata.windows[W]`), which list only the keys of each request's window: the last W for
+DECODE, from the first new token's window start for EXTEND, so K/V of older positions are
+never read.
 
 `triton` is imported when a backend is created, not when this module is imported, so
 CPU installs without triton can still list the backend and get a clear error for it.
@@ -11,15 +16,16 @@ CPU installs without triton can still list the backend and get a clear error for
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from attention.base import AttentionBackend, AttentionLayout
+from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
 from attention.triton import launch
 from ops.device_scope import check_device
 
@@ -36,6 +42,9 @@ class TritonDecodeMetadata:
     att_out: torch.Tensor  # [bs, Hq, max_kv_splits, D] float32: stage-1 partial outputs
     att_lse: torch.Tensor  # [bs, Hq, max_kv_splits] float32: their log-sum-exps
     launch: launch.DecodeLaunch
+    # Per window size W of the model's windowed layers: the last min(seq_len, W) keys of each
+    # request (kv_indptr, kv_indices and num_kv_splits of their own; the rest shared).
+    windows: dict[int, TritonDecodeMetadata] = field(default_factory=dict)
 
 
 @dataclass
@@ -44,6 +53,8 @@ class TritonExtendMetadata:
     kv_indptr: torch.Tensor  # [bs + 1] int32: prefix sum of extend_prefix_lens
     kv_indices: torch.Tensor  # [>= sum(prefix lens)] int64: cached-prefix slots
     launch: launch.ExtendLaunch
+    # Per window size W: the prefix keys inside the first new token's window only.
+    windows: dict[int, TritonExtendMetadata] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,6 +64,10 @@ class _GraphBuffers:
     num_kv_splits: torch.Tensor  # [max_bs] int32
     att_out: torch.Tensor  # [max_bs, Hq, max_kv_splits, D] float32
     att_lse: torch.Tensor  # [max_bs, Hq, max_kv_splits] float32
+    # Per window W: (kv_indptr [max_bs + 1], kv_indices [max_bs * W], num_kv_splits [max_bs]).
+    windows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -135,6 +150,18 @@ class TritonAttnBackend(AttentionBackend):
             ),
             launch=self._decode_launch(bs),
         )
+        for w in lay.sliding_windows:
+            md.windows[w] = dataclasses.replace(
+                md,
+                kv_indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+                kv_indices=torch.empty(
+                    launch.kv_indices_capacity(bs, min(w, kv_bound)),
+                    dtype=torch.int64,
+                    device=self.device,
+                ),
+                num_kv_splits=torch.empty(bs, dtype=torch.int32, device=self.device),
+                windows={},
+            )
         self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
         return md
 
@@ -154,7 +181,7 @@ class TritonAttnBackend(AttentionBackend):
             kv_indices,
         )
         max_extend_len = fb.extend_len_bound or fb.num_tokens
-        return TritonExtendMetadata(
+        md = TritonExtendMetadata(
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
@@ -162,6 +189,25 @@ class TritonAttnBackend(AttentionBackend):
                 bs, self.layout.num_heads, self.layout.head_dim, max_extend_len
             ),
         )
+        for w in self.layout.sliding_windows:
+            # The first new token (position prefix) sees keys from prefix + 1 - w on.
+            first = torch.clamp(fb.extend_prefix_lens + 1 - w, min=0)
+            lens = fb.extend_prefix_lens - first
+            w_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+            w_indptr[1:] = torch.cumsum(lens, 0)
+            w_indices = torch.empty(
+                launch.kv_indices_capacity(bs, w), dtype=torch.int64, device=self.device
+            )
+            self.kernels.create_kv_indices(
+                self.req_to_token_pool.req_to_token,
+                fb.req_pool_indices,
+                lens,
+                w_indptr,
+                w_indices,
+                kv_start=first,
+            )
+            md.windows[w] = dataclasses.replace(md, kv_indptr=w_indptr, kv_indices=w_indices)
+        return md
 
     # --- graphs (DECODE) ---------------------------------------------------------------
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -183,15 +229,28 @@ class TritonAttnBackend(AttentionBackend):
             att_lse=torch.zeros(
                 (max_bs, lay.num_heads, self.max_kv_splits), dtype=f32, device=self.device
             ),
+            windows={
+                w: (
+                    torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+                    torch.zeros(
+                        launch.kv_indices_capacity(max_bs, min(w, self.max_context_len)),
+                        dtype=torch.int64,
+                        device=self.device,
+                    ),
+                    torch.ones(max_bs, dtype=torch.int32, device=self.device),
+                )
+                for w in lay.sliding_windows
+            },
         )
-        self._graph_metadata.clear()
 
     def bind_graph_metadata(
         self, bs: int, num_tokens: int, fb_view: ForwardBatch, kv_bucket: int = 0
     ) -> TritonDecodeMetadata:  # the kernels read each request's length: one KV bucket
         g = self._graph
-        self.check_decode_bucket(bs, num_tokens, fb_view, g, g.num_kv_splits.shape[0] if g else 0)
-        assert g is not None
+        if g is None:
+            raise RuntimeError("init_graph_state must run before capture")
+        if bs > g.num_kv_splits.shape[0]:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={g.num_kv_splits.shape[0]}")
         md = TritonDecodeMetadata(
             kv_indptr=g.kv_indptr[: bs + 1],
             kv_indices=g.kv_indices,
@@ -200,6 +259,14 @@ class TritonAttnBackend(AttentionBackend):
             att_lse=g.att_lse[:bs],
             launch=self._decode_launch(bs),
         )
+        for w, (indptr, indices, splits) in g.windows.items():
+            md.windows[w] = dataclasses.replace(
+                md,
+                kv_indptr=indptr[: bs + 1],
+                kv_indices=indices,
+                num_kv_splits=splits[:bs],
+                windows={},
+            )
         return md
 
     def fill_graph_metadata(
@@ -231,15 +298,32 @@ class TritonAttnBackend(AttentionBackend):
             md.kv_indices,
         )
         launch.num_kv_splits(seq_lens, md.launch.split_cap, out=md.num_kv_splits)
+        for w, wmd in md.windows.items():
+            lens = torch.clamp(seq_lens, max=w)  # the last min(seq_len, w) keys
+            wmd.kv_indptr[:1].zero_()
+            wmd.kv_indptr[1:].copy_(torch.cumsum(lens, 0))
+            self.kernels.create_kv_indices(
+                self.req_to_token_pool.req_to_token,
+                req_pool_indices[:bs],
+                lens,
+                wmd.kv_indptr,
+                wmd.kv_indices,
+                kv_start=seq_lens - lens,
+            )
+            launch.num_kv_splits(lens, wmd.launch.split_cap, out=wmd.num_kv_splits)
 
     # --- compute -----------------------------------------------------------------------
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
         self._check_current("triton attention")
-        k_buffer, v_buffer = self.store_kv(layer_id, fb, k, v)
+        k_buffer, v_buffer = store_layer_kv(self.kv_pool, layer_id, fb, k, v)
         out = torch.empty_like(q)
         md = fb.attn_metadata
+        spec = self.layout.layer(layer_id)
+        window = spec.sliding_window
+        if window is not None:
+            md = md.windows[window]
         if isinstance(md, TritonDecodeMetadata):
             self.kernels.decode_attention(
                 q,
@@ -253,6 +337,7 @@ class TritonAttnBackend(AttentionBackend):
                 md.att_lse,
                 md.launch,
                 self.layout.scaling,
+                spec.logit_softcap,
             )
         else:
             assert isinstance(md, TritonExtendMetadata)
@@ -268,5 +353,7 @@ class TritonAttnBackend(AttentionBackend):
                 md.kv_indices,
                 md.launch,
                 self.layout.scaling,
+                spec.logit_softcap,
+                window,
             )
         return out

@@ -5,6 +5,10 @@ split's keys (read through `kv_indices`) with an online softmax, and writes the 
 partial output and its log-sum-exp. Stage 2: program (request, head) merges the request's
 non-empty splits, weighting each by exp(lse - max lse).
 
+A sliding window needs nothing here: the backend lists only each request's window in
+`kv_indices`. A logit soft-cap c (`HAS_SOFTCAP`, compiled out otherwise) squashes the scaled
+scores to c * tanh(s / c) before the softmax.
+
 `input_precision="ieee"` keeps float32 dots exact (no TF32); it does not affect 16-bit inputs.
 """
 
@@ -27,6 +31,12 @@ def _split_range(seq_len, num_splits, split_id, MIN_BLOCK_KV: tl.constexpr):
 
 
 @triton.jit
+def soft_cap(scores, cap):
+    """`cap * tanh(scores / cap)`, with tanh written through exp (saturates to +-1, no NaN)."""
+    return cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / cap)) - 1.0)
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr,  # [bs, Hq, D]
     k_buffer_ptr,  # [slots + 1, Hk, D]
@@ -37,6 +47,7 @@ def _decode_stage1_kernel(
     att_out_ptr,  # [bs, Hq, max_kv_splits, D] float32
     att_lse_ptr,  # [bs, Hq, max_kv_splits] float32
     sm_scale,
+    logit_cap,
     stride_qb,
     stride_qh,
     stride_kbs,
@@ -54,6 +65,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,6 +102,8 @@ def _decode_stage1_kernel(
                 other=0.0,
             )  # [BLOCK_N, BLOCK_D]
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * sm_scale
+            if HAS_SOFTCAP:
+                qk = soft_cap(qk, logit_cap)
             # Every block holds at least one key (n0 < end), so no row is all -inf.
             qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
             n_max = tl.maximum(tl.max(qk, 1), e_max)
@@ -182,6 +196,7 @@ def decode_attention(
     att_lse: torch.Tensor,
     params: launch.DecodeLaunch,
     sm_scale: float,
+    logit_cap: float | None = None,
 ) -> None:
     """q, o [bs, Hq, D]; att_out [bs, Hq, S, D] / att_lse [bs, Hq, S] with S >= split cap."""
     q = launch.unit_stride_last(q)
@@ -197,6 +212,7 @@ def decode_attention(
         att_out,
         att_lse,
         sm_scale,
+        logit_cap or 1.0,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -214,6 +230,7 @@ def decode_attention(
         BLOCK_D=params.block_d,
         BLOCK_N=params.block_n,
         MIN_BLOCK_KV=launch.MIN_BLOCK_KV,
+        HAS_SOFTCAP=logit_cap is not None,
         num_warps=params.num_warps,
         num_stages=params.num_stages,
     )

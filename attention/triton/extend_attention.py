@@ -4,6 +4,11 @@ Program (request, head, block of new tokens) attends the request's cached prefix
 `kv_indices` (every new token sees all of it), then the step's new tokens, whose K/V are
 passed contiguously, with a causal mask; one online softmax runs over both.
 
+With a sliding window W (`HAS_WINDOW`) the backend lists only the keys of the first new
+token's window in `kv_indices`, and the kernel masks, per query, what lies W or more
+positions back (and skips new-token blocks wholly outside every row's window). A logit
+soft-cap (`HAS_SOFTCAP`) squashes scores as in decode. Both are compiled out when unused.
+
 `input_precision="ieee"` keeps float32 dots exact (no TF32); it does not affect 16-bit inputs.
 """
 
@@ -14,6 +19,7 @@ import triton
 import triton.language as tl
 
 from attention.triton import launch
+from attention.triton.decode_attention import soft_cap
 
 
 @triton.jit
@@ -28,6 +34,8 @@ def _extend_kernel(
     kv_indptr_ptr,  # [bs + 1] int32: cached prefix
     kv_indices_ptr,
     sm_scale,
+    logit_cap,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -45,6 +53,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,7 +80,9 @@ def _extend_kernel(
         e_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        # 1) The cached prefix: every query sees all of it.
+        # 1) The cached prefix: every query sees all of it, or in a window, prefix key n (of
+        # the listed prefix_len) lies prefix_len - n positions before new token 0, so query m
+        # sees it iff m + prefix_len - n < window.
         for n0 in range(0, prefix_len, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix_len
@@ -82,8 +94,15 @@ def _extend_kernel(
                 other=0.0,
             ).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))  # >= 1 key per block
+            if HAS_SOFTCAP:
+                qk = soft_cap(qk, logit_cap)
+            visible = mask_n[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_m[:, None] + prefix_len - offs_n[None, :] < window)
+            qk = tl.where(visible, qk, float("-inf"))  # >= 1 key per block without a window
             n_max = tl.maximum(tl.max(qk, 1), e_max)
+            if HAS_WINDOW:  # a row may have seen nothing yet: keep exp() away from -inf - -inf
+                n_max = tl.where(n_max == float("-inf"), 0.0, n_max)
             rescale = tl.exp(e_max - n_max)
             p = tl.exp(qk - n_max[:, None])
             v = tl.load(
@@ -98,7 +117,10 @@ def _extend_kernel(
         # 2) The new tokens, causally: query m sees new tokens 0..m. Keys past this query
         # block's last row are never visible to it.
         end_n = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
-        for n0 in range(0, end_n, BLOCK_N):
+        start_n = 0
+        if HAS_WINDOW:  # the block's first row sees nothing before its window
+            start_n = tl.maximum(block_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start_n, end_n, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end_n
             kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -111,11 +133,17 @@ def _extend_kernel(
                 other=0.0,
             ).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-            # Key 0 is visible to every row in the first block, and e_max is finite after
-            # it, so no row ever takes exp(-inf - -inf).
+            if HAS_SOFTCAP:
+                qk = soft_cap(qk, logit_cap)
+            # Without a window key 0 is visible to every row in the first block, and e_max is
+            # finite after it, so no row ever takes exp(-inf - -inf).
             visible = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_m[:, None] - offs_n[None, :] < window)
             qk = tl.where(visible, qk, float("-inf"))
             n_max = tl.maximum(tl.max(qk, 1), e_max)
+            if HAS_WINDOW:
+                n_max = tl.where(n_max == float("-inf"), 0.0, n_max)
             rescale = tl.exp(e_max - n_max)
             p = tl.exp(qk - n_max[:, None])
             v = tl.load(
@@ -130,6 +158,8 @@ def _extend_kernel(
             e_sum = e_sum * rescale + tl.sum(p, 1)
             e_max = n_max
 
+        if HAS_WINDOW:  # rows past the request's tokens (never stored) may have seen nothing
+            e_sum = tl.where(e_sum == 0.0, 1.0, e_sum)
         tl.store(
             o_ptr + (qo_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
             (acc / e_sum[:, None]).to(o_ptr.dtype.element_ty),
@@ -149,6 +179,8 @@ def extend_attention(
     kv_indices: torch.Tensor,
     params: launch.ExtendLaunch,
     sm_scale: float,
+    logit_cap: float | None = None,
+    window: int | None = None,
 ) -> None:
     """q, o [T, Hq, D]; k, v [T, Hk, D] (this step's tokens); the prefix via kv_indices."""
     q, k, v = launch.unit_stride_last(q), launch.unit_stride_last(k), launch.unit_stride_last(v)
@@ -165,6 +197,8 @@ def extend_attention(
         kv_indptr,
         kv_indices,
         sm_scale,
+        logit_cap or 1.0,
+        window or 0,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -182,6 +216,8 @@ def extend_attention(
         BLOCK_M=params.block_m,
         BLOCK_N=params.block_n,
         BLOCK_D=params.block_d,
+        HAS_SOFTCAP=logit_cap is not None,
+        HAS_WINDOW=window is not None,
         num_warps=params.num_warps,
         num_stages=params.num_stages,
     )

@@ -2,7 +2,7 @@
 
 A runner keeps one captured entry per bucket size (a batch size for full-graph DECODE, a token
 count for piecewise EXTEND). Capture and replay stage their inputs through the same registry
-`fill_from` (the seeds' rule), here in one place. A subclass says how one bucket is captured,
+`fill_from`, here in one place, so capture and replay cannot disagree. A subclass says how one bucket is captured,
 which size picks a batch's bucket, and how a replay runs.
 """
 
@@ -19,7 +19,7 @@ from executor.forward_batch import ForwardBatch
 from executor.graphs.buckets import pad_to_bucket
 from executor.graphs.capture import CaptureReport, capture_buckets
 from executor.graphs.graph import GraphFactory
-from executor.models.llama import LlamaForCausalLM
+from executor.models.decoder_model import DecoderModel
 from executor.runner_output import RunnerOutput
 from registry import BufferRegistry, FillStats
 
@@ -32,7 +32,7 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         attn_backend: AttentionBackend,
         *,
         device: torch.device,

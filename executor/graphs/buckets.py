@@ -1,8 +1,12 @@
-"""The bucket policy, in one place: which sizes get a captured graph, and pad-to-bucket.
+"""The bucket policy, in one place: which sizes get a captured graph, pad-to-bucket, and the
+shape bounds of eager steps.
 
-Full-graph DECODE is captured per batch size; piecewise EXTEND per token count. A batch runs
-in the smallest bucket that holds it, its tail padded (the registry's padding policies make
-padded lanes harmless). Everything else calls these functions; nothing else knows the lists.
+Full-graph DECODE is captured per batch size (and, for a `graph_kv_bounded` attention
+backend, per KV-length bucket); piecewise EXTEND per token count. A batch runs in the smallest
+bucket that holds it, its tail padded (the registry's padding policies make padded lanes
+harmless). Everything else calls these functions; nothing else knows the lists. The KV-length
+ladder lives here, not in `attention/`, because the DECODE runner is what chooses a graph per
+KV bucket and hands the bucket to the backend (attention never imports the executor).
 """
 
 from __future__ import annotations
@@ -58,6 +62,52 @@ def _powers_of_two(first: int, last: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return normalize_buckets([*sizes, last])
+
+
+# KV-length buckets of captured DECODE graphs: powers of 4 from here up to max_context_len.
+SMALLEST_KV_BUCKET = 256
+
+
+def kv_buckets(max_context_len: int) -> list[int]:
+    """The KV-length bounds a `graph_kv_bounded` backend's DECODE graphs are captured at, so a
+    batch gathers what its contexts need, not `max_context_len` keys per request: powers of 4
+    from `SMALLEST_KV_BUCKET`, with max_context_len itself included."""
+    if max_context_len < 1:
+        raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
+    sizes, size = [], SMALLEST_KV_BUCKET
+    while size < max_context_len:
+        sizes.append(size)
+        size *= 4
+    return [*sizes, max_context_len]
+
+
+def kv_bucket(seq_len_bound: int | None, max_context_len: int) -> int:
+    """The KV bucket of a batch whose longest request is at most `seq_len_bound` tokens
+    (None: unknown, the largest)."""
+    bound = max_context_len if seq_len_bound is None else min(seq_len_bound, max_context_len)
+    bucket = pad_to_bucket(max(1, bound), kv_buckets(max_context_len))
+    assert bucket is not None  # the ladder ends at max_context_len
+    return bucket
+
+
+# Steps per octave of a length bound: lengths round up to a sixteenth of their power of two.
+LENGTH_BOUND_STEPS = 8
+
+
+def length_bound(max_len: int, cap: int) -> int:
+    """The shape bound of a length, at most `cap`: `max_len` rounded up to a multiple of a
+    sixteenth of its next power of two (1, 2, ..., 16, 18, 20, ..., 32, 36, ..., 128, 144, ...).
+    At most 1/8 over `max_len`, so a gather sized by it reads at most 12.5% padding (a power
+    of two read up to 2x: 256 keys per request for 129-token contexts, where this reads 144),
+    with 8 distinct bounds per octave (about 100 up to 8192)."""
+    power = next_power_of_2(max_len)
+    step = max(1, power // (2 * LENGTH_BOUND_STEPS))
+    return min(-(-max_len // step) * step, cap)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def normalize_buckets(sizes: Sequence[int]) -> list[int]:

@@ -2,7 +2,7 @@
 
 Capture and replay stage their inputs through one `build_decode_registry(...).fill_from`
 call, so every slot - `num_token_non_padded` included - holds at capture exactly what a
-replay of a batch of the bucket's size gives it (the seeds' capture/replay alignment fix).
+replay of a batch of the bucket's size gives it.
 A batch is padded up to its bucket: padded requests read row 0 (all slot 0) with
 `seq_len_fill_value` tokens and write their one token to the reserved slot 0. The LM head
 runs outside the graph on the real rows only.
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.base import AttentionBackend
+from attention.base import AttentionBackend, GraphCaptureUnsupportedError
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.bucket_runner import BucketGraphRunner
+from executor.graphs.buckets import kv_bucket, kv_buckets
 from executor.graphs.graph import Graph, GraphFactory
-from executor.models.llama import LlamaForCausalLM
+from executor.models.decoder_model import DecoderModel
 from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
@@ -30,16 +31,18 @@ GRAPH_DECODE = "graph_decode"  # the registry's name in fill metrics
 class _Captured:
     graph: Graph
     view: ForwardBatch  # the registry view the graph reads (static buffer slices)
+    attn_metadata: object  # the backend's metadata bound to its graph buffers for this bucket
 
 
 class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
-    """One graph per (batch-size bucket, KV-length bucket of the attention backend)."""
+    """One graph per (batch-size bucket, KV-length bucket); a backend that is not
+    `graph_kv_bounded` has the one KV bucket 0 (its kernels follow each request's length)."""
 
     kind = "decode"
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         attn_backend: AttentionBackend,
         *,
         device: torch.device,
@@ -52,6 +55,8 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         # The future-token table: the captured graph gathers referenced tokens from it.
         self.future_tokens = future_tokens
         self.max_bs = buckets[-1]
+        self.max_context_len = attn_backend.req_to_token_pool.max_context_len
+        self.kv_buckets = kv_buckets(self.max_context_len) if attn_backend.graph_kv_bounded else [0]
         self.fill_value = attn_backend.graph_seq_len_fill_value()
         self.registry = build_decode_registry(
             device=device,
@@ -103,14 +108,16 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         graphs: dict[int, _Captured] = {}
         twins = self.factory.shares_twin_captures
         first: Graph | None = None
-        for kv in sorted(self.attn_backend.graph_kv_buckets(), reverse=not twins):
+        for kv in sorted(self.kv_buckets, reverse=not twins):
             graphs[kv] = self._capture_kv(bs, kv, twin=first if twins else None)
             first = first or graphs[kv].graph
         self.captured[bs] = graphs
 
     def _capture_kv(self, bs: int, kv: int, twin: Graph | None = None) -> _Captured:
         view, _ = self._stage_decode(self._synthetic_batch(bs), bs, bs)
-        view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
+        self.check_decode_bucket(bs, view)
+        md = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
+        view.attn_metadata = md
         out = self.hidden[:bs]
 
         def run() -> None:
@@ -125,13 +132,24 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
             graph.capture(run)
         else:
             graph.capture_twin(run, twin)
-        return _Captured(graph, view)
+        return _Captured(graph, view, md)
+
+    def check_decode_bucket(self, bs: int, view: ForwardBatch) -> None:
+        """The precondition of a capture: a DECODE batch (one token per request) within the
+        largest bucket."""
+        if not view.forward_mode.is_decode() or view.num_tokens != bs:
+            raise GraphCaptureUnsupportedError(
+                f"DECODE graphs capture DECODE batches only "
+                f"(got {view.forward_mode.name} with bs={bs}, num_tokens={view.num_tokens})"
+            )
+        if bs > self.max_bs:
+            raise ValueError(f"bucket bs={bs} exceeds max_bs={self.max_bs}")
 
     def graphs_per_bucket(self) -> int:
-        return len(self.attn_backend.graph_kv_buckets())
+        return len(self.kv_buckets)
 
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
-        if not self.attn_backend.can_capture:
+        if self.attn_backend.graph_capture_refusal() is not None:
             return "backend_unsupported"
         return super().fallback_reason(fb)
 
@@ -139,12 +157,14 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         bs = fb.batch_size
         padded = self.replay_size(fb)  # a larger bucket when the fitting one failed
         assert padded is not None and padded in self.captured
-        kv = self.attn_backend.graph_kv_bucket(fb.seq_len_bound)
+        bounded = self.attn_backend.graph_kv_bounded
+        kv = kv_bucket(fb.seq_len_bound, self.max_context_len) if bounded else 0
+        captured = self.captured[padded][kv]
         view, stats = self._stage_decode(fb, bs, padded)
         self.attn_backend.init_forward_metadata_replay(
-            padded, view, seq_lens_cpu=view.seq_lens_cpu, kv_bucket=kv
+            captured.attn_metadata, padded, view, seq_lens_cpu=view.seq_lens_cpu
         )
-        self.captured[padded][kv].graph.replay()
+        captured.graph.replay()
         # The head runs on the real rows only; the hidden buffer is consumed right here.
         logits = self.model.compute_logits(self.hidden[:bs], fb)
         return RunnerOutput(

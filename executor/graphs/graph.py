@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from ops.device_scope import check_device
-from ops.host_read_guard import HostReadError, HostReadGuard
 
 WARMUP_RUNS = 2
 
@@ -113,8 +113,7 @@ class CompiledGraph(Graph):
     A twin (`capture_twin`: the same batch size at a larger KV bucket) runs nothing at
     capture: its compiled halves see the same shapes as its twin's (attention, the only part
     sized by the KV bucket, runs eagerly between them) and its code passed the twin's check.
-    Running the step at every KV bucket up to max_context_len is what made a default start-up
-    take minutes (bs 64 x 8192 keys: 57 s for one bucket).
+    Running the step at every KV bucket up to max_context_len would make start-up slow.
     """
 
     def __init__(self, compiled: Callable[[], AbstractContextManager[object]]) -> None:
@@ -149,14 +148,12 @@ class StepCompiledGraph(Graph):
     """The whole captured callable compiled as one inductor graph (`compiled_step`, DECODE).
 
     `CompiledGraph` compiles the layer halves and runs attention between them, so a step is
-    60 compiled calls, each paying dynamo's guard check and the wrapper's prologue (on a
-    2-core EPYC about as much as the fusion saves). Here the captured callable - embedding,
-    every layer, attention, the KV write (an `index_put_` on the pool) - is one graph: one call
-    a step, with its fused kernels. Measured on SmolLM2 `--quantization gguf`, bs 1 through
-    gRPC: 12.3 ms a step against eager's 22.4 on a 2-core AVX-512 EPYC (docs/performance.md).
+    two compiled calls a layer, each paying dynamo's guard check and the wrapper's prologue.
+    Here the captured callable - embedding, every layer, attention, the KV write (an
+    `index_put_` on the pool) - is one graph: one call a step, with its fused kernels.
 
-    The price is compiling per bucket: a graph holds one (batch size, KV bucket) and every
-    layer unrolled, about 47 s cold and 12 s from inductor's cache for SmolLM2 here.
+    The price is compiling per bucket: a graph holds one (batch size, KV bucket) with every
+    layer unrolled (compile times: docs/performance.md).
 
     Replay runs what was captured without dynamo's guards, as a CUDA graph replays: the
     callable reads only static buffers that live as long as the graph (`isolate_recompiles`

@@ -1,8 +1,8 @@
 """Piecewise-graph EXTEND: the model body captured in pieces, attention run eagerly between them.
 
-Piece 0 is the embedding and layer 0's pre-attention half; piece i (1..L-1) is layer i-1's
-post-attention half and layer i's pre-attention half; piece L is the last post-attention
-half and the final norm. Each piece is captured per token-count bucket; between pieces the
+The model builds its own pieces (`DecoderModel.pieces`: piece 0 is the embedding and layer
+0's pre-attention half, piece i layer i-1's post half and layer i's pre half, piece L the
+last post half and the final norm). Each piece is captured per token-count bucket; between pieces the
 attention backend runs eagerly on the real (unpadded) tokens with metadata from the real
 batch, so padded tokens never reach the KV cache. The token fields are padded through
 `build_prefill_registry` (all ZERO: a padded token is token 0 at position 0), and the LM
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,7 +24,7 @@ from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.graph import Graph, GraphFactory
-from executor.models.llama import LlamaForCausalLM
+from executor.models.decoder_model import DecoderModel, PieceBuffers
 from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_prefill_registry
@@ -34,24 +32,12 @@ from registry import FillStats, build_prefill_registry
 GRAPH_EXTEND = "graph_extend"  # the registry's name in fill metrics
 
 
-@dataclass
-class _Activations:
-    """The static buffers the pieces read and write, at the largest bucket's size."""
-
-    q: torch.Tensor  # [T, Hq, D]
-    k: torch.Tensor  # [T, Hk, D]
-    v: torch.Tensor  # [T, Hk, D]
-    residual: torch.Tensor  # [T, hidden]
-    attn_out: torch.Tensor  # [T, Hq, D], written by eager attention between pieces
-    hidden: torch.Tensor  # [T, hidden], the final-normed output
-
-
 class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
     kind = "piecewise"
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         attn_backend: AttentionBackend,
         *,
         device: torch.device,
@@ -70,17 +56,7 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             max_num_tokens=self.max_tokens,
             enable_num_token_non_padded=True,
         )
-        cfg, plan = model.config, model.plan  # this rank's heads under tensor parallelism
-        dd: dict[str, Any] = {"dtype": model.activation_dtype, "device": device}
-        t = self.max_tokens
-        self.acts = _Activations(
-            q=torch.zeros(t, plan.num_heads, cfg.head_dim, **dd),
-            k=torch.zeros(t, plan.num_kv_heads, cfg.head_dim, **dd),
-            v=torch.zeros(t, plan.num_kv_heads, cfg.head_dim, **dd),
-            residual=torch.zeros(t, cfg.hidden_size, **dd),
-            attn_out=torch.zeros(t, plan.num_heads, cfg.head_dim, **dd),
-            hidden=torch.zeros(t, cfg.hidden_size, **dd),
-        )
+        self.acts: PieceBuffers = model.piece_buffers(self.max_tokens, device)
 
     def bucket_size(self, fb: ForwardBatch) -> int:
         return fb.num_tokens
@@ -98,38 +74,16 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
         )
 
     def _pieces(self, n: int, view: ForwardBatch) -> list[Callable[[], None]]:
-        """The L + 1 captured callables of an `n`-token bucket, over the static buffers."""
-        m, a = self.model, self.acts
-        layers = m.decoder_layers
+        """The model's L + 1 pieces of an `n`-token bucket over the static buffers."""
         input_ids, positions = view.input_ids, view.positions
-        assert positions is not None
-        q, k, v, residual, attn_out = a.q[:n], a.k[:n], a.v[:n], a.residual[:n], a.attn_out[:n]
+        assert input_ids is not None and positions is not None
 
-        def write_qkv(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-            q.copy_(out[0])
-            k.copy_(out[1])
-            v.copy_(out[2])
-            residual.copy_(out[3])
+        def ids() -> torch.Tensor:
+            if self.future_tokens is None:
+                return input_ids
+            return resolve_future_tokens(input_ids, self.future_tokens)  # in piece 0
 
-        def first() -> None:
-            assert input_ids is not None
-            ids = input_ids
-            if self.future_tokens is not None:  # in piece 0: reads the table's buffer
-                ids = resolve_future_tokens(ids, self.future_tokens)
-            write_qkv(layers[0].pre_attention(positions, m.embed(ids, None), None, m.rotary))
-
-        def middle(i: int) -> Callable[[], None]:
-            def run() -> None:
-                hidden, res = layers[i - 1].post_attention(attn_out, residual)
-                write_qkv(layers[i].pre_attention(positions, hidden, res, m.rotary))
-
-            return run
-
-        def last() -> None:
-            hidden, res = layers[-1].post_attention(attn_out, residual)
-            a.hidden[:n].copy_(m.norm(hidden, res)[0])
-
-        return [first, *(middle(i) for i in range(1, len(layers))), last]
+        return self.model.pieces(n, ids, positions, self.acts)
 
     def _synthetic_batch(self, n: int) -> ForwardBatch:
         zeros = torch.zeros(n, dtype=torch.int64, device=self.device)

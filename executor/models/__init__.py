@@ -1,4 +1,4 @@
-"""Model code and loaders: a Llama-family decoder written against our KV cache and backends.
+"""Model code and loaders: decoder families (`registry.py`) over our KV cache and backends.
 
 Import from the submodules (`executor.models.loader`, `executor.models.llama`, ...); this
 package re-exports nothing, so that `executor.config` can use `executor.models.config`

@@ -1,5 +1,8 @@
 """Read a GGUF file (llama.cpp's format) into a ModelConfig and Hugging Face-named tensors.
 
+The family (`general.architecture`, looked up in `registry.py`) names its layer tensors
+(`DecoderModel.GGUF_NAMES`) and says whether llama.cpp permuted its Q/K rows.
+
 Quantized tensors are dequantized to float32 with the `gguf` package. Dequantizing takes
 seconds, so the result is cached as safetensors keyed by the file's sha256
 (:mod:`executor.models.file_cache`); a restart loads the cache in well under a second.
@@ -16,27 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.models.config import ModelConfig
+from executor.models.config import AttentionConfig, ModelConfig, MoeConfig
+from executor.models.decoder_model import DecoderModel
 from executor.models.file_cache import atomic_write, cache_path
 from executor.models.gguf_blocks import BLOCK_FORMATS, read_blocks
 from executor.models.quant_formats import GroupQuant
+from executor.models.registry import from_gguf_architecture, model_class
 
 CACHE_FORMAT = 2
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,14 +35,24 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, family: type[DecoderModel]) -> str:
+    """The Hugging Face name of a GGUF tensor; `{e}` in it: a stack of per-expert tensors."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama/Qwen2 counterpart")
+        if rest in family.GGUF_NAMES:
+            return f"model.layers.{idx}.{family.GGUF_NAMES[rest]}"
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} has no known {family.gguf_architecture} counterpart"
+    )
+
+
+def _named(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`{name: tensor}`, or one tensor per expert when `name` holds `{e}` (a stack)."""
+    if "{e}" not in name:
+        return {name: tensor}
+    return {name.format(e=e): part.contiguous() for e, part in enumerate(tensor.unbind(0))}
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -72,10 +73,30 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def _attention_config(
+    reader: Any, arch: str, num_layers: int, hidden: int, num_heads: int
+) -> AttentionConfig | None:
+    """Sliding windows and soft-caps (Gemma 2's keys), None without any. GGUF names no windowed
+    layers and no query scalar: as llama.cpp, Gemma 2 windows its even layers and scales q.k
+    by head_dim ** -0.5, hidden / heads for its 46-layer (27B) model."""
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    attn_cap = _field(reader, f"{arch}.attn_logit_softcapping")
+    final_cap = _field(reader, f"{arch}.final_logit_softcapping")
+    if window is None and attn_cap is None and final_cap is None:
+        return None
+    gemma2 = arch == "gemma2"
+    return AttentionConfig(
+        sliding_window=int(window) if window else None,
+        sliding_layers=tuple(range(0, num_layers, 2)) if window and gemma2 else (),
+        query_pre_attn_scalar=hidden // num_heads if gemma2 and num_layers == 46 else None,
+        attn_logit_softcapping=float(attn_cap) if attn_cap is not None else None,
+        final_logit_softcapping=float(final_cap) if final_cap is not None else None,
+    )
+
+
 def read_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
+    family = from_gguf_architecture(arch)
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
@@ -88,8 +109,23 @@ def read_config(reader: Any, name: str) -> ModelConfig:
     if eot is not None:
         eos_ids.add(int(eot))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    experts = int(_field(reader, f"{arch}.expert_count", 0))
+    moe = None
+    if experts > 0:
+        # No GGUF key names the dense layers: they are the ones without a router.
+        blocks = int(_field(reader, f"{arch}.block_count"))
+        dense = tuple(
+            i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+        )
+        moe = MoeConfig(
+            num_experts=experts,
+            top_k=int(_field(reader, f"{arch}.expert_used_count")),
+            intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length")),
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            mlp_only_layers=dense,
+        )
     return ModelConfig(
-        architecture=arch,
+        architecture=family.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
@@ -102,6 +138,10 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        moe=moe,
+        attention=_attention_config(
+            reader, arch, int(_field(reader, f"{arch}.block_count")), hidden, num_heads
+        ),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(sorted(eos_ids)),
         name=str(_field(reader, "general.name", name)),
@@ -112,9 +152,7 @@ def _config_from_json(text: str) -> ModelConfig | None:
     data = json.loads(text)
     if data.pop("format", None) != CACHE_FORMAT:
         return None
-    data.pop("extra", None)
-    data["eos_token_ids"] = tuple(data["eos_token_ids"])
-    return ModelConfig(**data)
+    return ModelConfig.from_dict(data)
 
 
 def read_gguf_config(path: Path, cache_dir: Path | None) -> ModelConfig:
@@ -135,7 +173,8 @@ def read_gguf_config(path: Path, cache_dir: Path | None) -> ModelConfig:
 
 def _permuted_rows(name: str, config: ModelConfig) -> int | None:
     """The head count whose rotary halves llama.cpp interleaved in this tensor's rows, if any."""
-    if config.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+    permuted = model_class(config.architecture).GGUF_PERMUTED_QK
+    if permuted and (".attn_q." in name or ".attn_k." in name):
         return config.num_heads if ".attn_q." in name else config.num_kv_heads
     return None
 
@@ -154,6 +193,9 @@ def _float_tensor(t: Any, config: ModelConfig) -> torch.Tensor:
     n_head = _permuted_rows(t.name, config)
     if n_head is not None:
         data = unpermute_qk(data, n_head)
+    shift = model_class(config.architecture).GGUF_NORM_SHIFT
+    if shift and t.name.endswith("norm.weight"):
+        data = data - np.float32(shift)
     if not data.flags.writeable or not data.flags.c_contiguous:  # F32 tensors are views of the mmap
         data = np.array(data, copy=True, order="C")
     return torch.from_numpy(data)
@@ -165,10 +207,11 @@ def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader, path.stem)
+    family = model_class(config.architecture)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         _check_type(t)
-        tensors[hf_tensor_name(t.name)] = _float_tensor(t, config)
+        tensors.update(_named(hf_tensor_name(t.name, family), _float_tensor(t, config)))
     return config, tensors
 
 
@@ -188,13 +231,14 @@ def read_gguf_blocks(
 
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader, path.stem)
+    family = model_class(config.architecture)
     floats: dict[str, torch.Tensor] = {}
     blocks: dict[str, GroupQuant] = {}
     for t in reader.tensors:
         _check_type(t)
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, family)
         if t.tensor_type.name not in BLOCK_FORMATS or len(t.shape) != 2:
-            floats[name] = _float_tensor(t, config)
+            floats.update(_named(name, _float_tensor(t, config)))
             continue
         weight = read_blocks(t.data, t.tensor_type.name, rows=int(t.shape[1]), cols=int(t.shape[0]))
         n_head = _permuted_rows(t.name, config)

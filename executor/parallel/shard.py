@@ -10,35 +10,27 @@ Query heads must divide by the size. KV heads either divide too (each rank holds
 num_kv_heads / size of them) or the size is a multiple of them: then each KV head is
 replicated on size / num_kv_heads consecutive ranks, the ones whose query heads use it.
 
+Which tensors split, and how, is the model family's table (`DecoderModel.TP_SPLITS`, handed
+to `build`); a tensor no row names is replicated (norms, q/k norms over head_dim, routers).
 Loaders call `take` with a tensor or a lazy slice (safetensors' `get_slice`), so a rank
 reads only the rows or columns it keeps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
 from executor.models.config import ModelConfig
 
-# HF name suffix -> (the axis it is split on, which range): column-parallel split rows (0),
-# row-parallel split columns (1).
-_SPLITS: dict[str, tuple[int, str]] = {
-    "self_attn.q_proj.weight": (0, "q"),
-    "self_attn.q_proj.bias": (0, "q"),
-    "self_attn.k_proj.weight": (0, "kv"),
-    "self_attn.k_proj.bias": (0, "kv"),
-    "self_attn.v_proj.weight": (0, "kv"),
-    "self_attn.v_proj.bias": (0, "kv"),
-    "self_attn.o_proj.weight": (1, "q"),
-    "mlp.gate_proj.weight": (0, "mlp"),
-    "mlp.up_proj.weight": (0, "mlp"),
-    "mlp.down_proj.weight": (1, "mlp"),
-    "model.embed_tokens.weight": (0, "vocab"),
-    "lm_head.weight": (0, "vocab"),
-}
+# Hugging Face name pattern (fnmatch) -> (the axis it is split on, which range): column-parallel
+# tensors split rows (0), row-parallel ones columns (1). Ranges: q, kv (heads), mlp
+# (intermediate columns), experts (each expert's intermediate columns), vocab.
+SplitRows = Mapping[str, tuple[int, str]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +46,10 @@ class ShardPlan:
     intermediate_start: int
     vocab_size: int  # the model's vocabulary
     vocab_per_rank: int  # rows of the embedding / LM head on each rank (padded)
+    # Each expert's columns on this rank (a mixture of experts shards every expert alike).
+    expert_intermediate_size: int = 0
+    expert_intermediate_start: int = 0
+    splits: tuple[tuple[str, int, str], ...] = ()  # the family's TP_SPLITS rows
 
     @property
     def vocab_start(self) -> int:
@@ -61,12 +57,12 @@ class ShardPlan:
 
     @classmethod
     def single(cls, config: ModelConfig) -> ShardPlan:
-        return cls.build(config, 1, 0)
+        return cls.build(config, 1, 0, {})
 
     @classmethod
-    def build(cls, config: ModelConfig, size: int, rank: int) -> ShardPlan:
-        """The plan of `rank` in a group of `size`; ValueError (naming the counts) when the
-        model cannot be split that way."""
+    def build(cls, config: ModelConfig, size: int, rank: int, splits: SplitRows) -> ShardPlan:
+        """The plan of `rank` in a group of `size` that splits the tensors `splits` names;
+        ValueError (naming the counts) when the model cannot be split that way."""
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tp rank {rank} is outside a group of size {size}")
         heads, kv = config.num_heads, config.num_kv_heads
@@ -84,6 +80,11 @@ class ShardPlan:
             raise ValueError(
                 f"tp_size {size} does not divide the model's intermediate_size "
                 f"{config.intermediate_size}"
+            )
+        expert_inter = config.moe.intermediate_size if config.moe is not None else 0
+        if expert_inter % size != 0:
+            raise ValueError(
+                f"tp_size {size} does not divide the model's moe_intermediate_size {expert_inter}"
             )
         local_heads = heads // size
         if kv >= size:
@@ -103,6 +104,9 @@ class ShardPlan:
             intermediate_start=rank * inter,
             vocab_size=config.vocab_size,
             vocab_per_rank=-(-config.vocab_size // size),
+            expert_intermediate_size=expert_inter // size,
+            expert_intermediate_start=rank * (expert_inter // size),
+            splits=tuple((pattern, axis, which) for pattern, (axis, which) in splits.items()),
         )
 
     def _range(self, which: str) -> tuple[int, int]:
@@ -113,14 +117,17 @@ class ShardPlan:
             return self.kv_head_start * d, (self.kv_head_start + self.num_kv_heads) * d
         if which == "mlp":
             return self.intermediate_start, self.intermediate_start + self.intermediate_size
+        if which == "experts":
+            start = self.expert_intermediate_start
+            return start, start + self.expert_intermediate_size
         return self.vocab_start, self.vocab_start + self.vocab_per_rank
 
     def split_of(self, name: str) -> tuple[int, int, int] | None:
         """(axis, start, stop) of this rank's part of HF tensor `name`; None: kept whole."""
         if self.size == 1:
             return None
-        for suffix, (axis, which) in _SPLITS.items():
-            if name.endswith(suffix):
+        for pattern, axis, which in self.splits:
+            if fnmatchcase(name, pattern):
                 return (axis, *self._range(which))
         return None
 

@@ -286,7 +286,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         context: grpc.ServicerContext,
         rpc: RpcScope,
     ) -> Iterator[pb.ForwardResponse]:
-        pending: queue.Queue[_StreamStep | tuple[int, BaseException] | None] = queue.Queue()
+        # The reader's hand-off to this thread, once per batch: a SimpleQueue (C, no Python
+        # Condition) hands over in about half the time of a queue.Queue.
+        pending: queue.SimpleQueue[_StreamStep | tuple[int, BaseException] | None] = (
+            queue.SimpleQueue()
+        )
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
         state = StreamState()  # the device thread runs nothing after a failed batch

@@ -178,7 +178,3 @@ def start_group(
             p.join(5)
         raise
     return group
-
-
-def current_env() -> dict[str, str]:
-    return dict(os.environ)

@@ -69,11 +69,11 @@ class GraphControl:
         mode = self.toggles.graph_mode
         if mode is not GraphMode.NONE:
             self._record_captures(self.runner.enable_graphs(mode))
-        if mode.decode_graphs and self.attn_backend.graph_capture_refusal:
+        if mode.decode_graphs and (refusal := self.attn_backend.graph_capture_refusal()):
             log.warning(
                 "decode graphs refused: DECODE runs eagerly",
                 attention_backend=self.attn_backend.name,
-                reason=self.attn_backend.graph_capture_refusal,
+                reason=refusal,
             )
 
     # --- the host-lengths decision --------------------------------------------------------
@@ -128,8 +128,8 @@ class GraphControl:
                 f"({self.toggles.graph_capture}); retry when GetRuntimeConfig's graph_capture "
                 "is no longer 'capturing'"
             )
-        if target.decode_graphs and not self.attn_backend.can_capture:
-            reason = self.attn_backend.graph_capture_refusal
+        reason = self.attn_backend.graph_capture_refusal()
+        if target.decode_graphs and reason is not None:
             raise ToggleRefusedError(
                 f"graph_mode={target}: attention backend {self.attn_backend.name!r} cannot be "
                 f"captured in a graph{f' ({reason})' if reason else ''}"

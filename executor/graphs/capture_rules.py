@@ -1,16 +1,15 @@
-"""A test-time guard: inside a device step, tensor data reaches the host only through `to_host`.
+"""The host-read guard: inside a device step, tensor data reaches the host only through `to_host`.
 
 On CUDA an uncounted `.item()` or `.tolist()` on the forward path is a hidden device
 sync; on a CPU device it is free and invisible, and device tensors and host mirrors are
 the very same objects (`ForwardBatch.to(cpu)` moves nothing). So the guard does not ask
-"which device is this tensor on?" - it asks "was this read declared?":
+"which device is this tensor on?" - it asks "was this read declared?" (`ops.host_reads`):
 
-- `to_host(tensor, reason)` runs inside :func:`counted_transfer`, and its result is marked
+- `to_host(tensor, reason)` runs inside `counted_transfer`, and its result is marked
   as host data; anything computed only from marked tensors is marked too.
-- A read of a host mirror (e.g. torch_native's `seq_lens_cpu`) is declared by wrapping it
-  in :func:`host_mirror_read`; the declaration covers CPU tensors only, so on CUDA it can
-  never hide a real device read.
-- Every other data read inside the guarded region fails at once with :class:`HostReadError`
+- A read of a host mirror is declared by wrapping it in `host_mirror_read`; the declaration
+  covers CPU tensors only, so on CUDA it can never hide a real device read.
+- Every other data read inside the guarded region fails at once with `HostReadError`
   naming the op: `.item()`, `.tolist()`, `.numpy()`, `.cpu()`, `bool()/int()/float()`,
   formatting, `in`, a `.to()`/`.copy_()` from a device to the host, and (one level down, in
   the dispatcher) the ops that synchronize on CUDA because their output shape depends on
@@ -20,24 +19,19 @@ the very same objects (`ForwardBatch.to(cpu)` moves nothing). So the guard does 
 Limitation: on a CPU device `.to("cpu")` cannot be told from an upload `.to(device)`, so
 only `.cpu()` and real cross-device copies are caught there.
 
-In capture mode (a stand-in for CUDA graph capture) it also refuses what CUDA capture
-refuses on the way in: a host-to-device copy from pageable (non-pinned) memory, through
-`ops.host_transfer.to_device` (which sees the declaration on every device) or a real
-cross-device `.to()` / `.copy_()`, and an explicit `torch.cuda.synchronize()`,
-`Stream.synchronize()` or `Event.synchronize()`. Buffers that are pinned on CUDA are
-declared with :func:`declare_pinned` so that the same rule holds on CPU, where nothing can
-be pinned.
+In capture mode (a stand-in for CUDA graph capture, checked on every CPU capture by
+`graph.check_capture_rules`) it also refuses what CUDA capture refuses on the way in: a
+host-to-device copy from pageable (non-pinned) memory and an explicit
+`torch.cuda.synchronize()`, `Stream.synchronize()` or `Event.synchronize()`.
 
-Outside an active guard the two scopes cost one thread-local lookup; production code can
-use them freely. :class:`ForbiddenValue` is the companion for fields nothing may read at
-all (the tests put it in `seq_lens_cpu` / `seq_lens_sum` when the mirror is off).
+:class:`ForbiddenValue` is the companion for fields nothing may read at all (the tests put it
+in `seq_lens_cpu` / `seq_lens_sum` when the mirror is off).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -46,60 +40,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ops.host_reads import HostReadError, is_pinned, refuse_in_capture
+from ops.host_reads import state as _state
 
-class HostReadError(AssertionError):
-    """A host read inside a guarded device step that no `to_host` or declaration covers."""
-
-
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.guards: list[HostReadGuard] = []
-        self.transfer_depth = 0  # inside to_host
-        self.mirror_names: list[str] = []  # inside host_mirror_read
-        self.allowed_depth = 0  # inside a Python-level read the function mode allowed
-
-
-_state = _ThreadState()
-
-
-def _refuse_in_capture(what: str, subject: Any = None) -> None:
-    for guard in _state.guards:
-        if guard.capture:
-            guard.fail(what, subject)
-
-
-# Host buffers that stand for pinned memory (really pinned on CUDA; declared on CPU).
-_pinned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-_pinned_lock = threading.Lock()
-
-
-def declare_pinned(tensor: torch.Tensor) -> None:
-    """Record a host buffer as pinned (page-locked) for the capture rules; on CUDA pin it
-    with `pin_memory()` as well - this only makes the CPU model agree."""
-    with _pinned_lock:
-        _pinned[tensor] = True
-
-
-def is_pinned(tensor: torch.Tensor) -> bool:
-    """Pinned for the capture rules: really pinned, or a view of a declared buffer."""
-    if tensor.device.type != "cpu":
-        return False
-    if torch.cuda.is_available() and tensor.is_pinned():
-        return True
-    with _pinned_lock:
-        return tensor in _pinned or (tensor._base is not None and tensor._base in _pinned)
-
-
-def check_upload(tensor: torch.Tensor, what: str) -> None:
-    """Under a capture guard, refuse a host-to-device copy from pageable memory (CUDA
-    capture cannot record one: it synchronizes the stream)."""
-    if _state.guards and not is_pinned(tensor):
-        _refuse_in_capture(f"{what} from pageable (non-pinned) host memory", tensor)
+__all__ = ["ForbiddenValue", "HostReadError", "HostReadGuard"]
 
 
 def _refuse_sync(original: Callable[..., Any], what: str) -> Callable[..., Any]:
     def refusing(*args: Any, **kwargs: Any) -> Any:
-        _refuse_in_capture(what)
+        refuse_in_capture(what)
         return original(*args, **kwargs)
 
     refusing.__wrapped__ = original  # type: ignore[attr-defined]
@@ -140,41 +89,6 @@ class _SyncPatch:
 
 
 _sync_patch = _SyncPatch()
-
-
-@contextmanager
-def counted_transfer(reason: str) -> Iterator[None]:
-    """The body of `ops.host_transfer.to_host`: everything inside may move data to the host
-    (except under a capture guard: a captured graph cannot wait for the host)."""
-    if not _state.guards:
-        yield
-        return
-    _refuse_in_capture(f"to_host(reason={reason!r})")
-    _state.transfer_depth += 1
-    try:
-        yield
-    finally:
-        _state.transfer_depth -= 1
-
-
-@contextmanager
-def host_mirror_read(name: str) -> Iterator[None]:
-    """Declare that the reads inside touch only the host mirror `name` (CPU tensors)."""
-    if not _state.guards:
-        yield
-        return
-    _refuse_in_capture(f"host_mirror_read({name!r})")
-    _state.mirror_names.append(name)
-    try:
-        yield
-    finally:
-        _state.mirror_names.pop()
-
-
-def mark_host(tensor: torch.Tensor) -> None:
-    """Record `tensor` (a `to_host` result) as host data for every active guard."""
-    for guard in _state.guards:
-        guard.host_tensors[tensor] = True
 
 
 # Python-level reads of tensor data (seen by the function mode).
@@ -417,7 +331,7 @@ class HostReadGuard:
                 f"uncounted host read: {op} on {what} inside a guarded device step. "
                 "Device data must leave through ops.host_transfer.to_host(tensor, reason); "
                 "a read of a host mirror must be declared with "
-                "ops.host_read_guard.host_mirror_read(name)."
+                "ops.host_reads.host_mirror_read(name)."
             )
         self.violations.append(message)
         raise HostReadError(message)

@@ -3,10 +3,8 @@
 `F.linear` on CPU runs MKL's sgemm on the plain `[N, K]` weight and repacks panels of it on
 every call. oneDNN can pack a weight once, at load, into the blocked layout its kernels read
 (`torch.ops.mkldnn._reorder_linear_weight`) and then multiply without repacking
-(`torch.ops.mkldnn._linear_pointwise`). On a 2-core AVX2 EPYC, for SmolLM2's 30 layers of
-linears (weights cold in DRAM, as in a model step) this measured 1.7-2.3x faster than `F.linear`
-at 8 rows, 1.5-2.3x at 32 and 1.1-1.4x at 1 row, where both stream the weights from memory
-(docs/performance.md, "Packed float linears").
+(`torch.ops.mkldnn._linear_pointwise`); the gain is measured in docs/performance.md
+("Packed float linears").
 
 A packed weight is an opaque MKLDNN tensor: no storage, no strides, and torch.compile cannot
 take it as a graph input. So the packed weight lives in a table here, and the model holds a
@@ -28,9 +26,8 @@ import weakref
 
 import torch
 
-# The row count oneDNN chooses its packed layout for. The packed weight serves any row count;
-# measured at 1, 8, 32 and 64 rows on the AVX2 EPYC, hints from 8 to 64 were within the
-# run-to-run spread of each other (benchmarks/packed_linear.py).
+# The row count oneDNN chooses its packed layout for. The packed weight serves any row count
+# (benchmarks/packed_linear.py compares hints).
 PACK_BATCH_HINT = 16
 
 _PACKED: dict[int, torch.Tensor] = {}  # key.data_ptr() -> the packed weight
@@ -79,9 +76,8 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight.tensor, bias, "none", [], "")
 
 
-# A plain library op (dispatcher -> the CPU kernel below), not `torch.library.custom_op`:
-# the latter's Python wrapper costs about 90 us a call here against about 35 us for this
-# (dominated by oneDNN's own per-call cost), with 121 calls in a SmolLM2 step.
+# A plain library op (dispatcher -> the CPU kernel below), not `torch.library.custom_op`,
+# whose Python wrapper costs more per call than oneDNN's own call does.
 _LIB = torch.library.Library("model_executor", "DEF")
 _LIB.define("onednn_linear(Tensor x, Tensor key, Tensor? bias) -> Tensor")
 

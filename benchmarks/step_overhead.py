@@ -1,0 +1,286 @@
+"""What the executor adds around the model per served step, against a bare grpcio round trip.
+
+    python benchmarks/step_overhead.py                              # bs 1, 32, 256; 200 steps each
+    python benchmarks/step_overhead.py --batch-sizes 1,32 --steps 100
+    python benchmarks/step_overhead.py --server-env OMP_WAIT_POLICY=PASSIVE  # the executor's env
+
+For each batch size, call by call in alternation (the order flips every call, so drift and
+the neighbours' load fall on both alike):
+- executor: a unary DECODE `Forward` to `python -m executor serve` (tiny-random, float32, eager;
+  benchmarks/served.py). Its overhead is the client's wall time minus the step's model forward
+  (`ForwardStats.timings_ns["forward"]`).
+- bare: the same `ForwardRequest` to a minimal grpcio server in its own process (this file with
+  `--bare-server PORT`: a generic handler that parses the request and answers a canned
+  `ForwardResponse` of the executor's size). Its wall time is what any Python gRPC service pays.
+
+Both clients are `ExecutorClient` stubs sending prebuilt requests, so the client's work inside
+the call (serializing the request, parsing the answer) is the same on both sides; the
+scheduler-side codec (`batch_to_proto`, `response_from_proto`) is timed on its own and is not
+in the ratio. The overhead is split by the step's own timings (queue, validate, stage, sample,
+and whatever `total` holds besides them) and the rest: the gRPC path, decoding, encoding,
+telemetry and the thread hand-offs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Run from a checkout: this tree's packages and generated stubs, and served.py beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+import torch
+from rpc_overhead import PROMPT_LEN, decode_batches
+from served import cpu_description, free_port, served
+
+from executor.client.grpc_client import ExecutorClient
+from executor.service.codec import batch_to_proto, response_from_proto
+from model_executor.v1 import executor_pb2 as pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+TARGETS = {1: 1.5, 32: 1.5, 256: 2.0}  # issue 24: overhead / bare round trip, at most
+# The step's phases as ForwardStats names them; `forward` is the model, `total` validate..sample.
+MODEL, TOTAL = "forward", "total"
+REST = "rpc"  # client wall time outside the step and its queue wait
+
+
+def canned_response(bs: int) -> pb.ForwardResponse:
+    """A DECODE answer shaped like the executor's for `bs` requests (tokens and ForwardStats)."""
+    timings = dict.fromkeys(("validate", "stage", "forward", "sample", "total", "queue"), 10**6)
+    return pb.ForwardResponse(
+        batch_id=secrets.randbits(62),
+        next_token_ids=pb.Tensor(dtype=pb.INT64, shape=[bs], data=bytes(8 * bs)),
+        stats=pb.ForwardStats(
+            path="eager",
+            batch_size=bs,
+            padded_batch_size=bs,
+            num_tokens=bs,
+            padded_num_tokens=bs,
+            timings_ns=timings,
+            mode="decode",
+            fill_registry="eager_decode",
+            fill_tensors=6,
+            fill_bytes=48 * bs,
+            fill_copy_calls=1,
+        ),
+    )
+
+
+def start_bare_server(port: int = 0) -> tuple[grpc.Server, int]:
+    """A grpcio server with nothing but `Forward`: parse the request, answer a same-size one."""
+    answers: dict[int, pb.ForwardResponse] = {}
+
+    def forward(request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardResponse:
+        bs = len(request.batch.req_pool_indices.data) // 8
+        answer = answers.get(bs)
+        if answer is None:
+            answer = answers[bs] = canned_response(bs)
+        return answer
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        forward,
+        request_deserializer=pb.ForwardRequest.FromString,
+        response_serializer=pb.ForwardResponse.SerializeToString,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"Forward": handler}),)
+    )
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, bound
+
+
+@contextmanager
+def bare_served() -> Iterator[ExecutorClient]:
+    """The bare server in its own process (as the executor is), and a client to it."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, __file__, "--bare-server", str(port)])
+    client = ExecutorClient(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(client.channel).result(timeout=60)
+        yield client
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@dataclass
+class Result:
+    """One batch size: per-step figures in microseconds."""
+
+    bs: int
+    request_bytes: int
+    response_bytes: int  # the executor's answer
+    bare_response_bytes: int
+    bare_us: list[float] = field(default_factory=list)
+    overhead_us: list[float] = field(default_factory=list)  # executor wall minus model forward
+    model_us: list[float] = field(default_factory=list)
+    phases_us: dict[str, list[float]] = field(default_factory=dict)  # the overhead, split
+    client_codec_us: list[float] = field(default_factory=list)  # encode + decode, not in ratio
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.overhead_us) / statistics.median(self.bare_us)
+
+
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+def timed_call(
+    client: ExecutorClient, request: pb.ForwardRequest
+) -> tuple[int, pb.ForwardResponse]:
+    t0 = time.perf_counter_ns()
+    response = client.stub.Forward(request)
+    return time.perf_counter_ns() - t0, response
+
+
+def measure(
+    executor: ExecutorClient,
+    bare: ExecutorClient,
+    bs: int,
+    steps: int,
+    *,
+    first_row: int = 1,
+    warmup: int = 10,
+) -> Result:
+    """A prefill of `bs` requests (rows first_row..), then one DECODE step that sizes the
+    messages, `warmup` and `steps` measured ones against the executor, each alternated with the
+    same request to the bare server."""
+    prefill, decodes = decode_batches(bs, 1 + warmup + steps, first_row)
+    executor.forward(prefill)
+    ids = itertools.count(secrets.randbits(62) + 1)  # fresh: a reused id would be replayed
+    requests = [pb.ForwardRequest(batch_id=next(ids), batch=batch_to_proto(b)) for b in decodes]
+    first = executor.stub.Forward(requests[0])
+    result = Result(
+        bs,
+        requests[0].ByteSize(),
+        first.ByteSize(),
+        bare.stub.Forward(requests[0]).ByteSize(),
+    )
+    for i, request in enumerate(requests[1:], start=1):
+        if i % 2:
+            bare_ns, _ = timed_call(bare, request)
+            wall_ns, response = timed_call(executor, request)
+        else:
+            wall_ns, response = timed_call(executor, request)
+            bare_ns, _ = timed_call(bare, request)
+        if i <= warmup:
+            continue
+        timings = dict(response.stats.timings_ns)
+        overhead = wall_ns - timings[MODEL]
+        step = timings.pop(TOTAL)
+        split = {k: v for k, v in timings.items() if k != MODEL}
+        split["step other"] = step - sum(v for k, v in timings.items() if k != "queue")
+        split[REST] = wall_ns - step - timings.get("queue", 0)
+        result.bare_us.append(bare_ns / 1e3)
+        result.overhead_us.append(overhead / 1e3)
+        result.model_us.append(timings[MODEL] / 1e3)
+        for k, v in split.items():
+            result.phases_us.setdefault(k, []).append(v / 1e3)
+        t0 = time.perf_counter_ns()
+        batch_to_proto(decodes[i])
+        response_from_proto(response)
+        result.client_codec_us.append((time.perf_counter_ns() - t0) / 1e3)
+    return result
+
+
+PHASE_ORDER = ("queue", "validate", "stage", "sample", "step other", REST)
+
+
+def table(results: list[Result]) -> str:
+    """The markdown table: medians (p90 after the slash) in microseconds."""
+    phases = [p for p in PHASE_ORDER if any(p in r.phases_us for r in results)]
+    phases += sorted({p for r in results for p in r.phases_us} - set(phases))
+    head = [
+        "bs", "bare round trip", "executor overhead", "ratio", "target", "model forward",
+        *phases, "client codec",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in results:
+        target = TARGETS.get(r.bs)
+        cells = [
+            str(r.bs),
+            f"{statistics.median(r.bare_us):.0f} / {p90(r.bare_us):.0f}",
+            f"{statistics.median(r.overhead_us):.0f} / {p90(r.overhead_us):.0f}",
+            f"{r.ratio:.2f}x",
+            f"{target}x" if target else "-",
+            f"{statistics.median(r.model_us):.0f}",
+            *(
+                f"{statistics.median(r.phases_us[p]):.0f}" if p in r.phases_us else "-"
+                for p in phases
+            ),
+            f"{statistics.median(r.client_codec_us):.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--batch-sizes", default="1,32,256")
+    ap.add_argument("--steps", type=int, default=200, help="measured steps per batch size")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for the executor's process (repeatable)",
+    )
+    ap.add_argument("--bare-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_server is not None:
+        server, _ = start_bare_server(args.bare_server)
+        server.wait_for_termination()
+        return
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    span = PROMPT_LEN + 1 + args.warmup + args.steps  # KV slots per request row
+    rows = sum(sizes)
+    flags = [
+        "--model", "tiny-random", "--dtype", "float32", "--graph-mode", "none",
+        "--max-reqs", str(rows + 1), "--max-batch-size", str(max(sizes)),
+        "--kv-slots", str(rows * span + 8), "--max-context-len", str(span + 8),
+    ]  # fmt: skip
+    model, simd = cpu_description()
+    print(f"# {model} ({simd}); torch {torch.__version__}, grpcio {grpc.__version__}, ", end="")
+    print(f"Python {platform.python_version()}; {args.steps} steps per bs after {args.warmup}")
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    print(f"# executor: {' '.join([*args.server_env, 'python -m executor serve', *flags])}")
+    results = []
+    with served(flags, env) as executor, bare_served() as bare:
+        first_row = 1
+        for bs in sizes:
+            r = measure(
+                executor.client, bare, bs, args.steps, first_row=first_row, warmup=args.warmup
+            )
+            first_row += bs
+            results.append(r)
+            print(
+                f"# bs {bs}: request {r.request_bytes} B, response {r.response_bytes} B "
+                f"(bare {r.bare_response_bytes} B)"
+            )
+    print(
+        "\nmicroseconds per step, median / p90; the split columns are medians of the overhead's parts"
+    )
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""`DecoderModel`: the seam between a model family and everything that runs or loads it.
+
+The runners, the graph code and the loaders type against this class; a family subclasses
+it, builds its layers (`make_layer`) and carries its checkpoint-name tables beside it:
+
+- `FUSED_LINEARS`: each fused linear of a layer (its module path) and the Hugging Face
+  projections concatenated into it, in order. Every other parameter loads from the
+  checkpoint tensor of its own name (`model.` + its path; `lm_head.weight`), and a module
+  with a `load_checkpoint` method gathers its own tensors (grouped expert weights).
+- `TP_SPLITS`: Hugging Face name patterns (fnmatch) -> (axis, range) for tensor
+  parallelism (`ShardPlan`); a tensor no pattern names is replicated on every rank.
+- `GGUF_NAMES`: GGUF layer tensor names -> Hugging Face layer tensor names (`{e}` in the
+  value: a stacked expert tensor, one per expert along its first axis);
+  `GGUF_PERMUTED_QK`: llama.cpp's converter interleaved the rotary halves of Q and K.
+
+`forward` (the eager and full-graph paths) and `pieces` (the piecewise graph runner) are
+both written over the layers' `pre_attention` / `post_attention`, so a family defines its
+layer once. Under tensor parallelism (a `ShardPlan` of size > 1) the embedding and LM head
+are vocab-parallel; the layers' collectives live in `blocks.DecoderLayer`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.models.blocks import DecoderLayer, LayerFns
+from executor.models.config import ModelConfig
+from executor.models.layers import Embedding, Linear, RMSNorm
+from executor.parallel.comm import TpComm
+from executor.parallel.shard import ShardPlan, SplitRows
+from ops.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from attention.base import AttentionBackend
+    from executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class PieceBuffers:
+    """The static activations the piecewise pieces read and write, at the largest bucket's
+    size; a bucket of n tokens uses the first n rows."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hk, D]
+    v: torch.Tensor  # [T, Hk, D]
+    residual: torch.Tensor  # [T, hidden]
+    attn_out: torch.Tensor  # [T, Hq, D], written by eager attention between pieces
+    hidden: torch.Tensor  # [T, hidden], the final-normed output
+
+
+class DecoderModel(nn.Module, ABC):
+    """Token ids (or embeddings) in, final hidden states out; `compute_logits` for the head."""
+
+    model_type: ClassVar[str]  # Hugging Face's `model_type`; also `ModelConfig.architecture`
+    gguf_architecture: ClassVar[str | None] = None  # GGUF `general.architecture`, if defined
+    default_attention_bias: ClassVar[bool] = False  # when config.json does not say
+    FUSED_LINEARS: ClassVar[dict[str, tuple[str, ...]]]
+    TP_SPLITS: ClassVar[SplitRows]
+    GGUF_NAMES: ClassVar[dict[str, str]]
+    GGUF_PERMUTED_QK: ClassVar[bool] = False
+    # llama.cpp's converter stored every `*norm.weight` plus this (Gemma: 1); the loader
+    # subtracts it.
+    GGUF_NORM_SHIFT: ClassVar[float] = 0.0
+    # A family's hooks around the shared body (None: not used).
+    embedding_scale: float | None = None  # multiplies the embeddings (Gemma: sqrt(hidden))
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        plan: ShardPlan | None = None,
+        comm: TpComm | None = None,
+    ) -> None:
+        """Parameters are allocated uninitialized; a loader fills every one of them. With a
+        `plan` of size > 1 this is one rank's shard and `comm` its group."""
+        super().__init__()
+        dd: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.config = config
+        self.plan = plan or ShardPlan.single(config)
+        self.comm = comm or TpComm()
+        if self.plan.size != self.comm.size:
+            raise ValueError(
+                f"shard plan of size {self.plan.size} with a group of size {self.comm.size}"
+            )
+        self.max_positions = max_positions
+        self.activation_dtype = dtype  # of the residual stream, attention and the KV cache
+        vocab_rows = self.plan.vocab_per_rank
+        # A loader may install a quantized embedding (any module with Embedding's interface).
+        self.embed_tokens: nn.Module = Embedding(vocab_rows, config.hidden_size, **dd)
+        self.layers = nn.ModuleList(
+            self.make_layer(config, i, plan=self.plan, comm=self.comm, **dd)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
+        # None when tied to the embedding; a loader may install a quantized or packed head
+        # (any module with Linear's interface; a packed one also when tied).
+        self.lm_head: nn.Module | None = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, vocab_rows, False, **dd)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, device=device
+        )
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        """Refuse hyper-parameters this family's code does not implement (ValueError);
+        `ModelConfig` asks when it is built, so a model is refused at start-up."""
+
+    @abstractmethod
+    def make_layer(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        plan: ShardPlan,
+        comm: TpComm,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> DecoderLayer:
+        """Layer `layer_id` of this family, holding this rank's part (`plan`)."""
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
+    @contextmanager
+    def using_compiled_fns(self, fns: LayerFns) -> Iterator[None]:
+        """Run every layer's halves through `fns` (e.g. compiled) inside the block."""
+        previous = [layer.compiled_fns for layer in self.decoder_layers]
+        for layer in self.decoder_layers:
+            layer.compiled_fns = fns
+        try:
+            yield
+        finally:
+            for layer, old in zip(self.decoder_layers, previous, strict=True):
+                layer.compiled_fns = old
+
+    # --- the body -------------------------------------------------------------------------
+    def embed(
+        self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        if input_embeds is not None:
+            hidden = input_embeds.to(self.activation_dtype)
+        else:
+            assert input_ids is not None
+            hidden = self._embed_ids(input_ids)
+        if self.embedding_scale is not None:
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        return hidden
+
+    def _embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.comm.enabled:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: rows outside this rank's range read row 0 and are zeroed, then the
+        # ranks' partial embeddings are summed (exactly one rank holds each id).
+        local = input_ids - self.plan.vocab_start
+        mine = (local >= 0) & (local < self.plan.vocab_per_rank)
+        hidden = self.embed_tokens(local * mine) * mine.unsqueeze(-1).to(self.activation_dtype)
+        return self.comm.all_reduce_(hidden)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden, residual)[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+        attn: AttentionBackend,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """-> final-normed hidden states [T, hidden] for every token of the batch."""
+        hidden = self.embed(input_ids, input_embeds)
+        residual: torch.Tensor | None = None
+        for layer in self.decoder_layers:
+            q, k, v, residual = layer.pre_attention(positions, hidden, residual, self.rotary)
+            attn_out = attn.forward(q, k, v, layer.layer_id, fb)
+            hidden, residual = layer.post_attention(attn_out, residual)
+        assert residual is not None
+        return self.final_norm(hidden, residual)
+
+    def piece_buffers(self, max_tokens: int, device: torch.device) -> PieceBuffers:
+        """Zeroed buffers for `pieces`, `max_tokens` rows (this rank's heads)."""
+        d, h = self.config.head_dim, self.config.hidden_size
+        hq, hk = self.plan.num_heads, self.plan.num_kv_heads
+        dd: dict[str, Any] = {"dtype": self.activation_dtype, "device": device}
+        return PieceBuffers(
+            q=torch.zeros(max_tokens, hq, d, **dd),
+            k=torch.zeros(max_tokens, hk, d, **dd),
+            v=torch.zeros(max_tokens, hk, d, **dd),
+            residual=torch.zeros(max_tokens, h, **dd),
+            attn_out=torch.zeros(max_tokens, hq, d, **dd),
+            hidden=torch.zeros(max_tokens, h, **dd),
+        )
+
+    def pieces(
+        self,
+        n: int,
+        input_ids: Callable[[], torch.Tensor],
+        positions: torch.Tensor,
+        bufs: PieceBuffers,
+    ) -> list[Callable[[], None]]:
+        """The L + 1 pieces of `forward` for an `n`-token bucket, over `bufs`: piece 0 embeds
+        `input_ids()` and runs layer 0's pre half into q/k/v/residual; piece i (1..L-1) runs
+        layer i-1's post half on `attn_out` and layer i's pre half; piece L the last post
+        half and the final norm into `hidden`. The caller runs attention between pieces."""
+        layers = self.decoder_layers
+        q, k, v = bufs.q[:n], bufs.k[:n], bufs.v[:n]
+        residual, attn_out = bufs.residual[:n], bufs.attn_out[:n]
+
+        def write_qkv(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+            q.copy_(out[0])
+            k.copy_(out[1])
+            v.copy_(out[2])
+            residual.copy_(out[3])
+
+        def first() -> None:
+            hidden = self.embed(input_ids(), None)
+            write_qkv(layers[0].pre_attention(positions, hidden, None, self.rotary))
+
+        def middle(i: int) -> Callable[[], None]:
+            def run() -> None:
+                hidden, res = layers[i - 1].post_attention(attn_out, residual)
+                write_qkv(layers[i].pre_attention(positions, hidden, res, self.rotary))
+
+            return run
+
+        def last() -> None:
+            hidden, res = layers[-1].post_attention(attn_out, residual)
+            bufs.hidden[:n].copy_(self.final_norm(hidden, res))
+
+        return [first, *(middle(i) for i in range(1, len(layers))), last]
+
+    def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of each request's last token: [bs, vocab] float32."""
+        if fb.forward_mode.is_extend():
+            assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
+            hidden = hidden[fb.extend_start_loc + fb.extend_seq_lens - 1]
+        if self.lm_head is None:  # tied to a float embedding
+            assert isinstance(self.embed_tokens, Embedding)
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.comm.enabled:
+            # Vocab-parallel head: every rank's columns, in rank order, minus the padding.
+            logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = cap * torch.tanh(logits / cap)
+        return logits

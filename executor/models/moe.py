@@ -1,0 +1,129 @@
+"""A sparse mixture-of-experts MLP: a router picks the top k experts of each token, and the
+experts run grouped, each once over the tokens routed to it.
+
+Routing (Qwen-MoE, Mixtral): softmax over every expert in float32, the top k, optionally
+renormalised to sum to 1 (`norm_topk_prob`). The experts' SiLU-gated MLPs are stacked
+([E, 2I, H] gate-up, [E, H, I] down) and run as grouped matmuls over the token-expert
+assignments sorted by expert (`F.grouped_mm` with device-side offsets), then each output,
+times its routing weight, is added back to its token. Every shape is fixed by the token
+count, and nothing reads a device value on the host, so the block runs inside a captured
+graph. Where the grouped kernel does not take the dtype (CUDA, and torch.compile, want
+bfloat16), every expert runs densely over every token, weighted by the routing weights (zero
+where not chosen): the same values at E / k times the arithmetic.
+
+Tensor parallelism shards every expert alike (gate-up column-parallel, down row-parallel,
+on `ShardPlan.expert_intermediate_size`): the block's output is a partial sum, all-reduced
+where a dense MLP's is (`DecoderLayer`), and every rank does the same work whatever the
+routing. The router is replicated, so the ranks route identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.models.config import MoeConfig
+from executor.models.layers import Linear
+from executor.models.weights import assign
+from ops.activation import silu_and_mul
+
+
+class GroupedExperts(nn.Module):
+    """This rank's part of every expert's weights, stacked; loads them itself from the
+    per-expert checkpoint tensors (`load_checkpoint`)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.num_experts = e
+        self.gate_up = nn.Parameter(
+            torch.empty(e, 2 * i, h, device=device, dtype=dtype), requires_grad=False
+        )
+        self.down = nn.Parameter(
+            torch.empty(e, h, i, device=device, dtype=dtype), requires_grad=False
+        )
+
+    def load_checkpoint(self, take: Callable[[str], torch.Tensor], prefix: str) -> None:
+        """Fill from `{prefix}{e}.{gate,up,down}_proj.weight` (Hugging Face's per-expert
+        names), each as `take` shards it."""
+        for e in range(self.num_experts):
+            gate = take(f"{prefix}{e}.gate_proj.weight")
+            up = take(f"{prefix}{e}.up_proj.weight")
+            assign(self.gate_up[e], torch.cat([gate, up], dim=0), f"{prefix}{e}.gate_up_proj")
+            name = f"{prefix}{e}.down_proj.weight"
+            assign(self.down[e], take(name), name)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids / weights [T, k] -> sum over k of weight * expert(x): [T, H]."""
+        # The grouped kernel takes bfloat16 (on CUDA too), and float32 only eagerly on the
+        # CPU: its meta kernel, which torch.compile traces with, wants bfloat16.
+        if x.dtype == torch.bfloat16 or (
+            x.device.type == "cpu" and not torch.compiler.is_compiling()
+        ):
+            return self.grouped(x, ids, weights)
+        return self.dense(x, ids, weights)
+
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.reshape(-1)  # [T*k] the expert of each assignment
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        token = order // k  # [T*k] the token of each sorted assignment
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)  # end of each expert's rows
+        gate_up = F.grouped_mm(x[token], self.gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
+        out = F.grouped_mm(silu_and_mul(gate_up), self.down.transpose(1, 2), offs=offs)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)  # [T*k, H]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    def dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        per_expert = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        per_expert.scatter_(1, ids, weights.to(x.dtype))  # [T, E], zero where not routed
+        gate_up = torch.einsum("th,eoh->eto", x, self.gate_up)  # [E, T, 2I]
+        out = torch.einsum("eti,ehi->eth", silu_and_mul(gate_up), self.down)  # [E, T, H]
+        return torch.einsum("eth,te->th", out, per_expert)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, replicated) plus `experts`: [T, H] -> [T, H], a partial sum over the
+    ranks under tensor parallelism."""
+
+    def __init__(
+        self,
+        moe: MoeConfig,
+        hidden_size: int,
+        expert_intermediate_size: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = Linear(hidden_size, moe.num_experts, False, device=device, dtype=dtype)
+        self.experts = GroupedExperts(
+            moe.num_experts, hidden_size, expert_intermediate_size, device=device, dtype=dtype
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k], routing weights [T, k] in x's dtype)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return self.experts(x, ids, weights)
