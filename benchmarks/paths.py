@@ -38,8 +38,8 @@ PATHS = {  # path -> (eager_input_no_copy, graph_mode)
 
 def set_path(ex: ModelExecutor, path: str) -> None:
     no_copy, mode = PATHS[path]
-    ex.runner.eager_input_no_copy = no_copy
-    ex.set_graph_mode(mode)
+    ex.toggles.eager_input_no_copy = no_copy
+    ex.control.set_graph_mode(mode)
 
 
 def sync(ex: ModelExecutor) -> None:
@@ -156,7 +156,7 @@ def main() -> None:
     )
     ex = ModelExecutor(cfg)
     t0 = time.perf_counter()
-    ex.set_graph_mode("both")  # capture once, up front
+    ex.control.set_graph_mode("both")  # capture once, up front
     capture_s = time.perf_counter() - t0
     title = f"{args.model} on {ex.device} ({ex.dtype}), torch {torch.__version__}, {torch.get_num_threads()} threads"
     print(title)

@@ -86,7 +86,7 @@ def _steps() -> list[tuple[str, ForwardBatch]]:
 
 def _before(ex: ModelExecutor, batch: ForwardBatch) -> tuple[int, int]:
     """(host-to-device uploads, device-to-host syncs) of the previous step path."""
-    host = ex._complete(batch)
+    host = ex.step.complete(batch).batch
     _, syncs0, _ = host_transfers.totals()
     for field in host.staged_fields():  # ForwardBatch.to + SamplingBatch.to, one per field
         to_device(field.tensor, ex.device, "before:" + field.name, non_blocking=True)

@@ -15,13 +15,14 @@ import torch
 
 from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.models.config import ModelConfig
+from executor.step.paths import GraphMode, SeqLensPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The graph modes a running executor is in; `auto` is a start-up value only, resolved before
 # the executor runs.
-RUNTIME_GRAPH_MODES = ("none", "decode", "extend", "both")
+RUNTIME_GRAPH_MODES = tuple(m.value for m in GraphMode)  # none | decode | extend | both
 GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
-NEEDS_CPU_SEQ_LENS_VALUES = ("auto", "on", "off")
+NEEDS_CPU_SEQ_LENS_VALUES = tuple(p.value for p in SeqLensPolicy)  # auto | on | off
 # What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
 # stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
 GRAPH_BACKENDS = ("auto", "cuda", "compiled", "compiled_step", "standin")

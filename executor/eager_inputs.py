@@ -1,119 +1,78 @@
-"""Eager staging: the two grow-on-demand registries the eager path copies each batch into.
+"""The eager path's input registries: which inputs the model reads, and their one copy.
 
-The eager path assembles its inputs through the same registry as the graph runners, so the
-model reads one kind of batch whichever path ran. Eager never pads (`padded == raw`), so
-no tail is ever read here; the registries are sized by powers of two only to make
-rebuilds rare.
+Eager never pads (`padded == raw`), so it needs no buffers of its own: the model reads the
+step's staged device views (:mod:`ops.h2d_staging`), and those views are the eager
+registry's buffers. Each input reaches the device once, in the step's one staged upload.
+The registries (`eager_decode`, bs axis, for DECODE; `eager_extend`, token axis, for
+EXTEND) are the graph runners' slot tables (:mod:`registry.factories`); here they declare
+which of the batch's device fields the model reads, and the step's fill statistics report
+what the staged upload carried for them (one copy call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from executor.forward_batch import ForwardBatch
-from executor.graphs.buckets import next_power_of_2
 from registry import BufferRegistry, FillStats, build_decode_registry, build_prefill_registry
 
 EAGER_DECODE = "eager_decode"
 EAGER_EXTEND = "eager_extend"
 
-# NOTE: eager never pads, so the decode registry's seq_lens sentinel is never read. 0 (as
-# sglang's eager registry uses) keeps it independent of the attention backend; a graph
-# runner's registry that shares the pooled buffer resets its own tails on every fill.
-EAGER_SEQ_LEN_FILL_VALUE = 0
-
-
-@dataclass
-class GrowingRegistry:
-    """A registry built on first use and rebuilt at the next power of two when outgrown."""
-
-    name: str
-    build: Callable[[int, int], BufferRegistry]  # (max_bs, max_num_tokens) -> registry
-    registry: BufferRegistry | None = None
-    builds: int = 0
-
-    @property
-    def capacity(self) -> tuple[int, int]:
-        """(max_bs, max_num_tokens) of the current registry; (0, 0) before the first build."""
-        if self.registry is None:
-            return (0, 0)
-        return (self.registry.max_bs, self.registry.max_num_tokens)
-
-    def ensure(self, bs: int, num_tokens: int) -> BufferRegistry:
-        """A registry that holds `bs` requests and `num_tokens` tokens."""
-        max_bs, max_num_tokens = self.capacity
-        if self.registry is not None and bs <= max_bs and num_tokens <= max_num_tokens:
-            return self.registry
-        self.registry = self.build(
-            next_power_of_2(max(bs, max_bs)), next_power_of_2(max(num_tokens, max_num_tokens))
-        )
-        self.builds += 1
-        return self.registry
-
-    def drop(self) -> None:
-        """Forget the registry; the next `ensure` builds a fresh one at the same capacity."""
-        self.registry = None
-
 
 @dataclass(frozen=True)
-class StagedBatch:
-    """A batch whose staged fields are registry views, valid until the next fill."""
+class EagerRegistry:
+    """One mode's eager inputs: the device slots of its registry."""
 
-    fb: ForwardBatch
-    registry: str
-    stats: FillStats
+    name: str
+    fields: tuple[str, ...]
+
+    def fill_stats(self, fb: ForwardBatch) -> FillStats:
+        """What the staged upload carried for this registry: its fields present on `fb`,
+        their bytes, and the one copy that brought them."""
+        present = [t for name in self.fields if (t := getattr(fb, name)) is not None]
+        if not present:
+            return FillStats()
+        return FillStats(
+            tensors_copied=len(present),
+            bytes_copied=sum(t.numel() * t.element_size() for t in present),
+            copy_calls=1,
+        )
+
+
+def _device_slots(name: str, registry: BufferRegistry) -> EagerRegistry:
+    """The slots that live on the registry's device (host mirrors are carried, not copied)."""
+    fields = tuple(
+        slot
+        for slot in registry.slot_names()
+        if registry.slot_device(registry.get_slot(slot)) == registry.device
+    )
+    return EagerRegistry(name, fields)
 
 
 class EagerInputs:
-    """Stages eager batches: DECODE into a bs-axis registry, EXTEND into a token-axis one."""
+    """The two eager registries, read from the slot tables once (on the meta device: no
+    memory, since the eager path stages nothing into them)."""
 
-    def __init__(self, device: torch.device, *, needs_cpu_seq_lens: bool) -> None:
-        self.device = device
-        self._needs_cpu_seq_lens = needs_cpu_seq_lens
-        self.decode = GrowingRegistry(EAGER_DECODE, self._build_decode)
-        self.extend = GrowingRegistry(EAGER_EXTEND, self._build_extend)
-
-    @property
-    def needs_cpu_seq_lens(self) -> bool:
-        """Whether the decode registry stages `seq_lens_cpu` (a change rebuilds it)."""
-        return self._needs_cpu_seq_lens
-
-    @needs_cpu_seq_lens.setter
-    def needs_cpu_seq_lens(self, value: bool) -> None:
-        if value != self._needs_cpu_seq_lens:
-            self._needs_cpu_seq_lens = value
-            self.decode.drop()
-
-    def _build_decode(self, max_bs: int, max_num_tokens: int) -> BufferRegistry:
-        return build_decode_registry(
-            device=self.device,
-            max_bs=max_bs,
-            max_num_tokens=max_num_tokens,
-            seq_len_fill_value=EAGER_SEQ_LEN_FILL_VALUE,
-            needs_cpu_seq_lens=self._needs_cpu_seq_lens,
+    def __init__(self) -> None:
+        meta = torch.device("meta")
+        self.decode = _device_slots(
+            EAGER_DECODE,
+            build_decode_registry(
+                device=meta,
+                max_bs=0,
+                max_num_tokens=0,
+                seq_len_fill_value=0,
+                needs_cpu_seq_lens=False,
+                share_pool=False,
+            ),
+        )
+        self.extend = _device_slots(
+            EAGER_EXTEND,
+            build_prefill_registry(device=meta, max_bs=0, max_num_tokens=0, share_pool=False),
         )
 
-    def _build_extend(self, max_bs: int, max_num_tokens: int) -> BufferRegistry:
-        return build_prefill_registry(
-            device=self.device, max_bs=max_bs, max_num_tokens=max_num_tokens
-        )
-
-    def stage(self, fb: ForwardBatch) -> StagedBatch:
-        """Copy `fb`'s staged fields into the mode's registry and return the registry view.
-
-        Fields the registry does not hold (sampling, `extend_*`, `prefix_cache_loc`,
-        `input_embeds`) are carried from `fb` unchanged.
-        """
-        bs, num_tokens = fb.batch_size, fb.num_tokens
-        cache = self.extend if fb.forward_mode.is_extend() else self.decode
-        reg = cache.ensure(bs, num_tokens)
-        stats = reg.fill_from(
-            fb, raw_bs=bs, padded_bs=bs, raw_num_tokens=num_tokens, padded_num_tokens=num_tokens
-        )
-        view = reg.extract_buffer(
-            padded_bs=bs, padded_num_tokens=num_tokens, forward_batch_template=fb
-        )
-        return StagedBatch(view, cache.name, stats)
+    def registry_for(self, fb: ForwardBatch) -> EagerRegistry:
+        return self.extend if fb.forward_mode.is_extend() else self.decode

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 
 class BatchValidationError(ValueError):
@@ -44,11 +47,11 @@ class RuntimeConfigError(ValueError):
 # response encoder raise, to prove a failed step leaves nothing behind.
 #
 # Not reachable from the wire: no setting, environment variable or RPC arms it. A test builds a
-# `FaultInjector`, hands it to `ModelExecutor.faults` (sites `forward`, `sampler`) and
+# `FaultInjector`, hands it to `ModelExecutor.hooks.faults` (sites `forward`, `sampler`) and
 # `ExecutorServicer.faults` (site `encoder`) in-process, and arms one site for a chosen call:
 #
 #     faults = FaultInjector()
-#     executor.faults = faults
+#     executor.hooks.faults = faults
 #     faults.arm("sampler", on_call=1)   # the next step's sampling raises InjectedFault
 #
 # Each armed fault fires once. The `forward` fault is raised after the model ran (its K/V
@@ -86,3 +89,22 @@ class FaultInjector:
             del self._armed[site]
             self.fired.append(site)
         raise InjectedFault(f"injected {site} fault (call {self.calls[site]})")
+
+
+@dataclass
+class TestHooks:
+    """What tests install into the step (nothing in production sets them).
+
+    `faults` raises at the step's `forward` / `sampler` sites; `device_step_guard` wraps the
+    device part of every step (tests install `executor.graphs.capture_rules.HostReadGuard` there to
+    prove every host read is counted).
+    """
+
+    __test__ = False  # not a pytest class
+
+    faults: FaultInjector | None = None
+    device_step_guard: Callable[[], AbstractContextManager[object]] = nullcontext
+
+    def check(self, site: str) -> None:
+        if self.faults is not None:
+            self.faults.check(site)

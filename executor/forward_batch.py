@@ -66,15 +66,14 @@ class SamplingBatch:
     def from_params(
         cls, params: list[SamplingParams] | tuple[SamplingParams, ...], bs: int
     ) -> SamplingBatch:
-        """Build from `bs` entries, one entry (applies to all) or none (greedy for all)."""
+        """Build from `bs` entries, one entry (applies to all) or none (greedy for all).
+
+        Any other count is built as given: validation refuses it with the batch's other rules.
+        """
         if len(params) == 0:
             params = [SamplingParams()]
         if len(params) == 1 and bs != 1:
             params = list(params) * bs
-        if len(params) != bs:
-            raise BatchValidationError(
-                "sampling_params", f"must have batch_size ({bs}) entries or 1, got {len(params)}"
-            )
         seeds = [(p.seed if p.seed is not None else 0) for p in params]
         return cls(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),

@@ -67,17 +67,24 @@ class SlotOwners:
         self.table = np.zeros((max_reqs + 1, max_context_len), dtype=np.int64)
         self.refs = np.zeros(kv_slots + 1, dtype=np.int64)
 
-    def apply(self, step: StepCells) -> OwnerChange:
-        """Drop, check, add. Raises BatchValidationError (nothing changed) when a new token's
-        slot is held by a live row, or by the request's own prefix."""
+    def check(self, step: StepCells) -> np.ndarray:
+        """The slots the step drops; raises BatchValidationError when a new token's slot is
+        still held after them, by a live row or by the request's own prefix. Changes nothing."""
         dropped = self._dropped(step)
         np.subtract.at(self.refs, dropped, 1)
-        new_slots = step.values[step.n_shared :]
-        busy = (self.refs[new_slots] > 0) & (new_slots != 0)
-        if busy.any():
+        try:
+            new_slots = step.values[step.n_shared :]
+            busy = (self.refs[new_slots] > 0) & (new_slots != 0)
+            if busy.any():
+                i = int(np.flatnonzero(busy)[0])
+                raise self._refusal(step, i, int(new_slots[i]))
+        finally:
             np.add.at(self.refs, dropped, 1)
-            i = int(np.flatnonzero(busy)[0])
-            raise self._refusal(step, i, int(new_slots[i]))
+        return dropped
+
+    def apply(self, step: StepCells, dropped: np.ndarray) -> OwnerChange:
+        """Drop, then add the step's cells (`dropped` from `check`, on this same state)."""
+        np.subtract.at(self.refs, dropped, 1)
         old_values = self.table[step.rows, step.cols]
         self.table[step.rows, step.cols] = step.values
         np.add.at(self.refs, step.values, 1)
@@ -154,6 +161,20 @@ class RowCells:
         )
 
 
+@dataclass(frozen=True)
+class WritePlan:
+    """A step's row-table write, checked on the host (`ReqToTokenPool.check_write`)."""
+
+    cells: RowCells
+    released: np.ndarray  # rows released first
+    released_old: np.ndarray  # their resident lengths before
+    touched: np.ndarray  # rows the batch runs
+    old_lens: np.ndarray  # their resident lengths after the releases
+    new_lens: np.ndarray  # and after the step
+    owners: StepCells | None  # the owner map's view of the step (None: no owner map)
+    dropped: np.ndarray  # slots the step drops from the owner map
+
+
 @dataclass
 class RowWrite:
     """What one step wrote into the row table, with the old values to undo it."""
@@ -223,70 +244,90 @@ class ReqToTokenPool:
             rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
         return RowCells(rows, cols, values, n_shared)
 
+    def check_write(self, fb: ForwardBatch, cells: RowCells | None = None) -> WritePlan:
+        """The write a completed host batch makes, checked: refuses (BatchValidationError) a
+        new token whose slot a live row holds. Host data only; changes nothing.
+
+        `cells` are `row_cells(fb)` (computed here when None).
+        """
+        if cells is None:
+            cells = self.row_cells(fb)
+        released = (
+            _host_i64(fb.released_req_pool_indices)
+            if fb.released_req_pool_indices is not None
+            else _EMPTY
+        )
+        released_old = self.resident_lens[released].copy()
+        touched = _host_i64(fb.req_pool_indices)
+        new_lens = _host_i64(fb.seq_lens)
+        lens = self.resident_lens.copy()
+        lens[released] = 0
+        old_lens = lens[touched]
+        owners, dropped = None, _EMPTY
+        if self.owners is not None:
+            owners = StepCells(
+                rows=_host_i64(cells.rows),
+                cols=_host_i64(cells.cols),
+                values=_host_i64(cells.values),
+                n_shared=cells.n_shared,
+                released=released,
+                released_lens=released_old,
+                touched=touched,
+                old_lens=old_lens,
+                new_lens=new_lens,
+                lens=lens,
+            )
+            dropped = self.owners.check(owners)
+        return WritePlan(
+            cells, released, released_old, touched, old_lens, new_lens, owners, dropped
+        )
+
     def write_batch(
         self,
         fb: ForwardBatch,
         cells: RowCells | None = None,
         device_cells: RowCells | None = None,
+        plan: WritePlan | None = None,
     ) -> RowWrite:
         """For a completed host batch: first its released rows hold nothing, then
         `req_to_token[row, prefix:seq_len] = out_cache_loc` (and `[:prefix] = prefix_cache_loc`
         when given); the batch's rows then hold `seq_lens` tokens.
 
-        `cells` are `row_cells(fb)` (computed here when None); `device_cells` the same cells
-        already on the device (the step's staged copy: rows/cols int64, values int32). Without
-        them the cells are uploaded here (counted, synchronizing uploads).
+        `plan` is `check_write(fb, cells)` on the current state (checked here when None, which
+        may refuse with nothing changed); `cells` are `row_cells(fb)`; `device_cells` the same
+        cells already on the device (the step's staged copy: rows/cols int64, values int32).
+        Without them the cells are uploaded here (counted, synchronizing uploads).
 
         Cells of one batch never collide (rows and their positions are unique), so the
-        returned undo restores the table and the resident lengths exactly. A new token
-        whose slot a live row holds is refused (BatchValidationError) before anything
-        changes.
+        returned undo restores the table and the resident lengths exactly.
         """
-        if cells is None:
-            cells = self.row_cells(fb)
-        rows, cols, values, n_shared = cells.rows, cells.cols, cells.values, cells.n_shared
-        released = (
-            _host_i64(fb.released_req_pool_indices)
-            if fb.released_req_pool_indices is not None
-            else np.zeros(0, dtype=np.int64)
-        )
-        released_old = self.resident_lens[released].copy()
-        rpi = fb.req_pool_indices
-        touched = _host_i64(rpi)
-        new_lens = _host_i64(fb.seq_lens)
-        lens = self.resident_lens.copy()
-        lens[released] = 0
-        old_lens = lens[touched]
+        if plan is None:
+            plan = self.check_write(fb, cells)
+        cells = plan.cells
         owners = None
-        if self.owners is not None:  # raises, with nothing changed, for an owned slot
-            owners = self.owners.apply(
-                StepCells(
-                    rows=_host_i64(rows),
-                    cols=_host_i64(cols),
-                    values=_host_i64(values),
-                    n_shared=n_shared,
-                    released=released,
-                    released_lens=released_old,
-                    touched=touched,
-                    old_lens=old_lens,
-                    new_lens=new_lens,
-                    lens=lens,
-                )
-            )
-        self.resident_lens[released] = 0
+        if self.owners is not None and plan.owners is not None:
+            owners = self.owners.apply(plan.owners, plan.dropped)
+        self.resident_lens[plan.released] = 0
         if device_cells is None:
             device_cells = RowCells(
-                to_device(rows, self.device, "row_table"),
-                to_device(cols, self.device, "row_table"),
-                to_device(values.to(torch.int32), self.device, "row_table"),
-                n_shared,
+                to_device(cells.rows, self.device, "row_table"),
+                to_device(cells.cols, self.device, "row_table"),
+                to_device(cells.values.to(torch.int32), self.device, "row_table"),
+                cells.n_shared,
             )
         rows_d, cols_d = device_cells.rows, device_cells.cols
         old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
         self.req_to_token[rows_d, cols_d] = device_cells.values
-        self.resident_lens[touched] = new_lens
+        self.resident_lens[plan.touched] = plan.new_lens
         return RowWrite(
-            rows_d, cols_d, old_values, touched, old_lens, released, released_old, owners
+            rows_d,
+            cols_d,
+            old_values,
+            plan.touched,
+            plan.old_lens,
+            plan.released,
+            plan.released_old,
+            owners,
         )
 
     def undo(self, write: RowWrite) -> None:

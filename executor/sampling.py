@@ -1,26 +1,16 @@
-"""Turn a step's logits into next tokens (and logprobs), with one counted host transfer."""
+"""Turn a step's logits into next tokens (and logprobs), with one counted host transfer.
+
+The sampler writes the step's one output, `ForwardOutput`; the step adds its stats.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from executor.forward_batch import SamplingBatch
+from executor.step.outputs import ForwardOutput
 from ops.host_transfer import to_host
 from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
-
-
-@dataclass
-class SampleOutput:
-    """Host tensors, one entry per request."""
-
-    next_token_ids: torch.Tensor  # [bs] int64
-    next_token_logprobs: torch.Tensor | None = None  # [bs] float32
-    top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
-    top_logprobs: torch.Tensor | None = None  # [bs, k] float32
-    # The sampled ids where they were drawn (the device): the future-token table stores them.
-    device_token_ids: torch.Tensor | None = None  # [bs] int64
 
 
 class Sampler:
@@ -56,7 +46,7 @@ class Sampler:
         *,
         return_logprob: bool,
         top_logprobs_num: int,
-    ) -> SampleOutput:
+    ) -> ForwardOutput:
         """logits [bs, V] float32 on the device; `plan` from :meth:`plan`; `seq_lens` (device)
         keys the seeded draws."""
         uniforms = None
@@ -76,12 +66,12 @@ class Sampler:
         )
         if return_logprob or top_logprobs_num > 0:
             return self._with_logprobs(logits, ids, return_logprob, top_logprobs_num)
-        return SampleOutput(next_token_ids=to_host(ids, "sampled_tokens"), device_token_ids=ids)
+        return ForwardOutput(next_token_ids=to_host(ids, "sampled_tokens"), device_token_ids=ids)
 
     @staticmethod
     def _with_logprobs(
         logits: torch.Tensor, ids: torch.Tensor, chosen: bool, k: int
-    ) -> SampleOutput:
+    ) -> ForwardOutput:
         """The tokens and every logprob output in one packed transfer (float64 holds token
         ids exactly), so a step with logprobs syncs once, as one without."""
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -90,7 +80,7 @@ class Sampler:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
         host = to_host(torch.cat(parts, dim=1), "sampled_tokens")
-        out = SampleOutput(next_token_ids=host[:, 0].long(), device_token_ids=ids)
+        out = ForwardOutput(next_token_ids=host[:, 0].long(), device_token_ids=ids)
         if chosen:
             out.next_token_logprobs = host[:, 1].float()
         if k > 0:

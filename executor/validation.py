@@ -3,7 +3,11 @@
 One function, :func:`validate_batch`, raises :class:`BatchValidationError` (or
 :class:`BatchTooLargeError` for size limits) naming the field, the first offending entry and
 the rule. It reads host tensors only and writes nothing, so a refused batch leaves the KV
-cache, the row table and the executor exactly as they were.
+cache, the row table and the executor exactly as they were. The step calls it first, then
+checks the batch's row-table write against the slot owners (`executor.step.step.Step.admit`).
+
+The size rules (:func:`check_request_count`, :func:`check_token_count`) are also what the
+wire codec applies to a message's size claims before it builds anything.
 """
 
 from __future__ import annotations
@@ -34,6 +38,23 @@ class BatchLimits:
     max_tokens_per_batch: int
     max_top_logprobs: int = 20  # most top_logprobs_num a batch may ask for
     future_slots: int = 0  # valid future-token slots 1..future_slots (0: no references)
+
+
+def check_request_count(field: str, n: int, limits: BatchLimits) -> None:
+    """BatchTooLargeError if `n` requests exceed max_batch_size."""
+    if n > limits.max_batch_size:
+        raise BatchTooLargeError(
+            field, f"has {n} entries; must be <= max_batch_size ({limits.max_batch_size})"
+        )
+
+
+def check_token_count(field: str, n: int, limits: BatchLimits) -> None:
+    """BatchTooLargeError if `n` tokens exceed max_tokens_per_batch."""
+    if n > limits.max_tokens_per_batch:
+        raise BatchTooLargeError(
+            field,
+            f"has {n} tokens; must be <= max_tokens_per_batch ({limits.max_tokens_per_batch})",
+        )
 
 
 def _check_tensor(
@@ -110,15 +131,8 @@ def validate_batch(
     out_loc = _check_tensor(fb.out_cache_loc, "out_cache_loc", dtypes=_INT_DTYPES, ndim=1)
     num_tokens = out_loc.shape[0]
 
-    if bs > limits.max_batch_size:
-        raise BatchTooLargeError(
-            "batch_size", f"must be <= max_batch_size ({limits.max_batch_size}), got {bs}"
-        )
-    if num_tokens > limits.max_tokens_per_batch:
-        raise BatchTooLargeError(
-            "out_cache_loc",
-            f"the batch has {num_tokens} tokens; must be <= max_tokens_per_batch ({limits.max_tokens_per_batch})",
-        )
+    check_request_count("batch_size", bs, limits)
+    check_token_count("out_cache_loc", num_tokens, limits)
 
     released = _check_released(fb, limits)
     released_future = _check_released_future(fb, limits)
@@ -130,6 +144,8 @@ def validate_batch(
             "top_logprobs_num",
             f"must be in 0..{cap} (max_top_logprobs), got {fb.top_logprobs_num!r}",
         )
+    if fb.sampling is not None:
+        _check_sampling(fb.sampling, bs)
     if fb.forward_mode is ForwardMode.IDLE:
         if fb.future_token_slots is not None and fb.future_token_slots.numel() != 0:
             raise BatchValidationError("future_token_slots", "must be empty for IDLE")
@@ -166,9 +182,6 @@ def validate_batch(
         _check_decode(fb, num_tokens, seq_lens, held, bs)
     if fb.positions is not None and not allow_custom_positions:
         _check_positions(fb, num_tokens)
-
-    if fb.sampling is not None:
-        _check_sampling(fb.sampling, bs)
 
 
 def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | None:
@@ -377,7 +390,9 @@ def _check_sampling(s: SamplingBatch, bs: int) -> None:
         t = getattr(s, name)
         if t.dim() != 1 or t.shape[0] != bs:
             raise BatchValidationError(
-                f"sampling_params.{name}", f"must have {bs} entries, got shape {list(t.shape)}"
+                f"sampling_params.{name}",
+                f"must have batch_size ({bs}) entries (one sampling_params entry per request, "
+                f"or 1 for all), got shape {list(t.shape)}",
             )
     rules = (
         (

@@ -289,7 +289,7 @@ def test_auto_is_torch_paged_on_cpu(make_executor: MakeExecutor) -> None:
     assert backend_class("auto", torch.device("cpu")) is TorchPagedBackend
     ex = make_executor()
     assert ex.attn_backend.name == "torch_paged" and ex.info.attention_backend == "torch_paged"
-    assert ex.needs_cpu_seq_lens is False
+    assert ex.toggles.needs_cpu_seq_lens is False
 
 
 def test_auto_is_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

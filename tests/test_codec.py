@@ -12,7 +12,6 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardMode, SamplingParams
-from executor.model_executor import ForwardOutput, StepStats
 from executor.service.codec import (
     batch_from_proto,
     batch_to_proto,
@@ -21,6 +20,7 @@ from executor.service.codec import (
     tensor_from_proto,
     tensor_to_proto,
 )
+from executor.step.outputs import ForwardOutput, StepStats
 from model_executor.v1 import executor_pb2 as pb
 
 

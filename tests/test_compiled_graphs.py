@@ -63,7 +63,9 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         piecewise_token_sizes="8,16",
         cache_dir=str(tmp_path),
     )
-    assert all(not r.failed for r in compiled.capture_reports), compiled.capture_reports
+    assert all(not r.failed for r in compiled.control.capture_reports), (
+        compiled.control.capture_reports
+    )
     decode = compiled.runner.decode_graphs
     assert decode is not None and set(decode.captured) == {1, 2, 4}
     assert all(
@@ -210,7 +212,7 @@ def test_compiled_step_graphs_give_eager_tokens_and_write_the_kv_cache_in_place(
         max_context_len=256,
         cache_dir=str(tmp_path),
     )
-    assert all(not r.failed for r in graph.capture_reports), graph.capture_reports
+    assert all(not r.failed for r in graph.control.capture_reports), graph.control.capture_reports
     decode = graph.runner.decode_graphs
     assert decode is not None and set(decode.captured) == {1, 2}
     assert all(

@@ -1,8 +1,9 @@
-"""The eager path through the input registry, against the no-copy path (the previous eager).
+"""The eager path's input registry, against the no-copy path.
 
-Two tiny-random executors take the same stream of random, valid batches; one stages through
-the eager registries, the other runs on the batch's own tensors. Every step must agree bit
-for bit, in next tokens and in logits.
+Both eager paths run the model on the step's one staged upload; the default path accounts
+it to its registry (`eager_decode` / `eager_extend`). Two tiny-random executors take the
+same stream of random, valid batches, one per path: every step must agree bit for bit, in
+next tokens and in logits, and each input must reach the device once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from executor.batch_prep import (
 )
 from executor.eager_inputs import EAGER_DECODE, EAGER_EXTEND, EagerInputs
 from executor.forward_batch import ForwardBatch
-from executor.graphs.buckets import next_power_of_2
 from executor.model_executor import ModelExecutor
 from tests.random_batches import BatchGenerator
 
@@ -34,7 +34,6 @@ def test_200_random_batches_are_bit_identical_on_the_registry_and_no_copy_paths(
     staged = make_executor(kv_slots=4096)
     direct = make_executor(kv_slots=4096, eager_input_no_copy=True)
     gen = BatchGenerator(seed=4, limits=staged.limits)
-    capacities: set[tuple[str, tuple[int, int]]] = set()
     for step in range(200):
         fb = gen.next_batch(step)
         a = staged.forward(fb, return_logits=True)
@@ -47,15 +46,11 @@ def test_200_random_batches_are_bit_identical_on_the_registry_and_no_copy_paths(
         assert b.stats.fill_registry is None and b.stats.fill_tensors == 0, where
         if not fb.forward_mode.is_idle():
             gen.observe(fb, a.next_token_ids)
-        inputs = staged.runner.eager_inputs
-        capacities |= {(c.name, c.capacity) for c in (inputs.decode, inputs.extend)}
+            # One device copy of the inputs per step on either path: the staged upload.
+            assert (a.stats.fill_copy_calls, a.stats.h2d_copies, b.stats.h2d_copies) == (1, 1, 1)
     # The stream covered what it claims to cover.
     for kind in ("idle", "decode", "extend", "fresh", "chunk", "shared_prefix", "input_embeds"):
         assert gen.kinds[kind] > 0, (kind, gen.kinds)
-    inputs = staged.runner.eager_inputs
-    assert inputs.decode.builds >= 3 and inputs.extend.builds >= 3, capacities
-    assert inputs.decode.capacity[0] >= 8 and inputs.extend.capacity[1] >= 128
-    assert direct.runner.eager_inputs.decode.builds == 0  # no-copy never stages
 
 
 def _prefill(ex: ModelExecutor, rows: list[int], lens: list[int]) -> list[list[int]]:
@@ -80,7 +75,8 @@ def _decode_batch(rows: list[int], seq_lens: list[int], first_slot: int) -> Forw
 
 @pytest.mark.parametrize(
     ("backend", "decode_tensors"),
-    [("torch_native", 6), ("torch_paged", 5)],  # torch_paged needs no seq_lens_cpu mirror
+    # torch_native's host mirror seq_lens_cpu is carried from the batch, never copied.
+    [("torch_native", 5), ("torch_paged", 5)],
 )
 def test_step_stats_report_the_path_and_what_the_fill_copied(
     make_executor: MakeExecutor, backend: str, decode_tensors: int
@@ -95,7 +91,7 @@ def test_step_stats_report_the_path_and_what_the_fill_copied(
     assert (s.fill_tensors, s.fill_bytes, s.fill_copy_calls) == (3, 3 * 5 * 8, 1)
     s = ex.forward(_decode_batch([1, 2], [4, 3], first_slot=6)).stats
     assert (s.path, s.fill_registry) == ("eager", EAGER_DECODE)
-    # + req_pool_indices, seq_lens and (only when it is needed) the host mirror seq_lens_cpu.
+    # + req_pool_indices and seq_lens, in the same one staged copy.
     assert (s.fill_tensors, s.fill_bytes, s.fill_copy_calls) == (
         decode_tensors,
         decode_tensors * 2 * 8,
@@ -107,11 +103,10 @@ def test_step_stats_report_the_path_and_what_the_fill_copied(
 
 def test_the_config_flag_selects_the_no_copy_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(eager_input_no_copy=True)
-    assert ex.runner.eager_input_no_copy is True
+    assert ex.toggles.eager_input_no_copy is True
     _prefill(ex, [1], [4])
     s = ex.forward(_decode_batch([1], [5], first_slot=200)).stats
     assert (s.path, s.fill_registry, s.fill_tensors, s.fill_bytes) == ("eager_no_copy", None, 0, 0)
-    assert ex.runner.eager_inputs.decode.registry is None
 
 
 def test_toggling_no_copy_between_batches_switches_the_path(make_executor: MakeExecutor) -> None:
@@ -120,7 +115,7 @@ def test_toggling_no_copy_between_batches_switches_the_path(make_executor: MakeE
         _prefill(e, [1, 2], [5, 3])
     paths = []
     for i, no_copy in enumerate([False, True, True, False, True]):
-        ex.runner.eager_input_no_copy = no_copy
+        ex.toggles.eager_input_no_copy = no_copy
         fb = _decode_batch([1, 2], [6 + i, 4 + i], first_slot=300 + 2 * i)
         out, want = ex.forward(fb, return_logits=True), ref.forward(fb, return_logits=True)
         paths.append((out.stats.path, out.stats.fill_registry))
@@ -129,7 +124,7 @@ def test_toggling_no_copy_between_batches_switches_the_path(make_executor: MakeE
     assert paths == [staged, direct, direct, staged, direct]
 
 
-def test_the_model_and_attention_read_the_staged_view(
+def test_the_model_and_attention_read_the_batch_itself(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ex = make_executor()
@@ -148,62 +143,80 @@ def test_the_model_and_attention_read_the_staged_view(
         host, needs_cpu_seq_lens=True, max_context_len=ex.limits.max_context_len
     ).to(ex.device)
     out = ex.runner.forward(fb)
-    reg = ex.runner.eager_inputs.extend.registry
-    assert reg is not None and len(seen) == 1
-    view = seen[0]
-    for name in ("positions", "out_cache_loc"):
-        assert getattr(view, name).data_ptr() == reg.get_slot(name).require_buffer().data_ptr()
-    assert view.input_ids is None  # absent this step: carried, never a stale buffer
-    assert view.input_embeds is embeds  # not registered for eager: carried by identity
-    assert view.extend_seq_lens is fb.extend_seq_lens and view.sampling is fb.sampling
+    assert seen == [fb]  # no registry view in between
     assert fb.attn_metadata is None  # the caller's batch is not mutated
-    assert out.fill_registry == EAGER_EXTEND and out.fill_stats.tensors_copied == 2
+    assert out.fill_registry == EAGER_EXTEND and out.fill_stats.tensors_copied == 2  # no ids
 
-    ex.runner.eager_input_no_copy = True
+    ex.toggles.eager_input_no_copy = True
     ex.runner.forward(fb)
-    assert seen[1] is not fb and seen[1].positions is fb.positions
+    assert seen[1] is fb and fb.attn_metadata is None
 
 
-def test_registries_are_rebuilt_at_the_next_power_of_two(make_executor: MakeExecutor) -> None:
-    ex = make_executor()
-    decode, extend = ex.runner.eager_inputs.decode, ex.runner.eager_inputs.extend
-    assert decode.capacity == (0, 0) and extend.capacity == (0, 0)
-    rows = list(range(1, 10))
-    _prefill(ex, rows[:3], [5, 6, 7])
-    assert (extend.capacity, extend.builds) == ((4, 32), 1)
-    ex.forward(_decode_batch(rows[:3], [6, 7, 8], first_slot=1000))
-    assert (decode.capacity, decode.builds) == ((4, 4), 1)
-    first = decode.registry
-    ex.forward(_decode_batch(rows[:2], [7, 8], first_slot=1010))  # fits: no rebuild
-    assert decode.registry is first and decode.builds == 1
-    _prefill(ex, rows[3:9], [1] * 6)  # 6 requests > 4: the bs axis grows
-    assert (extend.capacity, extend.builds) == ((8, 32), 2)
-    ex.forward(_decode_batch(rows[:9], [8, 9, 9, 2, 2, 2, 2, 2, 2], first_slot=1020))
-    assert (decode.capacity, decode.builds) == ((16, 16), 2)
-    assert decode.registry is not first
-    _prefill(ex, [10], [40])  # 40 tokens > 32: the token axis grows, bs keeps its max
-    assert (extend.capacity, extend.builds) == ((8, 64), 3)
+def test_the_eager_path_reads_the_staged_upload_without_a_second_copy(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every input the model reads is the step's staged device view (the one copy), and the
+    fill statistics report exactly that copy."""
+    ex = make_executor(attention_backend="torch_native")
+    staged: list[dict[str, torch.Tensor]] = []
+    read: list[ForwardBatch] = []
+    real_stage, real_metadata = ex.step.staging.stage, ex.attn_backend.init_forward_metadata
+
+    def stage(fields: object) -> dict[str, torch.Tensor]:
+        staged.append(real_stage(fields))  # type: ignore[arg-type]
+        return staged[-1]
+
+    def metadata(fb: ForwardBatch) -> object:
+        read.append(fb)
+        return real_metadata(fb)
+
+    monkeypatch.setattr(ex.step.staging, "stage", stage)
+    monkeypatch.setattr(ex.attn_backend, "init_forward_metadata", metadata)
+    _prefill(ex, [1, 2], [3, 2])
+    s = ex.forward(_decode_batch([1, 2], [4, 3], first_slot=100)).stats
+    assert [fb.forward_mode.name for fb in read] == ["EXTEND", "DECODE"]
+    names = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+    for fb, views in zip(read, staged, strict=True):
+        for name in names:  # EXTEND's request fields reach attention the same way
+            assert getattr(fb, name).data_ptr() == views[name].data_ptr(), name
+    assert (s.fill_registry, s.fill_copy_calls, s.h2d_copies, s.h2d_syncs) == (
+        EAGER_DECODE,
+        1,
+        1,
+        0,
+    )
+    assert (s.fill_tensors, s.fill_bytes) == (5, 5 * 2 * 8)
 
 
-def test_needs_cpu_seq_lens_decides_whether_the_host_mirror_is_staged() -> None:
-    inputs = EagerInputs(torch.device("cpu"), needs_cpu_seq_lens=False)
-    host = _decode_batch([1, 2], [3, 4], first_slot=10)
-    fb = complete_batch(host, needs_cpu_seq_lens=False, max_context_len=1024)
-    staged = inputs.stage(fb)
-    reg = inputs.decode.registry
-    assert reg is not None and not reg.has_slot("seq_lens_cpu")
-    assert staged.fb.seq_lens_cpu is None and staged.stats.tensors_copied == 5
-    inputs.needs_cpu_seq_lens = True  # a runtime change rebuilds the decode registry
-    staged = inputs.stage(complete_batch(host, needs_cpu_seq_lens=True, max_context_len=1024))
-    reg = inputs.decode.registry
-    assert reg is not None and reg.has_slot("seq_lens_cpu")
-    assert staged.fb.seq_lens_cpu is not None and staged.fb.seq_lens_cpu.tolist() == [3, 4]
-    assert staged.stats.tensors_copied == 6
+def test_the_registries_declare_the_device_inputs_of_each_mode() -> None:
+    inputs = EagerInputs()
+    assert inputs.decode.fields == (
+        "input_ids",
+        "positions",
+        "out_cache_loc",
+        "req_pool_indices",
+        "seq_lens",
+    )
+    assert inputs.extend.fields == ("input_ids", "positions", "out_cache_loc")
 
 
-@pytest.mark.parametrize(("n", "want"), [(0, 1), (1, 1), (2, 2), (3, 4), (64, 64), (65, 128)])
-def test_next_power_of_2(n: int, want: int) -> None:
-    assert next_power_of_2(n) == want
+def test_needs_cpu_seq_lens_decides_whether_the_batch_carries_the_host_mirror(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ex = make_executor(attention_backend="torch_paged")
+    read: list[ForwardBatch] = []
+    real = ex.attn_backend.init_forward_metadata
+    monkeypatch.setattr(
+        ex.attn_backend, "init_forward_metadata", lambda fb: read.append(fb) or real(fb)
+    )
+    _prefill(ex, [1, 2], [2, 3])
+    s = ex.forward(_decode_batch([1, 2], [3, 4], first_slot=10)).stats
+    assert read[-1].seq_lens_cpu is None and s.fill_tensors == 5
+    ex.control.set_needs_cpu_seq_lens("on")  # a runtime change reaches the next batch
+    s = ex.forward(_decode_batch([1, 2], [4, 5], first_slot=20)).stats
+    mirror = read[-1].seq_lens_cpu
+    assert mirror is not None and mirror.tolist() == [4, 5]
+    assert s.fill_tensors == 5  # carried from the host batch, not copied
 
 
 def test_idle_steps_stage_nothing(make_executor: MakeExecutor) -> None:
@@ -212,4 +225,3 @@ def test_idle_steps_stage_nothing(make_executor: MakeExecutor) -> None:
         complete_batch(make_idle_batch(), needs_cpu_seq_lens=True, max_context_len=1024)
     )
     assert out.logits.shape[0] == 0 and out.fill_registry is None
-    assert ex.runner.eager_inputs.decode.registry is None

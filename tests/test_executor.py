@@ -13,6 +13,7 @@ from executor.client.scheduler import ReferenceScheduler, generate
 from executor.errors import BatchValidationError
 from executor.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
+from ops.host_transfer import host_transfers
 
 MakeExecutor = Callable[..., ModelExecutor]
 PROMPTS = [
@@ -264,7 +265,7 @@ def test_a_failed_step_undoes_its_releases(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.sampler, "sample", boom)
+    monkeypatch.setattr(ex.step.sampler, "sample", boom)
     step = make_decode_batch(input_ids=[9], req_pool_indices=[2], seq_lens=[3], out_cache_loc=[12])
     with pytest.raises(RuntimeError, match="device fell over"):
         ex.forward(dataclasses.replace(step, released_req_pool_indices=torch.tensor([1])))
@@ -279,3 +280,19 @@ def test_the_reference_scheduler_releases_every_row_it_used(make_executor: MakeE
     sched.run()
     assert ex.req_to_token_pool.rows_in_use() == 0 and ex.req_to_token_pool.slots_in_use() == 0
     assert sched.released_rows == []
+
+
+def test_a_slot_owner_refusal_comes_before_anything_is_uploaded(
+    make_executor: MakeExecutor,
+) -> None:
+    ex = make_executor()
+    ex.forward(
+        make_extend_batch(input_ids=[[1, 2, 3]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]])
+    )
+    copies, transfers = ex.step.staging.copies, host_transfers.totals()
+    lens = ex.req_to_token_pool.resident_lens.copy()
+    stolen = make_extend_batch(input_ids=[[4]], req_pool_indices=[2], out_cache_loc=[[2]])
+    with pytest.raises(BatchValidationError, match="slot 2 holds the KV of row 1"):
+        ex.forward(stolen)  # row 1 still reads slot 2
+    assert ex.step.staging.copies == copies and host_transfers.totals() == transfers
+    assert (ex.req_to_token_pool.resident_lens == lens).all()

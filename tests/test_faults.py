@@ -14,8 +14,9 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.errors import FaultInjector
 from executor.forward_batch import ForwardBatch, SamplingParams
-from executor.model_executor import ForwardOutput, ModelExecutor
+from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
+from executor.step.outputs import ForwardOutput
 from tests.server_util import running_server, tiny_config
 from tests.state_util import state_digest
 
@@ -85,7 +86,7 @@ def test_a_fault_inside_the_step_is_internal_and_leaves_nothing_behind(
     assert server.worker is not None
     executor = server.worker.executor
     faults = FaultInjector()
-    executor.faults = faults
+    executor.hooks.faults = faults
     script = Script([1 + 2 * case, 2 + 2 * case], 1 + 1000 * case)  # rows and slots of its own
     try:
         with ExecutorClient(f"127.0.0.1:{server.port}") as client:
@@ -102,7 +103,7 @@ def test_a_fault_inside_the_step_is_internal_and_leaves_nothing_behind(
                     assert client.health() == "SERVING"
                 script.accept(client.forward(batch))  # the scheduler retries the same batch
     finally:
-        executor.faults = None
+        executor.hooks.faults = None
     assert faults.fired == [site]
     assert script.tokens == expected
 

@@ -21,8 +21,9 @@ from executor.config import ExecutorConfig
 from executor.errors import BatchValidationError, FaultInjector, InjectedFault
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.graphs.capture_rules import HostReadGuard
-from executor.model_executor import ForwardOutput, ModelExecutor
+from executor.model_executor import ModelExecutor
 from executor.service.codec import batch_from_proto, batch_to_proto
+from executor.step.outputs import ForwardOutput
 from ops.future_tokens import (
     resolve_future_tokens,
     resolve_future_tokens_reference,
@@ -167,7 +168,7 @@ def test_resolution_reads_nothing_on_the_host(make_executor: MakeExecutor, path:
     (the sampled tokens) as a step without."""
     ex = make_executor(**PATHS[path][0])
     _prefill(ex, [1, 2])
-    ex.device_step_guard = HostReadGuard
+    ex.hooks.device_step_guard = HostReadGuard
     batch = make_decode_batch(
         input_ids=[-1, -2], req_pool_indices=[1, 2], seq_lens=[6, 4], out_cache_loc=[9, 10]
     )
@@ -290,8 +291,8 @@ def test_a_refused_batch_assigns_and_releases_nothing(prefilled: ModelExecutor) 
 
 
 def test_a_step_that_fails_on_the_device_is_undone(prefilled: ModelExecutor) -> None:
-    prefilled.faults = FaultInjector()
-    prefilled.faults.arm("sampler")
+    prefilled.hooks.faults = FaultInjector()
+    prefilled.hooks.faults.arm("sampler")
     table = prefilled.future.tokens.clone()
     with pytest.raises(InjectedFault):
         prefilled.forward(

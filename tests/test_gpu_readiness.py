@@ -84,7 +84,7 @@ def test_every_thread_runs_device_work_inside_the_executors_device_scope(
         ),
         "device-worker",
     )
-    _in_thread(lambda: ex.apply_toggles(graph_mode="both"), "runtime-toggle")
+    _in_thread(lambda: ex.control.apply_toggles(graph_mode="both"), "runtime-toggle")
     threads = {name for name, _ in seen}
     assert threads == {"loader", "warmup", "device-worker", "runtime-toggle"}
     assert {scope for _, scope in seen} == {ex.device}
@@ -147,7 +147,7 @@ def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     monkeypatch.setattr(DecoderLayer, "post_attention", post_attention)
     ex = make_executor(graph_mode="decode", graph_batch_sizes="1,2,4")
     oom_at["rows"] = -1  # capture is over: eager and replays run normally
-    [report] = ex.capture_reports
+    [report] = ex.control.capture_reports
     assert report.poisoned is None and ex.info.graph_capture_disabled == ""
     assert sorted(report.captured) == [1, 4] and list(report.failed) == [2]
     assert "OutOfMemoryError" in report.failed[2] or "GraphCaptureOOM" in report.failed[2]
@@ -173,7 +173,7 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ex = make_executor(graph_mode="decode", graph_batch_sizes="1,2")
-    assert sorted(ex.capture_reports[0].captured) == [1, 2]
+    assert sorted(ex.control.capture_reports[0].captured) == [1, 2]
     ex.forward(make_extend_batch(input_ids=[[3, 4]], req_pool_indices=[1], out_cache_loc=[[1, 2]]))
     decode = make_decode_batch(input_ids=[7], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[5])
     assert ex.forward(decode).stats.path == "full_graph"
@@ -187,7 +187,7 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
         return real(self, attn_out, residual)
 
     monkeypatch.setattr(DecoderLayer, "post_attention", unsafe)
-    [report] = ex.set_graph_mode("both")  # the piecewise runner captures now, and poisons
+    [report] = ex.control.set_graph_mode("both")  # the piecewise runner captures now, and poisons
     assert report.kind == "piecewise" and report.poisoned is not None
     assert len(report.failed) == 1 and report.captured == []
     assert ex.info.graph_capture_disabled == report.poisoned
@@ -463,10 +463,13 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
 ) -> None:
     ex, gate = _gated_executor(make_executor)
     ended: list[str] = []
-    ex.graph_mode_listener = lambda: ended.append(ex.graph_capture)
-    ex.apply_toggles(graph_mode="extend", background_capture=True)
+    ex.control.graph_mode_listener = lambda: ended.append(ex.toggles.graph_capture)
+    ex.control.apply_toggles(graph_mode="extend", background_capture=True)
     assert gate.reached.wait(30)  # bucket 16 captured; the thread waits before bucket 8
-    assert (ex.graph_mode, ex.graph_capture) == ("none", "capturing graph_mode=extend")
+    assert (ex.toggles.graph_mode, ex.toggles.graph_capture) == (
+        "none",
+        "capturing graph_mode=extend",
+    )
     # Serving goes on, eagerly, between two buckets.
     out = ex.forward(
         make_extend_batch(input_ids=[[3, 4, 5]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]])
@@ -474,13 +477,15 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     assert (out.stats.path, out.stats.graph_fallback) == ("eager", None)
     # Graph-mode changes wait for the capture to end (refused, nothing changed).
     with pytest.raises(ToggleRefusedError, match="capture is in progress"):
-        ex.apply_toggles(graph_mode="decode", background_capture=True)
-    ex.apply_toggles(eager_input_no_copy=True, background_capture=True)  # others still apply
+        ex.control.apply_toggles(graph_mode="decode", background_capture=True)
+    ex.control.apply_toggles(
+        eager_input_no_copy=True, background_capture=True
+    )  # others still apply
     gate.go.set()
-    assert ex.wait_for_capture(30)
-    assert (ex.graph_mode, ex.graph_capture, ended) == ("extend", "idle", ["idle"])
-    assert ex.needs_cpu_seq_lens  # the piecewise path's host lengths, decided at install
-    assert sorted(ex.capture_reports[-1].captured) == [8, 16]
+    assert ex.control.wait_for_capture(30)
+    assert (ex.toggles.graph_mode, ex.toggles.graph_capture, ended) == ("extend", "idle", ["idle"])
+    assert ex.toggles.needs_cpu_seq_lens  # the piecewise path's host lengths, decided at install
+    assert sorted(ex.control.capture_reports[-1].captured) == [8, 16]
     out = ex.forward(
         make_extend_batch(input_ids=[[6, 7]], req_pool_indices=[2], out_cache_loc=[[4, 5]])
     )
@@ -489,7 +494,7 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
 
 def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8,16")
-    [report] = ex.capture_reports
+    [report] = ex.control.capture_reports
     layers = len(ex.model.decoder_layers)
     assert report.graphs == 2 * (layers + 1) and report.graphs_per_bucket == layers + 1
 
@@ -507,9 +512,9 @@ def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     # What the backend says on a CUDA device.
     monkeypatch.setattr(ex.attn_backend, "graph_capture_refusal", lambda: reason)
     with pytest.raises(ToggleRefusedError, match="use attention_backend=triton"):
-        ex.set_graph_mode("decode")
-    assert ex.graph_mode == "none"
-    ex.set_graph_mode("extend")  # the piecewise path runs attention eagerly: allowed
+        ex.control.set_graph_mode("decode")
+    assert ex.toggles.graph_mode == "none"
+    ex.control.set_graph_mode("extend")  # the piecewise path runs attention eagerly: allowed
     assert ex.runner.decode_graphs is None
 
 
@@ -529,6 +534,6 @@ def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
     answer = control.update(RuntimeConfigUpdate(graph_mode="extend"))
     assert (answer.graph_mode, answer.graph_capture) == ("none", "capturing graph_mode=extend")
     gate.go.set()
-    assert ex.wait_for_capture(30)
+    assert ex.control.wait_for_capture(30)
     assert (control.current().graph_mode, control.current().graph_capture) == ("extend", "idle")
     assert published[-1] == ("extend", "idle")  # the gauges follow when the capture ends

@@ -17,7 +17,8 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.errors import ToggleRefusedError
 from executor.forward_batch import ForwardBatch
 from executor.graphs.graph import CpuGraph, GraphCaptureError
-from executor.model_executor import ModelExecutor, graph_settings
+from executor.graphs.settings import graph_settings
+from executor.model_executor import ModelExecutor
 from executor.models.blocks import DecoderLayer
 from executor.models.llama import LlamaForCausalLM
 from ops.host_transfer import to_host
@@ -199,7 +200,7 @@ def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
 
     monkeypatch.setattr(DecoderLayer, "post_attention", unsafe)
     ex = make_executor(graph_mode="both", graph_batch_sizes="1,2", piecewise_token_sizes="8")
-    reports = {r.kind: r for r in ex.capture_reports}
+    reports = {r.kind: r for r in ex.control.capture_reports}
     # As on CUDA, the forbidden op poisons the capture: the largest bucket fails, nothing
     # after it is tried (not the smaller bucket, not the piecewise runner).
     assert reports["decode"].captured == [] and set(reports["decode"].failed) == {2}
@@ -293,7 +294,7 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
     native = make_executor(
         attention_backend="torch_native", graph_mode="decode", graph_batch_sizes="1,2"
     )
-    assert native.capture_reports == []  # nothing to capture with a backend that cannot be
+    assert native.control.capture_reports == []  # nothing to capture with a backend that cannot be
     _prefill(native, [1], [2], first_slot=1)
     out = native.forward(
         make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[9])
@@ -308,20 +309,20 @@ def test_graph_mode_switches_at_runtime_and_refuses_what_it_cannot_honour(
     _prefill(ex, [1], [2], first_slot=1)
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[9])
     assert ex.forward(step).stats.path == "eager"
-    reports = ex.set_graph_mode("decode")  # captured now, on first use
+    reports = ex.control.set_graph_mode("decode")  # captured now, on first use
     assert [r.kind for r in reports] == ["decode"] and reports[0].captured == [2, 1]
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[10])
     assert ex.forward(step).stats.path == "full_graph"
-    assert ex.set_graph_mode("none") == [] and ex.runner.graph_mode == "none"
-    assert ex.set_graph_mode("decode") == []  # already captured: no second capture
+    assert ex.control.set_graph_mode("none") == [] and ex.toggles.graph_mode == "none"
+    assert ex.control.set_graph_mode("decode") == []  # already captured: no second capture
     native = make_executor(attention_backend="torch_native", graph_mode="none")
     with pytest.raises(ToggleRefusedError, match="cannot be captured"):
-        native.set_graph_mode("decode")
-    assert native.runner.graph_mode == "none"
+        native.control.set_graph_mode("decode")
+    assert native.toggles.graph_mode == "none"
     off = make_executor(needs_cpu_seq_lens="off", graph_mode="none")
     with pytest.raises(ToggleRefusedError, match="needs_cpu_seq_lens"):
-        off.set_graph_mode("extend")
-    assert off.runner.graph_mode == "none" and off.runner.piecewise is None
+        off.control.set_graph_mode("extend")
+    assert off.toggles.graph_mode == "none" and off.runner.piecewise is None
 
 
 def test_bucket_lists_come_from_config_within_limits(make_executor: MakeExecutor) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import executor.model_executor as model_executor_module
+import executor.step.step as step_module
 from attention import TorchNativeBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.forward_batch import ForwardBatch, SamplingParams
@@ -129,7 +129,7 @@ def poison_host_mirrors(monkeypatch: pytest.MonkeyPatch) -> list[ForwardBatch]:
     It first checks that complete_batch left them None, as it must when the mirror is off.
     """
     completed: list[ForwardBatch] = []
-    real = model_executor_module.complete_batch
+    real = step_module.complete_batch
 
     def complete(fb: ForwardBatch, **kwargs: object) -> ForwardBatch:
         out = real(fb, **kwargs)  # type: ignore[arg-type]
@@ -139,7 +139,7 @@ def poison_host_mirrors(monkeypatch: pytest.MonkeyPatch) -> list[ForwardBatch]:
         completed.append(out)
         return out
 
-    monkeypatch.setattr(model_executor_module, "complete_batch", complete)
+    monkeypatch.setattr(step_module, "complete_batch", complete)
     return completed
 
 
@@ -174,8 +174,8 @@ def test_a_step_without_the_mirror_makes_only_the_counted_transfers(
     poison_host_mirrors: list[ForwardBatch],
 ) -> None:
     ex = make_executor(attention_backend="torch_paged")
-    assert ex.needs_cpu_seq_lens is False
-    ex.device_step_guard = HostReadGuard
+    assert ex.toggles.needs_cpu_seq_lens is False
+    ex.hooks.device_step_guard = HostReadGuard
     ex.forward(_prefill())
     assert counts() == {"sampled_tokens": 1}
     ex.forward(_decode(sampling=SAMPLED))
@@ -189,8 +189,8 @@ def test_torch_native_adds_exactly_what_it_declares(
     make_executor: MakeExecutor, counts: Callable[[], dict[str, int]]
 ) -> None:
     ex = make_executor(attention_backend="torch_native")
-    assert ex.needs_cpu_seq_lens is True
-    ex.device_step_guard = HostReadGuard
+    assert ex.toggles.needs_cpu_seq_lens is True
+    ex.hooks.device_step_guard = HostReadGuard
     ex.forward(_prefill(sampling=SAMPLED, return_logprob=True))
     expected = {"sampled_tokens": 1}  # logprobs included: one packed transfer
     for reason in TorchNativeBackend.host_transfer_reasons:
@@ -202,7 +202,7 @@ def test_the_guard_catches_a_stray_item_inside_the_model(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ex = make_executor()
-    ex.device_step_guard = HostReadGuard
+    ex.hooks.device_step_guard = HostReadGuard
     ex.forward(_prefill())  # a clean step passes
     table_before = ex.req_to_token_pool.req_to_token.clone()
     real = ex.model.compute_logits
@@ -223,7 +223,7 @@ def test_return_logits_is_a_counted_transfer(
     make_executor: MakeExecutor, counts: Callable[[], dict[str, int]]
 ) -> None:
     ex = make_executor()
-    ex.device_step_guard = HostReadGuard
+    ex.hooks.device_step_guard = HostReadGuard
     out = ex.forward(_prefill(), return_logits=True)
     assert out.logits is not None and out.logits.shape[0] == 2
     assert counts() == {"sampled_tokens": 1, "logits": 1}

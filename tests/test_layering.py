@@ -154,6 +154,7 @@ def engine_modules() -> list[str]:
         *(m for m in _modules_under(executor, recursive=False) if m != "executor.__main__"),
         *_modules_under(executor / "graphs", recursive=True),
         *_modules_under(executor / "models", recursive=True),
+        *_modules_under(executor / "step", recursive=True),
     ]
 
 

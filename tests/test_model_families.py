@@ -273,7 +273,7 @@ def test_experts_compile_in_the_compiled_graph_backend(cache_dir: Path) -> None:
                 graph_batch_sizes="2",
             )
         )
-        assert all(not r.failed for r in ex.capture_reports), ex.capture_reports
+        assert all(not r.failed for r in ex.control.capture_reports), ex.control.capture_reports
         paths: set[str] = set()
 
         def forward(batch: object, ex: ModelExecutor = ex, paths: set[str] = paths) -> object:

@@ -97,9 +97,9 @@ def test_off_is_refused_with_the_piecewise_path() -> None:
 
 
 def test_the_executor_decides_at_start_up(make_executor: MakeExecutor) -> None:
-    assert make_executor(attention_backend="torch_paged").needs_cpu_seq_lens is False
-    assert make_executor(attention_backend="torch_native").needs_cpu_seq_lens is True
-    assert make_executor(needs_cpu_seq_lens="on").needs_cpu_seq_lens is True
+    assert make_executor(attention_backend="torch_paged").toggles.needs_cpu_seq_lens is False
+    assert make_executor(attention_backend="torch_native").toggles.needs_cpu_seq_lens is True
+    assert make_executor(needs_cpu_seq_lens="on").toggles.needs_cpu_seq_lens is True
     with pytest.raises(ValueError, match="needs_cpu_seq_lens=off"):
         make_executor(attention_backend="torch_native", needs_cpu_seq_lens="off")
 

@@ -371,7 +371,7 @@ def test_quantized_layers_run_on_the_graph_paths(tmp_path: Path, cache_dir: Path
             graph_mode="both", graph_batch_sizes="1,2,4,8", piecewise_token_sizes="8,32,128"
         )
     )
-    assert all(not r.failed for r in graph.capture_reports), graph.capture_reports
+    assert all(not r.failed for r in graph.control.capture_reports), graph.control.capture_reports
     gen = BatchGenerator(seed=11, limits=eager.limits, max_batch_size=6)
     paths: set[str] = set()
     for step in range(30):
@@ -407,7 +407,7 @@ def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
     graph = ModelExecutor(
         base.replace(graph_mode="decode", graph_backend="compiled_step", graph_batch_sizes="1")
     )
-    assert [(r.captured, r.failed) for r in graph.capture_reports] == [([1], {})]
+    assert [(r.captured, r.failed) for r in graph.control.capture_reports] == [([1], {})]
     prompt = [(7 * i) % 500 + 3 for i in range(20)]
     want_tokens, want_logits = _greedy(eager, prompt, 6)
     got_tokens, got_logits = _greedy(graph, prompt, 6)

@@ -16,6 +16,7 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client import cli
 from executor.client.grpc_client import ExecutorClient
 from executor.errors import RuntimeConfigError, ToggleRefusedError
+from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.service.auth import TokenCheck, read_token
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate, parse_assignments
@@ -35,51 +36,58 @@ DEFAULTS = RuntimeConfig(
 )
 
 
-def _decode_fill_tensors(ex: ModelExecutor, row: int) -> int:
-    ex.forward(
-        make_extend_batch(
-            input_ids=[[1, 2]], req_pool_indices=[row], out_cache_loc=[[row * 10, row * 10 + 1]]
+def _decode_carries_mirror(ex: ModelExecutor, row: int) -> bool:
+    """Whether a DECODE step's batch, as attention reads it, carries the host seq_lens."""
+    seen: list[ForwardBatch] = []
+    real = ex.attn_backend.init_forward_metadata
+    ex.attn_backend.init_forward_metadata = lambda fb: seen.append(fb) or real(fb)  # type: ignore[method-assign]
+    try:
+        ex.forward(
+            make_extend_batch(
+                input_ids=[[1, 2]], req_pool_indices=[row], out_cache_loc=[[row * 10, row * 10 + 1]]
+            )
         )
-    )
-    out = ex.forward(
-        make_decode_batch(
-            input_ids=[3], req_pool_indices=[row], seq_lens=[3], out_cache_loc=[row * 10 + 2]
+        ex.forward(
+            make_decode_batch(
+                input_ids=[3], req_pool_indices=[row], seq_lens=[3], out_cache_loc=[row * 10 + 2]
+            )
         )
-    )
-    return out.stats.fill_tensors
+    finally:
+        del ex.attn_backend.init_forward_metadata  # type: ignore[method-assign]
+    return seen[-1].seq_lens_cpu is not None
 
 
 # --- the executor's toggle methods (in-process) ---
 
 
-def test_set_needs_cpu_seq_lens_reaches_batches_and_the_registry(
+def test_set_needs_cpu_seq_lens_reaches_the_batches(
     make_executor: MakeExecutor,
 ) -> None:
     ex = make_executor(attention_backend="torch_paged")
-    base = _decode_fill_tensors(ex, 1)
-    assert ex.set_needs_cpu_seq_lens("on") is True
-    assert ex.needs_cpu_seq_lens is True and ex.runner.eager_inputs.needs_cpu_seq_lens is True
-    assert ex.needs_cpu_seq_lens_policy == "on"
-    assert _decode_fill_tensors(ex, 2) == base + 1
-    assert ex.set_needs_cpu_seq_lens("off") is False
-    assert ex.runner.eager_inputs.needs_cpu_seq_lens is False
-    assert _decode_fill_tensors(ex, 3) == base
+    assert _decode_carries_mirror(ex, 1) is False
+    assert ex.control.set_needs_cpu_seq_lens("on") is True
+    assert ex.toggles.needs_cpu_seq_lens is True and ex.runner.toggles.needs_cpu_seq_lens is True
+    assert ex.toggles.seq_lens_policy == "on"
+    assert _decode_carries_mirror(ex, 2) is True
+    assert ex.control.set_needs_cpu_seq_lens("off") is False
+    assert ex.runner.toggles.needs_cpu_seq_lens is False
+    assert _decode_carries_mirror(ex, 3) is False
 
 
 def test_off_is_refused_where_a_backend_reads_host_lengths(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError, match="torch_native"):
-        ex.set_needs_cpu_seq_lens("off")
-    assert (ex.needs_cpu_seq_lens_policy, ex.needs_cpu_seq_lens) == ("auto", True)
-    assert ex.runner.eager_inputs.needs_cpu_seq_lens is True
+        ex.control.set_needs_cpu_seq_lens("off")
+    assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
+    assert ex.runner.toggles.needs_cpu_seq_lens is True
 
 
 def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_paged", graph_mode="extend")
-    assert ex.needs_cpu_seq_lens is True
+    assert ex.toggles.needs_cpu_seq_lens is True
     with pytest.raises(ToggleRefusedError, match="piecewise"):
-        ex.apply_toggles(needs_cpu_seq_lens="off")
-    assert (ex.needs_cpu_seq_lens_policy, ex.needs_cpu_seq_lens) == ("auto", True)
+        ex.control.apply_toggles(needs_cpu_seq_lens="off")
+    assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
 
 
 def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: MakeExecutor) -> None:
@@ -93,30 +101,32 @@ def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: Ma
             pass
 
     ex = make_executor(graph_batch_sizes="1,2", piecewise_token_sizes="8")
-    ex.observer = Recorder()
-    ex.apply_toggles(graph_mode="decode")
-    assert (ex.graph_mode, ex.runner.graph_mode, captures) == (
+    ex.control.observer = Recorder()  # captures are reported by the graph control
+    ex.control.apply_toggles(graph_mode="decode")
+    assert (ex.toggles.graph_mode, ex.runner.toggles.graph_mode, captures) == (
         "decode",
         "decode",
         [("decode", True)],
     )
-    ex.apply_toggles(graph_mode="both")  # turning the piecewise path on re-decides the mirror
-    assert captures[-1] == ("piecewise", True) and ex.needs_cpu_seq_lens is True
+    ex.control.apply_toggles(
+        graph_mode="both"
+    )  # turning the piecewise path on re-decides the mirror
+    assert captures[-1] == ("piecewise", True) and ex.toggles.needs_cpu_seq_lens is True
     native = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError, match="cannot be captured"):
-        native.apply_toggles(graph_mode="decode")
-    assert native.graph_mode == "none"
+        native.control.apply_toggles(graph_mode="decode")
+    assert native.toggles.graph_mode == "none"
 
 
 def test_apply_toggles_is_all_or_nothing(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_native")
     with pytest.raises(ToggleRefusedError):
-        ex.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="off")
+        ex.control.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="off")
     with pytest.raises(ToggleRefusedError):
-        ex.apply_toggles(eager_input_no_copy=True, graph_mode="both")
-    assert ex.eager_input_no_copy is False and ex.needs_cpu_seq_lens_policy == "auto"
-    ex.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="on")
-    assert ex.eager_input_no_copy is True and ex.needs_cpu_seq_lens_policy == "on"
+        ex.control.apply_toggles(eager_input_no_copy=True, graph_mode="both")
+    assert ex.toggles.eager_input_no_copy is False and ex.toggles.seq_lens_policy == "auto"
+    ex.control.apply_toggles(eager_input_no_copy=True, needs_cpu_seq_lens="on")
+    assert ex.toggles.eager_input_no_copy is True and ex.toggles.seq_lens_policy == "on"
 
 
 def test_updates_check_their_values() -> None:
@@ -412,3 +422,21 @@ def test_cli_sends_the_token_from_its_file(
             == 0
         )
         assert _printed_json(capsys)["needs_cpu_seq_lens_effective"] is True
+
+
+def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
+    from executor.service import codec
+    from executor.step.paths import GraphMode, Path, SeqLensPolicy
+    from executor.step.toggles import CaptureState, Toggles
+
+    assert [str(p) for p in Path] == ["eager", "eager_no_copy", "full_graph", "piecewise"]
+    assert set(codec._GRAPH_MODE) == set(GraphMode)
+    assert set(codec._NEEDS_CPU_SEQ_LENS) == set(SeqLensPolicy)
+    assert [m for m in GraphMode if m.decode_graphs] == ["decode", "both"]
+    assert [m for m in GraphMode if m.piecewise] == ["extend", "both"]
+    t = Toggles(GraphMode.NONE, SeqLensPolicy.AUTO, False, eager_input_no_copy=False)
+    assert t.graph_capture == "idle"
+    t.capture, t.capture_target = CaptureState.CAPTURING, GraphMode.EXTEND
+    assert t.graph_capture == "capturing graph_mode=extend"
+    t.capture, t.capture_error = CaptureState.FAILED, "RuntimeError: boom"
+    assert t.graph_capture == "failed: RuntimeError: boom"

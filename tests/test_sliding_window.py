@@ -25,7 +25,8 @@ from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import kv_bucket
 from executor.graphs.capture_rules import HostReadGuard
-from executor.model_executor import ForwardOutput, ModelExecutor
+from executor.model_executor import ModelExecutor
+from executor.step.outputs import ForwardOutput
 from tests.attention_cases import Case, make_case
 from tests.test_attention_backends import padded_decode_view
 

@@ -27,7 +27,7 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     results: list[Any] = []
     for kw in runs:
         if "toggles" in kw:
-            ex.apply_toggles(**kw["toggles"])
+            ex.control.apply_toggles(**kw["toggles"])
             continue
         if "refuse" in kw:
             try:

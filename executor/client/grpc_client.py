@@ -29,7 +29,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor.client.allocator import FutureSlotAllocator
 from executor.forward_batch import ForwardBatch
-from executor.model_executor import ExecutorInfo, ForwardOutput
 from executor.service.codec import (
     batch_to_proto,
     info_from_proto,
@@ -38,6 +37,7 @@ from executor.service.codec import (
     runtime_update_to_proto,
 )
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
+from executor.step.outputs import ExecutorInfo, ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

@@ -43,8 +43,8 @@ from ops.host_transfer import host_transfers
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from executor.model_executor import ExecutorInfo, StepStats
     from executor.service.runtime_config import RuntimeConfig
+    from executor.step.outputs import ExecutorInfo, StepStats
 
 PREFIX = "model_executor_"
 PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")

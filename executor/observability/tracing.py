@@ -4,8 +4,8 @@ Each server owns a `Tracing` (its own TracerProvider, never the global one, so t
 attach an in-memory exporter). Under an RPC's span (a stream adds one `step` span per batch):
 `decode` and `encode` are timed live on the RPC thread; `queue`, `validate`, `stage`,
 `forward` (attribute `model_executor.path`) and `sample` ran on the device thread and are
-drawn afterwards from the step's recorded wall-clock starts and durations, so the device
-thread creates no spans.
+drawn afterwards from the step clock's records (`StepStats.started_ns` / `timings_ns`,
+each phase's wall-clock start and duration), so the device thread creates no spans.
 
 Sampling is `parentbased_traceidratio`: a caller's sampled flag is honoured, RPCs without a
 sampled caller are kept with probability `trace_sample_ratio` (a runtime toggle). With no
@@ -45,7 +45,7 @@ import executor
 if TYPE_CHECKING:
     from opentelemetry.trace.span import TraceState
 
-    from executor.model_executor import StepStats
+    from executor.step.outputs import StepStats
 
 TRACE_EXPORTERS = ("none", "console", "otlp")
 STEP_PHASES = ("queue", "validate", "stage", "forward", "sample")  # drawn after the step

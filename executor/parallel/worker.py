@@ -23,7 +23,7 @@ def run_worker(executor: ModelExecutor) -> None:
             executor.run_shard(command.batch, keep_rows=command.keep_rows)
         elif command.kind == broadcast.TOGGLES:
             try:
-                executor.apply_toggles(**command.toggles)
+                executor.control.apply_toggles(**command.toggles)
             except ToggleRefusedError as e:
                 log.info("toggle refused (as on rank 0)", reason=str(e))
         elif command.kind == broadcast.PING:

@@ -17,8 +17,8 @@ import hashlib
 from collections import OrderedDict
 
 from executor.errors import BatchValidationError
-from executor.model_executor import ForwardOutput
 from executor.service.codec import BATCH_TENSOR_FIELDS
+from executor.step.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 
 # The fields that decide what a batch writes into the KV cache and which tokens it feeds

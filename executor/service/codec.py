@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError, RuntimeConfigError
+from executor.errors import BatchValidationError, RuntimeConfigError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
-from executor.model_executor import ExecutorInfo, ForwardOutput, StepStats
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.validation import BatchLimits
+from executor.step.outputs import ExecutorInfo, ForwardOutput, StepStats
+from executor.validation import BatchLimits, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
 
 _TO_TORCH = {
@@ -134,39 +134,23 @@ def _element_count(msg: pb.Tensor) -> int:
 
 def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
     """Refuse a batch whose requests or tokens exceed the limits before anything is built:
-    lengths of repeated fields and tensor byte counts only (BatchTooLargeError)."""
-    n_params = len(msg.sampling_params)
-    if n_params > limits.max_batch_size:
-        raise BatchTooLargeError(
-            "sampling_params",
-            f"has {n_params} entries; must be <= max_batch_size ({limits.max_batch_size})",
-        )
+    lengths of repeated fields and tensor byte counts only (BatchTooLargeError). Every other
+    rule is validation's, on the device thread."""
+    check_request_count("sampling_params", len(msg.sampling_params), limits)
     for name in ("req_pool_indices", "seq_lens", "future_token_slots"):
         if msg.HasField(name):
-            n = _element_count(getattr(msg, name))
-            if n > limits.max_batch_size:
-                raise BatchTooLargeError(
-                    name, f"has {n} entries; must be <= max_batch_size ({limits.max_batch_size})"
-                )
+            check_request_count(name, _element_count(getattr(msg, name)), limits)
     for name in ("input_ids", "out_cache_loc", "positions"):
         if msg.HasField(name):
-            n = _element_count(getattr(msg, name))
-            if n > limits.max_tokens_per_batch:
-                raise BatchTooLargeError(
-                    name,
-                    f"has {n} tokens; must be <= max_tokens_per_batch ({limits.max_tokens_per_batch})",
-                )
-    if msg.top_logprobs_num > limits.max_top_logprobs:
-        raise BatchValidationError(
-            "top_logprobs_num",
-            f"must be in 0..{limits.max_top_logprobs} (max_top_logprobs), got {msg.top_logprobs_num}",
-        )
+            check_token_count(name, _element_count(getattr(msg, name)), limits)
 
 
 def batch_from_proto(msg: pb.ForwardBatch, limits: BatchLimits | None = None) -> ForwardBatch:
     """Decode a wire batch into a host ForwardBatch (validation happens on the device thread).
 
-    With `limits`, size claims beyond them are refused first, from the header alone."""
+    The codec refuses only what it must before it allocates: an unknown mode, a tensor whose
+    bytes do not match its dtype and shape, a missing required field, and (with `limits`)
+    size claims beyond them, from the header alone."""
     if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE):
         raise BatchValidationError(
             "forward_mode", f"must be EXTEND, DECODE or IDLE, got {msg.forward_mode}"

@@ -40,9 +40,11 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from executor.forward_batch import ForwardBatch
-from executor.model_executor import ForwardOutput, ModelExecutor, StepStats
+from executor.model_executor import ModelExecutor
 from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
+from executor.step.clock import StepClock
+from executor.step.outputs import ForwardOutput, StepStats
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +82,7 @@ class Job:
     batch_id: int
     future: Future[ForwardOutput] = field(default_factory=Future)
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    enqueued_wall_ns: int = field(default_factory=time.time_ns)  # the queue span's start
     trace_context: Context | None = None  # the RPC's span, for log lines during the step
     stream: StreamState | None = None  # the stream the job belongs to; None for unary
     is_active: Callable[[], bool] | None = None  # the RPC's liveness (context.is_active)
@@ -299,11 +302,12 @@ class DeviceWorker:
         self._execute(job)
 
     def _execute(self, job: Job) -> None:
-        started = time.perf_counter_ns()
+        clock = StepClock()
+        clock.record("queue", job.enqueued_wall_ns, time.perf_counter_ns() - job.enqueued_ns)
         structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
         token = otel_context.attach(job.trace_context) if job.trace_context is not None else None
         try:
-            out = self.executor.forward(job.batch)
+            out = self.executor.forward(job.batch, clock=clock)
         except BaseException as exc:  # handed to the RPC thread, which maps it to a status
             if job.stream is not None and job.stream.failed_batch_id is None:
                 job.stream.failed_batch_id = job.batch_id  # before the next job is taken
@@ -313,7 +317,7 @@ class DeviceWorker:
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.
         self.applied.store(job.batch_id, job.fingerprint, out)
         try:
-            self._report(out.stats, started - job.enqueued_ns)
+            self._report(out.stats)
         except BaseException:  # a hook's failure must not report an applied batch as failed
             log.error("post-step hook failed", batch_id=job.batch_id, exc_info=True)
         _resolve(job.future, out)
@@ -325,10 +329,7 @@ class DeviceWorker:
             otel_context.detach(token)  # type: ignore[arg-type]
         structlog.contextvars.unbind_contextvars("batch_id")
 
-    def _report(self, stats: StepStats, queued: int) -> None:
-        stats.timings_ns["queue"] = queued
-        if "validate" in stats.started_ns:
-            stats.started_ns["queue"] = stats.started_ns["validate"] - queued
+    def _report(self, stats: StepStats) -> None:
         if self.on_step is not None:
             self.on_step(stats)  # before the answer is released: a scrape after it sees it
         if debug_enabled():

@@ -122,7 +122,7 @@ class RuntimeControl:
         self._on_change = on_change
         self._current = self._read()
         on_change(self._current)
-        executor.graph_mode_listener = self._capture_ended
+        executor.control.graph_mode_listener = self._capture_ended
 
     def _capture_ended(self) -> None:
         """A background graph capture ended (on its thread): publish the new state."""
@@ -135,15 +135,15 @@ class RuntimeControl:
         self._on_change(self._current)
 
     def _read(self) -> RuntimeConfig:
-        ex = self.executor
+        t = self.executor.step.toggles
         return RuntimeConfig(
-            eager_input_no_copy=ex.eager_input_no_copy,
-            needs_cpu_seq_lens=ex.needs_cpu_seq_lens_policy,
-            needs_cpu_seq_lens_effective=ex.needs_cpu_seq_lens,
-            graph_mode=ex.graph_mode,
+            eager_input_no_copy=t.eager_input_no_copy,
+            needs_cpu_seq_lens=str(t.seq_lens_policy),
+            needs_cpu_seq_lens_effective=t.needs_cpu_seq_lens,
+            graph_mode=str(t.graph_mode),
             log_level=current_level(),  # the process's logging, as configured
             trace_sample_ratio=self._trace_sample_ratio,
-            graph_capture=ex.graph_capture,
+            graph_capture=t.graph_capture,
         )
 
     def current(self) -> RuntimeConfig:
@@ -153,7 +153,7 @@ class RuntimeControl:
         """Apply `update` all-or-nothing; the effective config. Raises ToggleRefusedError
         (nothing changed) where the executor cannot honour it."""
         before = self._current
-        self.executor.apply_toggles(
+        self.executor.control.apply_toggles(
             eager_input_no_copy=update.eager_input_no_copy,
             needs_cpu_seq_lens=update.needs_cpu_seq_lens,
             graph_mode=update.graph_mode,

@@ -44,7 +44,6 @@ from executor.errors import (
     RuntimeConfigError,
     ToggleRefusedError,
 )
-from executor.model_executor import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
 from executor.observability.tracing import SpanScope
 from executor.parallel.comm import TpGroupError
@@ -69,6 +68,7 @@ from executor.service.device_worker import (
 )
 from executor.service.handlers import UndecodableRequest, UndecodableRequestError
 from executor.service.runtime_config import RuntimeControl
+from executor.step.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

@@ -1,0 +1,278 @@
+"""`GraphControl`: the runtime toggles and graph capture, changed between two steps.
+
+It is the only writer of :class:`executor.step.toggles.Toggles`. Every change is checked first
+and refused with `ToggleRefusedError` (nothing changed) when the executor cannot honour it;
+then it is applied whole. A graph mode that needs a capture captures now, or with
+`background` on a thread of its own, bucket by bucket under the step lock, while steps keep
+running on the current path; the new mode is installed between two steps.
+
+Under tensor parallelism rank 0 broadcasts each change (every rank captures in step, since
+a capture runs collectives) and the workers apply it through the same `apply_toggles`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import structlog
+import torch
+
+from attention import decide_needs_cpu_seq_lens
+from attention.base import AttentionBackend
+from executor.config import ExecutorConfig, resolve_graph_mode
+from executor.errors import ToggleRefusedError
+from executor.graphs.capture import CaptureReport
+from executor.model_runner import ModelRunner
+from executor.observer import ExecutorObserver
+from executor.parallel import broadcast
+from executor.parallel.comm import TpComm
+from executor.parallel.leader import TpLeader
+from executor.step.paths import GraphMode, SeqLensPolicy
+from executor.step.toggles import CaptureState, SeqLensQuestion, Toggles
+from ops.device_scope import device_scope, on_own_device
+
+log = structlog.get_logger(__name__)
+
+
+class GraphControl:
+    """Changes the toggles and captures graphs; not thread-safe except where it says so."""
+
+    def __init__(
+        self,
+        toggles: Toggles,
+        runner: ModelRunner,
+        attn_backend: AttentionBackend,
+        *,
+        config: ExecutorConfig,
+        device: torch.device,
+        observer: ExecutorObserver,
+        comm: TpComm,
+    ) -> None:
+        self.toggles = toggles
+        self.runner = runner
+        self.attn_backend = attn_backend
+        self.config = config
+        self.device = device
+        self.observer = observer
+        self.comm = comm
+        self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
+        # A step and a background capture's bucket never overlap: both hold it.
+        self.step_lock = threading.Lock()
+        self.capture_reports: list[CaptureReport] = []
+        # Called (on the capture thread) when a background capture ends, either way.
+        self.graph_mode_listener: Callable[[], None] | None = None
+        self._capture_thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Capture what the start-up graph mode needs (on every rank, in the same order)."""
+        mode = self.toggles.graph_mode
+        if mode is not GraphMode.NONE:
+            self._record_captures(self.runner.enable_graphs(mode))
+        if mode.decode_graphs and (refusal := self.attn_backend.graph_capture_refusal()):
+            log.warning(
+                "decode graphs refused: DECODE runs eagerly",
+                attention_backend=self.attn_backend.name,
+                reason=refusal,
+            )
+
+    # --- the host-lengths decision --------------------------------------------------------
+    def check_needs_cpu_seq_lens(self, policy: str, graph_mode: str | None = None) -> bool:
+        """The effective `needs_cpu_seq_lens` for `policy` (auto | on | off) under
+        `graph_mode` (default: the current one); ToggleRefusedError where something in use
+        needs the host lengths and `policy` is off. Changes nothing."""
+        mode = self.toggles.graph_mode if graph_mode is None else GraphMode(graph_mode)
+        try:
+            return decide_needs_cpu_seq_lens(
+                SeqLensQuestion.of(SeqLensPolicy(policy), mode), [self.attn_backend]
+            )
+        except ValueError as exc:
+            raise ToggleRefusedError(str(exc)) from None
+
+    def set_needs_cpu_seq_lens(self, policy: str) -> bool:
+        """Re-decide whether batches carry `seq_lens_cpu` for `policy`; the effective value.
+
+        Raises ToggleRefusedError (and changes nothing) where `off` is impossible. Call it
+        again after a graph-mode change: enabling the piecewise path turns `auto` on.
+        """
+        effective = self.check_needs_cpu_seq_lens(policy)
+        self.toggles.seq_lens_policy = SeqLensPolicy(policy)
+        self.toggles.needs_cpu_seq_lens = effective
+        return effective
+
+    def set_eager_input_no_copy(self, enabled: bool) -> None:
+        """Run the next eager steps on the batch's own tensors (True) or staged (False)."""
+        self.toggles.eager_input_no_copy = enabled
+
+    # --- graph mode -----------------------------------------------------------------------
+    @on_own_device
+    def set_graph_mode(self, mode: str, *, background: bool = False) -> list[CaptureReport]:
+        """Switch graph paths between two batches; a runner turned on for the first time is
+        captured now. Refused (ToggleRefusedError, nothing changed) when the mode cannot be
+        honoured: decode graphs with a backend that cannot be captured, or the piecewise path
+        while needs_cpu_seq_lens is forced off, or while a background capture runs.
+
+        With `background`, a mode that needs a capture captures on a background thread, bucket
+        by bucket, while steps keep running on the current path between two buckets; the
+        capture state says CAPTURING until the new mode is in use (then IDLE, or FAILED).
+        Returns the reports of a capture done here ([] in the background)."""
+        if self.leader is not None and not self.leader.lock.locked():
+            raise ToggleRefusedError(
+                "graph_mode: under tensor parallelism change it through apply_toggles, which "
+                "has every rank capture in step"
+            )
+        target = self._resolve_graph_mode(mode)
+        if self.toggles.capture is CaptureState.CAPTURING:
+            raise ToggleRefusedError(
+                f"graph_mode={target}: a graph capture is in progress "
+                f"({self.toggles.graph_capture}); retry when GetRuntimeConfig's graph_capture "
+                "is no longer 'capturing'"
+            )
+        reason = self.attn_backend.graph_capture_refusal()
+        if target.decode_graphs and reason is not None:
+            raise ToggleRefusedError(
+                f"graph_mode={target}: attention backend {self.attn_backend.name!r} cannot be "
+                f"captured in a graph{f' ({reason})' if reason else ''}"
+            )
+        try:
+            needs = self.check_needs_cpu_seq_lens(self.toggles.seq_lens_policy, target)
+        except ToggleRefusedError as e:
+            raise ToggleRefusedError(f"graph_mode={target}: {e}") from e
+        if background and self.runner.needs_capture(target):
+            self._capture_in_background(target, needs)
+            return []
+        reports = self.runner.enable_graphs(target)
+        self._use_graph_mode(target, needs, reports)
+        return reports
+
+    def _resolve_graph_mode(self, mode: str) -> GraphMode:
+        if mode == "auto":
+            mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
+        try:
+            return GraphMode(mode)
+        except ValueError:
+            names = ", ".join(GraphMode)
+            raise ToggleRefusedError(
+                f"graph_mode must be one of auto, {names}, got {mode!r}"
+            ) from None
+
+    def _use_graph_mode(self, mode: GraphMode, needs: bool, reports: list[CaptureReport]) -> None:
+        self._record_captures(reports)
+        self.toggles.graph_mode = mode
+        self.toggles.needs_cpu_seq_lens = needs
+        log.info("graph mode changed", graph_mode=str(mode), captured=[r.kind for r in reports])
+
+    def _capture_in_background(self, mode: GraphMode, needs: bool) -> None:
+        """Capture what `mode` needs on a thread of its own; install it between two steps."""
+        self.toggles.capture, self.toggles.capture_target = CaptureState.CAPTURING, mode
+        log.info("graph capture started in the background", graph_mode=str(mode))
+
+        def body() -> None:
+            with device_scope(self.device):
+                try:
+                    captured = self.runner.capture_for(mode, progress=False, lock=self.step_lock)
+                except BaseException as e:  # a shutdown (StartupCancelled) or a bug
+                    self.toggles.capture_error = f"{type(e).__name__}: {e}"
+                    self.toggles.capture = CaptureState.FAILED
+                    log.error("background graph capture failed", graph_mode=str(mode), error=str(e))
+                else:
+                    with self.step_lock:  # between two steps
+                        self.runner.install(captured)
+                        self._use_graph_mode(mode, needs, captured.reports)
+                        self.toggles.capture = CaptureState.IDLE
+                if self.graph_mode_listener is not None:
+                    self.graph_mode_listener()
+
+        self._capture_thread = threading.Thread(target=body, name="graph-capture", daemon=True)
+        self._capture_thread.start()
+
+    def wait_for_capture(self, timeout: float | None = None) -> bool:
+        """Wait for a background capture to end; False if it is still running. Any thread."""
+        thread = self._capture_thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _record_captures(self, reports: list[CaptureReport]) -> None:
+        self.capture_reports.extend(reports)
+        for r in reports:
+            self.observer.on_graph_capture(r.kind, r.seconds, ok=not r.failed)
+        poisoned = self.runner.graph_factory.poisoned
+        if poisoned is not None and any(r.poisoned for r in reports):
+            log.error("graph capture disabled, graph paths run eagerly", reason=poisoned)
+            self.observer.on_graph_capture_disabled(poisoned)
+
+    # --- all at once ----------------------------------------------------------------------
+    @on_own_device
+    def apply_toggles(
+        self,
+        *,
+        eager_input_no_copy: bool | None = None,
+        needs_cpu_seq_lens: str | None = None,
+        graph_mode: str | None = None,
+        background_capture: bool = False,
+    ) -> None:
+        """Apply the given toggles (None keeps a value) all together or not at all.
+
+        Every check runs before anything changes; then the graph mode (which may capture, and
+        raises ToggleRefusedError with nothing changed if it cannot), then the host-lengths
+        decision under the new graph mode, then the eager path.
+
+        With `background_capture` (the server's runtime config), a graph mode that needs a
+        capture captures in the background (`set_graph_mode`); the host-lengths decision for
+        it is taken when it is installed, so `needs_cpu_seq_lens` cannot change in the same
+        update (refused, nothing changed).
+        """
+        t = self.toggles
+        policy = t.seq_lens_policy if needs_cpu_seq_lens is None else needs_cpu_seq_lens
+        target = self._resolve_graph_mode(t.graph_mode if graph_mode is None else graph_mode)
+        self.check_needs_cpu_seq_lens(policy, target)  # raises before any change
+        changes_graph = target != t.graph_mode
+        if t.capture is CaptureState.CAPTURING and (changes_graph or policy != t.seq_lens_policy):
+            raise ToggleRefusedError(
+                f"a graph capture is in progress ({t.graph_capture}): graph_mode and "
+                "needs_cpu_seq_lens cannot change until it ends"
+            )
+        # Not under tensor parallelism: every rank captures in step, inside the leader's lock.
+        background = (
+            background_capture
+            and not self.comm.enabled
+            and changes_graph
+            and self.runner.needs_capture(target)
+        )
+        if background and policy != t.seq_lens_policy:
+            raise ToggleRefusedError(
+                f"graph_mode={target} captures in the background: change "
+                "needs_cpu_seq_lens in a separate update"
+            )
+        if self.leader is not None:  # every rank applies it (a capture runs collectives)
+            with self.leader.holding():
+                self.leader.send(
+                    broadcast.Command(
+                        broadcast.TOGGLES,
+                        toggles={
+                            "eager_input_no_copy": eager_input_no_copy,
+                            "needs_cpu_seq_lens": needs_cpu_seq_lens,
+                            "graph_mode": graph_mode,
+                        },
+                    )
+                )
+                self._apply(policy, target, eager_input_no_copy, background=False)
+            return
+        self._apply(policy, target, eager_input_no_copy, background=background)
+
+    def _apply(
+        self,
+        policy: str,
+        target: GraphMode,
+        eager_input_no_copy: bool | None,
+        *,
+        background: bool,
+    ) -> None:
+        if target != self.toggles.graph_mode:
+            self.set_graph_mode(target, background=background)
+        if not background:
+            self.set_needs_cpu_seq_lens(policy)
+        if eager_input_no_copy is not None:
+            self.set_eager_input_no_copy(eager_input_no_copy)

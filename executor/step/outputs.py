@@ -1,0 +1,86 @@
+"""What a step and the executor report: `StepStats`, `ForwardOutput`, `ExecutorInfo`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.forward_batch import ForwardMode
+from executor.validation import BatchLimits
+
+MODE_NAMES = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", ForwardMode.IDLE: "idle"}
+
+
+@dataclass
+class StepStats:
+    """What one step did and cost (timings in nanoseconds). All zero until the step ends."""
+
+    path: str = ""  # executor.step.paths.Path
+    batch_size: int = 0
+    padded_batch_size: int = 0
+    num_tokens: int = 0
+    padded_num_tokens: int = 0
+    # Per phase (queue, validate, stage, forward, sample) and `total`: the step clock's records.
+    timings_ns: dict[str, int] = field(default_factory=dict)
+    mode: str = ""  # decode | extend | idle
+    # What the eager path's registry received this step: its inputs' one device copy (the
+    # staged upload) on the eager path, the graph registries' fills on the graph paths; None
+    # / 0 when nothing was staged for the model (eager_no_copy, IDLE).
+    fill_registry: str | None = None  # eager_decode | eager_extend | graph_decode | graph_extend
+    fill_tensors: int = 0
+    fill_bytes: int = 0
+    fill_copy_calls: int = 0
+    # Graph mode wanted a graph path but the step ran eagerly: "<kind>:<reason>".
+    graph_fallback: str | None = None
+    d2h_syncs: int = 0  # device-to-host transfers (ops.host_transfer.to_host) the step made
+    # Host-to-device (ops.host_transfer.to_device): synchronizing uploads (pageable memory or
+    # blocking), and asynchronous copies from the pinned staging buffer (1 per step).
+    h2d_syncs: int = 0
+    h2d_copies: int = 0
+    future_refs: int = 0  # input ids resolved from the future-token table on the device
+    # Wall-clock start (time.time_ns) of each phase in `timings_ns`, from the same clock:
+    # trace spans are drawn from these afterwards. Not sent over the wire.
+    started_ns: dict[str, int] = field(default_factory=dict)
+    allreduce_ns: int = 0  # tensor parallel: time in the step's all-reduces (rank 0's clock)
+
+
+@dataclass
+class ForwardOutput:
+    """One step's answer: host tensors, one entry per request of the batch.
+
+    The sampler fills the tokens; the step adds `stats` (and `logits` when asked).
+    """
+
+    next_token_ids: torch.Tensor  # [bs] int64
+    stats: StepStats = field(default_factory=StepStats)
+    next_token_logprobs: torch.Tensor | None = None  # [bs] float32
+    top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
+    top_logprobs: torch.Tensor | None = None  # [bs, k] float32
+    logits: torch.Tensor | None = None  # [bs, vocab] float32, in-process callers only
+    # The sampled ids where they were drawn (the device), for the future-token table;
+    # in-process only, never sent.
+    device_token_ids: torch.Tensor | None = None  # [bs] int64
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """Everything a scheduler needs to allocate rows and slots and to stop requests."""
+
+    model_name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    dtype: str
+    device: str
+    limits: BatchLimits
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    attention_backend: str
+    version: str
+    quantization: str = "none"  # none | gguf | int8 | int4
+    linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
+    weight_bytes: int = 0  # resident bytes of the model's weights (this rank's shard)
+    # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
+    graph_capture_disabled: str = ""
+    tp_size: int = 1  # tensor-parallel ranks
