@@ -137,7 +137,7 @@ def validate_batch(
     released = _check_released(fb, limits)
     released_future = _check_released_future(fb, limits)
     # Before the IDLE return: an IDLE step runs the sampler on no rows, and topk beyond the
-    # vocabulary fails even then (found by tests/test_fuzz.py).
+    # vocabulary fails even then.
     cap = min(limits.max_top_logprobs, limits.vocab_size)
     if not isinstance(fb.top_logprobs_num, int) or not 0 <= fb.top_logprobs_num <= cap:
         raise BatchValidationError(

@@ -65,7 +65,7 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():  # traced: the op on the key (a graph input)
             out = onednn_linear(x2, self.key, self.bias)
-        else:  # eager: straight to oneDNN (the op's dispatch costs ~35 us a call)
+        else:  # eager: straight to oneDNN, skipping the op's dispatch cost
             out = packed_linear(x2, self.packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 

@@ -84,8 +84,7 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
         )
     if numel == 0:
         # An empty tensor's other dimensions can be anything; their product still has to fit
-        # the strides torch computes (found by tests/test_fuzz.py: a flipped bit made one
-        # overflow).
+        # the strides torch computes, or building it overflows.
         if math.prod(max(d, 1) for d in shape) > _MAX_EXTENT:
             raise BatchValidationError(field, f"shape {list(shape)} is too large")
         return torch.empty(shape, dtype=dtype)
