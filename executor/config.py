@@ -46,7 +46,7 @@ class ExecutorConfig:
 
     model: str = setting(
         "smollm2",
-        "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe], a .gguf file or a HF directory",
+        "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe|-gemma2], a .gguf file or a HF directory",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting(
