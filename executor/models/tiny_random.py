@@ -6,77 +6,54 @@ greedy decoding away from near-ties when comparing against a reference implement
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from executor.models.config import AttentionConfig, ModelConfig, MoeConfig
 from executor.models.registry import create_model
 
+# What every tiny config shares; each family's entry says only how it differs.
+_TINY = ModelConfig(
+    architecture="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    name="tiny-random",
+)
+_QWEN = {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+
 TINY_CONFIGS: dict[str, ModelConfig] = {
-    "tiny-random": ModelConfig(
-        architecture="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        name="tiny-random",
-    ),
-    "tiny-random-qwen2": ModelConfig(
+    "tiny-random": _TINY,
+    "tiny-random-qwen2": replace(
+        _TINY,
         architecture="qwen2",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
         attention_bias=True,
-        bos_token_id=1,
-        eos_token_ids=(2,),
         name="tiny-random-qwen2",
+        **_QWEN,
     ),
-    "tiny-random-qwen3": ModelConfig(
+    "tiny-random-qwen3": replace(
+        _TINY,
         architecture="qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
         head_dim=32,  # not hidden / heads, as Qwen3 allows
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_ids=(2,),
         name="tiny-random-qwen3",
+        **_QWEN,
     ),
-    "tiny-random-qwen3-moe": ModelConfig(
+    "tiny-random-qwen3-moe": replace(
+        _TINY,
         architecture="qwen3_moe",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,  # the dense layer's (layer 1: mlp_only_layers)
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        num_layers=3,  # intermediate_size is the dense layer's (layer 1: mlp_only_layers)
         moe=MoeConfig(
             num_experts=4,
             top_k=2,
@@ -84,22 +61,15 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
             norm_topk_prob=True,
             mlp_only_layers=(1,),
         ),
-        bos_token_id=1,
-        eos_token_ids=(2,),
         name="tiny-random-qwen3-moe",
+        **_QWEN,
     ),
-    "tiny-random-gemma2": ModelConfig(
+    "tiny-random-gemma2": replace(
+        _TINY,
         architecture="gemma2",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
         num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
         head_dim=32,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
         attention=AttentionConfig(
             sliding_window=8,  # shorter than most prompts, so windowing matters
