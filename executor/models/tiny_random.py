@@ -31,27 +31,25 @@ _TINY = ModelConfig(
     eos_token_ids=(2,),
     name="tiny-random",
 )
-_QWEN = {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+_QWEN = replace(_TINY, rms_norm_eps=1e-6, rope_theta=1000000.0)
 
 TINY_CONFIGS: dict[str, ModelConfig] = {
     "tiny-random": _TINY,
     "tiny-random-qwen2": replace(
-        _TINY,
+        _QWEN,
         architecture="qwen2",
         tie_word_embeddings=True,
         attention_bias=True,
         name="tiny-random-qwen2",
-        **_QWEN,
     ),
     "tiny-random-qwen3": replace(
-        _TINY,
+        _QWEN,
         architecture="qwen3",
         head_dim=32,  # not hidden / heads, as Qwen3 allows
         name="tiny-random-qwen3",
-        **_QWEN,
     ),
     "tiny-random-qwen3-moe": replace(
-        _TINY,
+        _QWEN,
         architecture="qwen3_moe",
         num_layers=3,  # intermediate_size is the dense layer's (layer 1: mlp_only_layers)
         moe=MoeConfig(
@@ -62,7 +60,6 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
             mlp_only_layers=(1,),
         ),
         name="tiny-random-qwen3-moe",
-        **_QWEN,
     ),
     "tiny-random-gemma2": replace(
         _TINY,
