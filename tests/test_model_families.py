@@ -173,7 +173,7 @@ def test_family_at_tp2_gives_transformers_tokens(
         assert_greedy_matches(b, ref, gaps)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_served_family_answers_with_transformers_tokens(
     hf_model: Callable[[str], tuple[Path, object]], tmp_path: Path, family: str
 ) -> None:
