@@ -81,24 +81,28 @@ def _first(mask: torch.Tensor) -> int:
 
 
 def _check_range(t: torch.Tensor, field: str, lo: int, hi: int) -> None:
-    """Every entry in [lo, hi]."""
+    """Every entry in [lo, hi]. Checked on a numpy view: the tensors are small host ones."""
     if t.numel() == 0:
         return
-    bad = (t < lo) | (t > hi)
-    if bool(bad.any()):
-        i = _first(bad)
-        raise BatchValidationError(f"{field}[{i}]", f"must be in {lo}..{hi}, got {int(t[i])}")
+    a = t.numpy()
+    if int(a.min()) >= lo and int(a.max()) <= hi:
+        return
+    wide = a.astype(np.int64)
+    i = int(np.flatnonzero((wide < lo) | (wide > hi))[0])
+    raise BatchValidationError(f"{field}[{i}]", f"must be in {lo}..{hi}, got {int(a[i])}")
 
 
 def _check_unique(t: torch.Tensor, field: str, what: str) -> None:
     if t.numel() < 2:
         return
-    values, counts = torch.unique(t, return_counts=True)
-    if bool((counts > 1).any()):
-        dup = int(values[_first(counts > 1)])
-        raise BatchValidationError(
-            field, f"{what} must be unique within a batch; {dup} appears {int(counts.max())} times"
-        )
+    ordered = np.sort(t.numpy())
+    if not bool((ordered[1:] == ordered[:-1]).any()):
+        return
+    values, counts = np.unique(ordered, return_counts=True)
+    dup = int(values[np.flatnonzero(counts > 1)[0]])
+    raise BatchValidationError(
+        field, f"{what} must be unique within a batch; {dup} appears {int(counts.max())} times"
+    )
 
 
 def validate_batch(
@@ -173,9 +177,9 @@ def validate_batch(
         )
         _check_range(positions, "positions", 0, limits.max_context_len - 1)
 
-    held = torch.from_numpy(resident_lens[rows.long().numpy()])
+    held = resident_lens[rows.numpy()]
     if released is not None:  # released first: such a row holds nothing for this step
-        held = torch.where(torch.isin(rows, released), 0, held)
+        held = np.where(np.isin(rows.numpy(), released.numpy()), 0, held)
     if fb.forward_mode is ForwardMode.EXTEND:
         _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
     else:
@@ -294,7 +298,7 @@ def _check_extend(
     rows: torch.Tensor,
     seq_lens: torch.Tensor,
     out_loc: torch.Tensor,
-    held: torch.Tensor,
+    held: np.ndarray,
 ) -> None:
     bs = fb.batch_size
     if fb.extend_prefix_lens is None or fb.extend_seq_lens is None:
@@ -335,9 +339,9 @@ def _check_extend(
                 f"slot {int(out_loc[i])} is also in prefix_cache_loc; new tokens need fresh slots",
             )
     else:
-        missing = prefix > held
-        if bool(missing.any()):
-            i = _first(missing)
+        missing = np.flatnonzero(prefix.numpy() > held)
+        if missing.size:
+            i = int(missing[0])
             raise BatchValidationError(
                 f"extend_prefix_lens[{i}]",
                 f"row {int(rows[i])} holds {int(held[i])} tokens but the prefix is {int(prefix[i])}; "
@@ -366,7 +370,7 @@ def _check_positions(fb: ForwardBatch, num_tokens: int) -> None:
 
 
 def _check_decode(
-    fb: ForwardBatch, num_tokens: int, seq_lens: torch.Tensor, held: torch.Tensor, bs: int
+    fb: ForwardBatch, num_tokens: int, seq_lens: torch.Tensor, held: np.ndarray, bs: int
 ) -> None:
     if num_tokens != bs:
         raise BatchValidationError(
@@ -375,9 +379,9 @@ def _check_decode(
     for name in ("extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc"):
         if getattr(fb, name) is not None:
             raise BatchValidationError(name, "must be empty for DECODE")
-    missing = seq_lens - 1 > held
-    if bool(missing.any()):
-        i = _first(missing)
+    missing = np.flatnonzero(seq_lens.numpy().astype(np.int64) - 1 > held)
+    if missing.size:
+        i = int(missing[0])
         raise BatchValidationError(
             f"seq_lens[{i}]",
             f"DECODE to length {int(seq_lens[i])} needs {int(seq_lens[i]) - 1} cached tokens, "
