@@ -271,9 +271,11 @@ def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> Non
         if limits.future_slots == 0:
             _check_range(ids, "input_ids", 0, limits.vocab_size - 1)
         elif ids.numel():
-            bad = (ids < -limits.future_slots) | (ids > limits.vocab_size - 1)
-            if bool(bad.any()):
-                i = _first(bad)
+            a = ids.numpy()
+            if int(a.min()) < -limits.future_slots or int(a.max()) > limits.vocab_size - 1:
+                wide = a.astype(np.int64)
+                bad = (wide < -limits.future_slots) | (wide > limits.vocab_size - 1)
+                i = int(np.flatnonzero(bad)[0])
                 raise BatchValidationError(
                     f"input_ids[{i}]",
                     f"must be a token id in 0..{limits.vocab_size - 1} or a future-token "
