@@ -80,11 +80,16 @@ def _first(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
-def _check_range(t: torch.Tensor, field: str, lo: int, hi: int) -> None:
+def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a host tensor (the array itself when given one, to view it once)."""
+    return t if isinstance(t, np.ndarray) else t.numpy()
+
+
+def _check_range(t: torch.Tensor | np.ndarray, field: str, lo: int, hi: int) -> None:
     """Every entry in [lo, hi]. Checked on a numpy view: the tensors are small host ones."""
-    if t.numel() == 0:
+    a = _host(t)
+    if a.size == 0:
         return
-    a = t.numpy()
     if int(a.min()) >= lo and int(a.max()) <= hi:
         return
     wide = a.astype(np.int64)
@@ -92,10 +97,11 @@ def _check_range(t: torch.Tensor, field: str, lo: int, hi: int) -> None:
     raise BatchValidationError(f"{field}[{i}]", f"must be in {lo}..{hi}, got {int(a[i])}")
 
 
-def _check_unique(t: torch.Tensor, field: str, what: str) -> None:
-    if t.numel() < 2:
+def _check_unique(t: torch.Tensor | np.ndarray, field: str, what: str) -> None:
+    a = _host(t)
+    if a.size < 2:
         return
-    ordered = np.sort(t.numpy())
+    ordered = np.sort(a)
     if not bool((ordered[1:] == ordered[:-1]).any()):
         return
     values, counts = np.unique(ordered, return_counts=True)
@@ -166,10 +172,11 @@ def validate_batch(
 
     _check_inputs(fb, limits, num_tokens)
     _check_future(fb, limits, bs, released_future, future_assigned)
-    _check_range(rows, "req_pool_indices", 1, limits.max_reqs)
-    _check_unique(rows, "req_pool_indices", "rows")
-    _check_range(out_loc, "out_cache_loc", 1, limits.kv_slots)
-    _check_unique(out_loc, "out_cache_loc", "slots")
+    host_rows, host_out_loc = rows.numpy(), out_loc.numpy()
+    _check_range(host_rows, "req_pool_indices", 1, limits.max_reqs)
+    _check_unique(host_rows, "req_pool_indices", "rows")
+    _check_range(host_out_loc, "out_cache_loc", 1, limits.kv_slots)
+    _check_unique(host_out_loc, "out_cache_loc", "slots")
     _check_range(seq_lens, "seq_lens", 1, limits.max_context_len)
     if fb.positions is not None:
         positions = _check_tensor(
@@ -177,9 +184,9 @@ def validate_batch(
         )
         _check_range(positions, "positions", 0, limits.max_context_len - 1)
 
-    held = resident_lens[rows.numpy()]
+    held = resident_lens[host_rows]
     if released is not None:  # released first: such a row holds nothing for this step
-        held = np.where(np.isin(rows.numpy(), released.numpy()), 0, held)
+        held = np.where(np.isin(host_rows, released.numpy()), 0, held)
     if fb.forward_mode is ForwardMode.EXTEND:
         _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
     else:
@@ -194,8 +201,9 @@ def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | Non
     released = _check_tensor(
         fb.released_req_pool_indices, "released_req_pool_indices", dtypes=_INT_DTYPES, ndim=1
     )
-    _check_range(released, "released_req_pool_indices", 1, limits.max_reqs)
-    _check_unique(released, "released_req_pool_indices", "released rows")
+    host_released = released.numpy()
+    _check_range(host_released, "released_req_pool_indices", 1, limits.max_reqs)
+    _check_unique(host_released, "released_req_pool_indices", "released rows")
     return released
 
 
@@ -213,8 +221,9 @@ def _check_future_slots(slots: torch.Tensor, field: str, limits: BatchLimits) ->
     """Unique future slots in 1..future_slots."""
     if slots.numel() and limits.future_slots == 0:
         raise BatchValidationError(field, "the executor takes no future tokens (future_slots = 0)")
-    _check_range(slots, field, 1, limits.future_slots)
-    _check_unique(slots, field, "future slots")
+    host_slots = slots.numpy()
+    _check_range(host_slots, field, 1, limits.future_slots)
+    _check_unique(host_slots, field, "future slots")
 
 
 def _check_future(
