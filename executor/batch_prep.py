@@ -93,7 +93,12 @@ def make_idle_batch() -> ForwardBatch:
 
 
 def _as_i64(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.int64)
+    return None if t is None else _int64(t)
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """`t.to(torch.int64)` (itself when already int64), without a dispatch when it is."""
+    return t if t.dtype is torch.int64 else t.to(torch.int64)
 
 
 def _future_refs(input_ids: torch.Tensor | None) -> int:
@@ -112,12 +117,12 @@ def complete_batch(
     consumer may read them. `seq_len_bound` / `extend_len_bound` (shape bounds, see
     `ForwardBatch`) are filled either way.
     """
-    seq_lens = fb.seq_lens.to(torch.int64)
+    seq_lens = _int64(fb.seq_lens)
     changes: dict[str, Any] = {
         "input_ids": _as_i64(fb.input_ids),
-        "req_pool_indices": fb.req_pool_indices.to(torch.int64),
+        "req_pool_indices": _int64(fb.req_pool_indices),
         "seq_lens": seq_lens,
-        "out_cache_loc": fb.out_cache_loc.to(torch.int64),
+        "out_cache_loc": _int64(fb.out_cache_loc),
         "positions": _as_i64(fb.positions),
         "prefix_cache_loc": _as_i64(fb.prefix_cache_loc),
         "released_req_pool_indices": _as_i64(fb.released_req_pool_indices),
@@ -127,15 +132,15 @@ def complete_batch(
         "sampling": fb.sampling if fb.sampling is not None else SamplingBatch.greedy(fb.batch_size),
         "seq_lens_cpu": seq_lens if needs_cpu_seq_lens else None,
         "seq_lens_sum": int(seq_lens.sum()) if needs_cpu_seq_lens else None,
-        "seq_len_bound": length_bound(int(seq_lens.max()), max_context_len)
+        "seq_len_bound": length_bound(int(seq_lens.numpy().max()), max_context_len)
         if fb.batch_size > 0
         else None,
         "extend_len_bound": None,
     }
     if fb.forward_mode is ForwardMode.EXTEND:
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
-        prefix = fb.extend_prefix_lens.to(torch.int64)
-        extend = fb.extend_seq_lens.to(torch.int64)
+        prefix = _int64(fb.extend_prefix_lens)
+        extend = _int64(fb.extend_seq_lens)
         start_loc = torch.cumsum(extend, 0) - extend
         changes.update(
             extend_prefix_lens=prefix,

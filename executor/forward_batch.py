@@ -86,7 +86,16 @@ class SamplingBatch:
 
     @classmethod
     def greedy(cls, bs: int) -> SamplingBatch:
-        return cls.from_params([SamplingParams()], bs)
+        """`SamplingParams()` for all `bs` requests, filled directly (fresh tensors each call:
+        a consumer may write into them)."""
+        return cls(
+            temperatures=torch.zeros(bs, dtype=torch.float32),
+            top_ps=torch.ones(bs, dtype=torch.float32),
+            top_ks=torch.zeros(bs, dtype=torch.int64),
+            min_ps=torch.zeros(bs, dtype=torch.float32),
+            seeds=torch.zeros(bs, dtype=torch.int64),
+            has_seed=torch.zeros(bs, dtype=torch.bool),
+        )
 
     def to(self, device: torch.device) -> SamplingBatch:
         return SamplingBatch(

@@ -71,7 +71,8 @@ class SlotOwners:
         """The slots the step drops; raises BatchValidationError when a new token's slot is
         still held after them, by a live row or by the request's own prefix. Changes nothing."""
         dropped = self._dropped(step)
-        np.subtract.at(self.refs, dropped, 1)
+        if dropped.size:
+            np.subtract.at(self.refs, dropped, 1)
         try:
             new_slots = step.values[step.n_shared :]
             busy = (self.refs[new_slots] > 0) & (new_slots != 0)
@@ -79,12 +80,14 @@ class SlotOwners:
                 i = int(np.flatnonzero(busy)[0])
                 raise self._refusal(step, i, int(new_slots[i]))
         finally:
-            np.add.at(self.refs, dropped, 1)
+            if dropped.size:
+                np.add.at(self.refs, dropped, 1)
         return dropped
 
     def apply(self, step: StepCells, dropped: np.ndarray) -> OwnerChange:
         """Drop, then add the step's cells (`dropped` from `check`, on this same state)."""
-        np.subtract.at(self.refs, dropped, 1)
+        if dropped.size:  # most DECODE steps drop nothing
+            np.subtract.at(self.refs, dropped, 1)
         old_values = self.table[step.rows, step.cols]
         self.table[step.rows, step.cols] = step.values
         np.add.at(self.refs, step.values, 1)

@@ -80,25 +80,35 @@ def _first(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
-def _check_range(t: torch.Tensor, field: str, lo: int, hi: int) -> None:
-    """Every entry in [lo, hi]."""
-    if t.numel() == 0:
-        return
-    bad = (t < lo) | (t > hi)
-    if bool(bad.any()):
-        i = _first(bad)
-        raise BatchValidationError(f"{field}[{i}]", f"must be in {lo}..{hi}, got {int(t[i])}")
+def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a host tensor (the array itself when given one, to view it once)."""
+    return t if isinstance(t, np.ndarray) else t.numpy()
 
 
-def _check_unique(t: torch.Tensor, field: str, what: str) -> None:
-    if t.numel() < 2:
+def _check_range(t: torch.Tensor | np.ndarray, field: str, lo: int, hi: int) -> None:
+    """Every entry in [lo, hi]. Checked on a numpy view: the tensors are small host ones."""
+    a = _host(t)
+    if a.size == 0:
         return
-    values, counts = torch.unique(t, return_counts=True)
-    if bool((counts > 1).any()):
-        dup = int(values[_first(counts > 1)])
-        raise BatchValidationError(
-            field, f"{what} must be unique within a batch; {dup} appears {int(counts.max())} times"
-        )
+    if int(a.min()) >= lo and int(a.max()) <= hi:
+        return
+    wide = a.astype(np.int64)
+    i = int(np.flatnonzero((wide < lo) | (wide > hi))[0])
+    raise BatchValidationError(f"{field}[{i}]", f"must be in {lo}..{hi}, got {int(a[i])}")
+
+
+def _check_unique(t: torch.Tensor | np.ndarray, field: str, what: str) -> None:
+    a = _host(t)
+    if a.size < 2:
+        return
+    ordered = np.sort(a)
+    if not bool((ordered[1:] == ordered[:-1]).any()):
+        return
+    values, counts = np.unique(ordered, return_counts=True)
+    dup = int(values[np.flatnonzero(counts > 1)[0]])
+    raise BatchValidationError(
+        field, f"{what} must be unique within a batch; {dup} appears {int(counts.max())} times"
+    )
 
 
 def validate_batch(
@@ -162,10 +172,11 @@ def validate_batch(
 
     _check_inputs(fb, limits, num_tokens)
     _check_future(fb, limits, bs, released_future, future_assigned)
-    _check_range(rows, "req_pool_indices", 1, limits.max_reqs)
-    _check_unique(rows, "req_pool_indices", "rows")
-    _check_range(out_loc, "out_cache_loc", 1, limits.kv_slots)
-    _check_unique(out_loc, "out_cache_loc", "slots")
+    host_rows, host_out_loc = rows.numpy(), out_loc.numpy()
+    _check_range(host_rows, "req_pool_indices", 1, limits.max_reqs)
+    _check_unique(host_rows, "req_pool_indices", "rows")
+    _check_range(host_out_loc, "out_cache_loc", 1, limits.kv_slots)
+    _check_unique(host_out_loc, "out_cache_loc", "slots")
     _check_range(seq_lens, "seq_lens", 1, limits.max_context_len)
     if fb.positions is not None:
         positions = _check_tensor(
@@ -173,9 +184,9 @@ def validate_batch(
         )
         _check_range(positions, "positions", 0, limits.max_context_len - 1)
 
-    held = torch.from_numpy(resident_lens[rows.long().numpy()])
+    held = resident_lens[host_rows]
     if released is not None:  # released first: such a row holds nothing for this step
-        held = torch.where(torch.isin(rows, released), 0, held)
+        held = np.where(np.isin(host_rows, released.numpy()), 0, held)
     if fb.forward_mode is ForwardMode.EXTEND:
         _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
     else:
@@ -190,8 +201,9 @@ def _check_released(fb: ForwardBatch, limits: BatchLimits) -> torch.Tensor | Non
     released = _check_tensor(
         fb.released_req_pool_indices, "released_req_pool_indices", dtypes=_INT_DTYPES, ndim=1
     )
-    _check_range(released, "released_req_pool_indices", 1, limits.max_reqs)
-    _check_unique(released, "released_req_pool_indices", "released rows")
+    host_released = released.numpy()
+    _check_range(host_released, "released_req_pool_indices", 1, limits.max_reqs)
+    _check_unique(host_released, "released_req_pool_indices", "released rows")
     return released
 
 
@@ -209,8 +221,9 @@ def _check_future_slots(slots: torch.Tensor, field: str, limits: BatchLimits) ->
     """Unique future slots in 1..future_slots."""
     if slots.numel() and limits.future_slots == 0:
         raise BatchValidationError(field, "the executor takes no future tokens (future_slots = 0)")
-    _check_range(slots, field, 1, limits.future_slots)
-    _check_unique(slots, field, "future slots")
+    host_slots = slots.numpy()
+    _check_range(host_slots, field, 1, limits.future_slots)
+    _check_unique(host_slots, field, "future slots")
 
 
 def _check_future(
@@ -267,9 +280,11 @@ def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> Non
         if limits.future_slots == 0:
             _check_range(ids, "input_ids", 0, limits.vocab_size - 1)
         elif ids.numel():
-            bad = (ids < -limits.future_slots) | (ids > limits.vocab_size - 1)
-            if bool(bad.any()):
-                i = _first(bad)
+            a = ids.numpy()
+            if int(a.min()) < -limits.future_slots or int(a.max()) > limits.vocab_size - 1:
+                wide = a.astype(np.int64)
+                bad = (wide < -limits.future_slots) | (wide > limits.vocab_size - 1)
+                i = int(np.flatnonzero(bad)[0])
                 raise BatchValidationError(
                     f"input_ids[{i}]",
                     f"must be a token id in 0..{limits.vocab_size - 1} or a future-token "
@@ -294,7 +309,7 @@ def _check_extend(
     rows: torch.Tensor,
     seq_lens: torch.Tensor,
     out_loc: torch.Tensor,
-    held: torch.Tensor,
+    held: np.ndarray,
 ) -> None:
     bs = fb.batch_size
     if fb.extend_prefix_lens is None or fb.extend_seq_lens is None:
@@ -335,9 +350,9 @@ def _check_extend(
                 f"slot {int(out_loc[i])} is also in prefix_cache_loc; new tokens need fresh slots",
             )
     else:
-        missing = prefix > held
-        if bool(missing.any()):
-            i = _first(missing)
+        missing = np.flatnonzero(prefix.numpy() > held)
+        if missing.size:
+            i = int(missing[0])
             raise BatchValidationError(
                 f"extend_prefix_lens[{i}]",
                 f"row {int(rows[i])} holds {int(held[i])} tokens but the prefix is {int(prefix[i])}; "
@@ -366,7 +381,7 @@ def _check_positions(fb: ForwardBatch, num_tokens: int) -> None:
 
 
 def _check_decode(
-    fb: ForwardBatch, num_tokens: int, seq_lens: torch.Tensor, held: torch.Tensor, bs: int
+    fb: ForwardBatch, num_tokens: int, seq_lens: torch.Tensor, held: np.ndarray, bs: int
 ) -> None:
     if num_tokens != bs:
         raise BatchValidationError(
@@ -375,9 +390,9 @@ def _check_decode(
     for name in ("extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc"):
         if getattr(fb, name) is not None:
             raise BatchValidationError(name, "must be empty for DECODE")
-    missing = seq_lens - 1 > held
-    if bool(missing.any()):
-        i = _first(missing)
+    missing = np.flatnonzero(seq_lens.numpy().astype(np.int64) - 1 > held)
+    if missing.size:
+        i = int(missing[0])
         raise BatchValidationError(
             f"seq_lens[{i}]",
             f"DECODE to length {int(seq_lens[i])} needs {int(seq_lens[i]) - 1} cached tokens, "

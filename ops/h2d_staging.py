@@ -59,7 +59,7 @@ class _Layout:
     """Where each field of one signature lives in a pair's buffers, as ready-made views."""
 
     total: int  # bytes used
-    host: tuple[torch.Tensor, ...]  # flat host views to pack into, one per field
+    host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
     device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
 
 
@@ -84,7 +84,7 @@ class _Pair:
         off = 0
         for name, shape, dtype in signature:
             nbytes = math.prod(shape) * dtype.itemsize
-            host.append(self.host[off : off + nbytes].view(dtype))
+            host.append(self.host[off : off + nbytes].view(dtype).view(shape))
             device[name] = self.device[off : off + nbytes].view(dtype).view(shape)
             off += _aligned(nbytes)
         if len(self.layouts) >= LAYOUTS_PER_PAIR:
@@ -118,7 +118,7 @@ class H2DStaging:
         layout = pair.layout(signature)
         for f, dst in zip(fields, layout.host, strict=True):
             if dst.numel():
-                dst.copy_(f.tensor.reshape(-1))
+                dst.copy_(f.tensor)
         to_device(pair.host[: layout.total], pair.device[: layout.total], REASON, non_blocking=True)
         if self.device.type == "cuda":
             pair.event = torch.cuda.Event()

@@ -67,9 +67,11 @@ class SamplingPlan:
         has_seed: torch.Tensor | None = None,
     ) -> SamplingPlan:
         sampled = temperatures >= GREEDY_BELOW_TEMPERATURE
+        if not bool(sampled.any()):  # every row greedy: no truncation or seed to look at
+            return _ALL_GREEDY
         ks = top_ks[sampled]
         return cls(
-            all_greedy=not bool(sampled.any()),
+            all_greedy=False,
             any_top_k=bool((ks > 0).any()),
             all_top_k=bool(ks.numel() > 0 and (ks > 0).all()),
             max_top_k=int(ks.max()) if ks.numel() else 0,
@@ -77,6 +79,17 @@ class SamplingPlan:
             any_min_p=bool((min_ps[sampled] > 0).any()),
             any_seeded=has_seed is not None and bool(has_seed[sampled].any()),
         )
+
+
+_ALL_GREEDY = SamplingPlan(
+    all_greedy=True,
+    any_top_k=False,
+    all_top_k=False,
+    max_top_k=0,
+    any_top_p=False,
+    any_min_p=False,
+    any_seeded=False,
+)
 
 
 def sample_tokens(

@@ -22,6 +22,10 @@ from executor.step.outputs import ExecutorInfo, ForwardOutput, StepStats
 from executor.validation import BatchLimits, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
 
+# bytes are immutable; torch.frombuffer warns that its tensor could write into them. The
+# decoded tensors never do. One filter for that message only, not a catch_warnings per field.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 _TO_TORCH = {
     pb.INT32: torch.int32,
     pb.INT64: torch.int64,
@@ -92,10 +96,7 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
         wire = np.frombuffer(msg.data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
         native = torch.from_numpy(wire.astype(wire.dtype.newbyteorder("="))).view(shape)
         return native.view(torch.bfloat16) if dtype == torch.bfloat16 else native
-    with warnings.catch_warnings():
-        # bytes are immutable; torch warns that the tensor could write into them. It never does.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
 
 
 def _optional(batch: pb.ForwardBatch, name: str) -> torch.Tensor | None:
