@@ -98,6 +98,11 @@ class CertificateFiles:
                 if stamps == self._stamps:
                     return None
                 config = self._load()
+                if self._current_stamps() != stamps:
+                    # A rotation still in progress (the key and the certificate are replaced
+                    # one after the other): keep serving the previous pair and load the
+                    # settled files at a later handshake, so one rotation is one reload.
+                    return None
             except (OSError, ValueError) as exc:
                 log.warning(
                     "tls files unreadable; keeping the previous certificate", error=str(exc)
