@@ -54,14 +54,19 @@ def cpu_piecewise_buckets(max_tokens: int) -> list[int]:
     return _powers_of_two(16, max_tokens)
 
 
-def _powers_of_two(first: int, last: int) -> list[int]:
-    if last < 1:
-        raise ValueError(f"the largest bucket must be >= 1, got {last}")
+def _ladder(first: int, last: int, factor: int) -> list[int]:
+    """first, first * factor, ... below `last`, then `last`."""
     sizes, size = [], first
     while size < last:
         sizes.append(size)
-        size *= 2
-    return normalize_buckets([*sizes, last])
+        size *= factor
+    return [*sizes, last]
+
+
+def _powers_of_two(first: int, last: int) -> list[int]:
+    if last < 1:
+        raise ValueError(f"the largest bucket must be >= 1, got {last}")
+    return normalize_buckets(_ladder(first, last, 2))
 
 
 # KV-length buckets of captured DECODE graphs: powers of 4 from here up to max_context_len.
@@ -74,11 +79,7 @@ def kv_buckets(max_context_len: int) -> list[int]:
     from `SMALLEST_KV_BUCKET`, with max_context_len itself included."""
     if max_context_len < 1:
         raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
-    sizes, size = [], SMALLEST_KV_BUCKET
-    while size < max_context_len:
-        sizes.append(size)
-        size *= 4
-    return [*sizes, max_context_len]
+    return _ladder(SMALLEST_KV_BUCKET, max_context_len, 4)
 
 
 def kv_bucket(seq_len_bound: int | None, max_context_len: int) -> int:
