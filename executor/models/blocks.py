@@ -74,6 +74,22 @@ GGUF_DENSE_NAMES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class LayerBuild:
+    """What every layer of a model is built from: the config, this rank's part of it, the
+    group that sums the partial outputs, and where the weights live."""
+
+    config: ModelConfig
+    plan: ShardPlan
+    comm: TpComm
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def dd(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
 class LayerFns:
     """The functions a decoder layer runs around attention: plain, or compiled.
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.models.blocks import DecoderLayer, LayerFns
+from executor.models.blocks import DecoderLayer, LayerBuild, LayerFns
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
 from executor.parallel.comm import TpComm
@@ -69,9 +69,9 @@ class DecoderModel(nn.Module, ABC):
     # llama.cpp's converter stored every `*norm.weight` plus this (Gemma: 1); the loader
     # subtracts it.
     GGUF_NORM_SHIFT: ClassVar[float] = 0.0
-    # A family's hooks around the shared body (None: not used).
-    embedding_scale: float | None = None  # multiplies the embeddings (Gemma: sqrt(hidden))
-    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # A family's hooks around the shared body.
+    NORM_CLASS: ClassVar[type[RMSNorm]] = RMSNorm  # the final norm's
+    SCALE_EMBEDDINGS: ClassVar[bool] = False  # embeddings times sqrt(hidden_size) (Gemma)
 
     def __init__(
         self,
@@ -99,11 +99,9 @@ class DecoderModel(nn.Module, ABC):
         vocab_rows = self.plan.vocab_per_rank
         # A loader may install a quantized embedding (any module with Embedding's interface).
         self.embed_tokens: nn.Module = Embedding(vocab_rows, config.hidden_size, **dd)
-        self.layers = nn.ModuleList(
-            self.make_layer(config, i, plan=self.plan, comm=self.comm, **dd)
-            for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
+        build = LayerBuild(config, self.plan, self.comm, device, dtype)
+        self.layers = nn.ModuleList(self.make_layer(i, build) for i in range(config.num_layers))
+        self.norm = self.NORM_CLASS(config.hidden_size, config.rms_norm_eps, **dd)
         # None when tied to the embedding; a loader may install a quantized or packed head
         # (any module with Linear's interface; a packed one also when tied).
         self.lm_head: nn.Module | None = (
@@ -121,17 +119,8 @@ class DecoderModel(nn.Module, ABC):
         `ModelConfig` asks when it is built, so a model is refused at start-up."""
 
     @abstractmethod
-    def make_layer(
-        self,
-        config: ModelConfig,
-        layer_id: int,
-        *,
-        plan: ShardPlan,
-        comm: TpComm,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> DecoderLayer:
-        """Layer `layer_id` of this family, holding this rank's part (`plan`)."""
+    def make_layer(self, layer_id: int, build: LayerBuild) -> DecoderLayer:
+        """Layer `layer_id` of this family, holding this rank's part (`build.plan`)."""
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -158,8 +147,9 @@ class DecoderModel(nn.Module, ABC):
         else:
             assert input_ids is not None
             hidden = self._embed_ids(input_ids)
-        if self.embedding_scale is not None:
-            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        if self.SCALE_EMBEDDINGS:
+            scale = self.config.hidden_size**0.5
+            hidden = hidden * torch.tensor(scale, dtype=hidden.dtype)
         return hidden
 
     def _embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -258,7 +248,8 @@ class DecoderModel(nn.Module, ABC):
         if self.comm.enabled:
             # Vocab-parallel head: every rank's columns, in rank order, minus the padding.
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
+        attention = self.config.attention
+        if attention is not None and attention.final_logit_softcapping is not None:
+            cap = attention.final_logit_softcapping
             logits = cap * torch.tanh(logits / cap)
         return logits

@@ -27,13 +27,13 @@ from executor.models.blocks import (
     GGUF_DENSE_NAMES,
     DecoderLayer,
     GatedMLP,
+    LayerBuild,
     RotaryAttention,
 )
 from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.layers import RMSNorm
 from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan
 
 GEMMA2_GGUF_NAMES = {
     **{k: v for k, v in GGUF_DENSE_NAMES.items() if k != "ffn_norm.weight"},
@@ -103,43 +103,13 @@ class Gemma2ForCausalLM(DecoderModel):
     TP_SPLITS = DENSE_SPLITS  # the four norms span the hidden size: replicated
     GGUF_NAMES = GEMMA2_GGUF_NAMES
     GGUF_NORM_SHIFT = 1.0
+    NORM_CLASS = GemmaRMSNorm
+    SCALE_EMBEDDINGS = True
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        max_positions: int,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        plan: ShardPlan | None = None,
-        comm: TpComm | None = None,
-    ) -> None:
-        super().__init__(config, max_positions, device=device, dtype=dtype, plan=plan, comm=comm)
-        self.norm = GemmaRMSNorm(
-            config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype
-        )
-        self.embedding_scale = config.hidden_size**0.5
-        if config.attention is not None:
-            self.final_logit_softcapping = config.attention.final_logit_softcapping
-
-    def make_layer(
-        self,
-        config: ModelConfig,
-        layer_id: int,
-        *,
-        plan: ShardPlan,
-        comm: TpComm,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> DecoderLayer:
-        attn = RotaryAttention(config, plan, qk_norm=False, device=device, dtype=dtype)
+    def make_layer(self, layer_id: int, build: LayerBuild) -> DecoderLayer:
+        c, p = build.config, build.plan
+        attn = RotaryAttention(c, p, qk_norm=False, **build.dd)
         mlp = GatedMLP(
-            config.hidden_size,
-            plan.intermediate_size,
-            device=device,
-            dtype=dtype,
-            act_and_mul=gelu_tanh_and_mul,
+            c.hidden_size, p.intermediate_size, act_and_mul=gelu_tanh_and_mul, **build.dd
         )
-        return Gemma2DecoderLayer(
-            config, layer_id, attn, mlp, comm=comm, device=device, dtype=dtype
-        )
+        return Gemma2DecoderLayer(c, layer_id, attn, mlp, comm=build.comm, **build.dd)

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
 from executor.models.blocks import (
     DENSE_LINEARS,
     DENSE_SPLITS,
     GGUF_DENSE_NAMES,
     DecoderLayer,
     GatedMLP,
+    LayerBuild,
     RotaryAttention,
 )
-from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
-from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan
 
 
 class LlamaForCausalLM(DecoderModel):
@@ -32,19 +28,11 @@ class LlamaForCausalLM(DecoderModel):
     GGUF_NAMES = GGUF_DENSE_NAMES
     GGUF_PERMUTED_QK = True
 
-    def make_layer(
-        self,
-        config: ModelConfig,
-        layer_id: int,
-        *,
-        plan: ShardPlan,
-        comm: TpComm,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> DecoderLayer:
-        attn = RotaryAttention(config, plan, qk_norm=False, device=device, dtype=dtype)
-        mlp = GatedMLP(config.hidden_size, plan.intermediate_size, device=device, dtype=dtype)
-        return DecoderLayer(config, layer_id, attn, mlp, comm=comm, device=device, dtype=dtype)
+    def make_layer(self, layer_id: int, build: LayerBuild) -> DecoderLayer:
+        c, p = build.config, build.plan
+        attn = RotaryAttention(c, p, qk_norm=False, **build.dd)
+        mlp = GatedMLP(c.hidden_size, p.intermediate_size, **build.dd)
+        return DecoderLayer(c, layer_id, attn, mlp, comm=build.comm, **build.dd)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from executor.models.blocks import (
@@ -13,14 +12,13 @@ from executor.models.blocks import (
     DENSE_SPLITS,
     DecoderLayer,
     GatedMLP,
+    LayerBuild,
     RotaryAttention,
 )
 from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.moe import SparseMoeBlock
 from executor.models.qwen3 import QWEN3_GGUF_NAMES
-from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan
 
 QWEN3_MOE_SPLITS = {
     **DENSE_SPLITS,
@@ -51,27 +49,13 @@ class Qwen3MoeForCausalLM(DecoderModel):
         if config.attention_bias:
             raise ValueError(f"{cls.model_type}: attention_bias=true is not supported")
 
-    def make_layer(
-        self,
-        config: ModelConfig,
-        layer_id: int,
-        *,
-        plan: ShardPlan,
-        comm: TpComm,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> DecoderLayer:
-        assert config.moe is not None  # check_config
-        attn = RotaryAttention(config, plan, qk_norm=True, device=device, dtype=dtype)
+    def make_layer(self, layer_id: int, build: LayerBuild) -> DecoderLayer:
+        c, p = build.config, build.plan
+        assert c.moe is not None  # check_config
+        attn = RotaryAttention(c, p, qk_norm=True, **build.dd)
         mlp: nn.Module
-        if config.moe.is_sparse(layer_id):
-            mlp = SparseMoeBlock(
-                config.moe,
-                config.hidden_size,
-                plan.expert_intermediate_size,
-                device=device,
-                dtype=dtype,
-            )
+        if c.moe.is_sparse(layer_id):
+            mlp = SparseMoeBlock(c.moe, c.hidden_size, p.expert_intermediate_size, **build.dd)
         else:
-            mlp = GatedMLP(config.hidden_size, plan.intermediate_size, device=device, dtype=dtype)
-        return DecoderLayer(config, layer_id, attn, mlp, comm=comm, device=device, dtype=dtype)
+            mlp = GatedMLP(c.hidden_size, p.intermediate_size, **build.dd)
+        return DecoderLayer(c, layer_id, attn, mlp, comm=build.comm, **build.dd)
