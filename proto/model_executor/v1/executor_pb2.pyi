@@ -82,7 +82,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots")
+    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred")
     FORWARD_MODE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,10 @@ class ForwardBatch(_message.Message):
     RELEASED_REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
     FUTURE_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FUTURE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROW_CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_MASK_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_MASK_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     forward_mode: ForwardMode
     input_ids: Tensor
     req_pool_indices: Tensor
@@ -115,19 +119,79 @@ class ForwardBatch(_message.Message):
     released_req_pool_indices: Tensor
     future_token_slots: Tensor
     released_future_slots: Tensor
-    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    row_controls: _containers.RepeatedCompositeFieldContainer[RowControls]
+    vocab_mask: Tensor
+    vocab_mask_rows: Tensor
+    vocab_mask_deferred: bool
+    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ...) -> None: ...
+
+class SamplingControls(_message.Message):
+    __slots__ = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids", "banned_token_ids", "allowed_token_ids", "prompt_len")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_len: int
+    def __init__(self, repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+
+class RowControls(_message.Message):
+    __slots__ = ("req_pool_index", "controls")
+    REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    req_pool_index: int
+    controls: SamplingControls
+    def __init__(self, req_pool_index: _Optional[int] = ..., controls: _Optional[_Union[SamplingControls, _Mapping]] = ...) -> None: ...
+
+class DeferredMask(_message.Message):
+    __slots__ = ("batch_id", "vocab_mask", "vocab_mask_rows")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_MASK_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    vocab_mask: Tensor
+    vocab_mask_rows: Tensor
+    def __init__(self, batch_id: _Optional[int] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("batch_id", "batch")
+    __slots__ = ("batch_id", "batch", "deferred_mask")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_MASK_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     batch: ForwardBatch
-    def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ...) -> None: ...
+    deferred_mask: DeferredMask
+    def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ..., deferred_mask: _Optional[_Union[DeferredMask, _Mapping]] = ...) -> None: ...
 
 class ForwardStats(_message.Message):
-    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies")
+    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows")
     class TimingsNsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ControlRowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +212,7 @@ class ForwardStats(_message.Message):
     D2H_SYNCS_FIELD_NUMBER: _ClassVar[int]
     H2D_SYNCS_FIELD_NUMBER: _ClassVar[int]
     H2D_COPIES_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ROWS_FIELD_NUMBER: _ClassVar[int]
     path: str
     batch_size: int
     padded_batch_size: int
@@ -162,7 +227,8 @@ class ForwardStats(_message.Message):
     d2h_syncs: int
     h2d_syncs: int
     h2d_copies: int
-    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ...) -> None: ...
+    control_rows: _containers.ScalarMap[str, int]
+    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats")
@@ -185,7 +251,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +276,11 @@ class GetInfoResponse(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRAPH_CAPTURE_DISABLED_FIELD_NUMBER: _ClassVar[int]
     LINEAR_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_MASK_WORDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTROL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_MASK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -234,7 +305,12 @@ class GetInfoResponse(_message.Message):
     weight_bytes: int
     graph_capture_disabled: str
     linear_kernel: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ...) -> None: ...
+    sampling_controls: _containers.RepeatedScalarFieldContainer[str]
+    vocab_mask_words: int
+    max_logit_bias: int
+    max_control_token_ids: int
+    deferred_mask_timeout_ms: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
     __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective", "graph_capture")
