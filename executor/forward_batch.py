@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from executor.controls.types import DeferredMask, RowControl, VocabMask
 from executor.errors import BatchValidationError
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
@@ -159,6 +160,11 @@ class ForwardBatch:
     released_future_slots: torch.Tensor | None = None  # [n]
     future_refs: int = 0  # derived (complete_batch): how many input ids are references
     sampling: SamplingBatch | None = None  # None: greedy for every request
+    # Sampling controls (executor.controls), host only: per-row controls this batch sets
+    # (they last for the request), this step's vocab mask, or a mask that follows the batch.
+    row_controls: tuple[RowControl, ...] = ()
+    vocab_mask: VocabMask | None = None
+    deferred_mask: DeferredMask | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # Set by the graph runners' registries: [1] int32, the real token count of a padded batch

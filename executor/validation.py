@@ -38,6 +38,8 @@ class BatchLimits:
     max_tokens_per_batch: int
     max_top_logprobs: int = 20  # most top_logprobs_num a batch may ask for
     future_slots: int = 0  # valid future-token slots 1..future_slots (0: no references)
+    max_logit_bias: int = 300  # most logit_bias entries per request (OpenAI's cap)
+    max_control_token_ids: int = 4096  # most entries of each sampling-control id list
 
 
 def check_request_count(field: str, n: int, limits: BatchLimits) -> None:

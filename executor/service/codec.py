@@ -15,8 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from executor.controls.types import mask_words
 from executor.errors import BatchValidationError, RuntimeConfigError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.service.controls_codec import (
+    add_controls_to_proto,
+    check_control_claims,
+    controls_fields,
+)
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from executor.step.outputs import ExecutorInfo, ForwardOutput, StepStats
 from executor.validation import BatchLimits, check_request_count, check_token_count
@@ -143,9 +149,12 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
     for name in ("input_ids", "out_cache_loc", "positions"):
         if msg.HasField(name):
             check_token_count(name, _element_count(getattr(msg, name)), limits)
+    check_control_claims(msg, limits)
 
 
-def batch_from_proto(msg: pb.ForwardBatch, limits: BatchLimits | None = None) -> ForwardBatch:
+def batch_from_proto(
+    msg: pb.ForwardBatch, limits: BatchLimits | None = None, *, batch_id: int = 0
+) -> ForwardBatch:
     """Decode a wire batch into a host ForwardBatch (validation happens on the device thread).
 
     The codec refuses only what it must before it allocates: an unknown mode, a tensor whose
@@ -188,6 +197,7 @@ def batch_from_proto(msg: pb.ForwardBatch, limits: BatchLimits | None = None) ->
         sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
+        **controls_fields(msg, batch_id, tensor_from_proto),
     )
 
 
@@ -219,6 +229,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
             )
             if has_seed:
                 p.seed = seed % (1 << 64)
+    add_controls_to_proto(fb, msg, tensor_to_proto)
     return msg
 
 
@@ -242,6 +253,7 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             d2h_syncs=st.d2h_syncs,
             h2d_syncs=st.h2d_syncs,
             h2d_copies=st.h2d_copies,
+            control_rows=st.control_rows,
         ),
     )
     if out.next_token_logprobs is not None:
@@ -274,6 +286,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             d2h_syncs=st.d2h_syncs,
             h2d_syncs=st.h2d_syncs,
             h2d_copies=st.h2d_copies,
+            control_rows=dict(st.control_rows),
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),
@@ -308,6 +321,11 @@ def info_to_proto(
         linear_kernel=info.linear_kernel,
         weight_bytes=info.weight_bytes,
         graph_capture_disabled=info.graph_capture_disabled,
+        sampling_controls=list(info.sampling_controls),
+        vocab_mask_words=mask_words(info.vocab_size),
+        max_logit_bias=lim.max_logit_bias,
+        max_control_token_ids=lim.max_control_token_ids,
+        deferred_mask_timeout_ms=info.deferred_mask_timeout_ms,
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
@@ -327,6 +345,8 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         max_tokens_per_batch=msg.max_tokens_per_batch,
         max_top_logprobs=msg.max_top_logprobs,
         future_slots=msg.future_slots,
+        max_logit_bias=msg.max_logit_bias,
+        max_control_token_ids=msg.max_control_token_ids,
     )
     info = ExecutorInfo(
         model_name=msg.model_name,
@@ -345,6 +365,8 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         weight_bytes=msg.weight_bytes,
         graph_capture_disabled=msg.graph_capture_disabled,
         tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
+        sampling_controls=tuple(msg.sampling_controls),
+        deferred_mask_timeout_ms=msg.deferred_mask_timeout_ms,
     )
     return info, msg.model_spec
 

@@ -200,7 +200,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             raise request.error
         worker = self._accepting()
         with span.child("decode"):
-            batch = batch_from_proto(request.batch, worker.executor.limits)
+            batch = batch_from_proto(
+                request.batch, worker.executor.limits, batch_id=request.batch_id
+            )
         remaining = context.time_remaining()
         return worker.submit(
             batch,

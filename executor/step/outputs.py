@@ -43,6 +43,9 @@ class StepStats:
     # trace spans are drawn from these afterwards. Not sent over the wire.
     started_ns: dict[str, int] = field(default_factory=dict)
     allreduce_ns: int = 0  # tensor parallel: time in the step's all-reduces (rank 0's clock)
+    # Rows each sampling control touched: penalties, logit_bias, min_tokens, token_ids,
+    # vocab_mask (absent: none).
+    control_rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,3 +87,5 @@ class ExecutorInfo:
     # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
     graph_capture_disabled: str = ""
     tp_size: int = 1  # tensor-parallel ranks
+    sampling_controls: tuple[str, ...] = ()  # the controls applied (proto field names)
+    deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask

@@ -1,0 +1,112 @@
+"""The host-side shapes of the sampling controls: what a batch carries, before any device work.
+
+`SamplingControls` is one request's controls (the proto's `SamplingControls`, same names and
+rules); `RowControl` sets them on a row of the batch; `VocabMask` is one step's grammar mask;
+`DeferredMask` is a mask that follows its batch on a stream, which sampling waits for.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.errors import BatchValidationError
+
+MASK_BITS = 32  # tokens per vocab-mask word
+
+
+def mask_words(vocab_size: int) -> int:
+    """Words per vocab-mask row."""
+    return (vocab_size + MASK_BITS - 1) // MASK_BITS
+
+
+@dataclass(frozen=True)
+class SamplingControls:
+    """One request's controls; defaults are neutral. The rules are the proto's."""
+
+    repetition_penalty: float = 1.0  # 0 on the wire reads as 1 (off)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    banned_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    prompt_len: int = 0  # 0: the row's seq_len after the batch that sets the controls
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def uses_token_mask(self) -> bool:
+        return bool(self.banned_token_ids or self.allowed_token_ids)
+
+    @property
+    def neutral(self) -> bool:
+        return not (
+            self.uses_penalties or self.logit_bias or self.min_tokens > 0 or self.uses_token_mask
+        )
+
+
+@dataclass(frozen=True)
+class RowControl:
+    """Set (replace) the controls of `row`, a row of the batch that carries it."""
+
+    row: int
+    controls: SamplingControls
+
+
+@dataclass(frozen=True)
+class VocabMask:
+    """One step's vocabulary bitmask: `words` [m, mask_words] int32 (bit j of word w allows
+    token 32*w + j); `rows` [m] positions in the batch, or None for every request in order."""
+
+    words: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+class DeferredMaskTimeout(Exception):
+    """The deferred mask did not come in time: the step fails, nothing is applied."""
+
+
+@dataclass
+class DeferredMask:
+    """A batch's vocab mask that arrives after the batch (ForwardStream): the stream reader
+    calls :meth:`fulfill`, sampling calls :meth:`wait`. Thread-safe; the first fulfil wins."""
+
+    batch_id: int
+    _ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    _mask: VocabMask | None = field(default=None, repr=False)
+
+    def fulfill(self, mask: VocabMask) -> bool:
+        """Hand over the mask; False if one was already given (this one is dropped)."""
+        if self._ready.is_set():
+            return False
+        self._mask = mask
+        self._ready.set()
+        return True
+
+    def wait(self, timeout_s: float) -> VocabMask:
+        if not self._ready.wait(timeout_s):
+            raise DeferredMaskTimeout(
+                f"vocab_mask_deferred: no deferred_mask for batch_id {self.batch_id} within "
+                f"{timeout_s * 1000:.0f} ms"
+            )
+        assert self._mask is not None
+        return self._mask
+
+
+def check_id_list(field_name: str, ids: tuple[int, ...], vocab_size: int, cap: int) -> None:
+    """Refuse a token-id list longer than `cap` or holding an id outside the vocabulary."""
+    if len(ids) > cap:
+        raise BatchValidationError(field_name, f"has {len(ids)} entries; must be <= {cap}")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise BatchValidationError(field_name, f"token id {t} is not in 0..{vocab_size - 1}")
