@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor.client.allocator import FutureSlotAllocator
+from executor.controls.types import VocabMask
 from executor.forward_batch import ForwardBatch
 from executor.service.codec import (
     batch_to_proto,
@@ -35,6 +37,7 @@ from executor.service.codec import (
     response_from_proto,
     runtime_config_from_proto,
     runtime_update_to_proto,
+    tensor_to_proto,
 )
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from executor.step.outputs import ExecutorInfo, ForwardOutput
@@ -216,7 +219,12 @@ class ExecutorClient:
 
 
 class ForwardSession:
-    """One ForwardStream driven step by step: send batch N+1 before receiving result N."""
+    """One ForwardStream driven step by step: send batch N+1 before receiving result N.
+
+    A batch sent with `deferred_mask` set (any `DeferredMask`: on the wire it is the flag
+    `vocab_mask_deferred`) waits on the executor, at sampling, for `send_mask` with its
+    batch_id: compute the grammar mask while the forward runs. Send the mask before more
+    than the server's stream window of later batches, or it sits behind them."""
 
     _END = object()
 
@@ -237,6 +245,16 @@ class ForwardSession:
         bid = batch_id or self._client._next_id()
         self._outbox.put(pb.ForwardRequest(batch_id=bid, batch=batch_to_proto(batch)))
         return bid
+
+    def send_mask(self, batch_id: int, mask: VocabMask) -> None:
+        """The vocab mask of `batch_id`, sent earlier on this stream with a deferred mask.
+        It gets no answer of its own; a mask for a batch that does not wait is ignored."""
+        msg = pb.DeferredMask(
+            batch_id=batch_id, vocab_mask=tensor_to_proto(mask.words.to(torch.int32))
+        )
+        if mask.rows is not None:
+            msg.vocab_mask_rows.CopyFrom(tensor_to_proto(mask.rows))
+        self._outbox.put(pb.ForwardRequest(deferred_mask=msg))
 
     def recv(self) -> ForwardOutput:
         return response_from_proto(next(self._responses))
