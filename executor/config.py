@@ -113,6 +113,11 @@ class ExecutorConfig:
         "most top_logprobs_num a batch may ask for (each request's answer grows by 12 bytes per "
         "entry; the send limit is derived from it); reported by GetInfo",
     )
+    deferred_mask_timeout_s: float = setting(
+        5.0,
+        "how long sampling waits for a batch's deferred vocab mask (ForwardStream) before the "
+        "batch fails DEADLINE_EXCEEDED; the device waits meanwhile; reported by GetInfo",
+    )
     future_slots: int = setting(
         0,
         "size of the future-token table (overlap scheduling: input id -k reads the token a "
@@ -162,6 +167,10 @@ class ExecutorConfig:
             value = getattr(self, f.name)
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
+        if not self.deferred_mask_timeout_s > 0:
+            raise ValueError(
+                f"deferred_mask_timeout_s must be > 0, got {self.deferred_mask_timeout_s}"
+            )
         for name in ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

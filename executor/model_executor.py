@@ -34,6 +34,7 @@ from executor.config import (
     resolve_graph_mode,
     resolve_max_context_len,
 )
+from executor.controls.step_controls import CONTROL_NAMES, StepControls
 from executor.errors import TestHooks
 from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
@@ -191,6 +192,12 @@ class ModelExecutor:
             runner=self.runner,
             sampler=Sampler(self.device, config.seed),
             staging=H2DStaging(self.device),
+            controls=StepControls(
+                self.limits,
+                mcfg.eos_token_ids,
+                self.device,
+                deferred_mask_timeout_s=config.deferred_mask_timeout_s,
+            ),
             toggles=self.toggles,
             hooks=self.hooks,
             comm=self.comm,
@@ -243,6 +250,8 @@ class ModelExecutor:
             weight_bytes=self.loaded.weight_bytes,
             graph_capture_disabled=self.runner.graph_factory.poisoned or "",
             tp_size=self.comm.size,
+            sampling_controls=CONTROL_NAMES,
+            deferred_mask_timeout_ms=round(self.config.deferred_mask_timeout_s * 1000),
         )
 
     @on_own_device

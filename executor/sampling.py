@@ -46,9 +46,11 @@ class Sampler:
         *,
         return_logprob: bool,
         top_logprobs_num: int,
+        raw_logits: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        """logits [bs, V] float32 on the device; `plan` from :meth:`plan`; `seq_lens` (device)
-        keys the seeded draws."""
+        """logits [bs, V] float32 on the device, after the sampling controls; `raw_logits`:
+        the model's own, for the logprobs (None: the same); `plan` from :meth:`plan`;
+        `seq_lens` (device) keys the seeded draws."""
         uniforms = None
         if not plan.all_greedy:
             uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
@@ -65,7 +67,8 @@ class Sampler:
             plan,
         )
         if return_logprob or top_logprobs_num > 0:
-            return self._with_logprobs(logits, ids, return_logprob, top_logprobs_num)
+            raw = logits if raw_logits is None else raw_logits
+            return self._with_logprobs(raw, ids, return_logprob, top_logprobs_num)
         return ForwardOutput(next_token_ids=to_host(ids, "sampled_tokens"), device_token_ids=ids)
 
     @staticmethod

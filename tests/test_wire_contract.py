@@ -337,10 +337,10 @@ def test_a_batch_decoded_while_the_drain_starts_is_answered_not_stranded(
     decoding, release = threading.Event(), threading.Event()
     real_decode = servicer_module.batch_from_proto
 
-    def slow_decode(msg: pb.ForwardBatch, limits: object = None) -> ForwardBatch:
+    def slow_decode(msg: pb.ForwardBatch, limits: object = None, **kw: Any) -> ForwardBatch:
         decoding.set()
         release.wait(30)
-        return real_decode(msg, limits)  # type: ignore[arg-type]
+        return real_decode(msg, limits, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(servicer_module, "batch_from_proto", slow_decode)
     with (

@@ -60,7 +60,9 @@ class ForwardOutput:
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32
     top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
     top_logprobs: torch.Tensor | None = None  # [bs, k] float32
-    logits: torch.Tensor | None = None  # [bs, vocab] float32, in-process callers only
+    # [bs, vocab] float32, in-process callers only: what sampling drew from (the model's
+    # logits after the sampling controls).
+    logits: torch.Tensor | None = None
     # The sampled ids where they were drawn (the device), for the future-token table;
     # in-process only, never sent.
     device_token_ids: torch.Tensor | None = None  # [bs] int64

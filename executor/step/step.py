@@ -15,10 +15,15 @@ Tensor parallel: rank 0 admits and broadcasts each accepted step to the workers,
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from executor.batch_prep import complete_batch
+from executor.controls.admission import ControlsStep
+from executor.controls.step_controls import StepControls
 from executor.errors import TestHooks
 from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
@@ -46,6 +51,7 @@ class Admitted:
 
     batch: ForwardBatch
     write: WritePlan
+    controls: ControlsStep | None = None  # the sampling controls' work, None: none
 
 
 class Step:
@@ -59,6 +65,7 @@ class Step:
         runner: ModelRunner,
         sampler: Sampler,
         staging: H2DStaging,
+        controls: StepControls,
         toggles: Toggles,
         hooks: TestHooks,
         comm: TpComm,
@@ -72,6 +79,7 @@ class Step:
         self.runner = runner
         self.sampler = sampler
         self.staging = staging
+        self.controls = controls
         self.toggles = toggles
         self.hooks = hooks
         self.comm = comm
@@ -90,7 +98,9 @@ class Step:
                 admitted = self.admit(batch)
             with self.lock, self._group():
                 ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
+        control_rows = out.stats.control_rows  # the sampler's part of the stats
         out.stats = self._stats(admitted.batch, ran, clock, transfers)
+        out.stats.control_rows = control_rows
         if ran.graph_fallback is not None:
             kind, reason = ran.graph_fallback.split(":", 1)
             self.observer.on_graph_fallback(kind, reason)
@@ -107,7 +117,9 @@ class Step:
             allow_custom_positions=self.allow_custom_positions,
             future_assigned=self.future.assigned,
         )
-        return self.complete(batch)
+        admitted = self.complete(batch)
+        controls = self.controls.admit(admitted.batch)
+        return admitted if controls is None else replace(admitted, controls=controls)
 
     def complete(self, batch: ForwardBatch) -> Admitted:
         """The derived fields of a batch and its checked row-table write (warm-up, on the
@@ -128,15 +140,17 @@ class Step:
         assert host.sampling is not None
         with clock.phase("stage"):
             plan = self.sampler.plan(host.sampling)
-            fb, write = self._stage(admitted, keep_rows=keep_rows)
+            fb, write, views = self._stage(admitted, keep_rows=keep_rows)
             future = self.future.apply(host) if keep_rows else None
+            controls = self.controls.apply(admitted.controls, views)
         try:
             with self.hooks.device_step_guard():
                 with clock.phase("forward"):
+                    self.controls.record_tokens(fb, self.future.tokens)
                     ran = self.runner.forward(fb)  # full graph, piecewise or eager
                     self.hooks.check("forward")
                 with clock.phase("sample"):
-                    out = self._sample(host, fb, ran, plan, return_logits=return_logits)
+                    out = self._sample(admitted, fb, views, ran, plan, return_logits=return_logits)
                     if future is not None:  # last: nothing after it can fail the step
                         self.future.store(
                             fb.future_token_slots,
@@ -148,42 +162,58 @@ class Step:
             self.pool.undo(write)
             if future is not None:
                 self.future.undo(future)
+            self.controls.undo(controls)
             raise
         if not keep_rows:
             self.pool.undo(write)
+            self.controls.undo(controls)
         return ran, out
 
     def _sample(
         self,
-        host: ForwardBatch,
+        admitted: Admitted,
         fb: ForwardBatch,
+        views: Mapping[str, torch.Tensor],
         ran: RunnerOutput,
         plan: SamplingPlan,
         *,
         return_logits: bool,
     ) -> ForwardOutput:
-        """The next tokens (and logprobs) from the step's logits: one host transfer, plus
-        the logits themselves when asked."""
+        """The next tokens (and logprobs) from the step's logits, after the sampling
+        controls: one host transfer, plus the logits themselves when asked."""
         self.hooks.check("sampler")
+        host = admitted.batch
         assert fb.sampling is not None
+        logits, controls = self.controls.logits(
+            ran.logits, admitted.controls, host, fb, views, self.pool.req_to_token
+        )
         out = self.sampler.sample(
-            ran.logits,
+            logits,
             plan,
             fb.sampling,
             fb.seq_lens,
             return_logprob=host.return_logprob,
             top_logprobs_num=host.top_logprobs_num,
+            raw_logits=ran.logits,
         )
+        if controls is not None:
+            out.stats.control_rows = controls.control_rows
         if return_logits:
-            out.logits = to_host(ran.logits, "logits")
+            out.logits = to_host(logits, "logits")  # what sampling drew from
         return out
 
-    def _stage(self, admitted: Admitted, *, keep_rows: bool) -> tuple[ForwardBatch, RowWrite]:
+    def _stage(
+        self, admitted: Admitted, *, keep_rows: bool
+    ) -> tuple[ForwardBatch, RowWrite, Mapping[str, torch.Tensor]]:
         """One staged host-to-device copy of the batch's device fields, its sampling
-        parameters and its row-table cells (ops.h2d_staging); the row-table write from the
-        staged cells; and, on rank 0 of a group, the step's broadcast."""
+        parameters, its row-table cells and its controls (ops.h2d_staging); the row-table
+        write from the staged cells; and, on rank 0 of a group, the step's broadcast."""
         host, cells = admitted.batch, admitted.write.cells
-        views = self.staging.stage(host.staged_fields() + cells.staged_fields())
+        views = self.staging.stage(
+            host.staged_fields()
+            + cells.staged_fields()
+            + self.controls.staged_fields(admitted.controls)
+        )
         # IDLE too: it may release rows.
         write = self.pool.write_batch(
             host, device_cells=cells.from_views(views), plan=admitted.write
@@ -191,16 +221,18 @@ class Step:
         if self.leader is not None:  # every rank runs what rank 0 accepted
             try:
                 step = self.future.resolved_for_workers(host)  # workers keep no future table
+                # Workers do not sample: the controls stay on rank 0.
+                step = replace(step, row_controls=(), vocab_mask=None, deferred_mask=None)
                 self.leader.send(broadcast.Command(broadcast.STEP, step, keep_rows=keep_rows))
             except BaseException:
                 self.pool.undo(write)
                 raise
-        return host.with_device_fields(views), write
+        return host.with_device_fields(views), write, views
 
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
         """A worker rank: a step rank 0 admitted and broadcast (staging, row-table write,
         this rank's part of the model and its collectives; rank 0 samples)."""
-        fb, write = self._stage(Admitted(host, self.pool.check_write(host)), keep_rows=keep_rows)
+        fb, write, _ = self._stage(Admitted(host, self.pool.check_write(host)), keep_rows=keep_rows)
         try:
             self.runner.forward(fb)  # references resolved by rank 0
         except BaseException:
