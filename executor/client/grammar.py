@@ -87,7 +87,9 @@ class Grammars:
         """A fresh matcher for one request; raises ValueError for a schema xgrammar refuses."""
         import xgrammar as xgr
 
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        text = (
+            schema if isinstance(schema, str) else json.dumps(schema)
+        )  # key order is property order
         compiled = self._compiled.get(text)
         if compiled is None:
             try:
