@@ -12,7 +12,11 @@ The mask layout is the executor's and xgrammar's alike: bit j (least significant
 int32 word w allows token 32*w + j, and `vocab_size` is the executor's (GetInfo), which may
 exceed the tokenizer's: ids past the tokenizer are never allowed. A matcher terminates as
 soon as the JSON is complete (no stop token needed), and the JSON is compact (no free
-whitespace), so a request always ends within its schema's bounds.
+whitespace), so a request always ends within its schema's bounds. xgrammar's JSON strings
+admit raw control characters, which JSON forbids (a strict parser refuses them): tokens that
+spell any byte below 0x20 are never allowed here, as compact JSON needs none of them. (They
+also admit UTF-8-encoded surrogates, which a byte-fallback vocabulary sampled at random can
+spell; a schema's `pattern` bounds a string's characters where that matters.)
 
 xgrammar is imported only when a grammar is built, so a scheduler without schemas never loads
 it (nor the transformers it imports).
@@ -80,6 +84,13 @@ class Grammars:
             stop_token_ids=list(tokenizer.eos_token_ids) or None,
             add_prefix_space=prefix,
         )
+        # Bit set: the token spells no control byte (the AND of every row's mask).
+        printable = torch.zeros(self.words * 32, dtype=torch.bool)
+        for i, text in enumerate(self.info.decoded_vocab[:vocab_size]):
+            printable[i] = bool(text) and min(text) >= 0x20
+        weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+        packed = (printable.view(self.words, 32).long() * weights).sum(-1)
+        self.printable = packed.to(torch.int32)  # wraps to int32 as the words do: [words]
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self._compiled: dict[str, xgrammar.CompiledGrammar] = {}
 
@@ -97,14 +108,17 @@ class Grammars:
             except (RuntimeError, ValueError) as exc:
                 raise ValueError(f"json schema: {exc}") from exc
             self._compiled[text] = compiled
-        return RequestGrammar(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
+        return RequestGrammar(
+            xgr.GrammarMatcher(compiled, terminate_without_stop_token=True), self.printable
+        )
 
 
 class RequestGrammar:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, printable: torch.Tensor) -> None:
         self.matcher = matcher
+        self.printable = printable
 
     @property
     def terminated(self) -> bool:
@@ -118,6 +132,7 @@ class RequestGrammar:
             words[index].fill_(-1)
         else:
             self.matcher.fill_next_token_bitmask(words, index)
+            words[index] &= self.printable
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token; a token the mask did not allow is a bug (the mask

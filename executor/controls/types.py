@@ -114,8 +114,9 @@ class DeferredMask:
     def wait(self, timeout_s: float) -> VocabMask:
         if not self._ready.wait(timeout_s):
             raise DeferredMaskTimeout(
-                f"vocab_mask_deferred: no deferred_mask for batch_id {self.batch_id} within "
-                f"{timeout_s * 1000:.0f} ms"
+                # The stream's status message adds "batch_id N: " in front.
+                f"vocab_mask_deferred: its deferred_mask did not come within "
+                f"{timeout_s * 1000:.0f} ms (GetInfo.deferred_mask_timeout_ms); nothing applied"
             )
         if self._error is not None:
             raise self._error

@@ -157,8 +157,8 @@ def _mask_never_came(failed: bool, refused: BaseException | None) -> Callable[[i
         )
     return lambda batch_id: BatchValidationError(
         "vocab_mask_deferred",
-        f"batch_id {batch_id}: the request stream ended before its deferred_mask came; send "
-        "the mask before closing the stream",
+        "the request stream ended before this batch's deferred_mask came; send the mask "
+        "before closing the stream",
     )
 
 
