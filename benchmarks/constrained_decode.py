@@ -131,10 +131,14 @@ class Result:
     unconstrained: list[Run] = field(default_factory=list)
 
     @property
-    def ratio(self) -> float:
-        """Median over the pairs of constrained tok/s / unconstrained tok/s."""
+    def ratios(self) -> list[float]:
+        """Constrained tok/s / unconstrained tok/s of each pair, ascending."""
         pairs = zip(self.constrained, self.unconstrained, strict=True)
-        return statistics.median(c.tok_s / u.tok_s for c, u in pairs)
+        return sorted(c.tok_s / u.tok_s for c, u in pairs)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
 
 
 def generate_once(
@@ -221,7 +225,7 @@ def measure(
 
 def table(results: list[Result]) -> str:
     lines = [
-        "| model | bs | unconstrained tok/s | constrained tok/s | ratio (median of pairs) | "
+        "| model | bs | unconstrained tok/s | constrained tok/s | ratio: median (range) of pairs | "
         "mask ms/step (scheduler) | sample ms/step unconstrained | sample ms/step constrained "
         "| tokens per request |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -230,7 +234,8 @@ def table(results: list[Result]) -> str:
         con = max(r.constrained, key=lambda x: x.tok_s)
         unc = max(r.unconstrained, key=lambda x: x.tok_s)
         lines.append(
-            f"| {r.model} | {r.bs} | {unc.tok_s:.1f} | {con.tok_s:.1f} | {r.ratio:.2f} | "
+            f"| {r.model} | {r.bs} | {unc.tok_s:.1f} | {con.tok_s:.1f} | {r.ratio:.2f} "
+            f"({r.ratios[0]:.2f}-{r.ratios[-1]:.2f}) | "
             f"{con.mask_ns / 1e6 / max(len(con.steps), 1):.2f} | "
             f"{unc.per_step_ms('sample'):.2f} | {con.per_step_ms('sample'):.2f} | "
             f"{con.tokens / r.bs:.0f} |"
@@ -243,7 +248,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--bs", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3, help="constrained/unconstrained pairs")
+    parser.add_argument("--repeats", type=int, default=4, help="constrained/unconstrained pairs")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=0,
+        help="torch (OpenMP) threads of the server; 0 = torch's default (one per core). On a "
+        "CPU device the scheduler, which computes the masks, shares the cores with it",
+    )
     parser.add_argument("--cache-dir", default="")
     parser.add_argument("--server-args", default="", help="more `serve` flags")
     args = parser.parse_args()
@@ -253,7 +265,8 @@ def main() -> None:
              "--max-context-len", "1024", *shlex.split(args.server_args)]  # fmt: skip
     if args.cache_dir:
         flags += ["--cache-dir", args.cache_dir]
-    with served(flags) as server:
+    env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
+    with served(flags, env=env) as server:
         remote = server.client.info()
         info = remote.info
         tok = load_tokenizer(
@@ -261,7 +274,8 @@ def main() -> None:
             info.eos_token_ids, Path(args.cache_dir) if args.cache_dir else None,
         )  # fmt: skip
         print(f"server ready in {server.ready_s:.0f} s; {args.repeats} pairs; greedy; "
-              f"max {args.max_new_tokens} new tokens\n")  # fmt: skip
+              f"max {args.max_new_tokens} new tokens; server threads "
+              f"{args.server_threads or 'default'}\n")  # fmt: skip
         result = measure(
             server.client, tok, model=args.model, bs=args.bs, repeats=args.repeats,
             max_new_tokens=args.max_new_tokens,

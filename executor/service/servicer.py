@@ -3,7 +3,7 @@
 | error                                  | status              |
 |----------------------------------------|---------------------|
 | BatchTooLargeError, QueueFullError, CapacityError | RESOURCE_EXHAUSTED |
-| StreamIdleError                        | DEADLINE_EXCEEDED   |
+| StreamIdleError, DeferredMaskTimeout   | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
@@ -15,7 +15,8 @@
 | anything else (a bug)                  | INTERNAL, logged with its stack trace |
 
 A batch's status message starts with `batch_id N:`. On a stream, the first batch refused or
-failed ends the stream with its status; the device worker runs nothing after it.
+failed ends the stream with its status; the device worker runs nothing after it. A stream's
+deferred vocab masks are routed by its reader as they are read (`deferred_masks.py`).
 
 Whatever the error, a caller that stopped waiting (cancelled, went away, or its deadline
 passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its doing, not a
