@@ -42,6 +42,7 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_padding_tokens_total": _m("counter", "path"),
     "model_executor_tokens_total": _m("counter", "mode"),
     "model_executor_future_tokens_resolved_total": _m("counter"),
+    "model_executor_sampling_control_rows_total": _m("counter", "control"),
     "model_executor_graph_captures_total": _m("counter", "kind"),
     "model_executor_graph_capture_seconds": _m("histogram", "kind"),
     "model_executor_graph_fallbacks_total": _m("counter", "kind", "reason"),
