@@ -44,3 +44,17 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
     table = step_overhead.table([result]).splitlines()
     assert table[0].startswith("| bs | bare round trip | executor overhead | ratio | target |")
     assert table[2].startswith("| 1 | ") and "| 1.5x |" in table[2]
+
+
+def test_sampling_controls_benchmark_times_every_variant(cache_dir: Path) -> None:
+    """Two measured steps per variant on tiny-random: each variant's step ran its controls
+    (the `sample` phase is timed for all) and the table has one cell per variant."""
+    from benchmarks import sampling_controls
+    from executor.model_executor import ModelExecutor
+
+    ex = ModelExecutor(tiny_config(cache_dir, graph_mode="none", max_reqs=12, kv_slots=4096))
+    result = sampling_controls.measure(ex, bs=2, steps=2, context=16, warmup=1)
+    assert set(result.sample_us) == set(sampling_controls.VARIANTS)
+    assert all(len(v) == 2 and min(v) > 0 for v in result.total_us.values())
+    line = sampling_controls.table([result]).splitlines()[2]
+    assert line.startswith("| 2 | ") and line.count("/") == len(sampling_controls.VARIANTS)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.controls.types import (
     DeferredMask,
@@ -492,3 +492,14 @@ def test_controls_over_grpc_getinfo_caps_retries_and_metrics(tmp_path: Path) -> 
             client.forward(bad)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "row_controls[0].req_pool_index" in err.value.details()
+
+
+def test_an_idle_release_clears_a_rows_controls(make_executor: MakeExecutor) -> None:
+    ex = make_executor()
+    d = Driver(ex)
+    d.prefill({4: PROMPT}, {4: CONTROLS["all_penalties"]})
+    state = ex.step.controls.state
+    assert state.active[4]
+    ex.forward(dataclasses.replace(make_idle_batch(), released_req_pool_indices=torch.tensor([4])))
+    assert not state.active[4]
+    assert float(state.device["repetition"][4]) == 1.0
