@@ -27,9 +27,14 @@ class ForwardMode(IntEnum):
     EXTEND = 1  # prefill, or a chunk of one, possibly after a cached prefix
     DECODE = 2  # one new token per request
     IDLE = 3  # an empty batch: no device work
+    VERIFY = 4  # speculative decoding: EXTEND-shaped, every position scored (executor.speculative)
 
     def is_extend(self) -> bool:
-        return self is ForwardMode.EXTEND
+        """EXTEND-shaped: VERIFY included (its batches are extends with drafts)."""
+        return self is ForwardMode.EXTEND or self is ForwardMode.VERIFY
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.VERIFY
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
@@ -165,6 +170,9 @@ class ForwardBatch:
     row_controls: tuple[RowControl, ...] = ()
     vocab_mask: VocabMask | None = None
     deferred_mask: DeferredMask | None = None
+    # VERIFY: [bs] int32, n-gram size of the executor's prompt-lookup drafts per row (0: the
+    # drafts are in input_ids).
+    ngram_draft: torch.Tensor | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # Set by the graph runners' registries: [1] int32, the real token count of a padded batch
@@ -239,4 +247,5 @@ _DEVICE_FIELDS = (
     "input_embeds",
     "prefix_cache_loc",
     "future_token_slots",
+    "ngram_draft",
 )

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.forward_batch import ForwardMode
 from executor.models.blocks import DecoderLayer, LayerBuild, LayerFns
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
@@ -236,8 +237,9 @@ class DecoderModel(nn.Module, ABC):
         return [first, *(middle(i) for i in range(1, len(layers))), last]
 
     def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Logits of each request's last token: [bs, vocab] float32."""
-        if fb.forward_mode.is_extend():
+        """Logits of each request's last token, [bs, vocab] float32; VERIFY: of every token,
+        [num_tokens, vocab]."""
+        if fb.forward_mode is ForwardMode.EXTEND:
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             hidden = hidden[fb.extend_start_loc + fb.extend_seq_lens - 1]
         if self.lm_head is None:  # tied to a float embedding

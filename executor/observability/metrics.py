@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 PREFIX = "model_executor_"
 PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")
-MODES = ("decode", "extend", "idle")
+MODES = ("decode", "extend", "idle", "verify")
 FILL_REGISTRIES = ("eager_decode", "eager_extend", "graph_decode", "graph_extend")
 # 100 us .. 10 s: a CPU decode step of a tiny model is ~1 ms, a long prefill seconds.
 LATENCY_BUCKETS = (
@@ -225,6 +225,15 @@ class ExecutorMetrics:
             "logit_bias, min_tokens, token_ids, vocab_mask).",
             ("control",),
         )
+        self.draft_tokens = step_counter(
+            "draft_tokens", "VERIFY: draft tokens scored (the executor's and the scheduler's).", ()
+        )
+        self.accepted_drafts = step_counter("accepted_drafts", "VERIFY: draft tokens accepted.", ())
+        self.accepted_length = step_histogram(
+            "accepted_length",
+            "VERIFY: tokens a row gained per step (accepted drafts plus the bonus token).",
+            (), SIZE_BUCKETS,
+        )  # fmt: skip
         self.fill_copy_calls = step_counter(
             "fill_copy_calls", "Copy calls made by input staging (one grouped copy counts once), "
             "by registry.", ("registry",),
@@ -326,6 +335,11 @@ class ExecutorMetrics:
             self._queue_wait.observe(queue * 1e-9)
         if stats.future_refs:
             self._future_resolved.inc(stats.future_refs)
+        if stats.draft_tokens or stats.mode == "verify":
+            self.draft_tokens.labels().inc(stats.draft_tokens)
+            self.accepted_drafts.labels().inc(stats.accepted_drafts)
+            for n in stats.accept_lengths:
+                self.accepted_length.labels().observe(n)
         for control, rows in stats.control_rows.items():
             self.sampling_control_rows.labels(control).inc(rows)
         if stats.fill_registry is not None:

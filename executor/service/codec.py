@@ -58,6 +58,7 @@ BATCH_TENSOR_FIELDS = (
     "input_embeds",
     "future_token_slots",
     "released_future_slots",
+    "ngram_draft",
 )
 _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
@@ -143,7 +144,7 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
     lengths of repeated fields and tensor byte counts only (BatchTooLargeError). Every other
     rule is validation's, on the device thread."""
     check_request_count("sampling_params", len(msg.sampling_params), limits)
-    for name in ("req_pool_indices", "seq_lens", "future_token_slots"):
+    for name in ("req_pool_indices", "seq_lens", "future_token_slots", "ngram_draft"):
         if msg.HasField(name):
             check_request_count(name, _element_count(getattr(msg, name)), limits)
     for name in ("input_ids", "out_cache_loc", "positions"):
@@ -160,9 +161,9 @@ def batch_from_proto(
     The codec refuses only what it must before it allocates: an unknown mode, a tensor whose
     bytes do not match its dtype and shape, a missing required field, and (with `limits`)
     size claims beyond them, from the header alone."""
-    if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE):
+    if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE, pb.VERIFY):
         raise BatchValidationError(
-            "forward_mode", f"must be EXTEND, DECODE or IDLE, got {msg.forward_mode}"
+            "forward_mode", f"must be EXTEND, DECODE, IDLE or VERIFY, got {msg.forward_mode}"
         )
     if limits is not None:
         check_size_claims(msg, limits)
@@ -193,6 +194,7 @@ def batch_from_proto(
         released_req_pool_indices=_optional(msg, "released_req_pool_indices"),
         input_embeds=input_embeds,
         future_token_slots=_optional(msg, "future_token_slots"),
+        ngram_draft=_optional(msg, "ngram_draft"),
         released_future_slots=_optional(msg, "released_future_slots"),
         sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
@@ -254,8 +256,17 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             h2d_syncs=st.h2d_syncs,
             h2d_copies=st.h2d_copies,
             control_rows=st.control_rows,
+            draft_tokens=st.draft_tokens,
+            accepted_drafts=st.accepted_drafts,
         ),
     )
+    if out.accepted_tokens is not None and out.accepted_lengths is not None:
+        lengths = tensor_to_proto(out.accepted_lengths)
+        msg.accepted_tokens.values.CopyFrom(tensor_to_proto(out.accepted_tokens))
+        msg.accepted_tokens.lengths.CopyFrom(lengths)
+        if out.accepted_logprobs is not None:
+            msg.accepted_logprobs.values.CopyFrom(tensor_to_proto(out.accepted_logprobs))
+            msg.accepted_logprobs.lengths.CopyFrom(lengths)
     if out.next_token_logprobs is not None:
         msg.next_token_logprobs.CopyFrom(tensor_to_proto(out.next_token_logprobs))
     if out.top_logprob_ids is not None and out.top_logprobs is not None:
@@ -287,11 +298,28 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             h2d_syncs=st.h2d_syncs,
             h2d_copies=st.h2d_copies,
             control_rows=dict(st.control_rows),
+            draft_tokens=st.draft_tokens,
+            accepted_drafts=st.accepted_drafts,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),
         top_logprobs=opt("top_logprobs"),
+        accepted_tokens=_ragged_values(msg, "accepted_tokens"),
+        accepted_lengths=_ragged_lengths(msg, "accepted_tokens"),
+        accepted_logprobs=_ragged_values(msg, "accepted_logprobs"),
     )
+
+
+def _ragged_values(msg: pb.ForwardResponse, name: str) -> torch.Tensor | None:
+    if not msg.HasField(name):
+        return None
+    return tensor_from_proto(getattr(msg, name).values, name + ".values")
+
+
+def _ragged_lengths(msg: pb.ForwardResponse, name: str) -> torch.Tensor | None:
+    if not msg.HasField(name):
+        return None
+    return tensor_from_proto(getattr(msg, name).lengths, name + ".lengths")
 
 
 def info_to_proto(
@@ -326,6 +354,8 @@ def info_to_proto(
         max_logit_bias=lim.max_logit_bias,
         max_control_token_ids=lim.max_control_token_ids,
         deferred_mask_timeout_ms=info.deferred_mask_timeout_ms,
+        max_draft_tokens=lim.max_draft_tokens,
+        max_ngram=lim.max_ngram,
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
@@ -347,6 +377,8 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         future_slots=msg.future_slots,
         max_logit_bias=msg.max_logit_bias,
         max_control_token_ids=msg.max_control_token_ids,
+        max_draft_tokens=msg.max_draft_tokens,
+        max_ngram=msg.max_ngram,
     )
     info = ExecutorInfo(
         model_name=msg.model_name,

@@ -19,12 +19,13 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from executor.batch_prep import complete_batch
 from executor.controls.admission import ControlsStep
 from executor.controls.step_controls import StepControls
-from executor.errors import TestHooks
+from executor.errors import BatchValidationError, TestHooks
 from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
 from executor.kv_cache import ReqToTokenPool, RowWrite, WritePlan
@@ -35,6 +36,7 @@ from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
 from executor.runner_output import RunnerOutput
 from executor.sampling import Sampler
+from executor.speculative.speculation import Speculation, check_not_verify, check_verify
 from executor.step.clock import StepClock
 from executor.step.outputs import MODE_NAMES, ForwardOutput, StepStats
 from executor.step.toggles import Toggles
@@ -80,6 +82,7 @@ class Step:
         self.sampler = sampler
         self.staging = staging
         self.controls = controls
+        self.speculation = Speculation(controls.slot_tokens)
         self.toggles = toggles
         self.hooks = hooks
         self.comm = comm
@@ -98,9 +101,12 @@ class Step:
                 admitted = self.admit(batch)
             with self.lock, self._group():
                 ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
-        control_rows = out.stats.control_rows  # the sampler's part of the stats
+        sampled = out.stats  # the sampler's part of the stats
         out.stats = self._stats(admitted.batch, ran, clock, transfers)
-        out.stats.control_rows = control_rows
+        out.stats.control_rows = sampled.control_rows
+        out.stats.draft_tokens = sampled.draft_tokens
+        out.stats.accepted_drafts = sampled.accepted_drafts
+        out.stats.accept_lengths = sampled.accept_lengths
         if ran.graph_fallback is not None:
             kind, reason = ran.graph_fallback.split(":", 1)
             self.observer.on_graph_fallback(kind, reason)
@@ -117,9 +123,19 @@ class Step:
             allow_custom_positions=self.allow_custom_positions,
             future_assigned=self.future.assigned,
         )
+        if batch.forward_mode.is_verify():
+            check_verify(batch, self.limits, tp_size=self.comm.size)
+        else:
+            check_not_verify(batch)
         admitted = self.complete(batch)
         controls = self.controls.admit(admitted.batch)
-        return admitted if controls is None else replace(admitted, controls=controls)
+        if controls is None:
+            return admitted
+        if batch.forward_mode.is_verify():
+            raise BatchValidationError(
+                "req_pool_indices", "VERIFY rows may not have sampling controls set"
+            )
+        return replace(admitted, controls=controls)
 
     def complete(self, batch: ForwardBatch) -> Admitted:
         """The derived fields of a batch and its checked row-table write (warm-up, on the
@@ -146,6 +162,10 @@ class Step:
         try:
             with self.hooks.device_step_guard():
                 with clock.phase("forward"):
+                    if host.forward_mode.is_verify():  # drafts in, references resolved
+                        fb = self.speculation.prepare(
+                            host, fb, self.future.tokens, self.pool.req_to_token
+                        )
                     self.controls.record_tokens(fb, self.future.tokens)
                     ran = self.runner.forward(fb)  # full graph, piecewise or eager
                     self.hooks.check("forward")
@@ -158,6 +178,8 @@ class Step:
                             host.future_token_slots,
                             out.next_token_ids,
                         )
+                    if out.accepted_lengths is not None:  # VERIFY: rejected drafts' slots freed
+                        self._truncate(host, out.accepted_lengths)
         except BaseException:
             self.pool.undo(write)
             if future is not None:
@@ -168,6 +190,12 @@ class Step:
             self.pool.undo(write)
             self.controls.undo(controls)
         return ran, out
+
+    def _truncate(self, host: ForwardBatch, accepted_lengths: torch.Tensor) -> None:
+        assert host.extend_prefix_lens_cpu is not None
+        rows = host.req_pool_indices.numpy().astype(np.int64)
+        prefix = np.asarray(host.extend_prefix_lens_cpu, dtype=np.int64)
+        self.pool.truncate(rows, prefix + accepted_lengths.numpy().astype(np.int64))
 
     def _sample(
         self,
@@ -184,6 +212,11 @@ class Step:
         self.hooks.check("sampler")
         host = admitted.batch
         assert fb.sampling is not None
+        if host.forward_mode.is_verify():
+            out = self.speculation.sample(ran.logits, host, fb, plan, self.sampler.generator)
+            if return_logits:
+                out.logits = to_host(ran.logits, "logits")
+            return out
         logits, controls = self.controls.logits(
             ran.logits, admitted.controls, host, fb, views, self.pool.req_to_token
         )
