@@ -17,6 +17,7 @@ import torch
 
 from executor.controls.types import DeferredMask, RowControl, VocabMask
 from executor.errors import BatchValidationError
+from executor.extras.types import RowOutputs
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
@@ -173,6 +174,10 @@ class ForwardBatch:
     # VERIFY: [bs] int32, n-gram size of the executor's prompt-lookup drafts per row (0: the
     # drafts are in input_ids).
     ngram_draft: torch.Tensor | None = None
+    # Outputs beyond the next token (executor.extras), host only: one entry per asking row,
+    # and the top-k alternatives per scored prompt position.
+    row_outputs: tuple[RowOutputs, ...] = ()
+    prompt_top_logprobs_num: int = 0
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # Set by the graph runners' registries: [1] int32, the real token count of a padded batch

@@ -42,6 +42,10 @@ class BatchLimits:
     max_control_token_ids: int = 4096  # most entries of each sampling-control id list
     max_draft_tokens: int = 16  # VERIFY: most draft tokens per row
     max_ngram: int = 8  # VERIFY: largest prompt-lookup n-gram
+    max_score_token_ids: int = 1024  # most RowOutputs.score_token_ids per row
+    max_prompt_logprob_bytes: int = 16 << 20  # a response's prompt logprobs (and top-k)
+    max_hidden_bytes: int = 16 << 20  # a response's hidden states
+    max_output_bytes: int = 32 << 20  # all RowOutputs results of one response
 
 
 def check_request_count(field: str, n: int, limits: BatchLimits) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor.extras.types import ExtraOutputs
 from executor.forward_batch import ForwardMode
 from executor.validation import BatchLimits
 
@@ -79,6 +80,7 @@ class ForwardOutput:
     accepted_tokens: torch.Tensor | None = None  # [sum(lengths)] int64
     accepted_lengths: torch.Tensor | None = None
     accepted_logprobs: torch.Tensor | None = None  # [sum(lengths)] float32
+    extras: ExtraOutputs | None = None  # RowOutputs results (prompt logprobs, scores, hidden)
 
 
 @dataclass(frozen=True)
