@@ -251,3 +251,16 @@ def test_oversized_asks_are_refused_and_asking_nothing_costs_nothing(
         assert out.extras.token_scores is not None and out.extras.token_scores.lengths.tolist() == [
             2
         ]
+
+
+def test_the_retry_memory_is_bounded_in_bytes() -> None:
+    from executor.service.applied_batches import AppliedBatches, output_bytes
+    from executor.step.outputs import ForwardOutput
+
+    memory = AppliedBatches(10, max_bytes=1000)
+    big = ForwardOutput(next_token_ids=torch.zeros(100, dtype=torch.int64))  # 800 bytes
+    assert output_bytes(big) == 800
+    memory.store(1, b"a", big)
+    memory.store(2, b"b", big)  # 1600 > 1000: the oldest goes
+    assert memory.lookup(1, b"a") is None and memory.lookup(2, b"b") is big
+    assert len(memory) == 1 and memory.bytes == 800
