@@ -264,3 +264,55 @@ def test_the_retry_memory_is_bounded_in_bytes() -> None:
     memory.store(2, b"b", big)  # 1600 > 1000: the oldest goes
     assert memory.lookup(1, b"a") is None and memory.lookup(2, b"b") is big
     assert len(memory) == 1 and memory.bytes == 800
+
+
+def test_perplexity_through_grpc_equals_transformers_and_the_cli_scores_files(
+    qwen2: tuple[Path, torch.nn.Module],
+    cache_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+    import math
+
+    from executor.client.cli import main
+
+    path, hf = qwen2
+    tokens = [
+        int(t) for t in torch.randint(3, 512, (90,), generator=torch.Generator().manual_seed(9))
+    ]
+    logits, hidden = _hf(hf, tokens)
+    ref = torch.log_softmax(logits[:-1].double(), -1).gather(
+        1, torch.tensor(tokens[1:]).unsqueeze(1)
+    )
+    want = math.exp(-float(ref.mean()))
+    config = ExecutorConfig(
+        model=str(path), device="cpu", max_reqs=4, kv_slots=512, max_context_len=256,
+        max_tokens_per_batch=32, cache_dir=str(cache_dir), dtype="float32",
+    )  # fmt: skip
+    with running_server(config) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as client:
+        got = client.score(tokens)  # three chunks of at most 32 tokens
+        assert got.scored == 89 and abs(got.perplexity / want - 1) < 1e-3
+        vector = client.embed(tokens)
+        torch.testing.assert_close(
+            torch.tensor(vector), hidden[LAYERS].mean(0), rtol=1e-4, atol=1e-4
+        )
+
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    text = tmp_path / "a.txt"
+    text.write_text("hello there, a short text to score")
+    args = [
+        "score",
+        str(text),
+        "--model",
+        "tiny-random",
+        "--cache-dir",
+        str(tmp_path),
+        "--per-token",
+    ]
+    assert main(args) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")][-1]
+    result = json.loads(line)
+    assert result["file"] == str(text) and len(result["token_logprobs"]) == result["tokens"] - 1
+    assert math.isclose(result["perplexity"], math.exp(result["mean_nll"]))
