@@ -137,7 +137,7 @@ def complete_batch(
         else None,
         "extend_len_bound": None,
     }
-    if fb.forward_mode is ForwardMode.EXTEND:
+    if fb.forward_mode.is_extend():
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
         prefix = _int64(fb.extend_prefix_lens)
         extend = _int64(fb.extend_seq_lens)

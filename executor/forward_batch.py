@@ -17,6 +17,7 @@ import torch
 
 from executor.controls.types import DeferredMask, RowControl, VocabMask
 from executor.errors import BatchValidationError
+from executor.extras.types import RowOutputs
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
@@ -27,9 +28,14 @@ class ForwardMode(IntEnum):
     EXTEND = 1  # prefill, or a chunk of one, possibly after a cached prefix
     DECODE = 2  # one new token per request
     IDLE = 3  # an empty batch: no device work
+    VERIFY = 4  # speculative decoding: EXTEND-shaped, every position scored (executor.speculative)
 
     def is_extend(self) -> bool:
-        return self is ForwardMode.EXTEND
+        """EXTEND-shaped: VERIFY included (its batches are extends with drafts)."""
+        return self is ForwardMode.EXTEND or self is ForwardMode.VERIFY
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.VERIFY
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
@@ -165,6 +171,13 @@ class ForwardBatch:
     row_controls: tuple[RowControl, ...] = ()
     vocab_mask: VocabMask | None = None
     deferred_mask: DeferredMask | None = None
+    # VERIFY: [bs] int32, n-gram size of the executor's prompt-lookup drafts per row (0: the
+    # drafts are in input_ids).
+    ngram_draft: torch.Tensor | None = None
+    # Outputs beyond the next token (executor.extras), host only: one entry per asking row,
+    # and the top-k alternatives per scored prompt position.
+    row_outputs: tuple[RowOutputs, ...] = ()
+    prompt_top_logprobs_num: int = 0
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # Set by the graph runners' registries: [1] int32, the real token count of a padded batch
@@ -239,4 +252,5 @@ _DEVICE_FIELDS = (
     "input_embeds",
     "prefix_cache_loc",
     "future_token_slots",
+    "ngram_draft",
 )

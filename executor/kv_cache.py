@@ -224,7 +224,7 @@ class ReqToTokenPool:
         n_shared = 0
         if fb.forward_mode is ForwardMode.IDLE:
             rows = cols = values = torch.zeros(0, dtype=torch.int64)
-        elif fb.forward_mode is ForwardMode.EXTEND:
+        elif fb.forward_mode.is_extend():
             assert fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
             assert fb.extend_start_loc is not None
             rows = torch.repeat_interleave(rpi, fb.extend_seq_lens, output_size=fb.num_tokens)
@@ -340,6 +340,16 @@ class ReqToTokenPool:
         self.resident_lens[write.released_rows] = write.released_old_lens
         if self.owners is not None and write.owners is not None:
             self.owners.undo(write.owners)
+
+    def truncate(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Rows `rows` keep only their first `lengths` positions (a VERIFY step's rejected
+        drafts): their tail slots are free again. Not undone: the step's last act."""
+        for r, n in zip(rows.tolist(), lengths.tolist(), strict=True):
+            old = int(self.resident_lens[r])
+            if n < old:
+                if self.owners is not None:
+                    np.subtract.at(self.owners.refs, self.owners.table[r, n:old], 1)
+                self.resident_lens[r] = n
 
     def slots_in_use(self) -> int:
         """Slots referenced by live rows (a slot shared by two rows' prefixes counts twice)."""

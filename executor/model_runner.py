@@ -23,6 +23,7 @@ import torch
 
 from attention.base import AttentionBackend
 from executor.eager_inputs import EagerInputs
+from executor.extras.types import hidden_layers
 from executor.forward_batch import ForwardBatch
 from executor.graphs.capture import CaptureReport
 from executor.graphs.decode_runner import DecodeGraphRunner
@@ -193,14 +194,21 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> RunnerOutput:
         """The eager paths gather future tokens only when the batch has references
         (`fb.future_refs`, counted on the host); a captured graph always runs the gather."""
-        out, fallback = self._graph_path(fb)
+        layers = hidden_layers(fb.row_outputs, self.model.config.num_layers)
+        out, fallback = self._graph_path(fb) if not layers else (None, None)
         if out is not None:
             return out
-        out = self._eager(fb)
+        if layers:  # named layers' streams are recorded on the eager path only
+            mode = self.toggles.graph_mode
+            if fb.forward_mode.is_decode() and mode.decode_graphs:
+                fallback = "decode:hidden_layers"
+            elif fb.forward_mode.is_extend() and mode.piecewise:
+                fallback = "piecewise:hidden_layers"
+        out = self._eager(fb, layers)
         out.graph_fallback = fallback
         return out
 
-    def _eager(self, fb: ForwardBatch) -> RunnerOutput:
+    def _eager(self, fb: ForwardBatch, layers: tuple[int, ...] = ()) -> RunnerOutput:
         no_copy = self.toggles.eager_input_no_copy
         path = Path.EAGER_NO_COPY if no_copy else Path.EAGER
         if fb.forward_mode.is_idle():
@@ -215,12 +223,15 @@ class ModelRunner:
         input_ids = run.input_ids
         if fb.future_refs and input_ids is not None and self.future_tokens is not None:
             input_ids = resolve_future_tokens(input_ids, self.future_tokens)
+        keep = {i: torch.empty(0) for i in layers} if layers else None
         hidden = self.model.forward(
-            input_ids, run.positions, run, self.attn_backend, run.input_embeds
+            input_ids, run.positions, run, self.attn_backend, run.input_embeds, keep
         )
         logits = self.model.compute_logits(hidden, run)
         if no_copy:
-            return RunnerOutput(logits, path, fb.batch_size, fb.num_tokens)
+            return RunnerOutput(
+                logits, path, fb.batch_size, fb.num_tokens, hidden=hidden, layers=keep or {}
+            )
         registry = self.eager_inputs.registry_for(fb)
         return RunnerOutput(
             logits,
@@ -229,4 +240,6 @@ class ModelRunner:
             fb.num_tokens,
             fill_registry=registry.name,
             fill_stats=registry.fill_stats(fb),
+            hidden=hidden,
+            layers=keep or {},
         )

@@ -20,3 +20,7 @@ class RunnerOutput:
     fill_stats: FillStats = field(default_factory=FillStats)
     # Graph mode wanted a graph path for this batch but it ran eagerly: "<kind>:<reason>".
     graph_fallback: str | None = None
+    # Final-normed hidden states of every (padded) token, on the device, valid until the next
+    # step (a graph's buffer); and the named layers' streams a batch asked for (eager only).
+    hidden: torch.Tensor | None = None
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)

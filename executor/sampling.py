@@ -9,7 +9,7 @@ import torch
 
 from executor.forward_batch import SamplingBatch
 from executor.step.outputs import ForwardOutput
-from ops.host_transfer import to_host
+from ops.host_transfer import to_host_packed
 from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
 
 
@@ -48,9 +48,35 @@ class Sampler:
         top_logprobs_num: int,
         raw_logits: torch.Tensor | None = None,
     ) -> ForwardOutput:
+        """:meth:`sample_with` without extra outputs."""
+        out, _ = self.sample_with(
+            logits,
+            plan,
+            device_sampling,
+            seq_lens,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            raw_logits=raw_logits,
+        )
+        return out
+
+    def sample_with(
+        self,
+        logits: torch.Tensor,
+        plan: SamplingPlan,
+        device_sampling: SamplingBatch,
+        seq_lens: torch.Tensor,
+        *,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        raw_logits: torch.Tensor | None = None,
+        extra: list[torch.Tensor] | None = None,
+    ) -> tuple[ForwardOutput, list[torch.Tensor]]:
         """logits [bs, V] float32 on the device, after the sampling controls; `raw_logits`:
         the model's own, for the logprobs (None: the same); `plan` from :meth:`plan`;
-        `seq_lens` (device) keys the seeded draws."""
+        `seq_lens` (device) keys the seeded draws. `extra` device tensors travel in the same
+        host transfer; their host copies come back in order."""
+        extra = extra or []
         uniforms = None
         if not plan.all_greedy:
             uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
@@ -68,13 +94,14 @@ class Sampler:
         )
         if return_logprob or top_logprobs_num > 0:
             raw = logits if raw_logits is None else raw_logits
-            return self._with_logprobs(raw, ids, return_logprob, top_logprobs_num)
-        return ForwardOutput(next_token_ids=to_host(ids, "sampled_tokens"), device_token_ids=ids)
+            return self._with_logprobs(raw, ids, return_logprob, top_logprobs_num, extra)
+        host_ids, *host_extra = to_host_packed([ids, *extra], "sampled_tokens")
+        return ForwardOutput(next_token_ids=host_ids, device_token_ids=ids), host_extra
 
     @staticmethod
     def _with_logprobs(
-        logits: torch.Tensor, ids: torch.Tensor, chosen: bool, k: int
-    ) -> ForwardOutput:
+        logits: torch.Tensor, ids: torch.Tensor, chosen: bool, k: int, extra: list[torch.Tensor]
+    ) -> tuple[ForwardOutput, list[torch.Tensor]]:
         """The tokens and every logprob output in one packed transfer (float64 holds token
         ids exactly), so a step with logprobs syncs once, as one without."""
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -82,11 +109,11 @@ class Sampler:
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
-        host = to_host(torch.cat(parts, dim=1), "sampled_tokens")
+        host, *host_extra = to_host_packed([torch.cat(parts, dim=1), *extra], "sampled_tokens")
         out = ForwardOutput(next_token_ids=host[:, 0].long(), device_token_ids=ids)
         if chosen:
             out.next_token_logprobs = host[:, 1].float()
         if k > 0:
             out.top_logprobs = host[:, 2 : 2 + k].float()
             out.top_logprob_ids = host[:, 2 + k :].long()
-        return out
+        return out, host_extra

@@ -40,6 +40,12 @@ class BatchLimits:
     future_slots: int = 0  # valid future-token slots 1..future_slots (0: no references)
     max_logit_bias: int = 300  # most logit_bias entries per request (OpenAI's cap)
     max_control_token_ids: int = 4096  # most entries of each sampling-control id list
+    max_draft_tokens: int = 16  # VERIFY: most draft tokens per row
+    max_ngram: int = 8  # VERIFY: largest prompt-lookup n-gram
+    max_score_token_ids: int = 1024  # most RowOutputs.score_token_ids per row
+    max_prompt_logprob_bytes: int = 16 << 20  # a response's prompt logprobs (and top-k)
+    max_hidden_bytes: int = 16 << 20  # a response's hidden states
+    max_output_bytes: int = 32 << 20  # all RowOutputs results of one response
 
 
 def check_request_count(field: str, n: int, limits: BatchLimits) -> None:
@@ -131,7 +137,7 @@ def validate_batch(
     step stores, so a wrong one silently changes every later token of that request."""
     if not isinstance(fb.forward_mode, ForwardMode):
         raise BatchValidationError(
-            "forward_mode", f"must be EXTEND, DECODE or IDLE, got {fb.forward_mode!r}"
+            "forward_mode", f"must be EXTEND, DECODE, IDLE or VERIFY, got {fb.forward_mode!r}"
         )
     bs = fb.batch_size
     if not isinstance(bs, int) or bs < 0:
@@ -189,7 +195,7 @@ def validate_batch(
     held = resident_lens[host_rows]
     if released is not None:  # released first: such a row holds nothing for this step
         held = np.where(np.isin(host_rows, released.numpy()), 0, held)
-    if fb.forward_mode is ForwardMode.EXTEND:
+    if fb.forward_mode.is_extend():
         _check_extend(fb, limits, num_tokens, rows, seq_lens, out_loc, held)
     else:
         _check_decode(fb, num_tokens, seq_lens, held, bs)
@@ -364,7 +370,7 @@ def _check_extend(
 
 def _check_positions(fb: ForwardBatch, num_tokens: int) -> None:
     assert fb.positions is not None
-    if fb.forward_mode is ForwardMode.EXTEND:
+    if fb.forward_mode.is_extend():
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
         prefix, extend = fb.extend_prefix_lens.long(), fb.extend_seq_lens.long()
         start = torch.cumsum(extend, 0) - extend

@@ -91,6 +91,27 @@ def to_host(tensor: torch.Tensor, reason: str, *, non_blocking: bool = False) ->
     return host
 
 
+def to_host_packed(tensors: list[torch.Tensor], reason: str) -> list[torch.Tensor]:
+    """Several device tensors to the host in one counted transfer: their bytes concatenated
+    on the device, copied once, and viewed back with each one's dtype and shape."""
+    if len(tensors) == 1:
+        return [to_host(tensors[0], reason)]
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    pad = [(-f.numel()) % 8 for f in flat]  # every part starts 8-byte aligned
+    parts = []
+    for f, p in zip(flat, pad, strict=True):
+        parts.append(f)
+        if p:
+            parts.append(f.new_zeros(p))
+    host = to_host(torch.cat(parts), reason)
+    out, at = [], 0
+    for t, f, p in zip(tensors, flat, pad, strict=True):
+        n = f.numel()
+        out.append(host[at : at + n].view(t.dtype).reshape(t.shape))
+        at += n + p
+    return out
+
+
 def to_device(
     tensor: torch.Tensor,
     out: torch.Tensor | torch.device,

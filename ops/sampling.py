@@ -102,14 +102,31 @@ def sample_tokens(
     plan: SamplingPlan,
 ) -> torch.Tensor:
     """Next token per row of logits [n, V]: argmax where the temperature is below
-    GREEDY_BELOW_TEMPERATURE (0 included), else a draw.
-
-    Order: temperature, then top-k, then top-p on the top-k-renormalized distribution, then
-    min-p relative to the most likely token. The most likely token is never excluded.
-    """
+    GREEDY_BELOW_TEMPERATURE (0 included), else a draw (`draw` from `distribution`)."""
     greedy_ids = logits.argmax(dim=-1)
     if plan.all_greedy:
         return greedy_ids
+    greedy = temperatures < GREEDY_BELOW_TEMPERATURE
+    probs, cand_ids = distribution(logits, temperatures, top_ks, top_ps, min_ps, plan)
+    return torch.where(greedy, greedy_ids, draw(probs, cand_ids, uniforms))
+
+
+def distribution(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    plan: SamplingPlan,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's sampling distribution: (probs [n, C], cand_ids [n, C] or None when the
+    candidates are the whole vocabulary in vocabulary order). Excluded candidates have
+    probability 0; the rest are not renormalized (`draw` scales by the total).
+
+    Order: temperature, then top-k, then top-p on the top-k-renormalized distribution, then
+    min-p relative to the most likely token. The most likely token is never excluded. Rows
+    below GREEDY_BELOW_TEMPERATURE get temperature 1 here (their callers take the argmax).
+    """
     vocab = logits.shape[-1]
     greedy = temperatures < GREEDY_BELOW_TEMPERATURE
     scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
@@ -136,12 +153,16 @@ def sample_tokens(
         excluded[:, 0] = False  # sorted: column 0 is the most likely token
     else:
         excluded.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
-    probs = probs.masked_fill(excluded, 0.0)
+    return probs.masked_fill(excluded, 0.0), cand_ids
 
+
+def draw(
+    probs: torch.Tensor, cand_ids: torch.Tensor | None, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """The inverse CDF of each row's distribution (`distribution`) at its uniform in [0, 1)."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]
     # Stay strictly below the total so the search lands on a kept (non-zero) candidate.
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).clamp_(max=probs.shape[-1] - 1)
-    drawn = idx.squeeze(-1) if cand_ids is None else cand_ids.gather(1, idx).squeeze(-1)
-    return torch.where(greedy, greedy_ids, drawn)
+    return idx.squeeze(-1) if cand_ids is None else cand_ids.gather(1, idx).squeeze(-1)

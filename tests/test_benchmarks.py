@@ -67,3 +67,33 @@ def test_constrained_decode_pairs_runs_of_the_same_shapes(cache_dir: Path) -> No
     assert math.isfinite(result.ratio) and result.ratio > 0
     row = constrained_decode.table([result]).splitlines()[2]
     assert row.startswith("| tiny-random | 2 | ")
+
+
+def test_sampling_controls_benchmark_times_every_variant(cache_dir: Path) -> None:
+    """Two measured steps per variant on tiny-random: each variant's step ran its controls
+    (the `sample` phase is timed for all) and the table has one cell per variant."""
+    from benchmarks import sampling_controls
+    from executor.model_executor import ModelExecutor
+
+    ex = ModelExecutor(tiny_config(cache_dir, graph_mode="none", max_reqs=12, kv_slots=4096))
+    result = sampling_controls.measure(ex, bs=2, steps=2, context=16, warmup=1)
+    assert set(result.sample_us) == set(sampling_controls.VARIANTS)
+    assert all(len(v) == 2 and min(v) > 0 for v in result.total_us.values())
+    line = sampling_controls.table([result]).splitlines()[2]
+    assert line.startswith("| 2 | ") and line.count("/") == len(sampling_controls.VARIANTS)
+
+
+def test_extra_outputs_benchmark_times_every_ask_and_builds_plain_steps(cache_dir: Path) -> None:
+    from benchmarks import extra_outputs
+    from executor.model_executor import ModelExecutor
+
+    ex = ModelExecutor(
+        tiny_config(cache_dir, graph_mode="none", max_reqs=2, kv_slots=64, max_tokens_per_batch=64)
+    )
+    result = extra_outputs.measure_asks(ex, bs=2, tokens=8, steps=1)
+    assert set(result) == set(extra_outputs.VARIANTS)
+    assert all(len(total) == 1 and total[0] > 0 for total, _ in result.values())
+    batches = extra_outputs.plain_decode_steps(bs=2, context=4, steps=3)
+    for fb in batches:  # a prefill, three decode steps and the release all run
+        ex.forward(fb)
+    assert ex.req_to_token_pool.rows_in_use() == 0

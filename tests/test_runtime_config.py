@@ -425,7 +425,7 @@ def test_cli_sends_the_token_from_its_file(
 
 
 def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
-    from executor.service import codec
+    from executor.service import info_codec as codec
     from executor.step.paths import GraphMode, Path, SeqLensPolicy
     from executor.step.toggles import CaptureState, Toggles
 

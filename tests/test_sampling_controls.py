@@ -4,19 +4,31 @@ kept per row, against direct formulas (and transformers' repetition penalty), on
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.controls.types import RowControl, SamplingControls, VocabMask
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.client.grpc_client import ExecutorClient
+from executor.controls.types import (
+    DeferredMask,
+    DeferredMaskTimeout,
+    RowControl,
+    SamplingControls,
+    VocabMask,
+)
 from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.model_executor import ModelExecutor
+from model_executor.v1 import executor_pb2 as pb
 from ops.logit_controls import pack_bitmask, unpack_bitmask
+from tests.server_util import Scrape, running_server, tiny_config
 
 MakeExecutor = Callable[..., ModelExecutor]
 PROMPT = [5, 17, 33, 2, 400, 12, 17, 17, 33]
@@ -265,7 +277,7 @@ def test_a_refused_or_failed_batch_leaves_the_row_state(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample", boom)
+    monkeypatch.setattr(ex.step.sampler, "sample_with", boom)
     ok = dataclasses.replace(
         bad, out_cache_loc=torch.tensor([900]), row_controls=new, released_req_pool_indices=None
     )
@@ -333,3 +345,161 @@ def test_seeded_draws_with_controls_stay_batch_independent(make_executor: MakeEx
         ),
     )
     assert t[1] == t_alone[0]
+
+
+def overlap_batches(controls: dict[int, SamplingControls], steps: int) -> list[ForwardBatch]:
+    """Rows 1 and 2 prefill with `controls`, then decode `steps` times feeding each step's
+    tokens back by future-token reference (no host round trip of the ids)."""
+    prompts = {1: PROMPT, 2: PROMPT[:4]}
+    slot = 1
+    locs = []
+    for p in prompts.values():
+        locs.append(list(range(slot, slot + len(p))))
+        slot += len(p)
+    fb = make_extend_batch(
+        input_ids=list(prompts.values()), req_pool_indices=[1, 2], out_cache_loc=locs
+    )
+    batches = [
+        dataclasses.replace(
+            fb,
+            row_controls=tuple(RowControl(r, c) for r, c in controls.items()),
+            future_token_slots=torch.tensor([1, 2]),
+        )
+    ]
+    lens = [len(p) for p in prompts.values()]
+    for k in range(steps):
+        lens = [n + 1 for n in lens]
+        reads = [2 * k + 1, 2 * k + 2]
+        fb = make_decode_batch(
+            input_ids=[-r for r in reads],
+            req_pool_indices=[1, 2],
+            seq_lens=lens,
+            out_cache_loc=[slot, slot + 1],
+        )
+        slot += 2
+        released = torch.tensor([2 * k - 1, 2 * k]) if k else None
+        batches.append(
+            dataclasses.replace(
+                fb,
+                future_token_slots=torch.tensor([2 * k + 3, 2 * k + 4]),
+                released_future_slots=released,
+            )
+        )
+    return batches
+
+
+def test_history_includes_tokens_fed_back_by_future_reference(
+    make_executor: MakeExecutor,
+) -> None:
+    """The penalties see the resolved id of a `-k` input: the overlap run's tokens equal
+    those of a run that sends every id."""
+    c = {1: SamplingControls(frequency_penalty=2.0, repetition_penalty=1.5)}
+    ex = make_executor()
+    overlap = [ex.forward(b).next_token_ids.tolist() for b in overlap_batches(c, 5)]
+    d = Driver(make_executor())
+    _, _, t = d.prefill({1: PROMPT, 2: PROMPT[:4]}, c)
+    plain = [t]
+    for _ in range(5):
+        _, _, t = d.decode([1, 2], t)
+        plain.append(t)
+    assert overlap == plain
+    assert len(set(d.history[1][len(PROMPT) :])) > 1  # the penalty changed the greedy path
+
+
+def test_a_deferred_mask_is_awaited_at_sampling_and_a_late_one_undoes_the_step(
+    make_executor: MakeExecutor,
+) -> None:
+    ex = make_executor(deferred_mask_timeout_s=0.3)
+    vocab = ex.limits.vocab_size
+    allowed = torch.zeros(2, vocab, dtype=torch.bool)
+    allowed[0, 77] = allowed[1, [5, 6]] = True
+    mask = VocabMask(words=pack_bitmask(allowed))
+    inline = Driver(make_executor())
+    _, inline_logits, inline_tokens = inline.prefill({1: PROMPT, 2: PROMPT}, {}, vocab_mask=mask)
+
+    d = Driver(ex)
+    late = DeferredMask(batch_id=7)
+    timer = threading.Timer(0.05, late.fulfill, args=(mask,))
+    timer.start()
+    _, logits, tokens = d.prefill({1: PROMPT, 2: PROMPT}, {}, deferred_mask=late)
+    timer.join()
+    assert tokens == inline_tokens and torch.equal(logits, inline_logits)
+    assert d.last.stats.control_rows == {"vocab_mask": 2}
+
+    # Never sent: the step fails after the forward and leaves the row table as it was.
+    rows_before = ex.req_to_token_pool.resident_lens.copy()
+    with pytest.raises(DeferredMaskTimeout, match="batch_id 8"):
+        d.decode([1, 2], tokens, deferred_mask=DeferredMask(batch_id=8))
+    assert (ex.req_to_token_pool.resident_lens == rows_before).all()
+
+
+# --- over gRPC -------------------------------------------------------------------------------
+
+
+def test_controls_over_grpc_getinfo_caps_retries_and_metrics(tmp_path: Path) -> None:
+    with (
+        running_server(tiny_config(tmp_path)) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as client,
+    ):
+        info = client.stub.GetInfo(pb.GetInfoRequest())
+        assert set(info.sampling_controls) >= {"repetition_penalty", "logit_bias", "vocab_mask"}
+        assert info.vocab_mask_words == (info.vocab_size + 31) // 32
+        assert (info.max_logit_bias, info.max_control_token_ids) == (300, 4096)
+        assert info.deferred_mask_timeout_ms == 5000
+
+        state = srv.worker.executor.step.controls.state
+        fb = make_extend_batch(
+            input_ids=[PROMPT],
+            req_pool_indices=[3],
+            out_cache_loc=[list(range(1, 1 + len(PROMPT)))],
+        )
+        fb = dataclasses.replace(
+            fb,
+            row_controls=(
+                RowControl(3, SamplingControls(allowed_token_ids=(42,), frequency_penalty=0.5)),
+            ),
+        )
+        first = client.forward(fb, batch_id=11)
+        assert first.next_token_ids.tolist() == [42]
+        assert first.stats.control_rows == {"penalties": 1, "token_ids": 1}
+        after = [a.copy() for a in state.host.values()]
+        again = client.forward(fb, batch_id=11)  # answered from the retry memory
+        assert again.next_token_ids.tolist() == [42]
+        for a, b in zip(after, state.host.values(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        # The controls stay with the row: the next DECODE is still restricted.
+        step = make_decode_batch(
+            input_ids=[42], req_pool_indices=[3], seq_lens=[len(PROMPT) + 1], out_cache_loc=[100]
+        )
+        assert client.forward(step).next_token_ids.tolist() == [42]
+        scrape = Scrape(srv)
+        assert scrape.get("model_executor_sampling_control_rows_total", control="token_ids") == 2
+        assert scrape.get("model_executor_batches_replayed_total") == 1
+
+        # Oversized lists are refused from the header, naming the field and the cap.
+        big = dataclasses.replace(
+            step,
+            row_controls=(
+                RowControl(3, SamplingControls(logit_bias=tuple((i, 1.0) for i in range(301)))),
+            ),
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            client.forward(big)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "logit_bias" in err.value.details() and "max_logit_bias (300)" in err.value.details()
+        bad = dataclasses.replace(step, row_controls=(RowControl(5, SamplingControls()),))
+        with pytest.raises(grpc.RpcError) as err:
+            client.forward(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "row_controls[0].req_pool_index" in err.value.details()
+
+
+def test_an_idle_release_clears_a_rows_controls(make_executor: MakeExecutor) -> None:
+    ex = make_executor()
+    d = Driver(ex)
+    d.prefill({4: PROMPT}, {4: CONTROLS["all_penalties"]})
+    state = ex.step.controls.state
+    assert state.active[4]
+    ex.forward(dataclasses.replace(make_idle_batch(), released_req_pool_indices=torch.tensor([4])))
+    assert not state.active[4]
+    assert float(state.device["repetition"][4]) == 1.0

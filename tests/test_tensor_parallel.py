@@ -12,6 +12,7 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.config import ExecutorConfig
+from executor.controls.types import SamplingControls
 from executor.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
@@ -246,3 +247,19 @@ def test_start_up_refuses_a_tp_size_the_model_cannot_take(changes: dict, message
 def test_an_executor_of_tp_size_2_needs_its_process_group() -> None:
     with pytest.raises(ValueError, match="tp_size=2 needs a process group of that size"):
         ModelExecutor(_tiny(tp_size=2))
+
+
+def test_sampling_controls_at_tp2_match_tp1() -> None:
+    """Rank 0 keeps the controls and samples; the workers run the same steps without them."""
+    from tests.test_sampling_controls import overlap_batches
+
+    controls = {
+        1: SamplingControls(repetition_penalty=1.5, frequency_penalty=1.0),
+        2: SamplingControls(allowed_token_ids=(3, 40, 41), logit_bias=((40, -3.0),)),
+    }
+    runs = [{"batches": overlap_batches(controls, 4)}]
+    config = _tiny(graph_mode="none")
+    want = run_generations(ModelExecutor(config), PROMPTS, runs)
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
+    assert got == want
+    assert all(t[1] in (3, 40, 41) for t in want[0][0])

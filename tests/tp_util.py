@@ -19,8 +19,9 @@ from executor.parallel.group import TpEndpoint, free_port
 
 def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]]) -> list[Any]:
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
-    a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank), and
-    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error."""
+    a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank),
+    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
+    `{"batches": [...]}` runs prebuilt batches: the tokens of each."""
     from executor.client.scheduler import generate
     from executor.errors import BatchValidationError
 
@@ -28,6 +29,9 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     for kw in runs:
         if "toggles" in kw:
             ex.control.apply_toggles(**kw["toggles"])
+            continue
+        if "batches" in kw:  # prebuilt batches, in order: the tokens of each
+            results.append(([ex.forward(b).next_token_ids.tolist() for b in kw["batches"]], []))
             continue
         if "refuse" in kw:
             try:

@@ -37,7 +37,8 @@ from executor.service.runtime_config import parse_assignments
 from executor.service.server_config import ServerConfig
 
 if TYPE_CHECKING:
-    from executor.client.grpc_client import ExecutorClient
+    from executor.client.grpc_client import ExecutorClient, RemoteInfo
+    from executor.models.tokenizer import Tokenizer
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -182,17 +183,74 @@ def _json_schema(path: str | None) -> str | None:
     return text
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from executor.client.scheduler import ReferenceScheduler, Request
+def _session(
+    args: argparse.Namespace, stack: ExitStack
+) -> tuple[ExecutorClient, RemoteInfo, Tokenizer]:
+    """A client of `args.target`, or of an embedded server on a free loopback port (stopped
+    with `stack`), its GetInfo, and the model's tokenizer. Logs go to stderr."""
     from executor.models.loader import resolve_model_spec
     from executor.models.tokenizer import load_tokenizer
     from executor.service.server import start_server
 
     executor_cfg, server_cfg = _configs(args)
-    # stdout carries the generated text only; logs go to stderr.
     configure_logging(
         args.log_level_generate, "console" if sys.stderr.isatty() else "json", stream=sys.stderr
     )
+    target = args.target
+    if target is None:
+        running = start_server(
+            executor_cfg,
+            ServerConfig(host="127.0.0.1", port=0, metrics_port=-1, log_level=server_cfg.log_level),
+        )
+        stack.callback(running.drain)
+        running.wait_ready(timeout=args.ready_timeout)  # raises if the model failed to load
+        target = f"127.0.0.1:{running.port}"
+    client = stack.enter_context(_client(args, target))
+    client.wait_ready(timeout=args.ready_timeout)
+    remote = client.info()
+    tok = load_tokenizer(
+        resolve_model_spec(args.tokenizer or remote.model_spec),
+        remote.info.vocab_size,
+        remote.info.bos_token_id,
+        remote.info.eos_token_ids,
+        resolve_cache_dir(executor_cfg),
+    )
+    return client, remote, tok
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """One JSON line per file: its token count, mean negative log-likelihood, perplexity."""
+    with ExitStack() as stack:
+        client, _, tok = _session(args, stack)
+        for path in args.files:
+            with open(path, encoding="utf-8") as f:
+                tokens = tok.encode(f.read(), add_special_tokens=False)
+            result = client.score(tokens)
+            print(json.dumps({"file": path, **result.summary(per_token=args.per_token)}))
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """One JSON line per text: its pooled embedding."""
+    from executor.extras.types import Pooling
+
+    texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    with ExitStack() as stack:
+        client, _, tok = _session(args, stack)
+        for text in texts:
+            vector = client.embed(
+                tok.encode(text, add_special_tokens=False),
+                pooling=Pooling[args.pooling.upper()],
+                layer=args.layer,
+            )
+            print(json.dumps({"text": text, "embedding": vector}))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from executor.client.scheduler import ReferenceScheduler, Request
+
+    # stdout carries the generated text only; logs go to stderr.
     controls = sampling_controls(args)  # flags first: a bad one fails before any model loads
     schema = _json_schema(args.json_schema)
     prompts = list(args.prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -200,28 +258,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
         return 2
     with ExitStack() as stack:
-        target = args.target
-        if target is None:  # an embedded server on a free loopback port
-            running = start_server(
-                executor_cfg,
-                ServerConfig(
-                    host="127.0.0.1", port=0, metrics_port=-1, log_level=server_cfg.log_level
-                ),
-            )
-            stack.callback(running.drain)
-            running.wait_ready(timeout=args.ready_timeout)  # raises if the model failed to load
-            target = f"127.0.0.1:{running.port}"
-        client = stack.enter_context(_client(args, target))
-        client.wait_ready(timeout=args.ready_timeout)
-        remote = client.info()
-        spec = args.tokenizer or remote.model_spec
-        tok = load_tokenizer(
-            resolve_model_spec(spec),
-            remote.info.vocab_size,
-            remote.info.bos_token_id,
-            remote.info.eos_token_ids,
-            resolve_cache_dir(executor_cfg),
-        )
+        client, remote, tok = _session(args, stack)
         texts = prompts
         if args.chat:
             texts = []
@@ -387,6 +424,32 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_arguments(gen, ExecutorConfig, exclude=frozenset({"seed"}))
     _add_tls_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+
+    score = sub.add_parser(
+        "score", help="files -> one JSON line each: tokens, mean NLL and perplexity of the text"
+    )
+    score.add_argument("files", nargs="+", help="text files (tokenized without special tokens)")
+    score.add_argument("--per-token", action="store_true", help="add each token's logprob")
+    embed = sub.add_parser("embed", help="texts -> one JSON line each: the pooled embedding")
+    embed.add_argument("texts", nargs="*", help="texts (default: one per line on stdin)")
+    embed.add_argument("--pooling", choices=("mean", "last"), default="mean")
+    embed.add_argument(
+        "--layer", type=int, default=None, help="hidden state index (default: the final one)"
+    )
+    for p in (score, embed):
+        p.add_argument(
+            "--target",
+            default=None,
+            help="host:port of a running executor (default: start one in-process)",
+        )
+        p.add_argument("--tokenizer", default=None, help="model spec whose tokenizer to use")
+        p.add_argument("--ready-timeout", type=float, default=300.0)
+        p.add_argument("--log-level-generate", default="warning", help="log level on stderr")
+        p.add_argument("--config", help="TOML file for the embedded server")
+        settings.add_arguments(p, ExecutorConfig)
+        _add_tls_arguments(p)
+    score.set_defaults(func=cmd_score)
+    embed.set_defaults(func=cmd_embed)
 
     info = sub.add_parser("info", help="print a running executor's GetInfo as JSON")
     info.add_argument("--target", default=DEFAULT_TARGET)

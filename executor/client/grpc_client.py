@@ -29,7 +29,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor.client.allocator import FutureSlotAllocator
+from executor.client.scoring import TextScore, embed_tokens, score_tokens
 from executor.controls.types import VocabMask
+from executor.extras.types import Pooling
 from executor.forward_batch import ForwardBatch
 from executor.service.codec import (
     batch_to_proto,
@@ -202,6 +204,19 @@ class ExecutorClient:
         `release` the slot once that step is built; `take_released` gives the next batch's
         `released_future_slots`."""
         return FutureSlotAllocator(self.info(timeout).info.limits.future_slots)
+
+    def score(self, tokens: list[int]) -> TextScore:
+        """The text's per-token logprobs, mean NLL and perplexity (executor.client.scoring):
+        it holds row 1 while it runs."""
+        return score_tokens(self.retrying(), self.info().info.limits, tokens)
+
+    def embed(
+        self, tokens: list[int], *, pooling: Pooling = Pooling.MEAN, layer: int | None = None
+    ) -> list[float]:
+        """The text's pooled hidden state (executor.client.scoring): it holds row 1."""
+        return embed_tokens(
+            self.retrying(), self.info().info.limits, tokens, pooling=pooling, layer=layer
+        )
 
     def close(self) -> None:
         self.channel.close()

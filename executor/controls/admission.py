@@ -16,6 +16,7 @@ import torch
 
 from executor.controls.state import PREFIX, RowControlState, RowValues
 from executor.controls.types import (
+    CONTROL_ROWS,
     MASK_BITS,
     SamplingControls,
     VocabMask,
@@ -139,13 +140,8 @@ def _plan(
     touched = eff.penalties | eff.bias | eff.token_mask | eff.suppressing | masked
     positions = np.flatnonzero(touched).astype(np.int64)
     _check_not_empty(eff, mask_words, positions, state.vocab_size)
-    counts = {
-        "penalties": int(eff.penalties.sum()),
-        "logit_bias": int(eff.bias.sum()),
-        "min_tokens": int(eff.suppressing.sum()),
-        "token_ids": int(eff.token_mask.sum()),
-        "vocab_mask": int(masked.sum()),
-    }
+    used = (eff.penalties, eff.bias, eff.suppressing, eff.token_mask, masked)
+    counts = {name: int(u.sum()) for name, u in zip(CONTROL_ROWS, used, strict=True)}
     pen_lens = eff.seq_lens[eff.penalties]
     return ControlsStep(
         update=update,

@@ -15,6 +15,8 @@ import torch
 from executor.errors import BatchValidationError
 
 MASK_BITS = 32  # tokens per vocab-mask word
+# What ForwardStats.control_rows counts, by name.
+CONTROL_ROWS = ("penalties", "logit_bias", "min_tokens", "token_ids", "vocab_mask")
 
 
 def mask_words(vocab_size: int) -> int:

@@ -174,4 +174,5 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
             padded_num_tokens=padded,
             fill_registry=GRAPH_DECODE,
             fill_stats=stats,
+            hidden=self.hidden[:bs],
         )

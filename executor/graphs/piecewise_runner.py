@@ -136,4 +136,5 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             padded_num_tokens=padded,
             fill_registry=GRAPH_EXTEND,
             fill_stats=stats,
+            hidden=a.hidden[:n],
         )

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.forward_batch import ForwardMode
 from executor.models.blocks import DecoderLayer, LayerBuild, LayerFns
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
@@ -172,14 +173,21 @@ class DecoderModel(nn.Module, ABC):
         fb: ForwardBatch,
         attn: AttentionBackend,
         input_embeds: torch.Tensor | None = None,
+        keep: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """-> final-normed hidden states [T, hidden] for every token of the batch."""
+        """-> final-normed hidden states [T, hidden] for every token of the batch. `keep`:
+        its keys are hidden states to record, numbered as transformers' output_hidden_states
+        (0 the embeddings, i the residual stream after layer i); filled in place."""
         hidden = self.embed(input_ids, input_embeds)
+        if keep is not None and 0 in keep:
+            keep[0] = hidden
         residual: torch.Tensor | None = None
-        for layer in self.decoder_layers:
+        for i, layer in enumerate(self.decoder_layers):
             q, k, v, residual = layer.pre_attention(positions, hidden, residual, self.rotary)
             attn_out = attn.forward(q, k, v, layer.layer_id, fb)
             hidden, residual = layer.post_attention(attn_out, residual)
+            if keep is not None and i + 1 in keep:
+                keep[i + 1] = hidden + residual
         assert residual is not None
         return self.final_norm(hidden, residual)
 
@@ -236,10 +244,16 @@ class DecoderModel(nn.Module, ABC):
         return [first, *(middle(i) for i in range(1, len(layers))), last]
 
     def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Logits of each request's last token: [bs, vocab] float32."""
-        if fb.forward_mode.is_extend():
+        """Logits of each request's last token, [bs, vocab] float32; VERIFY: of every token,
+        [num_tokens, vocab]."""
+        if fb.forward_mode is ForwardMode.EXTEND:
             assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
             hidden = hidden[fb.extend_start_loc + fb.extend_seq_lens - 1]
+        return self.logits_of(hidden)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head on final-normed hidden states [n, hidden] -> [n, vocab] float32 (every
+        rank of a tensor-parallel group must call it: the vocabulary is gathered)."""
         if self.lm_head is None:  # tied to a float embedding
             assert isinstance(self.embed_tokens, Embedding)
             logits = F.linear(hidden, self.embed_tokens.weight).float()

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from executor.config import RUNTIME_GRAPH_MODES
+from executor.controls.types import CONTROL_ROWS
 from executor.observability.single_writer_metrics import (
     CounterChild,
     HistogramChild,
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 PREFIX = "model_executor_"
 PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")
-MODES = ("decode", "extend", "idle")
+MODES = ("decode", "extend", "idle", "verify")
 FILL_REGISTRIES = ("eager_decode", "eager_extend", "graph_decode", "graph_extend")
 # 100 us .. 10 s: a CPU decode step of a tiny model is ~1 ms, a long prefill seconds.
 LATENCY_BUCKETS = (
@@ -218,6 +219,21 @@ class ExecutorMetrics:
             "Input ids resolved on the device from the future-token table (overlap scheduling).",
             (),
         )
+        self.sampling_control_rows = step_counter(
+            "sampling_control_rows",
+            "Rows a sampling control touched, summed over steps, by control (penalties, "
+            "logit_bias, min_tokens, token_ids, vocab_mask).",
+            ("control",),
+        )
+        self.draft_tokens = step_counter(
+            "draft_tokens", "VERIFY: draft tokens scored (the executor's and the scheduler's).", ()
+        )
+        self.accepted_drafts = step_counter("accepted_drafts", "VERIFY: draft tokens accepted.", ())
+        self.accepted_length = step_histogram(
+            "accepted_length",
+            "VERIFY: tokens a row gained per step (accepted drafts plus the bonus token).",
+            (), SIZE_BUCKETS,
+        )  # fmt: skip
         self.fill_copy_calls = step_counter(
             "fill_copy_calls", "Copy calls made by input staging (one grouped copy counts once), "
             "by registry.", ("registry",),
@@ -294,6 +310,8 @@ class ExecutorMetrics:
             self.padding_tokens.labels(path)
         self._queue_wait = self.queue_wait_seconds.labels()
         self._future_resolved = self.future_tokens_resolved.labels()
+        for control in CONTROL_ROWS:
+            self.sampling_control_rows.labels(control)
         self._allreduce: Any = None  # rank 0's series, made when a tensor-parallel model loads
 
     # --- recording ---
@@ -317,6 +335,13 @@ class ExecutorMetrics:
             self._queue_wait.observe(queue * 1e-9)
         if stats.future_refs:
             self._future_resolved.inc(stats.future_refs)
+        if stats.draft_tokens or stats.mode == "verify":
+            self.draft_tokens.labels().inc(stats.draft_tokens)
+            self.accepted_drafts.labels().inc(stats.accepted_drafts)
+            for n in stats.accept_lengths:
+                self.accepted_length.labels().observe(n)
+        for control, rows in stats.control_rows.items():
+            self.sampling_control_rows.labels(control).inc(rows)
         if stats.fill_registry is not None:
             fill = self._fills.get(stats.fill_registry) or self._fill_series(stats.fill_registry)
             fill.copies.inc(stats.fill_tensors)

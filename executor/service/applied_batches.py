@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+import torch
+
 from executor.errors import BatchValidationError
 from executor.service.codec import BATCH_TENSOR_FIELDS
 from executor.step.outputs import ForwardOutput
@@ -38,17 +40,22 @@ def fingerprint(msg: pb.ForwardBatch) -> bytes:
             h.update(t.dtype.to_bytes(4, "little"))
             h.update(len(t.data).to_bytes(8, "little"))
             h.update(t.data)
+    # The per-row asks change what the step writes (controls) and answers (outputs).
+    for entry in (*msg.row_controls, *msg.row_outputs):
+        h.update(entry.SerializeToString(deterministic=True))
     return h.digest()
 
 
 class AppliedBatches:
     """batch_id -> (fingerprint, output) for the last `capacity` applied batches."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, max_bytes: int = 256 << 20) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[int, tuple[bytes, ForwardOutput]] = OrderedDict()
+        self.max_bytes = max_bytes  # the stored outputs' tensor bytes, all entries together
+        self.bytes = 0
+        self._entries: OrderedDict[int, tuple[bytes, ForwardOutput, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,7 +69,7 @@ class AppliedBatches:
         entry = self._entries.get(batch_id)
         if entry is None:
             return None
-        stored_digest, out = entry
+        stored_digest, out, _ = entry
         if stored_digest != digest:
             raise BatchValidationError(
                 "batch_id",
@@ -74,7 +81,26 @@ class AppliedBatches:
     def store(self, batch_id: int, digest: bytes, out: ForwardOutput) -> None:
         if batch_id == 0 or self.capacity == 0:
             return
-        self._entries[batch_id] = (digest, out)
-        self._entries.move_to_end(batch_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        size = output_bytes(out)
+        old = self._entries.pop(batch_id, None)
+        if old is not None:
+            self.bytes -= old[2]
+        self._entries[batch_id] = (digest, out, size)
+        self.bytes += size
+        while len(self._entries) > self.capacity or (
+            self.bytes > self.max_bytes and len(self._entries) > 1
+        ):
+            self.bytes -= self._entries.popitem(last=False)[1][2]
+
+
+def output_bytes(out: ForwardOutput) -> int:
+    """The tensor bytes an output holds (what the retry memory's byte bound counts)."""
+    total = 0
+    for value in vars(out).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    if out.extras is not None:
+        for ragged in vars(out.extras).values():
+            if ragged is not None:
+                total += ragged.values.numel() * ragged.values.element_size()
+    return total

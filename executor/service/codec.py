@@ -15,16 +15,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.controls.types import mask_words
-from executor.errors import BatchValidationError, RuntimeConfigError
+from executor.errors import BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.service.controls_codec import (
     add_controls_to_proto,
     check_control_claims,
     controls_fields,
 )
-from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.step.outputs import ExecutorInfo, ForwardOutput, StepStats
+from executor.service.extras_codec import (
+    add_outputs_to_proto,
+    check_output_claims,
+    extras_from_proto,
+    extras_to_proto,
+    outputs_from_proto,
+)
+from executor.service.info_codec import (  # re-exported: GetInfo and the toggles' codec
+    info_from_proto,
+    info_to_proto,
+    runtime_config_from_proto,
+    runtime_config_to_proto,
+    runtime_update_from_proto,
+    runtime_update_to_proto,
+)
+from executor.step.outputs import ForwardOutput, StepStats
 from executor.validation import BatchLimits, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
 
@@ -58,6 +71,7 @@ BATCH_TENSOR_FIELDS = (
     "input_embeds",
     "future_token_slots",
     "released_future_slots",
+    "ngram_draft",
 )
 _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
@@ -143,13 +157,16 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
     lengths of repeated fields and tensor byte counts only (BatchTooLargeError). Every other
     rule is validation's, on the device thread."""
     check_request_count("sampling_params", len(msg.sampling_params), limits)
-    for name in ("req_pool_indices", "seq_lens", "future_token_slots"):
+    for name in ("req_pool_indices", "seq_lens", "future_token_slots", "ngram_draft"):
         if msg.HasField(name):
             check_request_count(name, _element_count(getattr(msg, name)), limits)
     for name in ("input_ids", "out_cache_loc", "positions"):
         if msg.HasField(name):
             check_token_count(name, _element_count(getattr(msg, name)), limits)
     check_control_claims(msg, limits)
+    if msg.row_outputs:
+        tokens = _element_count(msg.input_ids) if msg.HasField("input_ids") else 0
+        check_output_claims(msg, limits, tokens)
 
 
 def batch_from_proto(
@@ -160,9 +177,9 @@ def batch_from_proto(
     The codec refuses only what it must before it allocates: an unknown mode, a tensor whose
     bytes do not match its dtype and shape, a missing required field, and (with `limits`)
     size claims beyond them, from the header alone."""
-    if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE):
+    if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE, pb.VERIFY):
         raise BatchValidationError(
-            "forward_mode", f"must be EXTEND, DECODE or IDLE, got {msg.forward_mode}"
+            "forward_mode", f"must be EXTEND, DECODE, IDLE or VERIFY, got {msg.forward_mode}"
         )
     if limits is not None:
         check_size_claims(msg, limits)
@@ -193,11 +210,13 @@ def batch_from_proto(
         released_req_pool_indices=_optional(msg, "released_req_pool_indices"),
         input_embeds=input_embeds,
         future_token_slots=_optional(msg, "future_token_slots"),
+        ngram_draft=_optional(msg, "ngram_draft"),
         released_future_slots=_optional(msg, "released_future_slots"),
         sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
         **controls_fields(msg, batch_id, tensor_from_proto),
+        **outputs_from_proto(msg),
     )
 
 
@@ -230,6 +249,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
             if has_seed:
                 p.seed = seed % (1 << 64)
     add_controls_to_proto(fb, msg, tensor_to_proto)
+    add_outputs_to_proto(fb, msg)
     return msg
 
 
@@ -254,8 +274,19 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             h2d_syncs=st.h2d_syncs,
             h2d_copies=st.h2d_copies,
             control_rows=st.control_rows,
+            draft_tokens=st.draft_tokens,
+            accepted_drafts=st.accepted_drafts,
         ),
     )
+    if out.extras is not None:
+        extras_to_proto(out.extras, msg, tensor_to_proto)
+    if out.accepted_tokens is not None and out.accepted_lengths is not None:
+        lengths = tensor_to_proto(out.accepted_lengths)
+        msg.accepted_tokens.values.CopyFrom(tensor_to_proto(out.accepted_tokens))
+        msg.accepted_tokens.lengths.CopyFrom(lengths)
+        if out.accepted_logprobs is not None:
+            msg.accepted_logprobs.values.CopyFrom(tensor_to_proto(out.accepted_logprobs))
+            msg.accepted_logprobs.lengths.CopyFrom(lengths)
     if out.next_token_logprobs is not None:
         msg.next_token_logprobs.CopyFrom(tensor_to_proto(out.next_token_logprobs))
     if out.top_logprob_ids is not None and out.top_logprobs is not None:
@@ -287,168 +318,36 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             h2d_syncs=st.h2d_syncs,
             h2d_copies=st.h2d_copies,
             control_rows=dict(st.control_rows),
+            draft_tokens=st.draft_tokens,
+            accepted_drafts=st.accepted_drafts,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),
         top_logprobs=opt("top_logprobs"),
+        accepted_tokens=_ragged_values(msg, "accepted_tokens"),
+        accepted_lengths=_ragged_lengths(msg, "accepted_tokens"),
+        accepted_logprobs=_ragged_values(msg, "accepted_logprobs"),
+        extras=extras_from_proto(msg, tensor_from_proto),
     )
 
 
-def info_to_proto(
-    info: ExecutorInfo, model_spec: str, runtime_config: RuntimeConfig | None = None
-) -> pb.GetInfoResponse:
-    lim = info.limits
-    msg = pb.GetInfoResponse(
-        tp_size=info.tp_size,
-        model_name=info.model_name,
-        architecture=info.architecture,
-        vocab_size=info.vocab_size,
-        hidden_size=info.hidden_size,
-        dtype=info.dtype,
-        device=info.device,
-        max_reqs=lim.max_reqs,
-        kv_slots=lim.kv_slots,
-        max_context_len=lim.max_context_len,
-        max_batch_size=lim.max_batch_size,
-        max_tokens_per_batch=lim.max_tokens_per_batch,
-        max_top_logprobs=lim.max_top_logprobs,
-        future_slots=lim.future_slots,
-        eos_token_ids=list(info.eos_token_ids),
-        attention_backend=info.attention_backend,
-        server_version=info.version,
-        model_spec=model_spec,
-        quantization=info.quantization,
-        linear_kernel=info.linear_kernel,
-        weight_bytes=info.weight_bytes,
-        graph_capture_disabled=info.graph_capture_disabled,
-        sampling_controls=list(info.sampling_controls),
-        vocab_mask_words=mask_words(info.vocab_size),
-        max_logit_bias=lim.max_logit_bias,
-        max_control_token_ids=lim.max_control_token_ids,
-        deferred_mask_timeout_ms=info.deferred_mask_timeout_ms,
-    )
-    if info.bos_token_id is not None:
-        msg.bos_token_id = info.bos_token_id
-    if runtime_config is not None:
-        msg.runtime_config.CopyFrom(runtime_config_to_proto(runtime_config))
-    return msg
+def _ragged_values(msg: pb.ForwardResponse, name: str) -> torch.Tensor | None:
+    if not msg.HasField(name):
+        return None
+    return tensor_from_proto(getattr(msg, name).values, name + ".values")
 
 
-def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
-    limits = BatchLimits(
-        max_reqs=msg.max_reqs,
-        kv_slots=msg.kv_slots,
-        max_context_len=msg.max_context_len,
-        vocab_size=msg.vocab_size,
-        hidden_size=msg.hidden_size,
-        max_batch_size=msg.max_batch_size,
-        max_tokens_per_batch=msg.max_tokens_per_batch,
-        max_top_logprobs=msg.max_top_logprobs,
-        future_slots=msg.future_slots,
-        max_logit_bias=msg.max_logit_bias,
-        max_control_token_ids=msg.max_control_token_ids,
-    )
-    info = ExecutorInfo(
-        model_name=msg.model_name,
-        architecture=msg.architecture,
-        vocab_size=msg.vocab_size,
-        hidden_size=msg.hidden_size,
-        dtype=msg.dtype,
-        device=msg.device,
-        limits=limits,
-        eos_token_ids=tuple(msg.eos_token_ids),
-        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
-        attention_backend=msg.attention_backend,
-        version=msg.server_version,
-        quantization=msg.quantization,
-        linear_kernel=msg.linear_kernel or "aten",  # "": a server from before the setting
-        weight_bytes=msg.weight_bytes,
-        graph_capture_disabled=msg.graph_capture_disabled,
-        tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
-        sampling_controls=tuple(msg.sampling_controls),
-        deferred_mask_timeout_ms=msg.deferred_mask_timeout_ms,
-    )
-    return info, msg.model_spec
+def _ragged_lengths(msg: pb.ForwardResponse, name: str) -> torch.Tensor | None:
+    if not msg.HasField(name):
+        return None
+    return tensor_from_proto(getattr(msg, name).lengths, name + ".lengths")
 
 
-_NEEDS_CPU_SEQ_LENS = {
-    "auto": pb.NEEDS_CPU_SEQ_LENS_AUTO,
-    "on": pb.NEEDS_CPU_SEQ_LENS_ON,
-    "off": pb.NEEDS_CPU_SEQ_LENS_OFF,
-}
-_GRAPH_MODE = {
-    "none": pb.GRAPH_MODE_NONE,
-    "decode": pb.GRAPH_MODE_DECODE,
-    "extend": pb.GRAPH_MODE_EXTEND,
-    "both": pb.GRAPH_MODE_BOTH,
-}
-_NEEDS_CPU_SEQ_LENS_NAMES = {v: k for k, v in _NEEDS_CPU_SEQ_LENS.items()}
-_GRAPH_MODE_NAMES = {v: k for k, v in _GRAPH_MODE.items()}
-
-
-def runtime_config_to_proto(config: RuntimeConfig) -> pb.RuntimeConfig:
-    return pb.RuntimeConfig(
-        eager_input_no_copy=config.eager_input_no_copy,
-        needs_cpu_seq_lens=_NEEDS_CPU_SEQ_LENS[config.needs_cpu_seq_lens],
-        graph_mode=_GRAPH_MODE[config.graph_mode],
-        log_level=config.log_level,
-        trace_sample_ratio=config.trace_sample_ratio,
-        needs_cpu_seq_lens_effective=config.needs_cpu_seq_lens_effective,
-        graph_capture=config.graph_capture,
-    )
-
-
-def runtime_config_from_proto(msg: pb.RuntimeConfig) -> RuntimeConfig:
-    return RuntimeConfig(
-        eager_input_no_copy=msg.eager_input_no_copy,
-        needs_cpu_seq_lens=_NEEDS_CPU_SEQ_LENS_NAMES.get(msg.needs_cpu_seq_lens, "auto"),
-        needs_cpu_seq_lens_effective=msg.needs_cpu_seq_lens_effective,
-        graph_mode=_GRAPH_MODE_NAMES.get(msg.graph_mode, "none"),
-        log_level=msg.log_level,
-        trace_sample_ratio=msg.trace_sample_ratio,
-        graph_capture=msg.graph_capture or "idle",
-    )
-
-
-def runtime_update_to_proto(update: RuntimeConfigUpdate) -> pb.RuntimeConfig:
-    msg = pb.RuntimeConfig()
-    if update.eager_input_no_copy is not None:
-        msg.eager_input_no_copy = update.eager_input_no_copy
-    if update.needs_cpu_seq_lens is not None:
-        msg.needs_cpu_seq_lens = _NEEDS_CPU_SEQ_LENS[update.needs_cpu_seq_lens]
-    if update.graph_mode is not None:
-        msg.graph_mode = _GRAPH_MODE[update.graph_mode]
-    if update.log_level is not None:
-        msg.log_level = update.log_level
-    if update.trace_sample_ratio is not None:
-        msg.trace_sample_ratio = update.trace_sample_ratio
-    return msg
-
-
-def runtime_update_from_proto(msg: pb.RuntimeConfig) -> RuntimeConfigUpdate:
-    """The fields an update sets; RuntimeConfigError (INVALID_ARGUMENT) for a malformed one."""
-    if msg.HasField("needs_cpu_seq_lens_effective"):
-        raise RuntimeConfigError(
-            "needs_cpu_seq_lens_effective is output only; set needs_cpu_seq_lens instead"
-        )
-    if msg.HasField("graph_capture"):
-        raise RuntimeConfigError("graph_capture is output only; set graph_mode instead")
-    values: dict[str, Any] = {}
-    if msg.HasField("eager_input_no_copy"):
-        values["eager_input_no_copy"] = msg.eager_input_no_copy
-    for name, names in (
-        ("needs_cpu_seq_lens", _NEEDS_CPU_SEQ_LENS_NAMES),
-        ("graph_mode", _GRAPH_MODE_NAMES),
-    ):
-        if msg.HasField(name):
-            value = getattr(msg, name)
-            if value not in names:
-                raise RuntimeConfigError(
-                    f"{name} must be one of {', '.join(sorted(names.values()))}, got enum value {value}"
-                )
-            values[name] = names[value]
-    if msg.HasField("log_level"):
-        values["log_level"] = msg.log_level
-    if msg.HasField("trace_sample_ratio"):
-        values["trace_sample_ratio"] = msg.trace_sample_ratio
-    return RuntimeConfigUpdate(**values)
+__all__ = [
+    "info_from_proto",
+    "info_to_proto",
+    "runtime_config_from_proto",
+    "runtime_config_to_proto",
+    "runtime_update_from_proto",
+    "runtime_update_to_proto",
+]

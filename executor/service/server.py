@@ -338,7 +338,9 @@ def start_server(
                 executor,
                 server_config.queue_size,
                 on_step=metrics.observe_step,
-                applied=AppliedBatches(server_config.retry_memory),
+                applied=AppliedBatches(
+                    server_config.retry_memory, max_bytes=server_config.retry_memory_mib << 20
+                ),
             )
             runtime = RuntimeControl(
                 executor,

@@ -44,6 +44,11 @@ class ServerConfig:
         "batch_ids of the last applied batches kept with their responses: a retry with the "
         "same batch_id gets the stored response and is not applied again; 0 turns it off",
     )
+    retry_memory_mib: int = setting(
+        256,
+        "the most MiB of stored responses the retry memory keeps (the oldest are forgotten "
+        "first; prompt logprobs and hidden states make responses large)",
+    )
     log_level: str = setting("info", "debug | info | warning | error; a runtime toggle too")
     log_format: str = setting(
         "auto", "auto (console on a terminal, else JSON lines) | json | console"
@@ -99,6 +104,8 @@ class ServerConfig:
         for name in ("queue_wait_s", "stream_idle_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.retry_memory_mib < 1:
+            raise ValueError(f"retry_memory_mib must be >= 1, got {self.retry_memory_mib}")
         if self.retry_memory < 0:
             raise ValueError(f"retry_memory must be >= 0, got {self.retry_memory}")
         if self.drain_grace_s < 0:

@@ -6,10 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor.extras.types import ExtraOutputs
 from executor.forward_batch import ForwardMode
 from executor.validation import BatchLimits
 
-MODE_NAMES = {ForwardMode.EXTEND: "extend", ForwardMode.DECODE: "decode", ForwardMode.IDLE: "idle"}
+MODE_NAMES = {
+    ForwardMode.EXTEND: "extend",
+    ForwardMode.DECODE: "decode",
+    ForwardMode.IDLE: "idle",
+    ForwardMode.VERIFY: "verify",
+}
 
 
 @dataclass
@@ -46,6 +52,9 @@ class StepStats:
     # Rows each sampling control touched: penalties, logit_bias, min_tokens, token_ids,
     # vocab_mask (absent: none).
     control_rows: dict[str, int] = field(default_factory=dict)
+    draft_tokens: int = 0  # VERIFY: drafts scored (sum of k_i)
+    accepted_drafts: int = 0  # VERIFY: drafts accepted (sum of a_i)
+    accept_lengths: tuple[int, ...] = ()  # VERIFY: tokens each row gained (a_i + 1); not sent
 
 
 @dataclass
@@ -66,6 +75,12 @@ class ForwardOutput:
     # The sampled ids where they were drawn (the device), for the future-token table;
     # in-process only, never sent.
     device_token_ids: torch.Tensor | None = None  # [bs] int64
+    # VERIFY (ragged: flat values in batch order, `accepted_lengths` [bs] int32 per row): each
+    # row's accepted drafts then its bonus token, and their logprobs when asked.
+    accepted_tokens: torch.Tensor | None = None  # [sum(lengths)] int64
+    accepted_lengths: torch.Tensor | None = None
+    accepted_logprobs: torch.Tensor | None = None  # [sum(lengths)] float32
+    extras: ExtraOutputs | None = None  # RowOutputs results (prompt logprobs, scores, hidden)
 
 
 @dataclass(frozen=True)

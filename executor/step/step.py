@@ -19,12 +19,15 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from executor.batch_prep import complete_batch
 from executor.controls.admission import ControlsStep
 from executor.controls.step_controls import StepControls
-from executor.errors import TestHooks
+from executor.errors import BatchValidationError, TestHooks
+from executor.extras.compute import Computed, PooledSums, assemble, compute, finish
+from executor.extras.plan import OutputsPlan, plan_outputs
 from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
 from executor.kv_cache import ReqToTokenPool, RowWrite, WritePlan
@@ -35,10 +38,12 @@ from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
 from executor.runner_output import RunnerOutput
 from executor.sampling import Sampler
+from executor.speculative.speculation import Speculation, check_not_verify, check_verify
 from executor.step.clock import StepClock
 from executor.step.outputs import MODE_NAMES, ForwardOutput, StepStats
 from executor.step.toggles import Toggles
 from executor.validation import BatchLimits, validate_batch
+from ops.future_tokens import resolve_future_tokens
 from ops.h2d_staging import H2DStaging
 from ops.host_transfer import host_transfers, to_host
 from ops.sampling import SamplingPlan
@@ -52,6 +57,7 @@ class Admitted:
     batch: ForwardBatch
     write: WritePlan
     controls: ControlsStep | None = None  # the sampling controls' work, None: none
+    outputs: OutputsPlan | None = None  # the extra outputs' work, None: none
 
 
 class Step:
@@ -80,6 +86,9 @@ class Step:
         self.sampler = sampler
         self.staging = staging
         self.controls = controls
+        self.speculation = Speculation(controls.slot_tokens)
+        config = runner.model.config
+        self.pooled = PooledSums(limits.max_reqs, config.hidden_size, controls.device)
         self.toggles = toggles
         self.hooks = hooks
         self.comm = comm
@@ -98,9 +107,12 @@ class Step:
                 admitted = self.admit(batch)
             with self.lock, self._group():
                 ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
-        control_rows = out.stats.control_rows  # the sampler's part of the stats
+        sampled = out.stats  # the sampler's part of the stats
         out.stats = self._stats(admitted.batch, ran, clock, transfers)
-        out.stats.control_rows = control_rows
+        out.stats.control_rows = sampled.control_rows
+        out.stats.draft_tokens = sampled.draft_tokens
+        out.stats.accepted_drafts = sampled.accepted_drafts
+        out.stats.accept_lengths = sampled.accept_lengths
         if ran.graph_fallback is not None:
             kind, reason = ran.graph_fallback.split(":", 1)
             self.observer.on_graph_fallback(kind, reason)
@@ -117,9 +129,26 @@ class Step:
             allow_custom_positions=self.allow_custom_positions,
             future_assigned=self.future.assigned,
         )
+        if batch.forward_mode.is_verify():
+            check_verify(batch, self.limits, tp_size=self.comm.size)
+        else:
+            check_not_verify(batch)
         admitted = self.complete(batch)
+        outputs = plan_outputs(
+            admitted.batch,
+            self.limits,
+            num_layers=self.runner.model.config.num_layers,
+            pooled=self.pooled.counts,
+            tp_size=self.comm.size,
+        )
         controls = self.controls.admit(admitted.batch)
-        return admitted if controls is None else replace(admitted, controls=controls)
+        if controls is not None and batch.forward_mode.is_verify():
+            raise BatchValidationError(
+                "req_pool_indices", "VERIFY rows may not have sampling controls set"
+            )
+        if controls is None and outputs is None:
+            return admitted
+        return replace(admitted, controls=controls, outputs=outputs)
 
     def complete(self, batch: ForwardBatch) -> Admitted:
         """The derived fields of a batch and its checked row-table write (warm-up, on the
@@ -146,11 +175,17 @@ class Step:
         try:
             with self.hooks.device_step_guard():
                 with clock.phase("forward"):
+                    if host.forward_mode.is_verify():  # drafts in, references resolved
+                        fb = self.speculation.prepare(
+                            host, fb, self.future.tokens, self.pool.req_to_token
+                        )
                     self.controls.record_tokens(fb, self.future.tokens)
                     ran = self.runner.forward(fb)  # full graph, piecewise or eager
                     self.hooks.check("forward")
                 with clock.phase("sample"):
-                    out = self._sample(admitted, fb, views, ran, plan, return_logits=return_logits)
+                    out, extras = self._sample(
+                        admitted, fb, views, ran, plan, return_logits=return_logits
+                    )
                     if future is not None:  # last: nothing after it can fail the step
                         self.future.store(
                             fb.future_token_slots,
@@ -158,6 +193,12 @@ class Step:
                             host.future_token_slots,
                             out.next_token_ids,
                         )
+                    if out.accepted_lengths is not None:  # VERIFY: rejected drafts' slots freed
+                        self._truncate(host, out.accepted_lengths)
+                    if keep_rows:
+                        self.pooled.release(host.released_req_pool_indices)
+                        if extras is not None and admitted.outputs is not None:
+                            finish(admitted.outputs, extras, self.pooled)
         except BaseException:
             self.pool.undo(write)
             if future is not None:
@@ -169,6 +210,12 @@ class Step:
             self.controls.undo(controls)
         return ran, out
 
+    def _truncate(self, host: ForwardBatch, accepted_lengths: torch.Tensor) -> None:
+        assert host.extend_prefix_lens_cpu is not None
+        rows = host.req_pool_indices.numpy().astype(np.int64)
+        prefix = np.asarray(host.extend_prefix_lens_cpu, dtype=np.int64)
+        self.pool.truncate(rows, prefix + accepted_lengths.numpy().astype(np.int64))
+
     def _sample(
         self,
         admitted: Admitted,
@@ -178,16 +225,36 @@ class Step:
         plan: SamplingPlan,
         *,
         return_logits: bool,
-    ) -> ForwardOutput:
-        """The next tokens (and logprobs) from the step's logits, after the sampling
-        controls: one host transfer, plus the logits themselves when asked."""
+    ) -> tuple[ForwardOutput, Computed | None]:
+        """The next tokens (and logprobs, and the extra outputs) from the step's logits,
+        after the sampling controls: one host transfer, plus the logits themselves when
+        asked."""
         self.hooks.check("sampler")
         host = admitted.batch
         assert fb.sampling is not None
+        if host.forward_mode.is_verify():
+            out = self.speculation.sample(ran.logits, host, fb, plan, self.sampler.generator)
+            if return_logits:
+                out.logits = to_host(ran.logits, "logits")
+            return out, None
+        extras = None
+        if admitted.outputs is not None:
+            ids = fb.input_ids
+            if ids is not None and fb.future_refs:
+                ids = resolve_future_tokens(ids, self.future.tokens)
+            extras = compute(
+                admitted.outputs,
+                ran,
+                self.runner.model,
+                views,
+                ids,
+                fb.req_pool_indices,
+                self.pooled,
+            )
         logits, controls = self.controls.logits(
             ran.logits, admitted.controls, host, fb, views, self.pool.req_to_token
         )
-        out = self.sampler.sample(
+        out, host_extras = self.sampler.sample_with(
             logits,
             plan,
             fb.sampling,
@@ -195,12 +262,15 @@ class Step:
             return_logprob=host.return_logprob,
             top_logprobs_num=host.top_logprobs_num,
             raw_logits=ran.logits,
+            extra=None if extras is None else extras.tensors,
         )
+        if extras is not None and admitted.outputs is not None:
+            out.extras = assemble(admitted.outputs, host_extras)
         if controls is not None:
             out.stats.control_rows = controls.control_rows
         if return_logits:
             out.logits = to_host(logits, "logits")  # what sampling drew from
-        return out
+        return out, extras
 
     def _stage(
         self, admitted: Admitted, *, keep_rows: bool
@@ -213,6 +283,7 @@ class Step:
             host.staged_fields()
             + cells.staged_fields()
             + self.controls.staged_fields(admitted.controls)
+            + ([] if admitted.outputs is None else admitted.outputs.staged_fields())
         )
         # IDLE too: it may release rows.
         write = self.pool.write_batch(

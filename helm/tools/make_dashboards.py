@@ -751,6 +751,51 @@ def internals() -> dict[str, Any]:
             ],
         ),
         Row(
+            "Sampling controls and speculative decoding",
+            [
+                Panel(
+                    "Rows per step using each sampling control",
+                    "Rows a sampling control touched per non-idle step, by control (penalties, "
+                    "logit_bias, min_tokens, token_ids, vocab_mask). 0 when no request uses one.",
+                    [
+                        Target(
+                            "sum by (control) (rate(model_executor_sampling_control_rows_total"
+                            f"{{{SEL}}}[{RATE}])) / scalar({STEPS})",
+                            "{{control}}",
+                        )
+                    ],
+                    width=8,
+                ),
+                Panel(
+                    "Draft acceptance rate",
+                    "VERIFY steps: drafts accepted over drafts scored. Low means drafting costs "
+                    "more than it saves (the scheduler should stop drafting for such requests).",
+                    [
+                        Target(
+                            f"sum(rate(model_executor_accepted_drafts_total{{{SEL}}}[{RATE}]))"
+                            f" / sum(rate(model_executor_draft_tokens_total{{{SEL}}}[{RATE}]))",
+                            "accepted / drafted",
+                        )
+                    ],
+                    unit="percentunit",
+                    width=8,
+                ),
+                Panel(
+                    "Tokens per row per VERIFY step",
+                    "Mean tokens a row gained in one VERIFY step (accepted drafts plus the "
+                    "bonus token); 1 means no draft was accepted.",
+                    [
+                        Target(
+                            f"sum(rate(model_executor_accepted_length_sum{{{SEL}}}[{RATE}]))"
+                            f" / sum(rate(model_executor_accepted_length_count{{{SEL}}}[{RATE}]))",
+                            "mean",
+                        )
+                    ],
+                    width=8,
+                ),
+            ],
+        ),
+        Row(
             "Retries",
             [
                 Panel(

@@ -22,6 +22,12 @@ class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXTEND: _ClassVar[ForwardMode]
     DECODE: _ClassVar[ForwardMode]
     IDLE: _ClassVar[ForwardMode]
+    VERIFY: _ClassVar[ForwardMode]
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_LAST: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
 
 class NeedsCpuSeqLens(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +53,9 @@ FORWARD_MODE_UNSPECIFIED: ForwardMode
 EXTEND: ForwardMode
 DECODE: ForwardMode
 IDLE: ForwardMode
+VERIFY: ForwardMode
+POOLING_LAST: Pooling
+POOLING_MEAN: Pooling
 NEEDS_CPU_SEQ_LENS_UNSPECIFIED: NeedsCpuSeqLens
 NEEDS_CPU_SEQ_LENS_AUTO: NeedsCpuSeqLens
 NEEDS_CPU_SEQ_LENS_ON: NeedsCpuSeqLens
@@ -67,6 +76,14 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class Ragged(_message.Message):
+    __slots__ = ("values", "lengths")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    values: Tensor
+    lengths: Tensor
+    def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -82,7 +99,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred")
+    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred", "ngram_draft", "row_outputs", "prompt_top_logprobs_num")
     FORWARD_MODE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +120,9 @@ class ForwardBatch(_message.Message):
     VOCAB_MASK_FIELD_NUMBER: _ClassVar[int]
     VOCAB_MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_MASK_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    ROW_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
     forward_mode: ForwardMode
     input_ids: Tensor
     req_pool_indices: Tensor
@@ -123,7 +143,36 @@ class ForwardBatch(_message.Message):
     vocab_mask: Tensor
     vocab_mask_rows: Tensor
     vocab_mask_deferred: bool
-    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ...) -> None: ...
+    ngram_draft: Tensor
+    row_outputs: _containers.RepeatedCompositeFieldContainer[RowOutputs]
+    prompt_top_logprobs_num: int
+    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ..., ngram_draft: _Optional[_Union[Tensor, _Mapping]] = ..., row_outputs: _Optional[_Iterable[_Union[RowOutputs, _Mapping]]] = ..., prompt_top_logprobs_num: _Optional[int] = ...) -> None: ...
+
+class HiddenOutput(_message.Message):
+    __slots__ = ("pooling", "layer", "dtype")
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    pooling: Pooling
+    layer: int
+    dtype: DType
+    def __init__(self, pooling: _Optional[_Union[Pooling, str]] = ..., layer: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class RowOutputs(_message.Message):
+    __slots__ = ("req_pool_index", "prompt_logprobs", "logprob_start_len", "next_prompt_token", "score_token_ids", "hidden")
+    REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PROMPT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    req_pool_index: int
+    prompt_logprobs: bool
+    logprob_start_len: int
+    next_prompt_token: int
+    score_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    hidden: HiddenOutput
+    def __init__(self, req_pool_index: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., next_prompt_token: _Optional[int] = ..., score_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[HiddenOutput, _Mapping]] = ...) -> None: ...
 
 class SamplingControls(_message.Message):
     __slots__ = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids", "banned_token_ids", "allowed_token_ids", "prompt_len")
@@ -183,7 +232,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ..., deferred_mask: _Optional[_Union[DeferredMask, _Mapping]] = ...) -> None: ...
 
 class ForwardStats(_message.Message):
-    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows")
+    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts")
     class TimingsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +262,8 @@ class ForwardStats(_message.Message):
     H2D_SYNCS_FIELD_NUMBER: _ClassVar[int]
     H2D_COPIES_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     path: str
     batch_size: int
     padded_batch_size: int
@@ -228,30 +279,46 @@ class ForwardStats(_message.Message):
     h2d_syncs: int
     h2d_copies: int
     control_rows: _containers.ScalarMap[str, int]
-    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    draft_tokens: int
+    accepted_drafts: int
+    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats")
+    __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SCORES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     next_token_ids: Tensor
     next_token_logprobs: Tensor
     top_logprob_ids: Tensor
     top_logprobs: Tensor
     stats: ForwardStats
-    def __init__(self, batch_id: _Optional[int] = ..., next_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[ForwardStats, _Mapping]] = ...) -> None: ...
+    accepted_tokens: Ragged
+    accepted_logprobs: Ragged
+    prompt_logprobs: Ragged
+    prompt_top_logprobs: Ragged
+    prompt_top_logprob_ids: Ragged
+    token_scores: Ragged
+    hidden_states: Ragged
+    def __init__(self, batch_id: _Optional[int] = ..., next_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[ForwardStats, _Mapping]] = ..., accepted_tokens: _Optional[_Union[Ragged, _Mapping]] = ..., accepted_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprob_ids: _Optional[_Union[Ragged, _Mapping]] = ..., token_scores: _Optional[_Union[Ragged, _Mapping]] = ..., hidden_states: _Optional[_Union[Ragged, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +348,12 @@ class GetInfoResponse(_message.Message):
     MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTROL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_MASK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_LOGPROB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_HIDDEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -310,7 +383,13 @@ class GetInfoResponse(_message.Message):
     max_logit_bias: int
     max_control_token_ids: int
     deferred_mask_timeout_ms: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ...) -> None: ...
+    max_draft_tokens: int
+    max_ngram: int
+    max_score_token_ids: int
+    max_prompt_logprob_bytes: int
+    max_hidden_bytes: int
+    max_output_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
     __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective", "graph_capture")

@@ -1,0 +1,164 @@
+"""`Speculation`: what the step calls for a VERIFY batch, in the step's order.
+
+check (host rules, before anything changes) -> prepare (drafts written into the input ids on
+the device, future references resolved) -> sample (accept, bonus, one device-to-host copy)
+-> the rows truncated to what was accepted (`ReqToTokenPool.truncate`, the step's last act).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from executor.controls.slot_tokens import SlotTokens
+from executor.errors import BatchValidationError
+from executor.forward_batch import ForwardBatch
+from executor.speculative.ngram import Drafter, NgramDrafter
+from executor.speculative.verify import verify_drafts
+from executor.step.outputs import ForwardOutput
+from executor.validation import BatchLimits
+from ops.future_tokens import resolve_future_tokens
+from ops.host_transfer import to_host
+from ops.sampling import SamplingPlan
+
+
+def check_verify(fb: ForwardBatch, limits: BatchLimits, *, tp_size: int) -> None:
+    """The VERIFY rules beyond an EXTEND's (validated before): BatchValidationError."""
+    if tp_size > 1:
+        raise BatchValidationError("forward_mode", "VERIFY needs tp_size 1 (this executor has tp)")
+    assert fb.extend_seq_lens is not None
+    lens = fb.extend_seq_lens.numpy()
+    most = limits.max_draft_tokens + 1
+    if len(lens) and int(lens.max()) > most:
+        i = int(np.argmax(lens > most))
+        raise BatchValidationError(
+            f"extend_seq_lens[{i}]",
+            f"VERIFY: the input token plus at most max_draft_tokens ({limits.max_draft_tokens}) "
+            f"drafts, got {int(lens[i])}",
+        )
+    for name in ("prefix_cache_loc", "input_embeds"):
+        if getattr(fb, name) is not None:
+            raise BatchValidationError(name, "is not allowed in VERIFY")
+    if fb.top_logprobs_num > 0:
+        raise BatchValidationError("top_logprobs_num", "must be 0 in VERIFY")
+    if fb.row_controls or fb.vocab_mask is not None or fb.deferred_mask is not None:
+        raise BatchValidationError(
+            "forward_mode", "VERIFY does not take sampling controls or vocab masks"
+        )
+    if fb.ngram_draft is not None:
+        n = fb.ngram_draft
+        if n.dtype not in (torch.int32, torch.int64) or n.dim() != 1 or n.shape[0] != fb.batch_size:
+            raise BatchValidationError(
+                "ngram_draft", f"must be an int tensor of {fb.batch_size} entries"
+            )
+        bad = (n < 0) | (n > limits.max_ngram)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise BatchValidationError(
+                f"ngram_draft[{i}]",
+                f"must be in 0..max_ngram ({limits.max_ngram}), got {int(n[i])}",
+            )
+
+
+def check_not_verify(fb: ForwardBatch) -> None:
+    if fb.ngram_draft is not None:
+        raise BatchValidationError("ngram_draft", "is for VERIFY batches only")
+
+
+class Speculation:
+    def __init__(self, slot_tokens: SlotTokens, drafter: Drafter | None = None) -> None:
+        self.slot_tokens = slot_tokens
+        self.drafter: Drafter = drafter or NgramDrafter()
+
+    def prepare(
+        self,
+        host: ForwardBatch,
+        fb: ForwardBatch,
+        future_table: torch.Tensor | None,
+        req_to_token: torch.Tensor,
+    ) -> ForwardBatch:
+        """The device batch with its references resolved and the executor's drafts in place."""
+        ids = fb.input_ids
+        assert ids is not None and fb.extend_start_loc is not None
+        if fb.future_refs and future_table is not None:
+            ids = resolve_future_tokens(ids, future_table)
+        if host.ngram_draft is not None and bool((host.ngram_draft > 0).any()):
+            ids = self._draft(host, fb, ids, req_to_token)
+        return dataclasses.replace(fb, input_ids=ids, future_refs=0)
+
+    def _draft(
+        self, host: ForwardBatch, fb: ForwardBatch, ids: torch.Tensor, req_to_token: torch.Tensor
+    ) -> torch.Tensor:
+        assert host.extend_prefix_lens_cpu is not None and host.extend_seq_lens_cpu is not None
+        assert host.ngram_draft is not None and fb.ngram_draft is not None
+        assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None
+        assert fb.extend_prefix_lens is not None
+        kmax = max(host.extend_seq_lens_cpu) - 1
+        if kmax == 0:
+            return ids
+        length = max(host.extend_prefix_lens_cpu) + 1
+        history = self.slot_tokens.history(req_to_token, fb.req_pool_indices, length)
+        prefix = fb.extend_prefix_lens.long()
+        start = fb.extend_start_loc.long()
+        # The input token is not recorded yet: put it at its position.
+        history = history.scatter(1, prefix.unsqueeze(1), ids[start].long().unsqueeze(1))
+        sizes = sorted({int(n) for n in host.ngram_draft.tolist() if n > 0})
+        drafts = self.drafter.draft(history, prefix + 1, fb.ngram_draft.long(), kmax, sizes)
+        num_tokens = ids.shape[0]
+        bs = fb.batch_size
+        row = torch.repeat_interleave(
+            torch.arange(bs, device=ids.device), fb.extend_seq_lens, output_size=num_tokens
+        )
+        j = torch.arange(num_tokens, device=ids.device) - start[row]
+        drafted = drafts[row, (j - 1).clamp(min=0)]
+        use = (j >= 1) & (fb.ngram_draft[row] > 0)
+        return torch.where(use, drafted.to(ids.dtype), ids)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        host: ForwardBatch,
+        fb: ForwardBatch,
+        plan: SamplingPlan,
+        generator: torch.Generator,
+    ) -> ForwardOutput:
+        """Accept and draw; the step's one device-to-host copy (accepted counts, tokens and
+        logprobs packed as float64, which holds token ids exactly)."""
+        assert host.extend_seq_lens_cpu is not None and fb.extend_start_loc is not None
+        assert fb.input_ids is not None and fb.positions is not None and fb.sampling is not None
+        assert fb.extend_seq_lens is not None
+        kmax = max(host.extend_seq_lens_cpu, default=1) - 1
+        v = verify_drafts(
+            logits,
+            fb.input_ids,
+            start=fb.extend_start_loc.long(),
+            k=fb.extend_seq_lens.long() - 1,
+            kmax=kmax,
+            positions=fb.positions,
+            sampling=fb.sampling,
+            plan=plan,
+            generator=generator,
+            return_logprob=host.return_logprob,
+        )
+        parts = [v.accepted.unsqueeze(1).double(), v.tokens.double()]
+        if v.logprobs is not None:
+            parts.append(v.logprobs.double())
+        packed = to_host(torch.cat(parts, dim=1), "sampled_tokens")
+        accepted = packed[:, 0].long()
+        width = kmax + 1
+        tokens = packed[:, 1 : 1 + width].long()
+        keep = torch.arange(width).unsqueeze(0) <= accepted.unsqueeze(1)
+        out = ForwardOutput(
+            next_token_ids=tokens.gather(1, accepted.unsqueeze(1)).squeeze(1),
+            device_token_ids=v.bonus,
+            accepted_tokens=tokens[keep],
+            accepted_lengths=(accepted + 1).to(torch.int32),
+        )
+        if v.logprobs is not None:
+            out.accepted_logprobs = packed[:, 1 + width :].float()[keep]
+        out.stats.draft_tokens = int(sum(host.extend_seq_lens_cpu)) - host.batch_size
+        out.stats.accepted_drafts = int(accepted.sum())
+        out.stats.accept_lengths = tuple((accepted + 1).tolist())
+        return out
