@@ -501,7 +501,7 @@ class ReferenceScheduler:
     def _receive(self) -> list[Request]:
         """Read the oldest step in flight; free what no step in flight holds any more."""
         assert self.future is not None
-        self._send_masks()
+        self._send_masks()  # the step read now must have its mask (an InlinePipe runs it then)
         flight = self.in_flight.popleft()
         out = self.pipe.recv()
         tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
@@ -512,6 +512,7 @@ class ReferenceScheduler:
                 self._append(req, token)
                 if req.finished:
                     finished.append(req)
+        self._send_masks()  # first: the step in flight may wait for them at sampling
         for req in [r for r in self.running if r.finished and r.in_flight == 0]:
             self.running.remove(req)
             self.allocator.free(req.row, req.slots)
@@ -519,7 +520,6 @@ class ReferenceScheduler:
             if req.future_slot:
                 self.future.release([req.future_slot])  # its last token, never read
                 req.future_slot = 0
-        self._send_masks()  # the tokens just read let the next step's masks be computed
         return finished
 
     @staticmethod
