@@ -219,3 +219,27 @@ def test_cli_generate_with_a_json_schema_and_controls(
         assert value["user"]["id"] != 5
     assert main([*args[:-2], "--ban-ids", "1,x"]) == 2
     assert "--ban-ids: expected token ids" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2s_byte_level_vocabulary_spells_valid_json(cache_dir: Path) -> None:
+    """The default model's GGUF tokenizer (byte-level BPE, 49,152 ids) as xgrammar sees it:
+    a random walk through each schema's masks decodes to JSON the schema accepts."""
+    from executor.models.loader import resolve_model_spec
+    from executor.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_spec("smollm2"), 49152, 1, (2,), cache_dir)
+    grammars = Grammars(tok, 49152)
+    assert grammars.info.vocab_type.name == "BYTE_LEVEL"
+    rng = random.Random(0)
+    words = torch.empty((1, grammars.words), dtype=torch.int32)
+    for schema in SCHEMAS:
+        g = grammars.json_schema(schema)
+        out: list[int] = []
+        while not g.terminated and len(out) < 200:
+            g.fill(words, 0)
+            ids = unpack_bitmask(words, 49152)[0].nonzero().flatten().tolist()
+            token = rng.choice(ids)
+            g.accept(token)
+            out.append(token)
+        jsonschema.validate(json.loads(tok.decode(out)), schema)

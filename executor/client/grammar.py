@@ -86,8 +86,8 @@ class Grammars:
         )
         # Bit set: the token spells no control byte (the AND of every row's mask).
         printable = torch.zeros(self.words * 32, dtype=torch.bool)
-        for i, text in enumerate(self.info.decoded_vocab[:vocab_size]):
-            printable[i] = bool(text) and min(text) >= 0x20
+        decoded = self.info.decoded_vocab[:vocab_size]
+        printable[: len(decoded)] = torch.tensor([bool(t) and min(t) >= 0x20 for t in decoded])
         weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
         packed = (printable.view(self.words, 32).long() * weights).sum(-1)
         self.printable = packed.to(torch.int32)  # wraps to int32 as the words do: [words]
