@@ -208,3 +208,20 @@ def test_a_mask_behind_a_full_window_of_batches_is_routed_when_read(
     assert time.monotonic() - t0 < TIMEOUT_S / 2
     assert int(outs[0].next_token_ids[0]) in ALLOWED
     session.close()
+
+
+def test_a_cancelled_stream_releases_the_device_waiting_for_a_mask(
+    server: RunningServer, client: ExecutorClient
+) -> None:
+    """The caller goes away while its batch waits for a mask: the device stops waiting at
+    once (not after the timeout) and applies nothing."""
+    before = _idle_digest(server)
+    session = client.open_stream()
+    session.send(_prefill([18], deferred=True))
+    time.sleep(0.1)  # the batch reaches the device and waits at sampling
+    t0 = time.monotonic()
+    session.cancel()
+    assert server.servicer.worker is not None
+    assert server.servicer.worker.wait_idle(TIMEOUT_S / 2)
+    assert time.monotonic() - t0 < TIMEOUT_S / 2
+    assert _idle_digest(server) == before

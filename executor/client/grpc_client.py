@@ -274,6 +274,11 @@ class ForwardSession:
     def recv(self) -> ForwardOutput:
         return response_from_proto(next(self._responses))
 
+    def cancel(self) -> None:
+        """End the stream now: batches not yet run are not applied, and one waiting for its
+        deferred mask stops waiting."""
+        self._responses.cancel()
+
     def close(self) -> None:
         self._outbox.put(self._END)
         for _ in self._responses:  # drain whatever the server still answers
