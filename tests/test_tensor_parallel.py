@@ -263,3 +263,30 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
     got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
     assert got == want
     assert all(t[1] in (3, 40, 41) for t in want[0][0])
+
+
+def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
+    """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
+    the replicated hidden states and the gathered logits."""
+    import dataclasses
+
+    from executor.extras.types import HiddenAsk, Pooling, RowOutputs
+
+    fb = make_extend_batch(
+        input_ids=[[5, 6, 7, 8], [9, 10]],
+        req_pool_indices=[1, 2],
+        out_cache_loc=[[1, 2, 3, 4], [5, 6]],
+    )
+    asks = (
+        RowOutputs(row=1, hidden=HiddenAsk(layer=1), score_token_ids=(3, 4)),
+        RowOutputs(row=2, hidden=HiddenAsk(pooling=Pooling.MEAN)),
+    )
+    runs = [{"batches": [dataclasses.replace(fb, row_outputs=asks)]}]
+    config = _tiny(graph_mode="extend")
+    want = run_generations(ModelExecutor(config), PROMPTS, runs)
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
+    assert got[0][0] == want[0][0]
+    for key in ("hidden_states", "token_scores"):
+        torch.testing.assert_close(
+            torch.tensor(got[0][1][0][key]), torch.tensor(want[0][1][0][key]), rtol=1e-4, atol=1e-4
+        )
