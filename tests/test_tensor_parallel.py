@@ -112,23 +112,24 @@ def test_the_batch_header_and_tensors_round_trip() -> None:
     wire: list[object] = []  # what rank 0 put on the group, in order
 
     class Record(TpComm):
-        def broadcast_object(self, obj: object) -> object:
-            wire.append(obj)
-            return obj
+        def broadcast_bytes(self, data: bytes | None) -> bytes:
+            assert data is not None
+            wire.append(data)
+            return data
 
         def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
             wire.append(tensor.clone())
             return tensor
 
     class Replay(TpComm):
-        def broadcast_object(self, obj: object) -> object:
-            return wire.pop(0)
+        def broadcast_bytes(self, data: bytes | None) -> bytes:
+            return wire.pop(0)  # type: ignore[return-value]
 
         def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
             return tensor.copy_(wire.pop(0))  # type: ignore[arg-type]
 
     send(Record(rank=0, size=2), Command(STEP, fb, keep_rows=False))
-    assert isinstance(wire[0], dict) and len(wire) <= 4  # a header, one buffer per dtype
+    assert isinstance(wire[0], bytes) and len(wire) <= 4  # a header, one buffer per dtype
     got = receive(Replay(rank=1, size=2))
     assert got.kind == STEP and got.keep_rows is False and got.batch is not None
     for name in (
@@ -263,3 +264,42 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
     got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
     assert got == want
     assert all(t[1] in (3, 40, 41) for t in want[0][0])
+
+
+def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
+    """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
+    the replicated hidden states and the gathered logits."""
+    import dataclasses
+
+    from executor.extras.types import HiddenAsk, Pooling, RowOutputs
+
+    fb = make_extend_batch(
+        input_ids=[[5, 6, 7, 8], [9, 10]],
+        req_pool_indices=[1, 2],
+        out_cache_loc=[[1, 2, 3, 4], [5, 6]],
+    )
+    asks = (
+        RowOutputs(row=1, hidden=HiddenAsk(layer=1), score_token_ids=(3, 4)),
+        RowOutputs(row=2, hidden=HiddenAsk(pooling=Pooling.MEAN)),
+    )
+    runs = [{"batches": [dataclasses.replace(fb, row_outputs=asks)]}]
+    config = _tiny(graph_mode="extend")
+    want = run_generations(ModelExecutor(config), PROMPTS, runs)
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
+    assert got[0][0] == want[0][0]
+    for key in ("hidden_states", "token_scores"):
+        torch.testing.assert_close(
+            torch.tensor(got[0][1][0][key]), torch.tensor(want[0][1][0][key]), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_nothing_on_the_tp_broadcast_path_unpickles() -> None:
+    """The header is JSON and the tensors raw bytes: no object broadcast, no pickle."""
+    import inspect
+
+    from executor.parallel import broadcast, comm
+
+    for module in (broadcast, comm):
+        source = inspect.getsource(module)
+        assert "pickle" not in source and "broadcast_object" not in source
+    assert not hasattr(TpComm, "broadcast_object")

@@ -30,8 +30,15 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
         if "toggles" in kw:
             ex.control.apply_toggles(**kw["toggles"])
             continue
-        if "batches" in kw:  # prebuilt batches, in order: the tokens of each
-            results.append(([ex.forward(b).next_token_ids.tolist() for b in kw["batches"]], []))
+        if "batches" in kw:  # prebuilt batches, in order: the tokens and extra outputs of each
+            outs = [ex.forward(b) for b in kw["batches"]]
+            extras = [
+                None
+                if o.extras is None
+                else {k: v.values.tolist() for k, v in vars(o.extras).items() if v is not None}
+                for o in outs
+            ]
+            results.append(([o.next_token_ids.tolist() for o in outs], extras))
             continue
         if "refuse" in kw:
             try:

@@ -1,23 +1,27 @@
-"""Rank 0 tells the other ranks what to run: a small pickled header, then the batch's tensors.
+"""Rank 0 tells the other ranks what to run: a JSON header, then the batch's tensors.
 
 Every command rank 0 sends is one `Command`: `step` (a validated, completed host batch and
 whether its row-table write stays), `toggles` (a runtime-config change, applied between two
 steps on every rank), `ping` (the idle heartbeat: proves the workers are alive and keeps
 their wait for the next command inside the collective timeout) and `stop`.
 
-The batch travels as a header (field names, shapes, dtypes, host scalars and lists) through
-`broadcast_object`, then one flat buffer per dtype through `broadcast_` (a handful of
-collectives per step however many fields the batch has), on the CPU group.
+The batch travels as a header (field names, shapes, dtypes, host scalars and lists) encoded
+as JSON and broadcast as bytes, then one flat buffer per dtype through `broadcast_` (a
+handful of collectives per step however many fields the batch has), on the CPU group.
+No Python objects travel on this path: a worker decodes only JSON and raw tensor bytes,
+and every field it accepts is named here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from executor.extras.types import HiddenAsk, Pooling, RowOutputs
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from executor.parallel.comm import TpComm
 
@@ -37,13 +41,46 @@ class Command:
             raise ValueError(f"command must be one of {', '.join(COMMANDS)}, got {self.kind!r}")
 
 
-# Fields never sent: set on each rank by the runner.
-_LOCAL_FIELDS = ("attn_metadata", "num_token_non_padded")
+# Fields never sent: set on each rank by the runner, or rank 0's alone (the workers do not
+# sample: no sampling controls or vocab masks reach them).
+_LOCAL_FIELDS = (
+    "attn_metadata",
+    "num_token_non_padded",
+    "row_controls",
+    "vocab_mask",
+    "deferred_mask",
+)
 _WIRE_DTYPES = {torch.bool: torch.uint8}  # gloo reduces/broadcasts bool as bytes
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.bool, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
+}
+
+
+def _ask_to_json(a: RowOutputs) -> dict[str, Any]:
+    out = dataclasses.asdict(a)
+    if a.hidden is not None:
+        out["hidden"]["pooling"] = int(a.hidden.pooling)
+    return out
+
+
+def _ask_from_json(d: dict[str, Any]) -> RowOutputs:
+    h = d.get("hidden")
+    hidden = None
+    if h is not None:
+        hidden = HiddenAsk(Pooling(int(h["pooling"])), h["layer"], bool(h["bfloat16"]))
+    return RowOutputs(
+        row=int(d["row"]),
+        prompt_logprobs=bool(d["prompt_logprobs"]),
+        logprob_start_len=int(d["logprob_start_len"]),
+        next_prompt_token=d["next_prompt_token"],
+        score_token_ids=tuple(int(t) for t in d["score_token_ids"]),
+        hidden=hidden,
+    )
 
 
 def _split(batch: ForwardBatch) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """(host values, [(path, tensor)]): `sampling.<name>` for the sampling batch."""
+    """(JSON-able host values, [(path, tensor)]): `sampling.<name>` for the sampling batch."""
     scalars: dict[str, Any] = {}
     tensors: list[tuple[str, torch.Tensor]] = []
     for f in dataclasses.fields(batch):
@@ -56,6 +93,8 @@ def _split(batch: ForwardBatch) -> tuple[dict[str, Any], list[tuple[str, torch.T
             for sf in dataclasses.fields(value):
                 tensors.append((f"sampling.{sf.name}", getattr(value, sf.name)))
             scalars["sampling"] = True
+        elif f.name == "row_outputs":
+            scalars[f.name] = [_ask_to_json(a) for a in value]
         else:
             scalars[f.name] = int(value) if isinstance(value, ForwardMode) else value
     return scalars, tensors
@@ -72,10 +111,12 @@ def send(comm: TpComm, command: Command) -> None:
     if command.batch is not None:
         scalars, tensors = _split(command.batch)
         header["scalars"] = scalars
-        header["tensors"] = [(path, t.dtype, tuple(t.shape)) for path, t in tensors]
+        header["tensors"] = [
+            (path, str(t.dtype).removeprefix("torch."), list(t.shape)) for path, t in tensors
+        ]
         for _, t in tensors:
             groups.setdefault(t.dtype, []).append(t.reshape(-1))
-    comm.broadcast_object(header)
+    comm.broadcast_bytes(json.dumps(header).encode())
     for dtype in sorted(groups, key=str):
         flat = torch.cat(groups[dtype]).to(_WIRE_DTYPES.get(dtype, dtype))
         comm.broadcast_(flat.contiguous())
@@ -83,11 +124,12 @@ def send(comm: TpComm, command: Command) -> None:
 
 def receive(comm: TpComm) -> Command:
     """A worker: wait for rank 0's next command (blocks inside the collective timeout)."""
-    header = comm.broadcast_object(None)
+    header = json.loads(comm.broadcast_bytes(None))
     batch = None
     if "tensors" in header:
+        specs = [(path, _DTYPES[dtype], tuple(shape)) for path, dtype, shape in header["tensors"]]
         sizes: dict[torch.dtype, int] = {}
-        for _, dtype, shape in header["tensors"]:
+        for _, dtype, shape in specs:
             sizes[dtype] = sizes.get(dtype, 0) + int(torch.Size(shape).numel())
         flats: dict[torch.dtype, torch.Tensor] = {}
         for dtype in sorted(sizes, key=str):
@@ -96,7 +138,7 @@ def receive(comm: TpComm) -> Command:
         offsets = dict.fromkeys(sizes, 0)
         values: dict[str, Any] = dict(header["scalars"])
         sampling: dict[str, torch.Tensor] = {}
-        for path, dtype, shape in header["tensors"]:
+        for path, dtype, shape in specs:
             n = int(torch.Size(shape).numel())
             t = flats[dtype][offsets[dtype] : offsets[dtype] + n].view(shape)
             offsets[dtype] += n
@@ -106,6 +148,7 @@ def receive(comm: TpComm) -> Command:
                 values[path] = t
         values["forward_mode"] = ForwardMode(values["forward_mode"])
         values["sampling"] = SamplingBatch(**sampling) if values.pop("sampling", None) else None
+        values["row_outputs"] = tuple(_ask_from_json(a) for a in values.get("row_outputs", []))
         batch = ForwardBatch(**values)
     return Command(
         kind=header["kind"], batch=batch, keep_rows=header["keep_rows"], toggles=header["toggles"]

@@ -88,14 +88,21 @@ class TpComm:
             self._call("broadcast", lambda: dist.broadcast(tensor, src=0, group=group))
         return tensor
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's small picklable `obj` on every rank (the others pass None)."""
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (the others pass None): its length, then its bytes,
+        as two tensor broadcasts (never an object broadcast: no Python object is rebuilt)."""
         if self.size == 1:
-            return obj
-        box = [obj]
+            assert data is not None
+            return data
         group = self.cpu_group or self.group
-        self._call("broadcast_object", lambda: dist.broadcast_object_list(box, src=0, group=group))
-        return box[0]
+        length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._call("broadcast", lambda: dist.broadcast(length, src=0, group=group))
+        if data is not None:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(length[0]), dtype=torch.uint8)
+        self._call("broadcast", lambda: dist.broadcast(buf, src=0, group=group))
+        return buf.numpy().tobytes()
 
     def ping(self) -> None:
         """Every rank takes part (a one-element sum on the CPU group): proves they are alive."""

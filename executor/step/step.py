@@ -292,8 +292,6 @@ class Step:
         if self.leader is not None:  # every rank runs what rank 0 accepted
             try:
                 step = self.future.resolved_for_workers(host)  # workers keep no future table
-                # Workers do not sample: the controls stay on rank 0.
-                step = replace(step, row_controls=(), vocab_mask=None, deferred_mask=None)
                 self.leader.send(broadcast.Command(broadcast.STEP, step, keep_rows=keep_rows))
             except BaseException:
                 self.pool.undo(write)
