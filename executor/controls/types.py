@@ -109,10 +109,6 @@ class DeferredMask:
             self._ready.set()
             return True
 
-    @property
-    def settled(self) -> bool:
-        return self._ready.is_set()
-
     def wait(self, timeout_s: float) -> VocabMask:
         if not self._ready.wait(timeout_s):
             raise DeferredMaskTimeout(
