@@ -112,9 +112,10 @@ class DeferredMask:
     def wait(self, timeout_s: float) -> VocabMask:
         if not self._ready.wait(timeout_s):
             raise DeferredMaskTimeout(
-                # The stream's status message adds "batch_id N: " in front.
-                f"vocab_mask_deferred: its deferred_mask did not come within "
-                f"{timeout_s * 1000:.0f} ms (GetInfo.deferred_mask_timeout_ms); nothing applied"
+                # Led by the batch id, as every stream failure's status message is.
+                f"batch_id {self.batch_id}: vocab_mask_deferred: its deferred_mask did not "
+                f"come within {timeout_s * 1000:.0f} ms (GetInfo.deferred_mask_timeout_ms); "
+                "nothing applied"
             )
         if self._error is not None:
             raise self._error
