@@ -124,6 +124,11 @@ class ExecutorConfig:
         "request sampled into future slot k); valid slots 1..future_slots; 0 = 4 * max_reqs; "
         "reported by GetInfo",
     )
+    allow_input_embeds: bool = setting(
+        False,
+        "accept ForwardBatch.input_embeds (client-computed embeddings instead of token ids); "
+        "off: such a batch is refused before it is decoded; reported by GetInfo",
+    )
     allow_custom_positions: bool = setting(
         False,
         "accept explicit positions that differ from each token's index in its request "

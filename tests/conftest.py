@@ -62,6 +62,7 @@ def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
             # `auto` is bfloat16 on CPUs with native bfloat16 (AVX512-BF16/AMX): the tests'
             # tolerances are float32's, whichever machine runs them.
             "dtype": "float32",
+            "allow_input_embeds": True,  # tests send embeddings; the default refuses them
         }
         values.update(overrides)
         return ModelExecutor(ExecutorConfig(**values))  # type: ignore[arg-type]

@@ -53,6 +53,7 @@ def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
         "cache_dir": str(cache_dir),
         "graph_backend": "standin",  # captures in milliseconds; compiling has its own tests
         "dtype": "float32",  # auto is bfloat16 on CPUs with native bfloat16
+        "allow_input_embeds": True,  # tests send embeddings; the default refuses them
     }
     values.update(overrides)
     return ExecutorConfig(**values)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchValidationError
+from executor.errors import BatchTooLargeError, BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.service.controls_codec import (
     add_controls_to_proto,
@@ -38,7 +38,12 @@ from executor.service.info_codec import (  # re-exported: GetInfo and the toggle
     runtime_update_to_proto,
 )
 from executor.step.outputs import ForwardOutput, StepStats
-from executor.validation import BatchLimits, check_request_count, check_token_count
+from executor.validation import (
+    INPUT_EMBEDS_OFF,
+    BatchLimits,
+    check_request_count,
+    check_token_count,
+)
 from model_executor.v1 import executor_pb2 as pb
 
 # bytes are immutable; torch.frombuffer warns that its tensor could write into them. The
@@ -156,6 +161,17 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
     """Refuse a batch whose requests or tokens exceed the limits before anything is built:
     lengths of repeated fields and tensor byte counts only (BatchTooLargeError). Every other
     rule is validation's, on the device thread."""
+    if msg.HasField("input_embeds") and not limits.allow_input_embeds:
+        raise BatchValidationError("input_embeds", INPUT_EMBEDS_OFF)
+    # A release list longer than the table it frees is never valid: refused by its length.
+    for name, cap in (
+        ("released_req_pool_indices", limits.max_reqs),
+        ("released_future_slots", max(limits.future_slots, 1)),
+    ):
+        if msg.HasField(name) and _element_count(getattr(msg, name)) > cap:
+            raise BatchTooLargeError(
+                name, f"has {_element_count(getattr(msg, name))} entries; must be <= {cap}"
+            )
     check_request_count("sampling_params", len(msg.sampling_params), limits)
     for name in ("req_pool_indices", "seq_lens", "future_token_slots", "ngram_draft"):
         if msg.HasField(name):
