@@ -234,7 +234,13 @@ def test_capture_and_replay_agree_on_num_token_non_padded(
     real = LlamaForCausalLM.forward
 
     def probe(
-        self: LlamaForCausalLM, input_ids, positions, fb: ForwardBatch, attn, input_embeds=None
+        self: LlamaForCausalLM,
+        input_ids,
+        positions,
+        fb: ForwardBatch,
+        attn,
+        input_embeds=None,
+        keep=None,
     ):  # type: ignore[no-untyped-def]
         if (
             fb.num_token_non_padded is not None
@@ -242,7 +248,7 @@ def test_capture_and_replay_agree_on_num_token_non_padded(
             seen.setdefault(fb.batch_size, torch.zeros(1, dtype=torch.int32)).copy_(
                 fb.num_token_non_padded
             )
-        return real(self, input_ids, positions, fb, attn, input_embeds)
+        return real(self, input_ids, positions, fb, attn, input_embeds, keep)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", probe)
     ex = make_executor(graph_mode="decode", **GRAPHS)
