@@ -79,8 +79,8 @@ def _environment(r: Rendered) -> dict[str, str]:
 
 def test_default_values_render_the_always_on_objects(default: Rendered) -> None:
     assert default.kinds() == sorted(
-        ["ConfigMap", "Deployment", "PodDisruptionBudget", "PrometheusRule", "Service"]
-        + ["ServiceAccount", "ServiceMonitor"]
+        ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "PrometheusRule"]
+        + ["Service", "ServiceAccount", "ServiceMonitor"]
         + ["ConfigMap", "ConfigMap"]  # the two dashboards
     )
     assert "model_executor.v1.ModelExecutor" in default.notes
@@ -101,6 +101,7 @@ def test_optional_objects_are_behind_their_flags() -> None:
             "prometheusRule": {"enabled": False},
             "dashboards": {"enabled": False},
             "podDisruptionBudget": {"enabled": False},
+            "networkPolicy": {"enabled": False},
         }
     )
     assert off.kinds() == ["ConfigMap", "Deployment", "Service"]
