@@ -52,6 +52,7 @@ def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
     def make(**overrides: object) -> ModelExecutor:
         values: dict[str, object] = {
             "model": "tiny-random",
+            "device": "cpu",  # the CPU suite stays on the CPU where a GPU exists too
             "max_reqs": 16,
             "kv_slots": 2048,
             "max_context_len": 1024,

@@ -47,6 +47,7 @@ def serve_command(port: int, cache_dir: Path, *flags: str) -> list[str]:
 def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
     values: dict[str, object] = {
         "model": "tiny-random",
+        "device": "cpu",  # the CPU suite stays on the CPU where a GPU exists too
         "max_reqs": 32,
         "kv_slots": 8192,
         "max_context_len": 1024,
