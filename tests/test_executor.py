@@ -265,7 +265,7 @@ def test_a_failed_step_undoes_its_releases(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample_with", boom)
+    monkeypatch.setattr(ex.step.sampler, "sample", boom)
     step = make_decode_batch(input_ids=[9], req_pool_indices=[2], seq_lens=[3], out_cache_loc=[12])
     with pytest.raises(RuntimeError, match="device fell over"):
         ex.forward(dataclasses.replace(step, released_req_pool_indices=torch.tensor([1])))

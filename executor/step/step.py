@@ -260,7 +260,7 @@ class Step:
         logits, controls = self.controls.logits(
             ran.logits, admitted.controls, host, fb, views, self.pool.req_to_token
         )
-        out, host_extras = self.sampler.sample_with(
+        out, host_extras = self.sampler.sample(
             logits,
             plan,
             fb.sampling,
