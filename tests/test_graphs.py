@@ -345,10 +345,18 @@ def test_bucket_lists_come_from_config_within_limits(make_executor: MakeExecutor
 
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager(make_executor: MakeExecutor) -> None:
+    """Real CUDA graphs (the fixture's default is the CPU stand-in), full and piecewise,
+    against eager; every step took a graph path where one applies."""
     eager = make_executor(device="cuda", dtype="float32", graph_mode="none", kv_slots=4096)
     graph = make_executor(
-        device="cuda", dtype="float32", graph_mode="both", kv_slots=4096, **GRAPHS
+        device="cuda",
+        dtype="float32",
+        graph_mode="both",
+        graph_backend="cuda",
+        kv_slots=4096,
+        **GRAPHS,
     )
+    assert all(not r.failed for r in graph.control.capture_reports)
     gen = BatchGenerator(seed=5, limits=eager.limits, max_batch_size=6)
     for step in range(60):
         fb = gen.next_batch(step)
