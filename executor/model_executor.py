@@ -131,7 +131,11 @@ class ModelExecutor:
             allow_input_embeds=config.allow_input_embeds,
         )
         self.req_to_token_pool = ReqToTokenPool(
-            config.max_reqs, max_context_len, self.device, kv_slots=config.kv_slots
+            config.max_reqs,
+            max_context_len,
+            self.device,
+            kv_slots=config.kv_slots,
+            detailed_refusals=config.detailed_refusals,
         )
         self.future = FutureTokenTable(self.limits.future_slots, self.device)
         plan = self.model.plan  # this rank's heads (all of them at tp_size 1)

@@ -285,7 +285,7 @@ def test_the_reference_scheduler_releases_every_row_it_used(make_executor: MakeE
 def test_a_slot_owner_refusal_comes_before_anything_is_uploaded(
     make_executor: MakeExecutor,
 ) -> None:
-    ex = make_executor()
+    ex = make_executor(detailed_refusals=True)
     ex.forward(
         make_extend_batch(input_ids=[[1, 2, 3]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]])
     )
