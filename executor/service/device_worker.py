@@ -124,8 +124,7 @@ class DeviceWorker:
         self.on_step = on_step
         self.applied = applied if applied is not None else AppliedBatches(0)
         # Unbounded underneath: `_put` enforces queue_size, so the stop marker never blocks.
-        # A SimpleQueue (C, no Python Condition): the hand-off to this thread costs less.
-        self._queue: queue.SimpleQueue[Job | ControlJob | None] = queue.SimpleQueue()
+        self._queue: queue.Queue[Job | ControlJob | None] = queue.Queue()
         self._idle = threading.Condition()
         self._in_flight = 0
         self._closed = False
