@@ -5,7 +5,7 @@ Names are an API (dashboards and alerts use them; `docs/metrics.md` lists each o
 its own `CollectorRegistry` (never the process-global one), so several servers can live in
 one process, and serves it on its own HTTP port (`/metrics`).
 
-Per-step recording (`observe_step`) runs with the step, one at a time, so the step families are
+Per-step recording (`observe_step`) sits on the device thread, so the step families are
 single-writer ones (:mod:`executor.observability.single_writer_metrics`: no lock per update) and their
 series are resolved once per label set; `benchmarks/metrics_overhead.py` measures the cost. The
 per-RPC families are of the same kind, written under one lock per RPC (`observe_rpc`).
@@ -180,7 +180,7 @@ class ExecutorMetrics:
         ) -> SingleWriterHistogram:
             return SingleWriterHistogram(PREFIX + name, doc, labels, r, buckets)
 
-        # Steps (recorded by the thread that ran the step, one at a time: single-writer families).
+        # Steps (recorded on the device thread only: single-writer families).
         self.forward_seconds = step_histogram(
             "forward_seconds",
             "Time of one step on the device thread (validate, stage, forward, sample), by path and mode.",
@@ -299,9 +299,8 @@ class ExecutorMetrics:
     # --- recording ---
 
     def observe_step(self, stats: StepStats) -> None:
-        """One finished step. Call it from the thread that ran the step, under the device
-        worker's lock (the step families have one writer at a time), before the step's
-        answer is released."""
+        """One finished step. Call it from the device thread only (the step families have
+        one writer), before the step's answer is released."""
         series = self._steps.get((stats.path, stats.mode)) or self._step_series(stats)
         timings = stats.timings_ns
         series.forward_seconds.observe(timings.get("total", 0) * 1e-9)

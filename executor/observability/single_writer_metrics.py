@@ -1,11 +1,10 @@
-"""Counter and histogram families for the thread running the step: no locks on the write path.
+"""Counter and histogram families for the device thread: no locks on the write path.
 
 prometheus-client's own metrics take a lock per update (a histogram observation costs about
-a microsecond). The per-step metrics have one writer at a time, the thread running the step
-under the device worker's lock, so these families keep plain Python numbers that it updates
-(tens of nanoseconds each) and build the exposition when scraped. Reading while it writes is
-safe under the GIL: a scrape may see a histogram's `_sum` one observation behind its buckets,
-never a torn number.
+a microsecond). The per-step metrics have exactly one writer, the device thread, so these
+families keep plain Python numbers that it updates (tens of nanoseconds each) and build the
+exposition when scraped. Reading while the device thread writes is safe under the GIL: a
+scrape may see a histogram's `_sum` one observation behind its buckets, never a torn number.
 
 One writer at a time: only the thread that runs steps may call `inc` / `observe` on the step
 families, and the RPC families are written under `ExecutorMetrics`' lock (one lock per RPC for
