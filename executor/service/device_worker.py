@@ -1,11 +1,8 @@
-"""One thread at a time runs batches on the device, in arrival order; a bounded queue fronts it.
+"""One thread owns the device and runs batches in arrival order; a bounded queue fronts it.
 
 RPC handler threads decode a request, `submit` a Job and wait on its future. When the queue
 is full, `submit` raises QueueFullError at once (back-pressure, not blocking). A job whose
-future was cancelled before it started (its stream failed) is skipped. A unary call that
-finds the device idle (nothing queued, nothing running) runs its job on its own thread
-(`submit(inline=True)`): the same checks, the same bookkeeping, under the same lock the
-worker thread holds for each job, so jobs still run one at a time in the order accepted.
+future was cancelled before it started (its stream failed) is skipped.
 
 What the device thread checks before it runs a job, so that nothing is applied that no one
 is waiting for:
@@ -132,9 +129,6 @@ class DeviceWorker:
         self._in_flight = 0
         self._closed = False
         self._running: Job | ControlJob | None = None
-        # Held by whichever thread runs a job: this worker's, or a unary caller's (`inline`).
-        self._device = threading.Lock()
-        self._taken: Job | ControlJob | None = None  # taken from the queue, waiting for _device
         self._thread = threading.Thread(target=self._run, name="device-worker", daemon=True)
 
     def start(self) -> None:
@@ -143,7 +137,7 @@ class DeviceWorker:
     @property
     def depth(self) -> int:
         """Jobs waiting (not counting the one running)."""
-        return self._queue.qsize() + (self._taken is not None)
+        return self._queue.qsize()
 
     def submit(
         self,
@@ -155,11 +149,7 @@ class DeviceWorker:
         is_active: Callable[[], bool] | None = None,
         deadline: float | None = None,
         fingerprint: bytes = b"",
-        inline: bool = False,
     ) -> Job:
-        """Queue the job; with `inline`, run it on the calling thread instead when the device
-        is idle (nothing queued or running), so a lone unary call skips two thread hand-offs.
-        Either way the job's future holds its outcome."""
         job = Job(
             batch=batch,
             batch_id=batch_id,
@@ -169,10 +159,7 @@ class DeviceWorker:
             deadline=deadline,
             fingerprint=fingerprint,
         )
-        if inline and self._claim(job):
-            self._run_inline(job)
-        else:
-            self._put(job)
+        self._put(job)
         return job
 
     def run_on_device(self, fn: Callable[[], Any]) -> Future[Any]:
@@ -187,7 +174,7 @@ class DeviceWorker:
                 raise WorkerClosedError(
                     "the executor is draining for shutdown; send new batches elsewhere"
                 )
-            if self.depth >= self.queue_size:
+            if self._queue.qsize() >= self.queue_size:
                 raise QueueFullError(
                     f"the device queue is full ({self.queue_size} batches waiting); retry later or send fewer batches at once"
                 )
@@ -227,9 +214,6 @@ class DeviceWorker:
                     break
                 if item is not None:
                     pending.append(item)
-            if self._taken is not None:  # the worker holds it until an inline job ends
-                pending.append(self._taken)
-                self._taken = None
             self._queue.put_nowait(None)  # the marker goes back: the thread still ends
             self._in_flight -= len(pending)
             self._idle.notify_all()
@@ -255,44 +239,18 @@ class DeviceWorker:
             if job is None:
                 return
             with self._idle:
-                self._taken = job  # out of the queue, still waiting: `depth` and `abandon` see it
-            with self._device:  # a caller may be running a job inline
+                self._running = job
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    if isinstance(job, ControlJob):
+                        self._control(job)
+                    else:
+                        self._step(job)
+            finally:
                 with self._idle:
-                    if self._taken is not job:  # answered by `abandon` meanwhile
-                        continue
-                    self._taken = None
-                    self._running = job
-                self._run_job(job)
-
-    def _claim(self, job: Job) -> bool:
-        """Take the device for `job` on the calling thread when no job is queued or running
-        (and the worker is open); False: queue it. Under `_idle`, so `_put` and `_run` see it."""
-        with self._idle:
-            if self._in_flight or self._closed:
-                return False
-            self._in_flight += 1
-            self._running = job
-        return True
-
-    def _run_inline(self, job: Job) -> None:
-        """A claimed job, on the caller's thread. `_device` is free but for the worker's last
-        release: no job is in flight, so its thread is about to wait on the empty queue."""
-        with self._device:
-            self._run_job(job)
-
-    def _run_job(self, job: Job | ControlJob) -> None:
-        """Run one accepted job; the caller holds `_device` and has set `_running`."""
-        try:
-            if job.future.set_running_or_notify_cancel():
-                if isinstance(job, ControlJob):
-                    self._control(job)
-                else:
-                    self._step(job)
-        finally:
-            with self._idle:
-                self._running = None
-                self._in_flight -= 1
-                self._idle.notify_all()
+                    self._running = None
+                    self._in_flight -= 1
+                    self._idle.notify_all()
 
     def _control(self, job: ControlJob) -> None:
         try:

@@ -210,7 +210,6 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             is_active=context.is_active,
             deadline=None if remaining is None else time.monotonic() + remaining,
             fingerprint=fingerprint(request.batch) if worker.applied.capacity else b"",
-            inline=stream is None,  # a unary call runs its job itself when the device is idle
         )
 
     def Forward(
