@@ -54,19 +54,23 @@ class Served:
 
 @contextmanager
 def served(
-    flags: list[str], env: Mapping[str, str] | None = None, ready_timeout: float = 1800
+    flags: list[str],
+    env: Mapping[str, str] | None = None,
+    ready_timeout: float = 1800,
+    root: Path = ROOT,
 ) -> Iterator[Served]:
     """Start `serve` with `flags` (plus a free port, no metrics port, warning-level logs),
-    wait for readiness, yield it with a connected client; stop it on the way out."""
+    wait for readiness, yield it with a connected client; stop it on the way out. `root`: the
+    checkout to serve from (another one for an A/B)."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "executor", "serve", "--port", str(port), "--metrics-port", "-1",
         "--log-level", "warning", *flags,
     ]  # fmt: skip
-    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "proto"), os.getenv("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(root), str(root / "proto"), os.getenv("PYTHONPATH")]))
     environ = {**os.environ, "PYTHONPATH": path, **(env or {})}
     t0 = time.perf_counter()
-    process = subprocess.Popen(cmd, env=environ, cwd=ROOT)
+    process = subprocess.Popen(cmd, env=environ, cwd=root)
     client = ExecutorClient(f"127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + ready_timeout
