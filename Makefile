@@ -16,7 +16,10 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint typecheck clean
+# The CUDA build of torch for `make gpu-check` (a CUDA torch brings its own Triton).
+CUDA_TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+
+.PHONY: install serve test lint typecheck clean gpu-check
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
@@ -45,6 +48,12 @@ serve: install
 # Lint and type checks run first: they take seconds and fail fast.
 test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a CUDA machine: the CUDA torch, then the gpu tests and the GPU benchmarks, one report
+# (gpu-check.md). Without a GPU it says so and fails.
+gpu-check:
+	$(MAKE) install TORCH_SPEC="$(CUDA_TORCH_SPEC)"
+	$(PY) benchmarks/gpu_check.py --report gpu-check.md
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -29,6 +29,7 @@ from attention import BACKENDS, AttentionBackend, AttentionLayout
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.forward_batch import ForwardBatch
 from executor.kv_cache import KVPool, ReqToTokenPool
+from ops.device_scope import device_scope
 
 LAYOUT = AttentionLayout(num_heads=9, num_kv_heads=3, head_dim=64, scaling=64**-0.5)
 BATCH_SIZES = (1, 4, 16, 64)
@@ -150,7 +151,9 @@ def main() -> None:
     )
     print("| mode | bs | context | new tokens | backend | metadata ms | forward ms | total ms |")
     print("|---|---:|---:|---:|---|---:|---:|---:|")
-    with torch.inference_mode():
+    # The backends check that their device is current on the calling thread (CUDA kernels
+    # launch on the current device): the whole run is inside its scope.
+    with torch.inference_mode(), device_scope(device):
         shapes = [("DECODE", bs, ctx - 1, 1) for bs in BATCH_SIZES for ctx in CONTEXTS]
         shapes.append(("EXTEND", *EXTEND_SHAPE))
         for mode, bs, prefix, new in shapes:

@@ -124,6 +124,16 @@ class ExecutorConfig:
         "request sampled into future slot k); valid slots 1..future_slots; 0 = 4 * max_reqs; "
         "reported by GetInfo",
     )
+    detailed_refusals: bool = setting(
+        False,
+        "name another request's row and position when a batch writes into a slot it holds "
+        "(debugging a scheduler); off: the refusal says only that the slot is taken",
+    )
+    allow_input_embeds: bool = setting(
+        False,
+        "accept ForwardBatch.input_embeds (client-computed embeddings instead of token ids); "
+        "off: such a batch is refused before it is decoded; reported by GetInfo",
+    )
     allow_custom_positions: bool = setting(
         False,
         "accept explicit positions that differ from each token's index in its request "

@@ -63,9 +63,14 @@ class StepCells:
 
 
 class SlotOwners:
-    def __init__(self, max_reqs: int, max_context_len: int, kv_slots: int) -> None:
+    def __init__(
+        self, max_reqs: int, max_context_len: int, kv_slots: int, *, detailed: bool = False
+    ) -> None:
         self.table = np.zeros((max_reqs + 1, max_context_len), dtype=np.int64)
         self.refs = np.zeros(kv_slots + 1, dtype=np.int64)
+        # Name another request's row and position in a refusal (debugging): off, a caller
+        # learns only that the slot is taken, never where other requests keep their KV.
+        self.detailed = detailed
 
     def check(self, step: StepCells) -> np.ndarray:
         """The slots the step drops; raises BatchValidationError when a new token's slot is
@@ -122,6 +127,13 @@ class SlotOwners:
         for r, p in zip(rows.tolist(), cols.tolist(), strict=True):
             if r != 0 and p < lens[r] and (r, p) not in written:
                 whose = "this request's own prefix" if r == row_of_token else "a live request"
+                if not self.detailed and r != row_of_token:
+                    return BatchValidationError(
+                        f"out_cache_loc[{i}]",
+                        f"slot {slot} holds the KV of a live request; a new token needs a "
+                        "slot no live row holds (reading it through prefix_cache_loc is "
+                        "allowed)",
+                    )
                 return BatchValidationError(
                     f"out_cache_loc[{i}]",
                     f"slot {slot} holds the KV of row {r} at position {p} ({whose}); a new "
@@ -204,7 +216,13 @@ class ReqToTokenPool:
     """
 
     def __init__(
-        self, max_reqs: int, max_context_len: int, device: torch.device, kv_slots: int = 0
+        self,
+        max_reqs: int,
+        max_context_len: int,
+        device: torch.device,
+        kv_slots: int = 0,
+        *,
+        detailed_refusals: bool = False,
     ) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
@@ -213,7 +231,11 @@ class ReqToTokenPool:
             (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
         self.resident_lens = np.zeros(max_reqs + 1, dtype=np.int64)
-        self.owners = SlotOwners(max_reqs, max_context_len, kv_slots) if kv_slots else None
+        self.owners = (
+            SlotOwners(max_reqs, max_context_len, kv_slots, detailed=detailed_refusals)
+            if kv_slots
+            else None
+        )
 
     def rows_in_use(self) -> int:
         return int(np.count_nonzero(self.resident_lens[1:]))

@@ -128,9 +128,14 @@ class ModelExecutor:
             max_tokens_per_batch=config.max_tokens_per_batch,
             max_top_logprobs=config.max_top_logprobs,
             future_slots=resolve_future_slots(config),
+            allow_input_embeds=config.allow_input_embeds,
         )
         self.req_to_token_pool = ReqToTokenPool(
-            config.max_reqs, max_context_len, self.device, kv_slots=config.kv_slots
+            config.max_reqs,
+            max_context_len,
+            self.device,
+            kv_slots=config.kv_slots,
+            detailed_refusals=config.detailed_refusals,
         )
         self.future = FutureTokenTable(self.limits.future_slots, self.device)
         plan = self.model.plan  # this rank's heads (all of them at tp_size 1)

@@ -47,29 +47,6 @@ class Sampler:
         return_logprob: bool,
         top_logprobs_num: int,
         raw_logits: torch.Tensor | None = None,
-    ) -> ForwardOutput:
-        """:meth:`sample_with` without extra outputs."""
-        out, _ = self.sample_with(
-            logits,
-            plan,
-            device_sampling,
-            seq_lens,
-            return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num,
-            raw_logits=raw_logits,
-        )
-        return out
-
-    def sample_with(
-        self,
-        logits: torch.Tensor,
-        plan: SamplingPlan,
-        device_sampling: SamplingBatch,
-        seq_lens: torch.Tensor,
-        *,
-        return_logprob: bool,
-        top_logprobs_num: int,
-        raw_logits: torch.Tensor | None = None,
         extra: list[torch.Tensor] | None = None,
     ) -> tuple[ForwardOutput, list[torch.Tensor]]:
         """logits [bs, V] float32 on the device, after the sampling controls; `raw_logits`:

@@ -46,6 +46,7 @@ class BatchLimits:
     max_prompt_logprob_bytes: int = 16 << 20  # a response's prompt logprobs (and top-k)
     max_hidden_bytes: int = 16 << 20  # a response's hidden states
     max_output_bytes: int = 32 << 20  # all RowOutputs results of one response
+    allow_input_embeds: bool = True  # the executor's setting (off by default there)
 
 
 def check_request_count(field: str, n: int, limits: BatchLimits) -> None:
@@ -276,7 +277,14 @@ def _check_future(
         )
 
 
+INPUT_EMBEDS_OFF = (
+    "is off on this executor (start it with allow_input_embeds to accept client embeddings)"
+)
+
+
 def _check_inputs(fb: ForwardBatch, limits: BatchLimits, num_tokens: int) -> None:
+    if fb.input_embeds is not None and not limits.allow_input_embeds:
+        raise BatchValidationError("input_embeds", INPUT_EMBEDS_OFF)
     if (fb.input_ids is None) == (fb.input_embeds is None):
         raise BatchValidationError(
             "input_ids", "exactly one of input_ids and input_embeds must be given"

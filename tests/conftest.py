@@ -52,6 +52,7 @@ def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
     def make(**overrides: object) -> ModelExecutor:
         values: dict[str, object] = {
             "model": "tiny-random",
+            "device": "cpu",  # the CPU suite stays on the CPU where a GPU exists too
             "max_reqs": 16,
             "kv_slots": 2048,
             "max_context_len": 1024,
@@ -62,6 +63,7 @@ def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
             # `auto` is bfloat16 on CPUs with native bfloat16 (AVX512-BF16/AMX): the tests'
             # tolerances are float32's, whichever machine runs them.
             "dtype": "float32",
+            "allow_input_embeds": True,  # tests send embeddings; the default refuses them
         }
         values.update(overrides)
         return ModelExecutor(ExecutorConfig(**values))  # type: ignore[arg-type]

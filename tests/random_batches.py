@@ -185,7 +185,8 @@ class BatchGenerator:
             sampling=self._sampling(len(rows)),
         )
         self.kinds["extend"] += 1
-        if self.rng.random() < self.embeds_ratio:  # embeddings instead of ids
+        # Embeddings instead of ids, where the executor accepts them.
+        if self.limits.allow_input_embeds and self.rng.random() < self.embeds_ratio:
             self.kinds["input_embeds"] += 1
             t = fb.num_tokens
             g = torch.Generator().manual_seed(self.rng.randrange(2**31))

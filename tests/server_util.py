@@ -47,12 +47,14 @@ def serve_command(port: int, cache_dir: Path, *flags: str) -> list[str]:
 def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
     values: dict[str, object] = {
         "model": "tiny-random",
+        "device": "cpu",  # the CPU suite stays on the CPU where a GPU exists too
         "max_reqs": 32,
         "kv_slots": 8192,
         "max_context_len": 1024,
         "cache_dir": str(cache_dir),
         "graph_backend": "standin",  # captures in milliseconds; compiling has its own tests
         "dtype": "float32",  # auto is bfloat16 on CPUs with native bfloat16
+        "allow_input_embeds": True,  # tests send embeddings; the default refuses them
     }
     values.update(overrides)
     return ExecutorConfig(**values)  # type: ignore[arg-type]

@@ -97,3 +97,50 @@ def test_extra_outputs_benchmark_times_every_ask_and_builds_plain_steps(cache_di
     for fb in batches:  # a prefill, three decode steps and the release all run
         ex.forward(fb)
     assert ex.req_to_token_pool.rows_in_use() == 0
+
+
+def test_gpu_check_reports_each_step_and_refuses_to_pretend_without_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    import torch
+
+    from benchmarks import gpu_check
+
+    ok = gpu_check.run_step("echo", [sys.executable, "-c", "print('fine')"], timeout_s=30)
+    bad = gpu_check.run_step("fail", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30)
+    text = gpu_check.report([ok, bad], "test device")
+    assert "| echo | pass |" in text and "| fail | FAIL (3) |" in text and "fine" in text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--report", str(tmp_path / "r.md")])
+    assert gpu_check.main() == 2
+    assert "No CUDA device" in (tmp_path / "r.md").read_text()
+
+
+def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
+    cache_dir: Path,
+) -> None:
+    """`--baseline-tree`: a second executor takes every measured request too, and the A/B
+    table compares the two overheads."""
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4)
+    bare_server, bare_port = step_overhead.start_bare_server()
+    try:
+        with (
+            running_server(config) as running,
+            running_server(config) as other,
+            ExecutorClient(f"127.0.0.1:{running.port}") as executor,
+            ExecutorClient(f"127.0.0.1:{other.port}") as baseline,
+            ExecutorClient(f"127.0.0.1:{bare_port}") as bare,
+        ):
+            result = step_overhead.measure(
+                executor, bare, bs=1, steps=3, warmup=1, baseline=baseline
+            )
+    finally:
+        bare_server.stop(grace=None)
+
+    assert len(result.baseline_us) == len(result.overhead_us) == len(result.bare_us) == 3
+    assert min(result.baseline_us) > 0
+    rows = step_overhead.baseline_table([result]).splitlines()
+    assert rows[0].startswith("| bs | bare round trip | baseline overhead |")
+    assert rows[2].startswith("| 1 | ") and "%)" in rows[2]

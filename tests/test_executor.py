@@ -265,7 +265,7 @@ def test_a_failed_step_undoes_its_releases(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample_with", boom)
+    monkeypatch.setattr(ex.step.sampler, "sample", boom)
     step = make_decode_batch(input_ids=[9], req_pool_indices=[2], seq_lens=[3], out_cache_loc=[12])
     with pytest.raises(RuntimeError, match="device fell over"):
         ex.forward(dataclasses.replace(step, released_req_pool_indices=torch.tensor([1])))
@@ -285,7 +285,7 @@ def test_the_reference_scheduler_releases_every_row_it_used(make_executor: MakeE
 def test_a_slot_owner_refusal_comes_before_anything_is_uploaded(
     make_executor: MakeExecutor,
 ) -> None:
-    ex = make_executor()
+    ex = make_executor(detailed_refusals=True)
     ex.forward(
         make_extend_batch(input_ids=[[1, 2, 3]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]])
     )

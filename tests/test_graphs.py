@@ -234,7 +234,13 @@ def test_capture_and_replay_agree_on_num_token_non_padded(
     real = LlamaForCausalLM.forward
 
     def probe(
-        self: LlamaForCausalLM, input_ids, positions, fb: ForwardBatch, attn, input_embeds=None
+        self: LlamaForCausalLM,
+        input_ids,
+        positions,
+        fb: ForwardBatch,
+        attn,
+        input_embeds=None,
+        keep=None,
     ):  # type: ignore[no-untyped-def]
         if (
             fb.num_token_non_padded is not None
@@ -242,7 +248,7 @@ def test_capture_and_replay_agree_on_num_token_non_padded(
             seen.setdefault(fb.batch_size, torch.zeros(1, dtype=torch.int32)).copy_(
                 fb.num_token_non_padded
             )
-        return real(self, input_ids, positions, fb, attn, input_embeds)
+        return real(self, input_ids, positions, fb, attn, input_embeds, keep)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", probe)
     ex = make_executor(graph_mode="decode", **GRAPHS)
@@ -339,10 +345,18 @@ def test_bucket_lists_come_from_config_within_limits(make_executor: MakeExecutor
 
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager(make_executor: MakeExecutor) -> None:
+    """Real CUDA graphs (the fixture's default is the CPU stand-in), full and piecewise,
+    against eager; every step took a graph path where one applies."""
     eager = make_executor(device="cuda", dtype="float32", graph_mode="none", kv_slots=4096)
     graph = make_executor(
-        device="cuda", dtype="float32", graph_mode="both", kv_slots=4096, **GRAPHS
+        device="cuda",
+        dtype="float32",
+        graph_mode="both",
+        graph_backend="cuda",
+        kv_slots=4096,
+        **GRAPHS,
     )
+    assert all(not r.failed for r in graph.control.capture_reports)
     gen = BatchGenerator(seed=5, limits=eager.limits, max_batch_size=6)
     for step in range(60):
         fb = gen.next_batch(step)

@@ -79,8 +79,8 @@ def _environment(r: Rendered) -> dict[str, str]:
 
 def test_default_values_render_the_always_on_objects(default: Rendered) -> None:
     assert default.kinds() == sorted(
-        ["ConfigMap", "Deployment", "PodDisruptionBudget", "PrometheusRule", "Service"]
-        + ["ServiceAccount", "ServiceMonitor"]
+        ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "PrometheusRule"]
+        + ["Service", "ServiceAccount", "ServiceMonitor"]
         + ["ConfigMap", "ConfigMap"]  # the two dashboards
     )
     assert "model_executor.v1.ModelExecutor" in default.notes
@@ -101,6 +101,7 @@ def test_optional_objects_are_behind_their_flags() -> None:
             "prometheusRule": {"enabled": False},
             "dashboards": {"enabled": False},
             "podDisruptionBudget": {"enabled": False},
+            "networkPolicy": {"enabled": False},
         }
     )
     assert off.kinds() == ["ConfigMap", "Deployment", "Service"]
@@ -242,8 +243,9 @@ def test_deployment_probes_drain_and_security(
     pod = rendered.one("Deployment")["spec"]["template"]["spec"]
     c = _container(rendered)
     grpc_port = merged["ports"]["grpc"]
-    # Under TLS the probes ask the plaintext health-only port (kubelet probes cannot do TLS).
-    probe_port = merged["ports"]["health"] if merged["tls"]["enabled"] else grpc_port
+    # The probes ask the health-only port: its own threads (the data plane cannot starve it),
+    # plaintext (kubelet probes cannot do TLS).
+    probe_port = merged["ports"]["health"]
     assert merged["tls"]["enabled"] is (which == "everything")
     for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": probe_port, "service": SERVICE_NAME}
@@ -283,7 +285,7 @@ def test_deployment_probes_drain_and_security(
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "grpc": grpc_port,
         "metrics": merged["ports"]["metrics"],
-        **({"health": probe_port} if merged["tls"]["enabled"] else {}),
+        "health": probe_port,
     }
     assert (
         "checksum/config"
@@ -325,9 +327,9 @@ def test_tls_mounts_the_secrets_and_points_the_executor_at_them(
     assert server_cfg.tls_client_ca_file == mounts["tls-client-ca"]["mountPath"] + "/bundle.pem"
     assert server_cfg.health_port == values["ports"]["health"]
     assert server_cfg.tls is not None and server_cfg.tls.mutual
-    # Off by default: plaintext, no health port, no TLS volumes.
+    # By default: plaintext, the health port on (the probes' own server), no TLS volumes.
     default_cfg = settings.build(ServerConfig, env=_environment(default))
-    assert default_cfg.tls is None and default_cfg.health_port == -1
+    assert default_cfg.tls is None and default_cfg.health_port == 8081
     assert "tls" not in {
         v["name"] for v in default.one("Deployment")["spec"]["template"]["spec"]["volumes"]
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import gguf
@@ -142,3 +143,35 @@ def test_load_model_builds_in_the_requested_dtype() -> None:
     )
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
     assert loaded.model.rotary.cos_cache.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (struct.pack("<IQQ", 3, 2**63, 1) + bytes(21), "tensors cannot fit"),
+        (struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**60) + b"k" * 13, "at most 65536"),
+        (
+            struct.pack("<IQQ", 3, 0, 1)
+            + struct.pack("<Q", 1)
+            + b"k"
+            + struct.pack("<IIQ", 9, 4, 2**62),
+            "claims 4611686018427387904 items",
+        ),
+        (struct.pack("<IQQ", 7, 0, 0), "version 7"),
+    ],
+)
+def test_a_hostile_gguf_header_is_refused_before_any_allocation(
+    tmp_path: Path, body: bytes, message: str
+) -> None:
+    """45-byte files whose header claims 2**63 tensors, a 2**60-byte key or a 2**62-item
+    array: refused at once, naming the claim (a reader would size its allocations by them)."""
+    import time
+
+    from executor.models.gguf_header import check_gguf_header
+
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(b"GGUF" + body)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        check_gguf_header(path)
+    assert time.perf_counter() - start < 1.0

@@ -39,7 +39,7 @@ def _run(
     sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], seq_lens: list[int]
 ) -> list[int]:
     batch = SamplingBatch.from_params(params, len(params))
-    out = sampler.sample(
+    out, _ = sampler.sample(
         logits,
         Sampler.plan(batch),
         batch,
@@ -176,7 +176,7 @@ def test_plan_is_decided_from_host_values() -> None:
 def test_logprobs_are_the_model_log_softmax() -> None:
     logits = torch.randn(3, 20)
     batch = SamplingBatch.greedy(3)
-    out = Sampler(torch.device("cpu"), 0).sample(
+    out, _ = Sampler(torch.device("cpu"), 0).sample(
         logits,
         Sampler.plan(batch),
         batch,

@@ -277,7 +277,7 @@ def test_a_refused_or_failed_batch_leaves_the_row_state(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample_with", boom)
+    monkeypatch.setattr(ex.step.sampler, "sample", boom)
     ok = dataclasses.replace(
         bad, out_cache_loc=torch.tensor([900]), row_controls=new, released_req_pool_indices=None
     )

@@ -9,11 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 import executor.service.server
 from executor.batch_prep import make_extend_batch
@@ -21,6 +24,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.model_executor import ModelExecutor
 from executor.service.server import start_server
 from executor.service.server_config import ServerConfig
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import free_port, serve_command, tiny_config
 
 
@@ -151,3 +155,43 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
     assert all({"timestamp", "level"} <= set(line) for line in lines)
     drained = next(line for line in lines if line["event"] == "drained")
     assert drained["finished"] is True
+
+
+def test_the_health_port_answers_while_the_data_plane_is_saturated(tmp_path: Path) -> None:
+    """Every handler thread of the main port held by calls that never finish (idle streams,
+    a unary call stuck in the device queue): the health-only server, with its own threads,
+    still answers both probes within a second."""
+    from tests.server_util import running_server
+
+    config = tiny_config(tmp_path)
+    with running_server(config, rpc_threads=3, max_forward_calls=2, health_port=0) as srv:
+        assert srv.health_port is not None
+        stop = threading.Event()
+
+        def idle() -> Iterator[Any]:  # a stream that never sends anything
+            stop.wait(30)
+            yield from ()
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+        stub = pb_grpc.ModelExecutorStub(channel)
+        calls = [stub.ForwardStream(idle()) for _ in range(2)]
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        watches = [reflection.ServerReflectionInfo(idle()) for _ in range(3)]
+        time.sleep(0.5)  # the idle calls take their threads
+        try:
+            with ExecutorClient(f"127.0.0.1:{srv.port}") as main:  # the main port is starved
+                with pytest.raises(grpc.RpcError) as err:
+                    main.health("", timeout=1.0)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with ExecutorClient(f"127.0.0.1:{srv.health_port}") as probe:
+                start = time.perf_counter()
+                assert probe.health("", timeout=1.0) == "SERVING"
+                assert probe.health(timeout=1.0) == "SERVING"
+                assert time.perf_counter() - start < 1.0
+        finally:
+            stop.set()
+            for c in calls:
+                c.cancel()
+            for w in watches:
+                w.cancel()
+            channel.close()

@@ -306,3 +306,39 @@ def test_verify_over_grpc_returns_ragged_tokens_and_counts_metrics(tmp_path: Pat
         assert scrape.get("model_executor_draft_tokens_total") == 3
         assert scrape.get("model_executor_accepted_drafts_total") == out.stats.accepted_drafts
         assert scrape.get("model_executor_accepted_length_count") == 2
+
+
+def test_pipelined_verify_steps_continue_from_what_the_row_holds(tmp_path: Path) -> None:
+    """Step N+1 is sent before step N's answer: its input is step N's bonus by future-token
+    reference and its prefix -1 ("what the row holds now"); over a ForwardStream the tokens
+    equal plain greedy decoding, and no slot a row holds is written twice."""
+    prompt = [11, 12, 13, 14, 15, 16] * 3
+    config = tiny_config(tmp_path, max_reqs=4, kv_slots=2048, future_slots=64)
+    want = plain_greedy(ModelExecutor(config), prompt, 24)
+    k, steps = 3, 8
+    with running_server(config) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as client:
+        session = client.open_stream()
+        first = make_extend_batch(
+            input_ids=[prompt], req_pool_indices=[1], out_cache_loc=[list(range(1, 19))]
+        )
+        session.send(dataclasses.replace(first, future_token_slots=torch.tensor([1])))
+        slot = 19
+        for i in range(steps):  # all sent ahead; slots over-allocated, k + 1 per step
+            fb = verify_batch(
+                [1], [[-(i + 1)] + [0] * k], [-1], [list(range(slot, slot + k + 1))], ngram=[3]
+            )
+            fb = dataclasses.replace(
+                fb,
+                seq_lens=torch.tensor([0]),
+                future_token_slots=torch.tensor([i + 2]),
+                released_future_slots=torch.tensor([i]) if i else None,
+            )
+            session.send(fb)
+            slot += k + 1
+        tokens = session.recv().next_token_ids.tolist()
+        for _ in range(steps):
+            out = session.recv()
+            assert out.accepted_tokens is not None
+            tokens += out.accepted_tokens.tolist()
+        session.close()
+    assert tokens[: len(want)] == want[: len(tokens)]

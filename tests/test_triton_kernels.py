@@ -12,7 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from executor.client.scheduler import generate
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.buckets import length_bound
 from executor.model_executor import ModelExecutor
+from ops.device_scope import device_scope
 from tests.attention_cases import Case, make_case, make_layout, run
 from tests.test_attention_backends import padded_decode_view
 
@@ -46,6 +47,16 @@ else:
 
 MakeExecutor = Callable[..., ModelExecutor]
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _in_device_scope() -> Iterator[None]:
+    """The backend checks that its device is current on the calling thread (as the executor's
+    device thread makes it): every test here drives it directly, inside that scope."""
+    with device_scope(torch.device(DEVICE)):
+        yield
+
+
 # num_sms=64 makes short batches split their keys, so both decode stages really merge.
 SPLITTING = 64
 

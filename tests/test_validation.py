@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -336,7 +337,7 @@ def test_a_failure_inside_the_model_undoes_the_row_table(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample_with", boom)
+    monkeypatch.setattr(ex.step.sampler, "sample", boom)
     with pytest.raises(RuntimeError, match="device fell over"):
         ex.forward(good_decode(first))
     monkeypatch.undo()
@@ -365,3 +366,34 @@ def test_int32_index_fields_are_accepted(
         },
     )
     assert int(ex.forward(fb32).next_token_ids[0]) == reference_tokens[0]
+
+
+def test_client_embeddings_are_refused_unless_enabled(tmp_path: Path) -> None:
+    """Off by default (a client's embeddings reach the model unchecked): refused from the
+    header, naming the setting; GetInfo says whether they are accepted."""
+    import grpc
+
+    from executor.batch_prep import make_extend_batch
+    from executor.client.grpc_client import ExecutorClient
+    from tests.server_util import running_server, tiny_config
+
+    fb = make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
+    embeds = dataclasses.replace(fb, input_ids=None, input_embeds=torch.zeros(2, 64))
+    with (
+        running_server(tiny_config(tmp_path, allow_input_embeds=False)) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as client,
+    ):
+        assert client.info().info.limits.allow_input_embeds is False
+        with pytest.raises(grpc.RpcError) as err:
+            client.forward(embeds)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "input_embeds: is off on this executor" in err.value.details()
+        # A release list longer than the row table is refused by its length alone (one far
+        # beyond the receive limit never reaches the handler: gRPC refuses it).
+        long = dataclasses.replace(
+            fb, released_req_pool_indices=torch.ones(100_000, dtype=torch.int32)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            client.forward(long)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "released_req_pool_indices: has 100000 entries; must be <= 32" in err.value.details()

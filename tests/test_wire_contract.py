@@ -26,6 +26,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.forward_batch import ForwardBatch
 from executor.service.codec import batch_to_proto
 from executor.service.server import DRAIN_MARGIN_S, SERVICE_NAME, RunningServer
+from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import Scrape, running_server, tiny_config
@@ -475,7 +476,8 @@ def test_top_logprobs_num_is_capped_and_the_cap_is_in_get_info(tmp_path: Path) -
     _, send20 = message_limits(cfg, 64, 152_000, 1024)
     _, send40 = message_limits(cfg.replace(max_top_logprobs=40), 64, 152_000, 1024)
     assert send40 - send20 == cfg.max_reqs * 20 * 12
-    assert send20 < 8 << 20  # was bs * vocab * 12 bytes: 55 MiB for this vocabulary
+    # was bs * vocab * 12 bytes: 55 MiB for this vocabulary; the extra outputs have their own cap
+    assert send20 - BatchLimits.max_output_bytes < 8 << 20
 
 
 def test_a_tiny_temperature_is_greedy(tmp_path: Path) -> None:
@@ -508,8 +510,20 @@ def test_a_tiny_temperature_is_greedy(tmp_path: Path) -> None:
 def test_a_new_token_may_not_overwrite_a_slot_a_live_row_holds(tmp_path: Path) -> None:
     """The issue's reproduction: a token written into another live request's prefix slot
     was accepted and changed that request's next token. Now refused, naming slot and
-    holder; shared prefix reads stay allowed; a slot is free again once no row holds it."""
-    with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
+    holder (the holder's row and position only with detailed_refusals: by default a caller
+    never learns where other requests keep their KV); shared prefix reads stay allowed; a
+    slot is free again once no row holds it."""
+    with (
+        running_server(tiny_config(tmp_path)) as plain,
+        ExecutorClient(f"127.0.0.1:{plain.port}") as c,
+    ):
+        c.forward(_extend(1, 4, 101))
+        with pytest.raises(grpc.RpcError) as err:
+            c.forward(_extend(2, 2, 102))
+        assert "slot 102 holds the KV of a live request" in err.value.details()
+        assert "row 1" not in err.value.details() and "position" not in err.value.details()
+    config = tiny_config(tmp_path, detailed_refusals=True)
+    with running_server(config) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
         first = c.forward(_extend(1, 4, 101))  # row 1 holds slots 101..104
         decode_row1 = make_decode_batch(
             input_ids=[int(first.next_token_ids[0])],

@@ -23,6 +23,7 @@ from executor.models.config import AttentionConfig, ModelConfig, MoeConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.file_cache import atomic_write, cache_path
 from executor.models.gguf_blocks import BLOCK_FORMATS, read_blocks
+from executor.models.gguf_header import open_gguf
 from executor.models.quant_formats import GroupQuant
 from executor.models.registry import from_gguf_architecture, model_class
 
@@ -158,14 +159,13 @@ def _config_from_json(text: str) -> ModelConfig | None:
 def read_gguf_config(path: Path, cache_dir: Path | None) -> ModelConfig:
     """Metadata only (tensors are never read). Parsing walks the whole vocabulary, which takes
     seconds for a large one, so the result is cached as `<sha256>.config.json`."""
-    import gguf
 
     cached = cache_path(path, cache_dir, ".config.json") if cache_dir is not None else None
     if cached is not None and cached.exists():
         config = _config_from_json(cached.read_text())
         if config is not None:
             return config
-    config = read_config(gguf.GGUFReader(str(path)), path.stem)
+    config = read_config(open_gguf(path), path.stem)
     if cached is not None:
         atomic_write(cached, json.dumps({"format": CACHE_FORMAT, **config.as_dict()}).encode())
     return config
@@ -203,9 +203,8 @@ def _float_tensor(t: Any, config: ModelConfig) -> torch.Tensor:
 
 def dequantize_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Parse and dequantize a GGUF file: (config, float32 tensors under HF names)."""
-    import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     config = read_config(reader, path.stem)
     family = model_class(config.architecture)
     tensors: dict[str, torch.Tensor] = {}
@@ -227,9 +226,8 @@ def read_gguf_blocks(
     Q4_0 / Q4_1 / Q8_0 matrices become `GroupQuant` values (no dequantization: a fraction of a
     second for SmolLM2); everything else is read as float32 as `dequantize_gguf` does.
     """
-    import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     config = read_config(reader, path.stem)
     family = model_class(config.architecture)
     floats: dict[str, torch.Tensor] = {}

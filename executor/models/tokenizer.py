@@ -18,6 +18,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from executor.models.file_cache import atomic_write, cache_path
+from executor.models.gguf_header import open_gguf
 from executor.models.loader import ModelSource
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special.
@@ -93,9 +94,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def tokenizer_from_gguf(path: Path) -> Tokenizer:
-    import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchValidationError
+from executor.errors import BatchTooLargeError, BatchValidationError
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.service.controls_codec import (
     add_controls_to_proto,
@@ -38,7 +38,12 @@ from executor.service.info_codec import (  # re-exported: GetInfo and the toggle
     runtime_update_to_proto,
 )
 from executor.step.outputs import ForwardOutput, StepStats
-from executor.validation import BatchLimits, check_request_count, check_token_count
+from executor.validation import (
+    INPUT_EMBEDS_OFF,
+    BatchLimits,
+    check_request_count,
+    check_token_count,
+)
 from model_executor.v1 import executor_pb2 as pb
 
 # bytes are immutable; torch.frombuffer warns that its tensor could write into them. The
@@ -79,9 +84,12 @@ _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
     if t.dtype not in _TO_PB:
         raise ValueError(f"dtype {t.dtype} has no wire type")
-    t = t.detach().contiguous().cpu()
+    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
+        t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         data = t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    elif _LITTLE_ENDIAN:  # the wire's byte order: the bytes as they are
+        data = t.numpy().tobytes()
     else:
         data = t.numpy().astype(t.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
     return pb.Tensor(dtype=_TO_PB[t.dtype], shape=list(t.shape), data=data)
@@ -97,9 +105,14 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
     if len(msg.shape) > _MAX_RANK:  # before any per-dimension work
         raise BatchValidationError(field, f"rank must be <= {_MAX_RANK}, got {len(msg.shape)}")
     shape = tuple(msg.shape)
-    if any(d < 0 for d in shape):
-        raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
-    numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
+    if len(shape) == 1:  # the usual batch field: no generator, no product
+        numel = shape[0]
+        if numel < 0:
+            raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+    else:
+        if any(d < 0 for d in shape):
+            raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+        numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
     itemsize = _ITEMSIZE[dtype]
     if len(msg.data) != numel * itemsize:
         raise BatchValidationError(
@@ -116,7 +129,8 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
         wire = np.frombuffer(msg.data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
         native = torch.from_numpy(wire.astype(wire.dtype.newbyteorder("="))).view(shape)
         return native.view(torch.bfloat16) if dtype == torch.bfloat16 else native
-    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    flat = torch.frombuffer(msg.data, dtype=dtype)
+    return flat if len(shape) == 1 else flat.view(shape)  # a view costs more than the decode
 
 
 def _optional(batch: pb.ForwardBatch, name: str) -> torch.Tensor | None:
@@ -156,6 +170,17 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
     """Refuse a batch whose requests or tokens exceed the limits before anything is built:
     lengths of repeated fields and tensor byte counts only (BatchTooLargeError). Every other
     rule is validation's, on the device thread."""
+    if msg.HasField("input_embeds") and not limits.allow_input_embeds:
+        raise BatchValidationError("input_embeds", INPUT_EMBEDS_OFF)
+    # A release list longer than the table it frees is never valid: refused by its length.
+    for name, cap in (
+        ("released_req_pool_indices", limits.max_reqs),
+        ("released_future_slots", max(limits.future_slots, 1)),
+    ):
+        if msg.HasField(name) and _element_count(getattr(msg, name)) > cap:
+            raise BatchTooLargeError(
+                name, f"has {_element_count(getattr(msg, name))} entries; must be <= {cap}"
+            )
     check_request_count("sampling_params", len(msg.sampling_params), limits)
     for name in ("req_pool_indices", "seq_lens", "future_token_slots", "ngram_draft"):
         if msg.HasField(name):

@@ -50,6 +50,7 @@ def info_to_proto(
         max_prompt_logprob_bytes=lim.max_prompt_logprob_bytes,
         max_hidden_bytes=lim.max_hidden_bytes,
         max_output_bytes=lim.max_output_bytes,
+        allow_input_embeds=lim.allow_input_embeds,
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
@@ -77,6 +78,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         max_prompt_logprob_bytes=msg.max_prompt_logprob_bytes,
         max_hidden_bytes=msg.max_hidden_bytes,
         max_output_bytes=msg.max_output_bytes,
+        allow_input_embeds=msg.allow_input_embeds,
     )
     info = ExecutorInfo(
         model_name=msg.model_name,

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
+from executor.controls.types import mask_words
 from executor.errors import StartupCancelled
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
@@ -44,6 +45,7 @@ from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
+from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -60,12 +62,35 @@ def message_limits(
     tokens = config.max_tokens_per_batch
     # ids, slots, positions (int64) and embeddings (float32) per token; per-request fields; a
     # prefix_cache_loc covering every request's whole context; sampling params.
-    receive = (
-        tokens * (3 * 8 + hidden_size * 4) + bs * (4 * 8 + 48) + bs * max_context_len * 8 + _SLACK
+    caps = BatchLimits(
+        max_reqs=config.max_reqs,
+        kv_slots=config.kv_slots,
+        max_context_len=max_context_len,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        max_batch_size=bs,
+        max_tokens_per_batch=tokens,
     )
-    # next ids and logprobs, and top-k ids + logprobs with k up to max_top_logprobs.
+    # Per request: a vocab mask row, its controls (logit bias entries and three id lists, as
+    # varints of at most 5 bytes plus a float), its score ids; the release lists.
+    per_request = (
+        mask_words(vocab_size) * 4
+        + caps.max_logit_bias * 12
+        + 3 * caps.max_control_token_ids * 5
+        + caps.max_score_token_ids * 5
+    )
+    receive = (
+        tokens * (3 * 8 + hidden_size * 4)
+        + bs * (4 * 8 + 48 + per_request)
+        + bs * max_context_len * 8
+        + (config.max_reqs + 4 * config.max_reqs) * 8
+        + _SLACK
+    )
+    # next ids and logprobs, top-k ids + logprobs with k up to max_top_logprobs, the accepted
+    # drafts of a VERIFY step, and the extra outputs up to their cap.
     k = min(config.max_top_logprobs, vocab_size)
-    send = bs * (8 + 4) + bs * k * (8 + 4) + _SLACK
+    draft = bs * (caps.max_draft_tokens + 1) * (8 + 4)
+    send = bs * (8 + 4) + bs * k * (8 + 4) + draft + caps.max_output_bytes + _SLACK
     return receive, send
 
 

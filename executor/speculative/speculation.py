@@ -62,6 +62,30 @@ def check_verify(fb: ForwardBatch, limits: BatchLimits, *, tp_size: int) -> None
             )
 
 
+def resolve_held_prefix(fb: ForwardBatch, resident_lens: np.ndarray) -> ForwardBatch:
+    """VERIFY rows whose extend_prefix_lens is -1 continue from every token their row holds
+    now (the steps before this one applied, so a pipelining scheduler need not know their
+    accepted lengths): the prefix and seq_lens are filled in from the row table, on the host.
+    Other batches, and rows with an explicit prefix, are returned as they are."""
+    if not fb.forward_mode.is_verify() or fb.extend_prefix_lens is None:
+        return fb
+    prefix = fb.extend_prefix_lens
+    if not isinstance(prefix, torch.Tensor) or not bool((prefix == -1).any()):
+        return fb
+    if fb.extend_seq_lens is None or fb.extend_seq_lens.shape != prefix.shape:
+        return fb  # validation names what is wrong
+    rows = fb.req_pool_indices.numpy().astype(np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= len(resident_lens)):
+        return fb
+    lens = resident_lens[rows].astype(np.int64)
+    if fb.released_req_pool_indices is not None:  # released first: such a row holds nothing
+        lens = np.where(np.isin(rows, fb.released_req_pool_indices.numpy()), 0, lens)
+    held = torch.from_numpy(lens)
+    resolved = torch.where(prefix == -1, held, prefix.long())
+    seq_lens = torch.where(prefix == -1, resolved + fb.extend_seq_lens.long(), fb.seq_lens.long())
+    return dataclasses.replace(fb, extend_prefix_lens=resolved, seq_lens=seq_lens)
+
+
 def check_not_verify(fb: ForwardBatch) -> None:
     if fb.ngram_draft is not None:
         raise BatchValidationError("ngram_draft", "is for VERIFY batches only")

@@ -38,7 +38,12 @@ from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
 from executor.runner_output import RunnerOutput
 from executor.sampling import Sampler
-from executor.speculative.speculation import Speculation, check_not_verify, check_verify
+from executor.speculative.speculation import (
+    Speculation,
+    check_not_verify,
+    check_verify,
+    resolve_held_prefix,
+)
 from executor.step.clock import StepClock
 from executor.step.outputs import MODE_NAMES, ForwardOutput, StepStats
 from executor.step.toggles import Toggles
@@ -122,6 +127,7 @@ class Step:
         """Every refusal a decoded batch can meet, in one place, on host data, before
         anything is uploaded or written (BatchValidationError; nothing changed): the batch's
         rules, then its row-table write against the slots live rows hold."""
+        batch = resolve_held_prefix(batch, self.pool.resident_lens)
         validate_batch(
             batch,
             self.limits,
@@ -254,7 +260,7 @@ class Step:
         logits, controls = self.controls.logits(
             ran.logits, admitted.controls, host, fb, views, self.pool.req_to_token
         )
-        out, host_extras = self.sampler.sample_with(
+        out, host_extras = self.sampler.sample(
             logits,
             plan,
             fb.sampling,

@@ -76,7 +76,9 @@ A value as an environment string: numbers through toJson, so 1000000 stays 10000
 /var/run/secrets/model-executor-client-ca
 {{- end }}
 
-{{/* The port the kubelet's gRPC probes use: the plaintext health port under TLS. */}}
+{{/* The port the kubelet's gRPC probes use: the health-only server's, always. It has its
+own threads, so no data-plane call can starve a probe, and it is plaintext (kubelet probes
+cannot do TLS). */}}
 {{- define "model-executor.probePort" -}}
-{{- if .Values.tls.enabled }}{{ .Values.ports.health }}{{ else }}{{ .Values.ports.grpc }}{{ end }}
+{{ .Values.ports.health }}
 {{- end }}
