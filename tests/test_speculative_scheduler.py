@@ -3,6 +3,7 @@ and budgets inside an accepted run, every row and slot released, the CLI flags."
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable
 
@@ -11,7 +12,12 @@ import torch
 
 from executor.client.cli import build_parser
 from executor.client.scheduler import ReferenceScheduler, generate
-from executor.client.speculation import DraftState, SpeculationPolicy, fit_draft_lens
+from executor.client.speculation import (
+    DraftState,
+    NgramIndex,
+    SpeculationPolicy,
+    fit_draft_lens,
+)
 from executor.forward_batch import ForwardBatch, ForwardMode, SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.step.outputs import ForwardOutput
@@ -22,7 +28,13 @@ MakeExecutor = Callable[..., ModelExecutor]
 # right; PLAIN's does not repeat early on.
 LOOPING = [[7, 8, 9], [52, 420, 159] * 3]
 PLAIN = [5, 17, 33, 2, 400, 12, 5, 17, 33, 2]
-ALWAYS = SpeculationPolicy(min_accepted=0.0)  # never switches off
+ALWAYS = SpeculationPolicy(min_accepted=0.0)  # never switches off (drafts on lookup matches)
+EVERY_STEP = SpeculationPolicy(min_accepted=0.0, only_on_match=False)
+
+
+def has_match(tokens: list[int], n: int) -> bool:
+    """Prompt lookup's rule: the last n tokens occur earlier (with a token after them)."""
+    return any(tokens[s : s + n] == tokens[-n:] for s in range(len(tokens) - n))
 
 
 class Counting:
@@ -59,9 +71,8 @@ def test_greedy_speculation_equals_plain_greedy_and_releases_everything(
     assert [r.output_ids for r in reqs] == want
     assert mine.output_ids == other.output_ids  # k = 0 rows of VERIFY steps: the same draws
     first = reqs[0].draft
-    assert first is not None and first.accepted >= 10
-    assert first.verify_steps <= 30 - 1 - 10  # fewer steps than tokens
-    assert forward.modes[ForwardMode.VERIFY] == max(r.draft.verify_steps for r in reqs if r.draft)
+    assert first is not None and first.accepted >= 6 and first.no_match_steps > 0
+    assert forward.modes[ForwardMode.VERIFY] >= first.verify_steps
     assert ex.req_to_token_pool.rows_in_use() == 0 and ex.req_to_token_pool.slots_in_use() == 0
     assert sched.allocator.free_rows == ex.limits.max_reqs
     assert sched.allocator.free_slots == ex.limits.kv_slots
@@ -77,7 +88,9 @@ def test_drafting_stops_for_a_request_whose_drafts_are_never_accepted(
     want = generate(ex.forward, ex.limits, [PLAIN], max_new_tokens=16, ignore_eos=True)[0]
     ex = make_executor()
     forward = Counting(ex)
-    policy = SpeculationPolicy(min_steps=3, window=4, min_accepted=0.5, retry_after=0)
+    policy = SpeculationPolicy(
+        min_steps=3, window=4, min_accepted=0.5, retry_after=0, only_on_match=False
+    )
     sched = ReferenceScheduler(forward, ex.limits, speculation=policy)
     req = sched.add_request(PLAIN, max_new_tokens=16, ignore_eos=True, speculate=4)
     sched.run()
@@ -112,6 +125,36 @@ def test_the_policy_switches_off_on_the_moving_average_and_backs_off() -> None:
     fresh = DraftState(k=4, ngram=3, policy=policy)
     fresh.record(0, 0)  # a k = 0 step at the budget's end while drafting: nothing counts
     assert fresh == DraftState(k=4, ngram=3, policy=policy)
+
+
+def test_the_host_index_finds_a_match_exactly_when_prompt_lookup_does() -> None:
+    gen = random.Random(0)
+    for _ in range(200):
+        n = gen.randint(1, 4)
+        prompt = [gen.randint(0, 3) for _ in range(gen.randint(1, 8))]
+        index, output = NgramIndex(n, prompt), list[int]()
+        for _ in range(12):
+            tokens = prompt + output
+            assert index.has_match(output) == has_match(tokens, n), (prompt, output, n)
+            output += [gen.randint(0, 3) for _ in range(gen.randint(1, 3))]
+
+
+def test_a_request_drafts_only_where_the_lookup_matches(make_executor: MakeExecutor) -> None:
+    """A VERIFY step exactly where PLAIN's tokens end in a 3-gram seen before, DECODE steps
+    elsewhere; the tokens are plain greedy."""
+    ex = make_executor()
+    want = generate(ex.forward, ex.limits, [PLAIN], max_new_tokens=12, ignore_eos=True)[0]
+    forward = Counting(make_executor())
+    sched = ReferenceScheduler(forward, forward.ex.limits, speculation=ALWAYS)
+    req = sched.add_request(PLAIN, max_new_tokens=12, ignore_eos=True, speculate=4)
+    sched.run()
+    assert req.output_ids == want and req.draft is not None
+    tokens = PLAIN + want
+    # Decode steps after 1..10 new tokens may draft (the last one's budget leaves no room).
+    matches = sum(has_match(tokens[:i], 3) for i in range(len(PLAIN) + 1, len(tokens) - 1))
+    assert req.draft.verify_steps == forward.modes[ForwardMode.VERIFY] == matches
+    assert req.draft.no_match_steps == 10 - matches
+    assert forward.modes[ForwardMode.DECODE] == 11 - matches
 
 
 def test_draft_lengths_are_cut_to_the_token_budget() -> None:
@@ -158,7 +201,7 @@ def test_a_stop_token_or_the_budget_inside_an_accepted_run_ends_the_request(
     limits = make_executor().limits
     script = [50, 51, 52, 53, 99, 54, 55, 56, 57, 58, 59, 60]
     forward = Scripted(script)
-    sched = ReferenceScheduler(forward, limits, speculation=ALWAYS)
+    sched = ReferenceScheduler(forward, limits, speculation=EVERY_STEP)
     stopped = sched.add_request([1, 2], max_new_tokens=10, stop_token_ids=[99], speculate=4)
     sched.run()
     # 50 from the prefill, then one run of 51..55 with the stop inside: 54, 55 are dropped.
@@ -166,7 +209,7 @@ def test_a_stop_token_or_the_budget_inside_an_accepted_run_ends_the_request(
     assert stopped.output_ids == [50, 51, 52, 53] and stopped.finish_reason == "stop"
 
     forward = Scripted(script)
-    sched = ReferenceScheduler(forward, limits, speculation=ALWAYS)
+    sched = ReferenceScheduler(forward, limits, speculation=EVERY_STEP)
     capped = sched.add_request([1, 2], max_new_tokens=8, speculate=4)
     sched.run()
     # The drafts shrink at the budget's end (the step's k + 1 never passes it).

@@ -9,6 +9,9 @@ The switch-off policy (`SpeculationPolicy`), per request:
 - `draft_len` is K, capped so the step never writes past the request's budget (its last new
   token is never fed back): a request needs no slots beyond prompt + max_new_tokens - 1, so
   admission reserves exactly what it does without speculation;
+- a step drafts only when prompt lookup would find the request's last n tokens earlier in its
+  tokens (`NgramIndex`, on the host; `only_on_match`): otherwise the executor's drafts would
+  only repeat the last token, and a plain DECODE step is cheaper than that VERIFY step;
 - after each VERIFY step the request records how many drafts were accepted; once it has
   `min_steps` VERIFY steps, the mean over its last `window` steps decides: below
   `min_accepted` accepted drafts per step, drafting is switched off (the request then decodes
@@ -46,6 +49,7 @@ class SpeculationPolicy:
     window: int = 8  # the moving average's length, in VERIFY steps
     min_accepted: float = 0.5  # accepted drafts per VERIFY step below which drafting stops
     retry_after: int = 32  # plain steps before drafting again; doubles each time; 0: never
+    only_on_match: bool = True  # a step drafts only when prompt lookup finds its n-gram
 
     def __post_init__(self) -> None:
         if self.min_steps < 1 or self.window < self.min_steps:
@@ -72,6 +76,19 @@ class DraftState:
     drafted: int = 0
     accepted: int = 0
     plain_steps: int = 0
+    no_match_steps: int = 0  # plain steps because the lookup would find nothing
+    index: NgramIndex | None = None
+
+    def draft_len_for(self, req: Request) -> int:
+        """This step's k for `req`: `draft_len`, and 0 when the lookup would find no match."""
+        k = self.draft_len(req.max_new_tokens - len(req.output_ids))
+        if k and self.policy.only_on_match:
+            if self.index is None:
+                self.index = NgramIndex(self.ngram, req.prompt_ids)
+            if not self.index.has_match(req.output_ids):
+                self.no_match_steps += 1
+                return 0
+        return k
 
     @property
     def drafting(self) -> bool:
@@ -106,6 +123,28 @@ class DraftState:
         retry = self.policy.retry_after
         # Never again: a wait no request outlives.
         self.wait = retry << (self.switch_offs - 1) if retry else 1 << 62
+
+
+class NgramIndex:
+    """The n-grams a request's tokens (prompt, then output) hold, except the last one: whether
+    prompt lookup would find the last n tokens earlier (the executor's rule,
+    `executor/speculative/ngram.py`), known on the host in O(n) a token. Without a match the
+    executor's drafts only repeat the last token, and a plain DECODE step is cheaper."""
+
+    def __init__(self, n: int, prompt: Sequence[int]) -> None:
+        self.n, self.tokens = n, list(prompt)
+        self.prompt_len = len(self.tokens)
+        self.seen: set[tuple[int, ...]] = set()
+        self.indexed = 0  # windows starting below this are in `seen`
+
+    def has_match(self, output: Sequence[int]) -> bool:
+        self.tokens.extend(output[len(self.tokens) - self.prompt_len :])
+        n, tokens = self.n, self.tokens
+        last = len(tokens) - n  # the suffix's start; earlier windows have a token after them
+        while self.indexed < last:
+            self.seen.add(tuple(tokens[self.indexed : self.indexed + n]))
+            self.indexed += 1
+        return last > 0 and tuple(tokens[last:]) in self.seen
 
 
 def check_speculate(speculate: int, ngram: int, limits: BatchLimits, overlap: bool) -> None:
@@ -143,10 +182,7 @@ def plan_verify(decode: Sequence[Request], max_tokens: int) -> ForwardBatch | No
     """The decode step of `decode` as one VERIFY batch when any of them drafts now (rows that
     do not get k = 0: a k = 0 VERIFY row equals a DECODE row, seeded draws included); None
     when none drafts (a plain DECODE is cheaper). Sets each request's `draft.sent`."""
-    ks = [
-        r.draft.draft_len(r.max_new_tokens - len(r.output_ids)) if r.draft is not None else 0
-        for r in decode
-    ]
+    ks = [r.draft.draft_len_for(r) if r.draft is not None else 0 for r in decode]
     ks = fit_draft_lens(ks, max_tokens)
     for r, k in zip(decode, ks, strict=True):
         if r.draft is not None:
