@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/speculative.py                       # SmolLM2, bs 1, K 4
     .venv/bin/python benchmarks/speculative.py --graph-mode extend   # VERIFY on the piecewise path
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speculative.py --step-paths 20   # VERIFY: eager vs piecewise
 
 The server runs in its own process (`python -m executor serve`, see served.py); the reference
 scheduler drives it through gRPC at batch size 1, greedy, one prompt at a time. Two prompt
@@ -247,6 +248,90 @@ def encode_prompts(client: ExecutorClient, texts: list[str], cache_dir: str) -> 
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
 
 
+def step_paths(model: str, steps: int, k: int, context: int, cache_dir: str) -> None:
+    """In one process (both under the same load): the ms of a bs-1 VERIFY step of k drafts on
+    the eager path and on the piecewise-graph path (`graph_mode` extend, compiled pieces), and
+    of a DECODE step (eager), alternating step by step; the executor's `forward` timing."""
+    import dataclasses as dc
+
+    from executor.batch_prep import make_decode_batch, make_extend_batch
+    from executor.config import ExecutorConfig
+    from executor.model_executor import ModelExecutor
+
+    def config(**graphs: object) -> ExecutorConfig:
+        return ExecutorConfig(
+            model=model,
+            max_reqs=4,
+            kv_slots=4096,
+            max_context_len=2048,
+            cache_dir=cache_dir,
+            **graphs,  # type: ignore[arg-type]
+        )
+
+    executors = {
+        "eager": ModelExecutor(config(graph_mode="none")),
+        # One token bucket of k + 1: VERIFY steps are not padded.
+        "piecewise": ModelExecutor(
+            config(
+                graph_mode="extend", piecewise_token_sizes=str(k + 1), piecewise_max_tokens=k + 1
+            )
+        ),
+    }
+    prompt = [(7 * i) % 500 + 10 for i in range(context)]
+    held = dict.fromkeys(executors, context)  # the row's length on each executor
+    next_slot = dict.fromkeys(executors, context + 1)  # fresh slots only, never reused
+    for ex in executors.values():
+        ex.forward(
+            make_extend_batch(
+                input_ids=[prompt],
+                req_pool_indices=[1],
+                out_cache_loc=[list(range(1, context + 1))],
+            )
+        )
+
+    def one_step(name: str, mode: ForwardMode) -> ForwardOutput:
+        n = k + 1 if mode is ForwardMode.VERIFY else 1
+        slots = list(range(next_slot[name], next_slot[name] + n))
+        next_slot[name] += n
+        if mode is ForwardMode.DECODE:
+            batch = make_decode_batch(
+                input_ids=[5], req_pool_indices=[1], seq_lens=[held[name] + 1], out_cache_loc=slots
+            )
+        else:
+            batch = dc.replace(
+                make_extend_batch(
+                    input_ids=[[5] * n],
+                    req_pool_indices=[1],
+                    out_cache_loc=[slots],
+                    prefix_lens=[held[name]],
+                ),
+                forward_mode=ForwardMode.VERIFY,
+            )
+        out = executors[name].forward(batch)
+        held[name] += n if out.accepted_lengths is None else int(out.accepted_lengths[0])
+        return out
+
+    ms: dict[str, list[float]] = {"DECODE eager": [], "VERIFY eager": [], "VERIFY piecewise": []}
+    paths: dict[str, set[str]] = {key: set() for key in ms}
+    for i in range(steps + 2):
+        for key, name, mode in (
+            ("DECODE eager", "eager", ForwardMode.DECODE),
+            ("VERIFY eager", "eager", ForwardMode.VERIFY),
+            ("VERIFY piecewise", "piecewise", ForwardMode.VERIFY),
+        ):
+            out = one_step(name, mode)
+            if i >= 2:  # two warm-up rounds
+                ms[key].append(out.stats.timings_ns["forward"] / 1e6)
+                paths[key].add(out.stats.path)
+    print(f"bs 1, {context}-token context, k {k}, {steps} steps each, alternating:")
+    print("| step | path | forward ms (median) | min |\n|---|---|---:|---:|")
+    for key, values in ms.items():
+        print(
+            f"| {key} | {', '.join(sorted(paths[key]))} | {statistics.median(values):.1f} | "
+            f"{min(values):.1f} |"
+        )
+
+
 def main() -> None:
     from served import cpu_description, served  # benchmarks/served.py (the script's folder)
 
@@ -258,6 +343,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sets", default="grounded,free-form")
     parser.add_argument("--verbose", action="store_true", help="a line per prompt and repeat")
+    parser.add_argument(
+        "--step-paths",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: time STEPS bs-1 VERIFY steps on the eager and the piecewise path (and "
+        "DECODE) in this process, alternating",
+    )
     parser.add_argument(
         "--graph-mode", default="none", help="the server's --graph-mode (extend: piecewise VERIFY)"
     )
@@ -277,6 +370,10 @@ def main() -> None:
     args = parser.parse_args()
     model_name, cpu_flags = cpu_description()
     print(f"machine: {model_name} ({os.cpu_count()} cores; {cpu_flags}); load {os.getloadavg()}")
+    if args.step_paths:
+        step_paths(args.model, args.step_paths, args.speculate, 367, args.cache_dir)
+        print(f"\nload after: {os.getloadavg()}")
+        return
     print(
         f"model {args.model}, bs 1, greedy, EOS honoured, up to {args.new_tokens} new tokens; "
         f"--speculate {args.speculate} --ngram {args.ngram}; graph mode {args.graph_mode}; "

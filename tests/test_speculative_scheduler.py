@@ -37,6 +37,28 @@ def has_match(tokens: list[int], n: int) -> bool:
     return any(tokens[s : s + n] == tokens[-n:] for s in range(len(tokens) - n))
 
 
+SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=11)
+_PLAIN_RUNS: dict[str, list[int]] = {}
+
+
+def plain_run(make_executor: MakeExecutor, which: str) -> list[int]:
+    """The plain scheduler's tokens (no speculation), computed once for the module: LOOPING's
+    (30 new tokens), PLAIN's (16) and PLAIN's seeded sampled ones (30); all in one batch
+    (greedy and seeded draws are batch-independent)."""
+    if not _PLAIN_RUNS:
+        ex = make_executor()
+        sched = ReferenceScheduler(ex.forward, ex.limits)
+        reqs = {
+            "looping0": sched.add_request(LOOPING[0], max_new_tokens=30, ignore_eos=True),
+            "looping1": sched.add_request(LOOPING[1], max_new_tokens=30, ignore_eos=True),
+            "plain": sched.add_request(PLAIN, max_new_tokens=16, ignore_eos=True),
+            "seeded": sched.add_request(PLAIN, max_new_tokens=30, sampling=SEEDED, ignore_eos=True),
+        }
+        sched.run()
+        _PLAIN_RUNS.update({k: r.output_ids for k, r in reqs.items()})
+    return _PLAIN_RUNS[which]
+
+
 class Counting:
     """An executor's forward that counts the batches' modes."""
 
@@ -55,21 +77,17 @@ def test_greedy_speculation_equals_plain_greedy_and_releases_everything(
     """Two drafting requests and one that does not (a seeded sampled one) share the VERIFY
     steps; every token equals the plain scheduler's, drafts were accepted, and the rows and
     slots are all free at the end."""
-    seeded = SamplingParams(temperature=0.8, top_k=40, seed=11)
-    plain_ex = make_executor()
-    want = generate(plain_ex.forward, plain_ex.limits, LOOPING, max_new_tokens=30, ignore_eos=True)
-    plain_sched = ReferenceScheduler(plain_ex.forward, plain_ex.limits)
-    other = plain_sched.add_request(PLAIN, max_new_tokens=40, sampling=seeded, ignore_eos=True)
-    plain_sched.run()
-
+    want = [plain_run(make_executor, "looping0"), plain_run(make_executor, "looping1")]
     ex = make_executor(graph_mode=graph_mode, max_tokens_per_batch=64)
     forward = Counting(ex)
     sched = ReferenceScheduler(forward, ex.limits, speculation=ALWAYS)
     reqs = [sched.add_request(p, max_new_tokens=30, ignore_eos=True, speculate=4) for p in LOOPING]
-    mine = sched.add_request(PLAIN, max_new_tokens=40, sampling=seeded, ignore_eos=True)
+    mine = sched.add_request(PLAIN, max_new_tokens=30, sampling=SEEDED, ignore_eos=True)
     sched.run()
     assert [r.output_ids for r in reqs] == want
-    assert mine.output_ids == other.output_ids  # k = 0 rows of VERIFY steps: the same draws
+    assert mine.output_ids == plain_run(
+        make_executor, "seeded"
+    )  # k = 0 rows of VERIFY steps: the same draws
     first = reqs[0].draft
     assert first is not None and first.accepted >= 6 and first.no_match_steps > 0
     assert forward.modes[ForwardMode.VERIFY] >= first.verify_steps
@@ -84,8 +102,7 @@ def test_drafting_stops_for_a_request_whose_drafts_are_never_accepted(
 ) -> None:
     """PLAIN's drafts are never accepted: after `min_steps` VERIFY steps the request decodes
     with DECODE steps to the end (no retry), and its tokens are still plain greedy."""
-    ex = make_executor()
-    want = generate(ex.forward, ex.limits, [PLAIN], max_new_tokens=16, ignore_eos=True)[0]
+    want = plain_run(make_executor, "plain")
     ex = make_executor()
     forward = Counting(ex)
     policy = SpeculationPolicy(
@@ -142,8 +159,7 @@ def test_the_host_index_finds_a_match_exactly_when_prompt_lookup_does() -> None:
 def test_a_request_drafts_only_where_the_lookup_matches(make_executor: MakeExecutor) -> None:
     """A VERIFY step exactly where PLAIN's tokens end in a 3-gram seen before, DECODE steps
     elsewhere; the tokens are plain greedy."""
-    ex = make_executor()
-    want = generate(ex.forward, ex.limits, [PLAIN], max_new_tokens=12, ignore_eos=True)[0]
+    want = plain_run(make_executor, "plain")[:12]
     forward = Counting(make_executor())
     sched = ReferenceScheduler(forward, forward.ex.limits, speculation=ALWAYS)
     req = sched.add_request(PLAIN, max_new_tokens=12, ignore_eos=True, speculate=4)
@@ -220,8 +236,7 @@ def test_a_stop_token_or_the_budget_inside_an_accepted_run_ends_the_request(
 
 def test_a_budget_inside_a_real_accepted_run(make_executor: MakeExecutor) -> None:
     """LOOPING[0]'s run of one repeated token is drafted right; the budget ends inside it."""
-    ex = make_executor()
-    want = generate(ex.forward, ex.limits, LOOPING[:1], max_new_tokens=20, ignore_eos=True)[0]
+    want = plain_run(make_executor, "looping0")[:20]
     ex = make_executor()
     sched = ReferenceScheduler(ex.forward, ex.limits, speculation=ALWAYS)
     req = sched.add_request(LOOPING[0], max_new_tokens=20, ignore_eos=True, speculate=5)
