@@ -17,7 +17,7 @@ row is released to the executor on the next batch (`released_req_pool_indices`).
 Speculation (`add_request(speculate=K)`): a running request that drafts decodes in a VERIFY
 step instead (its last token, K slots for the executor's prompt-lookup drafts) and takes the
 accepted run; requests that do not draft share that step with k = 0. When a request drafts
-and when it stops: `client/speculation.py`. Not with overlap (refused).
+and when it stops: `client/speculation.py`. Not with overlap yet (refused).
 
 Overlap (`overlap=True`): the scheduler keeps one step in flight. It sends step N+1 before it
 reads step N's tokens: every request of a step gets a future slot (`future_token_slots`),

@@ -160,8 +160,8 @@ def check_speculate(speculate: int, ngram: int, limits: BatchLimits, overlap: bo
         )
     if speculate and overlap:
         raise ValueError(
-            "speculation and overlap scheduling do not compose yet: the executor cannot "
-            "resolve a VERIFY step's accepted length by future-token reference; use one"
+            "speculation and overlap scheduling do not compose yet in the reference "
+            "scheduler (it does not pipeline VERIFY steps); use one or the other"
         )
 
 
