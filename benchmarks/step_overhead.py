@@ -3,9 +3,10 @@
     python benchmarks/step_overhead.py                              # bs 1, 32, 256; 200 steps each
     python benchmarks/step_overhead.py --batch-sizes 1,32 --steps 100
     python benchmarks/step_overhead.py --server-env OMP_WAIT_POLICY=PASSIVE  # the executor's env
+    python benchmarks/step_overhead.py --baseline-tree ../old-checkout  # A/B against another tree
 
-For each batch size, call by call in alternation (the order flips every call, so drift and
-the neighbours' load fall on both alike):
+For each batch size, call by call in alternation (the order rotates every call, so drift and
+the neighbours' load fall on all alike):
 - executor: a unary DECODE `Forward` to `python -m executor serve` (tiny-random, float32, eager;
   benchmarks/served.py). Its overhead is the client's wall time minus the step's model forward
   (`ForwardStats.timings_ns["forward"]`).
@@ -13,7 +14,11 @@ the neighbours' load fall on both alike):
   `--bare-server PORT`: a generic handler that parses the request and answers a canned
   `ForwardResponse` of the executor's size). Its wall time is what any Python gRPC service pays.
 
-Both clients are `ExecutorClient` stubs sending prebuilt requests, so the client's work inside
+With `--baseline-tree`, a second executor served from that checkout (same flags) takes the same
+requests in the same rotation, and a second table compares the two overheads: on a shared
+machine only such a side-by-side run says what a change bought.
+
+All clients are `ExecutorClient` stubs sending prebuilt requests, so the client's work inside
 the call (serializing the request, parsing the answer) is the same on both sides; the
 scheduler-side codec (`batch_to_proto`, `response_from_proto`) is timed on its own and is not
 in the ratio. The overhead is split by the step's own timings (queue, validate, stage, sample,
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import platform
 import secrets
 import statistics
@@ -33,7 +39,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +139,7 @@ class Result:
     model_us: list[float] = field(default_factory=list)
     phases_us: dict[str, list[float]] = field(default_factory=dict)  # the overhead, split
     client_codec_us: list[float] = field(default_factory=list)  # encode + decode, not in ratio
+    baseline_us: list[float] = field(default_factory=list)  # the baseline tree's overhead
 
     @property
     def ratio(self) -> float:
@@ -159,30 +166,38 @@ def measure(
     *,
     first_row: int = 1,
     warmup: int = 10,
+    baseline: ExecutorClient | None = None,
 ) -> Result:
     """A prefill of `bs` requests (rows first_row..), then one DECODE step that sizes the
     messages, `warmup` and `steps` measured ones against the executor, each alternated with the
-    same request to the bare server."""
+    same request to the bare server (and to `baseline`, another executor, when given)."""
     prefill, decodes = decode_batches(bs, 1 + warmup + steps, first_row)
-    executor.forward(prefill)
+    executors = [executor] if baseline is None else [executor, baseline]
+    for client in executors:
+        client.forward(prefill)
     ids = itertools.count(secrets.randbits(62) + 1)  # fresh: a reused id would be replayed
     requests = [pb.ForwardRequest(batch_id=next(ids), batch=batch_to_proto(b)) for b in decodes]
     first = executor.stub.Forward(requests[0])
+    if baseline is not None:
+        baseline.stub.Forward(requests[0])
     result = Result(
         bs,
         requests[0].ByteSize(),
         first.ByteSize(),
         bare.stub.Forward(requests[0]).ByteSize(),
     )
+    clients = [bare, *executors]
     for i, request in enumerate(requests[1:], start=1):
-        if i % 2:
-            bare_ns, _ = timed_call(bare, request)
-            wall_ns, response = timed_call(executor, request)
-        else:
-            wall_ns, response = timed_call(executor, request)
-            bare_ns, _ = timed_call(bare, request)
+        first = i % len(clients)  # the order rotates step by step: each server goes first alike
+        calls = {id(c): timed_call(c, request) for c in clients[first:] + clients[:first]}
+        bare_ns, _ = calls[id(bare)]
+        wall_ns, response = calls[id(executor)]
         if i <= warmup:
             continue
+        if baseline is not None:
+            base_ns, base_response = calls[id(baseline)]
+            base_model = base_response.stats.timings_ns[MODEL]
+            result.baseline_us.append((base_ns - base_model) / 1e3)
         timings = dict(response.stats.timings_ns)
         overhead = wall_ns - timings[MODEL]
         step = timings.pop(TOTAL)
@@ -232,6 +247,21 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def baseline_table(results: list[Result]) -> str:
+    """The A/B table: the baseline tree's overhead against this tree's, medians in us."""
+    head = ["bs", "bare round trip", "baseline overhead", "ratio", "overhead", "ratio", "change"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in results:
+        bare = statistics.median(r.bare_us)
+        base, new = statistics.median(r.baseline_us), statistics.median(r.overhead_us)
+        cells = [
+            str(r.bs), f"{bare:.0f}", f"{base:.0f}", f"{base / bare:.2f}x", f"{new:.0f}",
+            f"{new / bare:.2f}x", f"{new - base:+.0f} ({(new - base) / base:+.0%})",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--batch-sizes", default="1,32,256")
@@ -243,6 +273,12 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="an environment variable for the executor's process (repeatable)",
+    )
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        metavar="DIR",
+        help="another checkout to serve a second executor from, measured in the same rotation",
     )
     ap.add_argument("--bare-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -263,12 +299,27 @@ def main() -> None:
     print(f"Python {platform.python_version()}; {args.steps} steps per bs after {args.warmup}")
     env = dict(kv.split("=", 1) for kv in args.server_env)
     print(f"# executor: {' '.join([*args.server_env, 'python -m executor serve', *flags])}")
+    if args.baseline_tree is not None:
+        print(f"# baseline: the same, served from {args.baseline_tree.resolve()}")
+    print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     results = []
-    with served(flags, env) as executor, bare_served() as bare:
+    with ExitStack() as stack:
+        executor = stack.enter_context(served(flags, env))
+        baseline = None
+        if args.baseline_tree is not None:
+            root = args.baseline_tree.resolve()
+            baseline = stack.enter_context(served(flags, env, root=root)).client
+        bare = stack.enter_context(bare_served())
         first_row = 1
         for bs in sizes:
             r = measure(
-                executor.client, bare, bs, args.steps, first_row=first_row, warmup=args.warmup
+                executor.client,
+                bare,
+                bs,
+                args.steps,
+                first_row=first_row,
+                warmup=args.warmup,
+                baseline=baseline,
             )
             first_row += bs
             results.append(r)
@@ -280,6 +331,10 @@ def main() -> None:
         "\nmicroseconds per step, median / p90; the split columns are medians of the overhead's parts"
     )
     print(table(results))
+    if args.baseline_tree is not None:
+        print("\nexecutor overhead, baseline tree against this one (medians, us)")
+        print(baseline_table(results))
+    print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

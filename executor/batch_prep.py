@@ -7,7 +7,6 @@ extend_start_loc, host mirrors) so that nothing downstream recomputes them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,7 +155,7 @@ def complete_batch(
         changes["positions"] = seq_lens - 1
     elif fb.forward_mode is ForwardMode.IDLE:
         changes["positions"] = torch.zeros(0, dtype=torch.int64)
-    return dataclasses.replace(fb, **changes)
+    return fb.replace(**changes)
 
 
 def extend_positions(

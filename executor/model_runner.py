@@ -11,7 +11,6 @@ to a registry. When a graph path was wanted but the batch ran eagerly, the outpu
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -218,7 +217,7 @@ class ModelRunner:
             return RunnerOutput(logits=logits, path=path, padded_batch_size=0, padded_num_tokens=0)
         # NOTE: the model reads `fb`'s own tensors (the step's staged views) on both eager
         # paths; the batch is not mutated: its attention metadata rides on one replace.
-        run = dataclasses.replace(fb, attn_metadata=self.attn_backend.init_forward_metadata(fb))
+        run = fb.replace(attn_metadata=self.attn_backend.init_forward_metadata(fb))
         assert run.positions is not None
         input_ids = run.input_ids
         if fb.future_refs and input_ids is not None and self.future_tokens is not None:

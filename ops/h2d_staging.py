@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,9 +28,9 @@ ALIGN = 64  # bytes: every field starts on a cache line, so dtype views are alig
 REASON = "staged_inputs"
 
 
-@dataclass(frozen=True)
-class StagedField:
-    """One host tensor to stage: the device view gets `dtype` (converted while packing)."""
+class StagedField(NamedTuple):
+    """One host tensor to stage: the device view gets `dtype` (converted while packing). A
+    NamedTuple: a dozen are built per step, and a frozen dataclass costs several times more."""
 
     name: str
     tensor: torch.Tensor
@@ -61,6 +62,7 @@ class _Layout:
     total: int  # bytes used
     host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
     device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
+    used: tuple[torch.Tensor, torch.Tensor]  # the first `total` bytes of both: the one copy
 
 
 class _Pair:
@@ -89,7 +91,8 @@ class _Pair:
             off += _aligned(nbytes)
         if len(self.layouts) >= LAYOUTS_PER_PAIR:
             del self.layouts[next(iter(self.layouts))]
-        layout = self.layouts[signature] = _Layout(off, tuple(host), device)
+        used = (self.host[:off], self.device[:off])
+        layout = self.layouts[signature] = _Layout(off, tuple(host), device, used)
         return layout
 
 
@@ -105,21 +108,31 @@ class H2DStaging:
     def stage(self, fields: Sequence[StagedField]) -> dict[str, torch.Tensor]:
         """Device views of `fields` (same shapes, the asked dtypes) after one copy. The
         views of one call stay valid until the call after next (double-buffered)."""
-        signature: Signature = tuple((f.name, tuple(f.tensor.shape), f.dtype) for f in fields)
-        total = sum(_aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in signature)
-        if total == 0:
-            return {
-                f.name: torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device)
-                for f in fields
-            }
-        pair = self._pair(total)
+        signature: Signature = tuple((f.name, f.tensor.shape, f.dtype) for f in fields)
+        pair = self._pairs[self._next]
+        layout = pair.layouts.get(signature) if pair is not None else None
+        if layout is not None:  # a signature seen on this pair: its buffers are large enough
+            self._next ^= 1
+        else:
+            total = sum(
+                _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in signature
+            )
+            if total == 0:
+                return {
+                    f.name: torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device)
+                    for f in fields
+                }
+            pair = self._pair(total)
+        assert pair is not None
         if pair.event is not None:
             pair.event.synchronize()  # step N - 2's copy out of this buffer is done
-        layout = pair.layout(signature)
+        if layout is None:
+            layout = pair.layout(signature)
         for f, dst in zip(fields, layout.host, strict=True):
             if dst.numel():
                 dst.copy_(f.tensor)
-        to_device(pair.host[: layout.total], pair.device[: layout.total], REASON, non_blocking=True)
+        host, device = layout.used
+        to_device(host, device, REASON, non_blocking=True, pinned=True)  # declared at allocation
         if self.device.type == "cuda":
             pair.event = torch.cuda.Event()
             pair.event.record(torch.cuda.current_stream(self.device))

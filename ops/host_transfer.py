@@ -118,14 +118,15 @@ def to_device(
     reason: str,
     *,
     non_blocking: bool = True,
+    pinned: bool | None = None,
 ) -> torch.Tensor:
     """Copy host `tensor` to the device (into `out` when it is a tensor) and count it under
     `reason`: asynchronous from pinned memory with `non_blocking`, a sync otherwise (a
     pageable upload waits for the stream on CUDA). Under a capture guard an upload from
     pageable memory is refused, as CUDA capture refuses it. On CPU it is a copy all the same,
-    counted the same way."""
+    counted the same way. `pinned`: what the caller knows of `tensor` (None: look it up)."""
     check_upload(tensor, f"to_device(reason={reason!r})")
-    sync = not (non_blocking and is_pinned(tensor))
+    sync = not (non_blocking and (is_pinned(tensor) if pinned is None else pinned))
     host_transfers.record_h2d(reason, tensor.numel() * tensor.element_size(), sync=sync)
     if isinstance(out, torch.Tensor):
         return out.copy_(tensor, non_blocking=not sync)

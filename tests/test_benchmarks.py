@@ -120,3 +120,31 @@ def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path)
     )
     row = result.row()
     assert row.startswith("| looping | ") and row.count("|") == speculative.HEADER.count("|") // 2
+
+
+def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
+    cache_dir: Path,
+) -> None:
+    """`--baseline-tree`: a second executor takes every measured request too, and the A/B
+    table compares the two overheads."""
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4)
+    bare_server, bare_port = step_overhead.start_bare_server()
+    try:
+        with (
+            running_server(config) as running,
+            running_server(config) as other,
+            ExecutorClient(f"127.0.0.1:{running.port}") as executor,
+            ExecutorClient(f"127.0.0.1:{other.port}") as baseline,
+            ExecutorClient(f"127.0.0.1:{bare_port}") as bare,
+        ):
+            result = step_overhead.measure(
+                executor, bare, bs=1, steps=3, warmup=1, baseline=baseline
+            )
+    finally:
+        bare_server.stop(grace=None)
+
+    assert len(result.baseline_us) == len(result.overhead_us) == len(result.bare_us) == 3
+    assert min(result.baseline_us) > 0
+    rows = step_overhead.baseline_table([result]).splitlines()
+    assert rows[0].startswith("| bs | bare round trip | baseline overhead |")
+    assert rows[2].startswith("| 1 | ") and "%)" in rows[2]

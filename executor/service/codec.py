@@ -84,9 +84,12 @@ _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
     if t.dtype not in _TO_PB:
         raise ValueError(f"dtype {t.dtype} has no wire type")
-    t = t.detach().contiguous().cpu()
+    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
+        t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         data = t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    elif _LITTLE_ENDIAN:  # the wire's byte order: the bytes as they are
+        data = t.numpy().tobytes()
     else:
         data = t.numpy().astype(t.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
     return pb.Tensor(dtype=_TO_PB[t.dtype], shape=list(t.shape), data=data)
@@ -102,9 +105,14 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
     if len(msg.shape) > _MAX_RANK:  # before any per-dimension work
         raise BatchValidationError(field, f"rank must be <= {_MAX_RANK}, got {len(msg.shape)}")
     shape = tuple(msg.shape)
-    if any(d < 0 for d in shape):
-        raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
-    numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
+    if len(shape) == 1:  # the usual batch field: no generator, no product
+        numel = shape[0]
+        if numel < 0:
+            raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+    else:
+        if any(d < 0 for d in shape):
+            raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+        numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
     itemsize = _ITEMSIZE[dtype]
     if len(msg.data) != numel * itemsize:
         raise BatchValidationError(
@@ -121,7 +129,8 @@ def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
         wire = np.frombuffer(msg.data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
         native = torch.from_numpy(wire.astype(wire.dtype.newbyteorder("="))).view(shape)
         return native.view(torch.bfloat16) if dtype == torch.bfloat16 else native
-    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    flat = torch.frombuffer(msg.data, dtype=dtype)
+    return flat if len(shape) == 1 else flat.view(shape)  # a view costs more than the decode
 
 
 def _optional(batch: pb.ForwardBatch, name: str) -> torch.Tensor | None:

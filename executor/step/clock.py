@@ -9,9 +9,8 @@ carries the two dicts as they are; nothing adds to them afterwards.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 
 
 @dataclass
@@ -19,15 +18,34 @@ class StepClock:
     durations_ns: dict[str, int] = field(default_factory=dict)
     started_ns: dict[str, int] = field(default_factory=dict)  # wall clock
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        wall = time.time_ns()
-        t0 = time.perf_counter_ns()
-        yield
-        self.record(name, wall, time.perf_counter_ns() - t0)
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self, name)
 
     def record(self, name: str, started_ns: int, duration_ns: int) -> None:
         if name in self.durations_ns:
             raise ValueError(f"phase {name!r} was already recorded for this step")
         self.started_ns[name] = started_ns
         self.durations_ns[name] = duration_ns
+
+
+class _Phase:
+    """One `clock.phase(name)` block (a class, not a generator: five of them run per step)."""
+
+    __slots__ = ("_clock", "_name", "_t0", "_wall")
+
+    def __init__(self, clock: StepClock, name: str) -> None:
+        self._clock = clock
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._wall = time.time_ns()
+        self._t0 = time.perf_counter_ns()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:  # recorded on success only
+            self._clock.record(self._name, self._wall, time.perf_counter_ns() - self._t0)
