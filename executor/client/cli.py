@@ -3,6 +3,7 @@
     model-executor serve --model smollm2 --port 50051
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
+    model-executor generate --speculate 4 "Rewrite: ..."   # prompt-lookup drafts, same output
     model-executor info --target 127.0.0.1:50051
     model-executor config get --target 127.0.0.1:50051
     model-executor config set eager_input_no_copy=true log_level=debug --target 127.0.0.1:50051
@@ -24,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.forward_batch import SamplingParams
 from executor.observability.logs import configure_logging
@@ -245,6 +247,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sampling=sampling,
                 ignore_eos=args.ignore_eos,
                 on_token=on_token if streaming else None,
+                speculate=args.speculate,
+                ngram=args.ngram,
             )
             for t in texts
         ]
@@ -305,6 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="overlap scheduling: send step N+1 over a ForwardStream before step N's tokens "
         "return (future-token references); same output",
+    )
+    gen.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: K draft tokens per step by prompt lookup, verified in one "
+        "step (greedy output unchanged; switched off per request while drafts are rarely "
+        "accepted); 0 = off; not with --overlap",
+    )
+    gen.add_argument(
+        "--ngram",
+        type=int,
+        default=DEFAULT_NGRAM,
+        metavar="N",
+        help="with --speculate: the n-gram size prompt lookup matches",
     )
     gen.add_argument("--ready-timeout", type=float, default=300.0)
     gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")
