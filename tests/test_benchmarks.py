@@ -118,6 +118,33 @@ def test_gpu_check_reports_each_step_and_refuses_to_pretend_without_a_gpu(
     assert "No CUDA device" in (tmp_path / "r.md").read_text()
 
 
+def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path) -> None:
+    """One prompt whose continuation repeats (drafts accepted), through gRPC: both modes ran,
+    gave the same tokens (the benchmark checks), and the row has every figure."""
+    from benchmarks import speculative
+    from executor.client.speculation import SpeculationPolicy
+
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4)
+    with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as client:
+        result = speculative.measure_set(
+            client,
+            "looping",
+            [[7, 8, 9]],
+            new_tokens=20,
+            speculate=4,
+            ngram=3,
+            repeats=2,
+            policy=SpeculationPolicy(min_accepted=0.0),
+        )
+    assert len(result.ratios) == len(result.plain_rates) == 2 and min(result.ratios) > 0
+    assert result.accept_length > 1.0 and 0 < result.verify_share < 1  # VERIFY on matches only
+    assert {"decode forward", "decode total", "verify forward", "verify total"} <= set(
+        result.step_ms
+    )
+    row = result.row()
+    assert row.startswith("| looping | ") and row.count("|") == speculative.HEADER.count("|") // 2
+
+
 def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     cache_dir: Path,
 ) -> None:

@@ -3,6 +3,7 @@
     model-executor serve --model smollm2 --port 50051
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
+    model-executor generate --speculate 4 "Rewrite: ..."   # prompt-lookup drafts, same output
     model-executor generate "A user:" --json-schema user.json --repetition-penalty 1.1 \
         --logit-bias 13=-100 --min-tokens 4 --ban-ids 7,8
     model-executor info --target 127.0.0.1:50051
@@ -27,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.controls.types import SamplingControls
 from executor.forward_batch import SamplingParams
@@ -310,6 +312,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sampling=sampling,
                 ignore_eos=args.ignore_eos,
                 on_token=on_token if streaming else None,
+                speculate=args.speculate,
+                ngram=args.ngram,
                 controls=controls,
                 json_schema=schema,
             )
@@ -372,6 +376,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="overlap scheduling: send step N+1 over a ForwardStream before step N's tokens "
         "return (future-token references); same output",
+    )
+    gen.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: K draft tokens per step by prompt lookup, verified in one "
+        "step (greedy output unchanged; switched off per request while drafts are rarely "
+        "accepted); 0 = off; not with --overlap",
+    )
+    gen.add_argument(
+        "--ngram",
+        type=int,
+        default=DEFAULT_NGRAM,
+        metavar="N",
+        help="with --speculate: the n-gram size prompt lookup matches",
     )
     ctl = gen.add_argument_group("sampling controls (OpenAI / vLLM meanings, per request)")
     ctl.add_argument(

@@ -14,6 +14,11 @@ every running request. Slots for a request's whole budget (prompt + max_new_toke
 reserved at admission, so a running request never runs out of cache. A finished request's
 row is released to the executor on the next batch (`released_req_pool_indices`).
 
+Speculation (`add_request(speculate=K)`): a running request that drafts decodes in a VERIFY
+step instead (its last token, K slots for the executor's prompt-lookup drafts) and takes the
+accepted run; requests that do not draft share that step with k = 0. When a request drafts
+and when it stops: `client/speculation.py`. Not with overlap yet (refused).
+
 Overlap (`overlap=True`): the scheduler keeps one step in flight. It sends step N+1 before it
 reads step N's tokens: every request of a step gets a future slot (`future_token_slots`),
 and the next step feeds the token back as input id `-slot`, which the executor resolves on
@@ -49,6 +54,14 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
 from executor.client.grammar import Grammars, RequestGrammar
+from executor.client.speculation import (
+    DEFAULT_NGRAM,
+    DraftState,
+    SpeculationPolicy,
+    check_speculate,
+    plan_verify,
+    token_runs,
+)
 from executor.controls.types import DeferredMask, RowControl, SamplingControls, VocabMask
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
@@ -141,6 +154,7 @@ class Request:
     scheduled: int = 0
     future_slot: int = 0
     in_flight: int = 0
+    draft: DraftState | None = None  # speculate > 0: its drafting (client/speculation.py)
 
     @property
     def finished(self) -> bool:
@@ -161,12 +175,15 @@ class ReferenceScheduler:
         max_prefill_tokens: int | None = None,
         overlap: bool = False,
         pipe: StepPipe | None = None,
+        speculation: SpeculationPolicy | None = None,
         grammars: Grammars | None = None,
     ) -> None:
         """`overlap`: keep one step in flight on `pipe` (default: `forward` run at send).
-        `grammars`: the model's grammar compiler, for requests with a `json_schema`; their
-        steps go through `pipe` when it takes deferred masks (a `MaskPipe`), else through
-        an `InlinePipe` of `forward`."""
+        `speculation`: when requests added with `speculate` keep drafting. `grammars`: the
+        model's grammar compiler, for requests with a `json_schema`; their steps go through
+        `pipe` when it takes deferred masks (a `MaskPipe`), else through an `InlinePipe` of
+        `forward`."""
+        self.speculation = speculation or SpeculationPolicy()
         self.forward = forward
         self.overlap = overlap
         self.pipe: StepPipe = pipe if pipe is not None else InlinePipe(forward)
@@ -200,13 +217,21 @@ class ReferenceScheduler:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         on_token: Callable[[Request, int], None] | None = None,
+        speculate: int = 0,
+        ngram: int = DEFAULT_NGRAM,
         controls: SamplingControls | None = None,
         json_schema: str | dict[str, Any] | None = None,
     ) -> Request:
-        """`controls`: penalties, logit bias, min tokens, banned / allowed ids, for the
+        """`speculate=K`: decode with VERIFY steps of K drafts by prompt lookup (n-gram size
+        `ngram`) while they pay (`SpeculationPolicy`); greedy output is unchanged.
+        `controls`: penalties, logit bias, min tokens, banned / allowed ids, for the
         request's life (`prompt_len` is set here; with `min_tokens` and no stop ids of its
         own, the request's stop ids are suppressed too). `json_schema`: the output is JSON
-        that the schema accepts (needs `grammars`); the request stops once it is complete."""
+        that the schema accepts (needs `grammars`); the request stops once it is complete.
+        Neither combines with `speculate` yet (the executor's VERIFY takes no controls)."""
+        check_speculate(speculate, ngram, self.limits, self.overlap)
+        if speculate and (controls is not None or json_schema is not None):
+            raise ValueError("speculate does not combine with controls or json_schema yet")
         if not prompt_ids:
             raise ValueError("prompt must have at least one token")
         if max_new_tokens < 1:
@@ -242,6 +267,7 @@ class ReferenceScheduler:
             sampling=sampling or SamplingParams(),
             stop_token_ids=frozenset(stops),
             on_token=on_token,
+            draft=DraftState(speculate, ngram, self.speculation) if speculate else None,
             controls=controls,
             grammar=grammar,
         )
@@ -332,13 +358,19 @@ class ReferenceScheduler:
             return []
         produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
         out = self._forward(batch, members, self._masked(members, produces))
-        tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
+        runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
-        for req, token, end in zip(members, tokens, chunk_ends, strict=True):
-            req.num_computed = end
+        for req, run, end in zip(members, runs, chunk_ends, strict=True):
+            req.num_computed = end + len(run) - 1  # VERIFY: the accepted drafts are held too
             if not req.prefilled:
                 continue  # an intermediate prefill chunk: its sampled token is meaningless
-            self._append(req, token)
+            if req.draft is not None:
+                req.draft.record(req.draft.sent, len(run) - 1)
+                req.draft.sent = 0
+            for token in run:  # tokens after a stop or past the budget are dropped
+                self._append(req, token)
+                if req.finished:
+                    break
             if req.finished:
                 finished.append(req)
         for req in finished:
@@ -365,6 +397,9 @@ class ReferenceScheduler:
         decode = self.running
         if not decode:
             return None, [], []
+        verify = plan_verify(decode, self.limits.max_tokens_per_batch)
+        if verify is not None:  # one VERIFY step for all (k = 0 for those not drafting)
+            return verify, list(decode), [r.num_computed + 1 for r in decode]
         batch = make_decode_batch(
             input_ids=[r.output_ids[-1] for r in decode],
             req_pool_indices=[r.row for r in decode],
@@ -549,13 +584,24 @@ def generate(
     ignore_eos: bool = False,
     overlap: bool = False,
     pipe: StepPipe | None = None,
+    speculate: int = 0,
+    ngram: int = DEFAULT_NGRAM,
+    speculation: SpeculationPolicy | None = None,
 ) -> list[list[int]]:
     """Generate for every prompt concurrently; the new token ids of each, in prompt order.
-    `overlap`: one step in flight, tokens fed back by future-token reference."""
-    scheduler = ReferenceScheduler(forward, limits, eos_token_ids, overlap=overlap, pipe=pipe)
+    `overlap`: one step in flight, tokens fed back by future-token reference. `speculate`:
+    K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on."""
+    scheduler = ReferenceScheduler(
+        forward, limits, eos_token_ids, overlap=overlap, pipe=pipe, speculation=speculation
+    )
     reqs = [
         scheduler.add_request(
-            p, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=ignore_eos
+            p,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            ignore_eos=ignore_eos,
+            speculate=speculate,
+            ngram=ngram,
         )
         for p in prompts
     ]

@@ -312,6 +312,10 @@ class ExecutorMetrics:
         self._future_resolved = self.future_tokens_resolved.labels()
         for control in CONTROL_ROWS:
             self.sampling_control_rows.labels(control)
+        # Exported at zero before the first VERIFY step (dashboards divide by them).
+        self._draft_tokens = self.draft_tokens.labels()
+        self._accepted_drafts = self.accepted_drafts.labels()
+        self._accepted_length = self.accepted_length.labels()
         self._allreduce: Any = None  # rank 0's series, made when a tensor-parallel model loads
 
     # --- recording ---
@@ -336,10 +340,10 @@ class ExecutorMetrics:
         if stats.future_refs:
             self._future_resolved.inc(stats.future_refs)
         if stats.draft_tokens or stats.mode == "verify":
-            self.draft_tokens.labels().inc(stats.draft_tokens)
-            self.accepted_drafts.labels().inc(stats.accepted_drafts)
+            self._draft_tokens.inc(stats.draft_tokens)
+            self._accepted_drafts.inc(stats.accepted_drafts)
             for n in stats.accept_lengths:
-                self.accepted_length.labels().observe(n)
+                self._accepted_length.observe(n)
         for control, rows in stats.control_rows.items():
             self.sampling_control_rows.labels(control).inc(rows)
         if stats.fill_registry is not None:

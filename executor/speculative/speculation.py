@@ -14,7 +14,7 @@ import torch
 
 from executor.controls.slot_tokens import SlotTokens
 from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch
+from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.speculative.ngram import Drafter, NgramDrafter
 from executor.speculative.verify import verify_drafts
 from executor.step.outputs import ForwardOutput
@@ -67,7 +67,9 @@ def resolve_held_prefix(fb: ForwardBatch, resident_lens: np.ndarray) -> ForwardB
     now (the steps before this one applied, so a pipelining scheduler need not know their
     accepted lengths): the prefix and seq_lens are filled in from the row table, on the host.
     Other batches, and rows with an explicit prefix, are returned as they are."""
-    if not fb.forward_mode.is_verify() or fb.extend_prefix_lens is None:
+    if not isinstance(fb.forward_mode, ForwardMode) or not fb.forward_mode.is_verify():
+        return fb  # validation refuses a mode it does not know
+    if fb.extend_prefix_lens is None:
         return fb
     prefix = fb.extend_prefix_lens
     if not isinstance(prefix, torch.Tensor) or not bool((prefix == -1).any()):
