@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import step_overhead
+from benchmarks import constrained_decode, step_overhead
 from executor.client.grpc_client import ExecutorClient
 from tests.server_util import running_server, tiny_config
 
@@ -44,6 +44,29 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
     table = step_overhead.table([result]).splitlines()
     assert table[0].startswith("| bs | bare round trip | executor overhead | ratio | target |")
     assert table[2].startswith("| 1 | ") and "| 1.5x |" in table[2]
+
+
+def test_constrained_decode_pairs_runs_of_the_same_shapes(cache_dir: Path) -> None:
+    """One constrained/unconstrained pair at bs 2: the unconstrained run steps the lengths the
+    constrained one had, every step of the constrained run carried a mask, and the table has
+    the row."""
+    from executor.models.tokenizer import byte_tokenizer
+
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4)
+    with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as client:
+        info = client.info().info
+        tok = byte_tokenizer(info.vocab_size, info.bos_token_id, info.eos_token_ids)
+        result = constrained_decode.measure(
+            client, tok, model="tiny-random", bs=2, repeats=1, max_new_tokens=6
+        )
+    con, unc = result.constrained[0], result.unconstrained[0]
+    assert [len(o) for o in con.outputs] == [len(o) for o in unc.outputs]
+    assert con.tokens > 0 and con.mask_ns > 0 and unc.mask_ns == 0
+    assert all(s.stats.control_rows.get("vocab_mask") for s in con.steps if s.stats.batch_size)
+    assert not any(s.stats.control_rows for s in unc.steps)
+    assert math.isfinite(result.ratio) and result.ratio > 0
+    row = constrained_decode.table([result]).splitlines()[2]
+    assert row.startswith("| tiny-random | 2 | ")
 
 
 def test_sampling_controls_benchmark_times_every_variant(cache_dir: Path) -> None:

@@ -4,6 +4,8 @@
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
     model-executor generate --speculate 4 "Rewrite: ..."   # prompt-lookup drafts, same output
+    model-executor generate "A user:" --json-schema user.json --repetition-penalty 1.1 \
+        --logit-bias 13=-100 --min-tokens 4 --ban-ids 7,8
     model-executor info --target 127.0.0.1:50051
     model-executor config get --target 127.0.0.1:50051
     model-executor config set eager_input_no_copy=true log_level=debug --target 127.0.0.1:50051
@@ -23,10 +25,12 @@ import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
+from executor.controls.types import SamplingControls
 from executor.forward_batch import SamplingParams
 from executor.observability.logs import configure_logging
 from executor.service import settings
@@ -130,6 +134,57 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _id_list(flag: str, text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected token ids as ID,ID,..., got {text!r}") from None
+
+
+def _logit_bias(entries: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    bias: dict[int, float] = {}
+    for entry in entries:
+        token, sep, value = entry.partition("=")
+        try:
+            tid, b = int(token), float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias: expected ID=BIAS, got {entry!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias: expected ID=BIAS, got {entry!r}")
+        if tid in bias:
+            raise ValueError(f"--logit-bias: token {tid} is given twice")
+        bias[tid] = b
+    return tuple(sorted(bias.items()))
+
+
+def sampling_controls(args: argparse.Namespace) -> SamplingControls | None:
+    """The request controls `generate`'s flags ask for (OpenAI / vLLM meanings); None: none.
+    Values are checked by the executor (INVALID_ARGUMENT names the field and its range)."""
+    controls = SamplingControls(
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        logit_bias=_logit_bias(args.logit_bias),
+        min_tokens=args.min_tokens,
+        banned_token_ids=_id_list("--ban-ids", args.ban_ids),
+        allowed_token_ids=_id_list("--allow-ids", args.allow_ids),
+    )
+    return None if controls.neutral else controls
+
+
+def _json_schema(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        json.loads(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--json-schema {path}: {exc}") from None
+    return text
+
+
 def _session(
     args: argparse.Namespace, stack: ExitStack
 ) -> tuple[ExecutorClient, RemoteInfo, Tokenizer]:
@@ -198,6 +253,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from executor.client.scheduler import ReferenceScheduler, Request
 
     # stdout carries the generated text only; logs go to stderr.
+    controls = sampling_controls(args)  # flags first: a bad one fails before any model loads
+    schema = _json_schema(args.json_schema)
     prompts = list(args.prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
@@ -223,12 +280,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.overlap:  # one step in flight on a ForwardStream, tokens fed back by reference
             pipe = client.open_stream()
             stack.callback(pipe.close)
+        grammars = None
+        if schema is not None:  # xgrammar is loaded only here
+            from executor.client.grammar import Grammars
+
+            grammars = Grammars(tok, remote.info.vocab_size)
+        # Masks: inline in each unary batch; with --overlap, each follows its batch on the
+        # stream (computed while the step runs).
         scheduler = ReferenceScheduler(
             client.retrying(),
             remote.info.limits,
             remote.info.eos_token_ids,
             overlap=args.overlap,
             pipe=pipe,
+            grammars=grammars,
         )
         streaming = len(prompts) == 1 and sys.stdout.isatty()
         printed = [""]
@@ -249,6 +314,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 on_token=on_token if streaming else None,
                 speculate=args.speculate,
                 ngram=args.ngram,
+                controls=controls,
+                json_schema=schema,
             )
             for t in texts
         ]
@@ -325,6 +392,49 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_NGRAM,
         metavar="N",
         help="with --speculate: the n-gram size prompt lookup matches",
+    )
+    ctl = gen.add_argument_group("sampling controls (OpenAI / vLLM meanings, per request)")
+    ctl.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide positive logits (multiply negative ones) of every token already in the "
+        "prompt or output by this (HF/vLLM); 1 = off",
+    )
+    ctl.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times a token's count in the output (OpenAI, -2..2)",
+    )
+    ctl.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from every token already in the output (OpenAI, -2..2)",
+    )
+    ctl.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (OpenAI); repeatable",
+    )
+    ctl.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="no EOS (nor the request's stop ids) before this many new tokens (vLLM)",
+    )
+    ctl.add_argument("--ban-ids", metavar="ID,ID,...", help="token ids never sampled")
+    ctl.add_argument(
+        "--allow-ids", metavar="ID,ID,...", help="sample only these token ids (and EOS if listed)"
+    )
+    ctl.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the output to JSON that this JSON schema accepts (xgrammar; the "
+        "request stops once the JSON is complete)",
     )
     gen.add_argument("--ready-timeout", type=float, default=300.0)
     gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor.client.allocator import FutureSlotAllocator
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
+from executor.controls.types import VocabMask
 from executor.extras.types import Pooling
 from executor.forward_batch import ForwardBatch
 from executor.service.codec import (
@@ -37,6 +39,7 @@ from executor.service.codec import (
     response_from_proto,
     runtime_config_from_proto,
     runtime_update_to_proto,
+    tensor_to_proto,
 )
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from executor.step.outputs import ExecutorInfo, ForwardOutput
@@ -231,7 +234,12 @@ class ExecutorClient:
 
 
 class ForwardSession:
-    """One ForwardStream driven step by step: send batch N+1 before receiving result N."""
+    """One ForwardStream driven step by step: send batch N+1 before receiving result N.
+
+    A batch sent with `deferred_mask` set (any `DeferredMask`: on the wire it is the flag
+    `vocab_mask_deferred`) waits on the executor, at sampling, for `send_mask` with its
+    batch_id: compute the grammar mask while the forward runs. Send the mask before more
+    than the server's stream window of later batches, or it sits behind them."""
 
     _END = object()
 
@@ -253,8 +261,23 @@ class ForwardSession:
         self._outbox.put(pb.ForwardRequest(batch_id=bid, batch=batch_to_proto(batch)))
         return bid
 
+    def send_mask(self, batch_id: int, mask: VocabMask) -> None:
+        """The vocab mask of `batch_id`, sent earlier on this stream with a deferred mask.
+        It gets no answer of its own; a mask for a batch that does not wait is ignored."""
+        msg = pb.DeferredMask(
+            batch_id=batch_id, vocab_mask=tensor_to_proto(mask.words.to(torch.int32))
+        )
+        if mask.rows is not None:
+            msg.vocab_mask_rows.CopyFrom(tensor_to_proto(mask.rows))
+        self._outbox.put(pb.ForwardRequest(deferred_mask=msg))
+
     def recv(self) -> ForwardOutput:
         return response_from_proto(next(self._responses))
+
+    def cancel(self) -> None:
+        """End the stream now: batches not yet run are not applied, and one waiting for its
+        deferred mask stops waiting."""
+        self._responses.cancel()
 
     def close(self) -> None:
         self._outbox.put(self._END)

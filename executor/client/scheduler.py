@@ -29,6 +29,15 @@ length is never over-scheduled (its length is known). Greedy and seeded outputs 
 non-overlap run's. Drive it with a pipe (`send`/`recv`, e.g.
 `ExecutorClient.open_stream()`), or with a `forward` callable (each step then runs at
 send, and is still read one step late).
+
+Sampling controls and grammars: a request's `SamplingControls` go to the executor once, as a
+`RowControl` of the batch that starts it (with `prompt_len` set, so chunked prefill counts
+right). A request with a JSON schema (`json_schema`, compiled by `grammars`) is masked in
+every step that samples a token it keeps: the step is sent with a deferred mask, and its mask
+(`send_mask`) as soon as the request's previous token is read, so on a stream the executor
+runs the forward while the mask is computed. On an `InlinePipe` (in-process, unary) the step
+runs when its mask is there, with the mask in the batch. Rows without a grammar get no mask
+row (`vocab_mask_rows`).
 """
 
 from __future__ import annotations
@@ -38,12 +47,13 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
+from executor.client.grammar import Grammars, RequestGrammar
 from executor.client.speculation import (
     DEFAULT_NGRAM,
     DraftState,
@@ -52,8 +62,12 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
+from executor.controls.types import DeferredMask, RowControl, SamplingControls, VocabMask
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
+
+# The flag a batch is sent with when its mask follows (`vocab_mask_deferred` on the wire).
+_DEFERRED = DeferredMask(0)
 
 
 class StepResult(Protocol):
@@ -72,15 +86,39 @@ class StepPipe(Protocol):
     def recv(self) -> StepResult: ...
 
 
+@runtime_checkable
+class MaskPipe(StepPipe, Protocol):
+    """A pipe that takes a step's vocab mask after the step (`ForwardSession`, `InlinePipe`):
+    `send` a batch with `deferred_mask` set returns its batch_id for `send_mask`."""
+
+    def send(self, batch: ForwardBatch) -> int: ...
+
+    def send_mask(self, batch_id: int, mask: VocabMask) -> None: ...
+
+
 class InlinePipe:
-    """A `forward` callable as a pipe: each batch runs when sent, its answer waits for recv."""
+    """A `forward` callable as a pipe: each batch runs when sent (a batch with a deferred
+    mask: when its mask comes, with the mask in the batch); its answer waits for recv."""
 
     def __init__(self, forward: ForwardFn) -> None:
         self.forward = forward
         self._answers: deque[StepResult] = deque()
+        self._held: dict[int, ForwardBatch] = {}
+        self._ids = itertools.count(1)
 
-    def send(self, batch: ForwardBatch) -> None:
-        self._answers.append(self.forward(batch))
+    def send(self, batch: ForwardBatch) -> int:
+        batch_id = next(self._ids)
+        if batch.deferred_mask is not None:
+            self._held[batch_id] = batch
+        else:
+            self._answers.append(self.forward(batch))
+        return batch_id
+
+    def send_mask(self, batch_id: int, mask: VocabMask) -> None:
+        batch = self._held.pop(batch_id)
+        self._answers.append(
+            self.forward(dataclasses.replace(batch, deferred_mask=None, vocab_mask=mask))
+        )
 
     def recv(self) -> StepResult:
         return self._answers.popleft()
@@ -92,6 +130,8 @@ class _Flight:
 
     members: list[Request]
     produces: list[bool]  # the member's token is a generated one (not an inner prefill chunk)
+    masked: list[int] = field(default_factory=list)  # positions whose grammar masks the step
+    batch_id: int = 0  # the pipe's id of the step, for its deferred mask
 
 
 @dataclass
@@ -102,6 +142,8 @@ class Request:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     on_token: Callable[[Request, int], None] | None = None
+    controls: SamplingControls | None = None  # sent with the batch that starts the request
+    grammar: RequestGrammar | None = None  # constrains every token it generates
     output_ids: list[int] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
@@ -134,13 +176,23 @@ class ReferenceScheduler:
         overlap: bool = False,
         pipe: StepPipe | None = None,
         speculation: SpeculationPolicy | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """`overlap`: keep one step in flight on `pipe` (default: `forward` run at send).
-        `speculation`: when requests added with `speculate` keep drafting."""
+        `speculation`: when requests added with `speculate` keep drafting. `grammars`: the
+        model's grammar compiler, for requests with a `json_schema`; their steps go through
+        `pipe` when it takes deferred masks (a `MaskPipe`), else through an `InlinePipe` of
+        `forward`."""
         self.speculation = speculation or SpeculationPolicy()
         self.forward = forward
         self.overlap = overlap
         self.pipe: StepPipe = pipe if pipe is not None else InlinePipe(forward)
+        self.grammars = grammars
+        self.mask_pipe: MaskPipe = (
+            self.pipe if isinstance(self.pipe, MaskPipe) else InlinePipe(forward)
+        )
+        if overlap and self.mask_pipe is not self.pipe and grammars is not None:
+            raise ValueError("grammars with overlap need a pipe that takes deferred masks")
         self.in_flight: deque[_Flight] = deque()
         self.future = FutureSlotAllocator(limits.future_slots) if overlap else None
         self.limits = limits
@@ -167,10 +219,19 @@ class ReferenceScheduler:
         on_token: Callable[[Request, int], None] | None = None,
         speculate: int = 0,
         ngram: int = DEFAULT_NGRAM,
+        controls: SamplingControls | None = None,
+        json_schema: str | dict[str, Any] | None = None,
     ) -> Request:
         """`speculate=K`: decode with VERIFY steps of K drafts by prompt lookup (n-gram size
-        `ngram`) while they pay (`SpeculationPolicy`); greedy output is unchanged."""
+        `ngram`) while they pay (`SpeculationPolicy`); greedy output is unchanged.
+        `controls`: penalties, logit bias, min tokens, banned / allowed ids, for the
+        request's life (`prompt_len` is set here; with `min_tokens` and no stop ids of its
+        own, the request's stop ids are suppressed too). `json_schema`: the output is JSON
+        that the schema accepts (needs `grammars`); the request stops once it is complete.
+        Neither combines with `speculate` yet (the executor's VERIFY takes no controls)."""
         check_speculate(speculate, ngram, self.limits, self.overlap)
+        if speculate and (controls is not None or json_schema is not None):
+            raise ValueError("speculate does not combine with controls or json_schema yet")
         if not prompt_ids:
             raise ValueError("prompt must have at least one token")
         if max_new_tokens < 1:
@@ -188,6 +249,17 @@ class ReferenceScheduler:
         stops = set(stop_token_ids or ())
         if not ignore_eos:
             stops |= self.eos_token_ids
+        if controls is not None:
+            controls = dataclasses.replace(
+                controls,
+                prompt_len=len(prompt_ids),
+                stop_token_ids=controls.stop_token_ids or tuple(sorted(stops)),
+            )
+        grammar = None
+        if json_schema is not None:
+            if self.grammars is None:
+                raise ValueError("json_schema needs a scheduler built with grammars")
+            grammar = self.grammars.json_schema(json_schema)
         req = Request(
             rid=next(self._ids),
             prompt_ids=list(prompt_ids),
@@ -196,6 +268,8 @@ class ReferenceScheduler:
             stop_token_ids=frozenset(stops),
             on_token=on_token,
             draft=DraftState(speculate, ngram, self.speculation) if speculate else None,
+            controls=controls,
+            grammar=grammar,
         )
         self.waiting.append(req)
         return req
@@ -232,13 +306,44 @@ class ReferenceScheduler:
             changes["released_future_slots"] = torch.tensor(future_slots, dtype=torch.int64)
         return dataclasses.replace(batch, **changes) if changes else batch
 
-    def _forward(self, batch: ForwardBatch) -> StepResult:
+    def _forward(
+        self, batch: ForwardBatch, members: Sequence[Request] = (), masked: Sequence[int] = ()
+    ) -> StepResult:
+        """Run one step; with `masked` positions, under their grammars' mask, computed while
+        the forward runs where the pipe allows it."""
         if self.released_rows:
             released = torch.tensor(self.released_rows, dtype=torch.int64)
             batch = dataclasses.replace(batch, released_req_pool_indices=released)
-        out = self.forward(batch)
+        if masked:
+            batch_id = self.mask_pipe.send(dataclasses.replace(batch, deferred_mask=_DEFERRED))
+            self.mask_pipe.send_mask(batch_id, self._mask(members, masked))
+            out = self.mask_pipe.recv()
+        else:
+            out = self.forward(batch)
         self.released_rows.clear()  # only once the executor took them (a refused batch keeps them)
         return out
+
+    def _mask(self, members: Sequence[Request], masked: Sequence[int]) -> VocabMask:
+        """The vocab mask of the `masked` positions of a step of `members`."""
+        assert self.grammars is not None
+        words = torch.empty((len(masked), self.grammars.words), dtype=torch.int32)
+        for k, i in enumerate(masked):
+            grammar = members[i].grammar
+            assert grammar is not None
+            grammar.fill(words, k)
+        rows = (
+            None if len(masked) == len(members) else torch.tensor(list(masked), dtype=torch.int64)
+        )
+        return VocabMask(words, rows)
+
+    @staticmethod
+    def _masked(members: list[Request], produces: list[bool]) -> list[int]:
+        """Positions whose token is kept and constrained by a grammar."""
+        return [
+            i
+            for i, (r, p) in enumerate(zip(members, produces, strict=True))
+            if p and r.grammar is not None
+        ]
 
     def step(self) -> list[Request]:
         """Admit, run one batch, and return the requests that finished in it (overlap: send
@@ -251,7 +356,8 @@ class ReferenceScheduler:
             if self.waiting:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
-        out = self._forward(batch)
+        produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
+        out = self._forward(batch, members, self._masked(members, produces))
         runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
         for req, run, end in zip(members, runs, chunk_ends, strict=True):
@@ -327,6 +433,13 @@ class ReferenceScheduler:
             prefix_lens=prefix,
             sampling=[r.sampling for r in members],
         )
+        starting = [
+            RowControl(r.row, r.controls)
+            for r, start in zip(members, prefix, strict=True)
+            if start == 0 and r.controls is not None and not r.controls.neutral
+        ]
+        if starting:  # the request's controls, once: they stay with its row
+            batch = dataclasses.replace(batch, row_controls=tuple(starting))
         return batch, members, ends
 
     # --- overlap ---------------------------------------------------------------------------
@@ -370,9 +483,27 @@ class ReferenceScheduler:
             self._with_releases(batch, released_future),
             future_token_slots=torch.tensor(slots, dtype=torch.int64),
         )
-        self.pipe.send(batch)
-        self.in_flight.append(_Flight(members, produces))
+        masked = self._masked(members, produces)
+        if masked:
+            batch_id = self.mask_pipe.send(dataclasses.replace(batch, deferred_mask=_DEFERRED))
+        else:
+            self.pipe.send(batch)
+            batch_id = 0
+        self.in_flight.append(_Flight(members, produces, masked, batch_id))
+        self._send_masks()
         return True
+
+    def _send_masks(self) -> None:
+        """Send the deferred mask of every step in flight whose grammar requests have no
+        token left unread in an earlier step (their matchers are where the step samples)."""
+        unread: set[int] = set()
+        for flight in self.in_flight:
+            if flight.masked:
+                if any(flight.members[i].rid in unread for i in flight.masked):
+                    return
+                self.mask_pipe.send_mask(flight.batch_id, self._mask(flight.members, flight.masked))
+                flight.masked = []
+            unread.update(r.rid for r, p in zip(flight.members, flight.produces, strict=True) if p)
 
     def _prefill_batch(
         self, prefill: list[Request]
@@ -405,6 +536,7 @@ class ReferenceScheduler:
     def _receive(self) -> list[Request]:
         """Read the oldest step in flight; free what no step in flight holds any more."""
         assert self.future is not None
+        self._send_masks()  # the step read now must have its mask (an InlinePipe runs it then)
         flight = self.in_flight.popleft()
         out = self.pipe.recv()
         tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
@@ -415,6 +547,7 @@ class ReferenceScheduler:
                 self._append(req, token)
                 if req.finished:
                     finished.append(req)
+        self._send_masks()  # first: the step in flight may wait for them at sampling
         for req in [r for r in self.running if r.finished and r.in_flight == 0]:
             self.running.remove(req)
             self.allocator.free(req.row, req.slots)
@@ -429,10 +562,14 @@ class ReferenceScheduler:
         if token in req.stop_token_ids:
             req.finish_reason = "stop"
             return
+        if req.grammar is not None:
+            req.grammar.accept(token)
         req.output_ids.append(token)
         if req.on_token is not None:
             req.on_token(req, token)
-        if len(req.output_ids) >= req.max_new_tokens:
+        if req.grammar is not None and req.grammar.terminated:
+            req.finish_reason = "stop"  # the JSON is complete
+        elif len(req.output_ids) >= req.max_new_tokens:
             req.finish_reason = "length"
 
 

@@ -81,26 +81,44 @@ class DeferredMaskTimeout(Exception):
 @dataclass
 class DeferredMask:
     """A batch's vocab mask that arrives after the batch (ForwardStream): the stream reader
-    calls :meth:`fulfill`, sampling calls :meth:`wait`. Thread-safe; the first fulfil wins."""
+    calls :meth:`fulfill` (or :meth:`fail`, when the mask is refused or can no longer come),
+    sampling calls :meth:`wait`. Thread-safe; the first fulfil or fail wins."""
 
     batch_id: int
     _ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _mask: VocabMask | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
 
     def fulfill(self, mask: VocabMask) -> bool:
         """Hand over the mask; False if one was already given (this one is dropped)."""
-        if self._ready.is_set():
-            return False
-        self._mask = mask
-        self._ready.set()
-        return True
+        with self._lock:
+            if self._ready.is_set():
+                return False
+            self._mask = mask
+            self._ready.set()
+            return True
+
+    def fail(self, error: BaseException) -> bool:
+        """Wake the waiter with `error` instead of a mask, so the device thread stops waiting
+        at once (a refused mask, a stream that failed or ended); False if already settled."""
+        with self._lock:
+            if self._ready.is_set():
+                return False
+            self._error = error
+            self._ready.set()
+            return True
 
     def wait(self, timeout_s: float) -> VocabMask:
         if not self._ready.wait(timeout_s):
             raise DeferredMaskTimeout(
-                f"vocab_mask_deferred: no deferred_mask for batch_id {self.batch_id} within "
-                f"{timeout_s * 1000:.0f} ms"
+                # Led by the batch id, as every stream failure's status message is.
+                f"batch_id {self.batch_id}: vocab_mask_deferred: its deferred_mask did not "
+                f"come within {timeout_s * 1000:.0f} ms (GetInfo.deferred_mask_timeout_ms); "
+                "nothing applied"
             )
+        if self._error is not None:
+            raise self._error
         assert self._mask is not None
         return self._mask
 

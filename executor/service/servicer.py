@@ -3,7 +3,7 @@
 | error                                  | status              |
 |----------------------------------------|---------------------|
 | BatchTooLargeError, QueueFullError, CapacityError | RESOURCE_EXHAUSTED |
-| StreamIdleError                        | DEADLINE_EXCEEDED   |
+| StreamIdleError, DeferredMaskTimeout   | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
 | ToggleRefusedError                     | FAILED_PRECONDITION |
@@ -15,7 +15,8 @@
 | anything else (a bug)                  | INTERNAL, logged with its stack trace |
 
 A batch's status message starts with `batch_id N:`. On a stream, the first batch refused or
-failed ends the stream with its status; the device worker runs nothing after it.
+failed ends the stream with its status; the device worker runs nothing after it. A stream's
+deferred vocab masks are routed by its reader as they are read (`deferred_masks.py`).
 
 Whatever the error, a caller that stopped waiting (cancelled, went away, or its deadline
 passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its doing, not a
@@ -30,13 +31,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
+from executor.controls.types import DeferredMaskTimeout
 from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
@@ -57,6 +59,7 @@ from executor.service.codec import (
     runtime_config_to_proto,
     runtime_update_from_proto,
 )
+from executor.service.deferred_masks import StreamMasks, refuse_on_unary
 from executor.service.device_worker import (
     DeviceWorker,
     Job,
@@ -100,7 +103,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             grpc.StatusCode.CANCELLED,
             "the RPC ended before the device reached the batch; it was not applied",
         )
-    if isinstance(exc, StreamIdleError):
+    if isinstance(exc, StreamIdleError | DeferredMaskTimeout):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, StreamFailedError):
         return grpc.StatusCode.ABORTED, str(exc)
@@ -135,6 +138,29 @@ def abort(
     else:
         log.info("request refused", batch_id=batch_id, code=code.name, reason=message, **ids)
     context.abort(code, message)
+
+
+def _stream_over(batch_id: int) -> BaseException:
+    return StreamFailedError(
+        f"batch_id {batch_id} was not applied: its stream failed or ended while it waited "
+        "for its deferred_mask"
+    )
+
+
+def _mask_never_came(failed: bool, refused: BaseException | None) -> Callable[[int], BaseException]:
+    """Why a batch still waiting for its deferred mask when the reader stops fails."""
+    if failed:
+        return _stream_over
+    if refused is not None:
+        return lambda batch_id: StreamFailedError(
+            f"batch_id {batch_id} was not applied: the stream stopped reading before its "
+            f"deferred_mask came, at a refused request ({refused})"
+        )
+    return lambda batch_id: BatchValidationError(
+        "vocab_mask_deferred",
+        "the request stream ended before this batch's deferred_mask came; send the mask "
+        "before closing the stream",
+    )
 
 
 @dataclass
@@ -198,6 +224,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         active and before its deadline, and (on a stream) only if no batch before it failed."""
         if isinstance(request, UndecodableRequest):
             raise request.error
+        if stream is None:
+            refuse_on_unary(request)
         worker = self._accepting()
         with span.child("decode"):
             batch = batch_from_proto(
@@ -299,11 +327,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         # Jobs submitted but not yet answered (at most the window): a stream may live for
         # millions of steps, so answered jobs must not be kept.
         in_flight: deque[Job] = deque()
+        masks = StreamMasks()  # batches waiting for their deferred vocab mask
 
         def cancel_pending() -> None:
             failed.set()
             for job in list(in_flight):
                 job.future.cancel()  # only jobs that have not started; running ones finish
+            masks.fail_waiting(_stream_over)  # a device thread waiting for a mask stops now
             window.release()  # unblock the reader if it waits for room
             if not context.is_active():
                 # The RPC is over (cancelled, or its deadline passed): count the caller's
@@ -313,10 +343,19 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 pending.put(None)
 
         def read() -> None:
+            refused: BaseException | None = None  # the request that stopped the reading
             try:
                 for request in request_iterator:
                     if isinstance(request, UndecodableRequest):
                         raise request.error
+                    if request.HasField("deferred_mask"):
+                        try:  # at read time: the device thread may be blocked waiting for it
+                            masks.deliver(request, self._accepting().executor.limits)
+                        except BaseException as exc:
+                            refused = exc
+                            pending.put((request.deferred_mask.batch_id, exc))
+                            return
+                        continue
                     window.acquire()
                     if failed.is_set():
                         return
@@ -325,13 +364,17 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                         job = self._submit(request, step, context, state)
                     except BaseException as exc:
                         step.span.end()
+                        refused = exc
                         pending.put((request.batch_id, exc))
                         return
                     in_flight.append(job)
+                    masks.expect(job)
                     pending.put(_StreamStep(job, step))
             except BaseException as exc:  # reading the next request failed
+                refused = exc
                 pending.put((0, exc))
-            finally:
+            finally:  # no mask comes after the last request read
+                masks.fail_waiting(_mask_never_came(failed.is_set(), refused))
                 pending.put(None)
 
         context.add_callback(cancel_pending)  # the client went away or the RPC ended
