@@ -25,12 +25,11 @@ import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from executor.client.cli_controls import add_control_arguments, json_schema, sampling_controls
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
-from executor.controls.types import SamplingControls
 from executor.forward_batch import SamplingParams
 from executor.observability.logs import configure_logging
 from executor.service import settings
@@ -134,57 +133,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _id_list(flag: str, text: str | None) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"{flag}: expected token ids as ID,ID,..., got {text!r}") from None
-
-
-def _logit_bias(entries: Sequence[str]) -> tuple[tuple[int, float], ...]:
-    bias: dict[int, float] = {}
-    for entry in entries:
-        token, sep, value = entry.partition("=")
-        try:
-            tid, b = int(token), float(value)
-        except ValueError:
-            raise ValueError(f"--logit-bias: expected ID=BIAS, got {entry!r}") from None
-        if not sep:
-            raise ValueError(f"--logit-bias: expected ID=BIAS, got {entry!r}")
-        if tid in bias:
-            raise ValueError(f"--logit-bias: token {tid} is given twice")
-        bias[tid] = b
-    return tuple(sorted(bias.items()))
-
-
-def sampling_controls(args: argparse.Namespace) -> SamplingControls | None:
-    """The request controls `generate`'s flags ask for (OpenAI / vLLM meanings); None: none.
-    Values are checked by the executor (INVALID_ARGUMENT names the field and its range)."""
-    controls = SamplingControls(
-        repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        logit_bias=_logit_bias(args.logit_bias),
-        min_tokens=args.min_tokens,
-        banned_token_ids=_id_list("--ban-ids", args.ban_ids),
-        allowed_token_ids=_id_list("--allow-ids", args.allow_ids),
-    )
-    return None if controls.neutral else controls
-
-
-def _json_schema(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        json.loads(text)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--json-schema {path}: {exc}") from None
-    return text
-
-
 def _session(
     args: argparse.Namespace, stack: ExitStack
 ) -> tuple[ExecutorClient, RemoteInfo, Tokenizer]:
@@ -254,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # stdout carries the generated text only; logs go to stderr.
     controls = sampling_controls(args)  # flags first: a bad one fails before any model loads
-    schema = _json_schema(args.json_schema)
+    schema = json_schema(args.json_schema)
     prompts = list(args.prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
@@ -393,49 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --speculate: the n-gram size prompt lookup matches",
     )
-    ctl = gen.add_argument_group("sampling controls (OpenAI / vLLM meanings, per request)")
-    ctl.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="divide positive logits (multiply negative ones) of every token already in the "
-        "prompt or output by this (HF/vLLM); 1 = off",
-    )
-    ctl.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="subtract this times a token's count in the output (OpenAI, -2..2)",
-    )
-    ctl.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="subtract this from every token already in the output (OpenAI, -2..2)",
-    )
-    ctl.add_argument(
-        "--logit-bias",
-        action="append",
-        default=[],
-        metavar="ID=BIAS",
-        help="add BIAS (-100..100) to token ID's logit (OpenAI); repeatable",
-    )
-    ctl.add_argument(
-        "--min-tokens",
-        type=int,
-        default=0,
-        help="no EOS (nor the request's stop ids) before this many new tokens (vLLM)",
-    )
-    ctl.add_argument("--ban-ids", metavar="ID,ID,...", help="token ids never sampled")
-    ctl.add_argument(
-        "--allow-ids", metavar="ID,ID,...", help="sample only these token ids (and EOS if listed)"
-    )
-    ctl.add_argument(
-        "--json-schema",
-        metavar="FILE",
-        help="constrain the output to JSON that this JSON schema accepts (xgrammar; the "
-        "request stops once the JSON is complete)",
-    )
+    add_control_arguments(gen)
     gen.add_argument("--ready-timeout", type=float, default=300.0)
     gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")
     gen.add_argument("--config", help="TOML file for the embedded server")

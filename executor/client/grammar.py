@@ -25,15 +25,18 @@ it (nor the transformers it imports).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from executor.controls.types import mask_words
+from executor.controls.types import VocabMask, mask_words
 from executor.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
+
+    from executor.client.requests import Request
 
 
 def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
@@ -141,3 +144,26 @@ class RequestGrammar:
             raise RuntimeError(
                 f"token {token} does not continue the grammar: was the vocab mask applied?"
             )
+
+
+def step_mask(
+    grammars: Grammars | None, members: Sequence[Request], masked: Sequence[int]
+) -> VocabMask:
+    """The vocab mask of the `masked` positions of a step of `members`."""
+    assert grammars is not None
+    words = torch.empty((len(masked), grammars.words), dtype=torch.int32)
+    for k, i in enumerate(masked):
+        grammar = members[i].grammar
+        assert grammar is not None
+        grammar.fill(words, k)
+    rows = None if len(masked) == len(members) else torch.tensor(list(masked), dtype=torch.int64)
+    return VocabMask(words, rows)
+
+
+def masked_positions(members: Sequence[Request], produces: Sequence[bool]) -> list[int]:
+    """Positions whose token is kept and constrained by a grammar."""
+    return [
+        i
+        for i, (r, p) in enumerate(zip(members, produces, strict=True))
+        if p and r.grammar is not None
+    ]

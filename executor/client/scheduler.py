@@ -14,30 +14,19 @@ every running request. Slots for a request's whole budget (prompt + max_new_toke
 reserved at admission, so a running request never runs out of cache. A finished request's
 row is released to the executor on the next batch (`released_req_pool_indices`).
 
-Speculation (`add_request(speculate=K)`): a running request that drafts decodes in a VERIFY
-step instead (its last token, K slots for the executor's prompt-lookup drafts) and takes the
-accepted run; requests that do not draft share that step with k = 0. When a request drafts
-and when it stops: `client/speculation.py`. Not with overlap yet (refused).
+Speculation (`add_request(speculate=K)`): a drafting request decodes in VERIFY steps (the
+executor's prompt-lookup drafts; when it drafts: `client/speculation.py`). Not with overlap.
 
-Overlap (`overlap=True`): the scheduler keeps one step in flight. It sends step N+1 before it
-reads step N's tokens: every request of a step gets a future slot (`future_token_slots`),
-and the next step feeds the token back as input id `-slot`, which the executor resolves on
-the device. Tokens are read one step late, so a request that stopped (a stop token) in step
-N was already in step N+1: that extra token is discarded, and the request's row, KV slots
-and future slots are freed once no step in flight holds them. A request that stops by
-length is never over-scheduled (its length is known). Greedy and seeded outputs equal the
-non-overlap run's. Drive it with a pipe (`send`/`recv`, e.g.
-`ExecutorClient.open_stream()`), or with a `forward` callable (each step then runs at
-send, and is still read one step late).
+Overlap (`overlap=True`): one step in flight. Step N+1 is sent before step N's tokens are
+read; each request's token goes to a future slot and comes back as input id `-slot`. A
+request that stopped in step N was already in step N+1: that token is discarded, and its
+row and slots are freed once no step in flight holds them. Outputs equal the plain run's.
+Drive it with a pipe (`ExecutorClient.open_stream()`) or a `forward` callable.
 
-Sampling controls and grammars: a request's `SamplingControls` go to the executor once, as a
-`RowControl` of the batch that starts it (with `prompt_len` set, so chunked prefill counts
-right). A request with a JSON schema (`json_schema`, compiled by `grammars`) is masked in
-every step that samples a token it keeps: the step is sent with a deferred mask, and its mask
-(`send_mask`) as soon as the request's previous token is read, so on a stream the executor
-runs the forward while the mask is computed. On an `InlinePipe` (in-process, unary) the step
-runs when its mask is there, with the mask in the batch. Rows without a grammar get no mask
-row (`vocab_mask_rows`).
+Sampling controls go to the executor once, with the batch that starts the request
+(`prompt_len` set for chunked prefill). A JSON-schema request is masked in every step that
+keeps its token: the step is sent with a deferred mask, and the mask (`send_mask`) follows
+once the previous token is read, computed while the forward runs (`client/grammar.py`).
 """
 
 from __future__ import annotations
@@ -46,14 +35,15 @@ import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
-from executor.client.grammar import Grammars, RequestGrammar
+from executor.client.grammar import Grammars, masked_positions, step_mask
+from executor.client.pipes import ForwardFn, InlinePipe, MaskPipe, StepPipe, StepResult
+from executor.client.requests import Request, _Flight, check_request
 from executor.client.speculation import (
     DEFAULT_NGRAM,
     DraftState,
@@ -62,107 +52,12 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
-from executor.controls.types import DeferredMask, RowControl, SamplingControls, VocabMask
+from executor.controls.types import DeferredMask, RowControl, SamplingControls
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
 
 # The flag a batch is sent with when its mask follows (`vocab_mask_deferred` on the wire).
 _DEFERRED = DeferredMask(0)
-
-
-class StepResult(Protocol):
-    @property
-    def next_token_ids(self) -> object: ...
-
-
-ForwardFn = Callable[[ForwardBatch], StepResult]
-
-
-class StepPipe(Protocol):
-    """Steps sent ahead and answered in order (a ForwardStream: `ForwardSession`)."""
-
-    def send(self, batch: ForwardBatch) -> object: ...
-
-    def recv(self) -> StepResult: ...
-
-
-@runtime_checkable
-class MaskPipe(StepPipe, Protocol):
-    """A pipe that takes a step's vocab mask after the step (`ForwardSession`, `InlinePipe`):
-    `send` a batch with `deferred_mask` set returns its batch_id for `send_mask`."""
-
-    def send(self, batch: ForwardBatch) -> int: ...
-
-    def send_mask(self, batch_id: int, mask: VocabMask) -> None: ...
-
-
-class InlinePipe:
-    """A `forward` callable as a pipe: each batch runs when sent (a batch with a deferred
-    mask: when its mask comes, with the mask in the batch); its answer waits for recv."""
-
-    def __init__(self, forward: ForwardFn) -> None:
-        self.forward = forward
-        self._answers: deque[StepResult] = deque()
-        self._held: dict[int, ForwardBatch] = {}
-        self._ids = itertools.count(1)
-
-    def send(self, batch: ForwardBatch) -> int:
-        batch_id = next(self._ids)
-        if batch.deferred_mask is not None:
-            self._held[batch_id] = batch
-        else:
-            self._answers.append(self.forward(batch))
-        return batch_id
-
-    def send_mask(self, batch_id: int, mask: VocabMask) -> None:
-        batch = self._held.pop(batch_id)
-        self._answers.append(
-            self.forward(dataclasses.replace(batch, deferred_mask=None, vocab_mask=mask))
-        )
-
-    def recv(self) -> StepResult:
-        return self._answers.popleft()
-
-
-@dataclass
-class _Flight:
-    """A sent step whose tokens were not read yet."""
-
-    members: list[Request]
-    produces: list[bool]  # the member's token is a generated one (not an inner prefill chunk)
-    masked: list[int] = field(default_factory=list)  # positions whose grammar masks the step
-    batch_id: int = 0  # the pipe's id of the step, for its deferred mask
-
-
-@dataclass
-class Request:
-    rid: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    on_token: Callable[[Request, int], None] | None = None
-    controls: SamplingControls | None = None  # sent with the batch that starts the request
-    grammar: RequestGrammar | None = None  # constrains every token it generates
-    output_ids: list[int] = field(default_factory=list)
-    row: int = 0
-    slots: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a step in flight)
-    finish_reason: str | None = None  # "stop" | "length"
-    # Overlap only: tokens generated or in flight, the future slot of the newest one, and
-    # how many sent steps hold this request.
-    scheduled: int = 0
-    future_slot: int = 0
-    in_flight: int = 0
-    draft: DraftState | None = None  # speculate > 0: its drafting (client/speculation.py)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def prefilled(self) -> bool:
-        return self.num_computed >= len(self.prompt_ids)
 
 
 class ReferenceScheduler:
@@ -222,30 +117,14 @@ class ReferenceScheduler:
         controls: SamplingControls | None = None,
         json_schema: str | dict[str, Any] | None = None,
     ) -> Request:
-        """`speculate=K`: decode with VERIFY steps of K drafts by prompt lookup (n-gram size
-        `ngram`) while they pay (`SpeculationPolicy`); greedy output is unchanged.
-        `controls`: penalties, logit bias, min tokens, banned / allowed ids, for the
-        request's life (`prompt_len` is set here; with `min_tokens` and no stop ids of its
-        own, the request's stop ids are suppressed too). `json_schema`: the output is JSON
-        that the schema accepts (needs `grammars`); the request stops once it is complete.
-        Neither combines with `speculate` yet (the executor's VERIFY takes no controls)."""
+        """`speculate=K`: VERIFY steps of K prompt-lookup drafts (n-gram `ngram`) while they
+        pay. `controls`: for the request's life (`prompt_len` set here; min_tokens also
+        suppresses its stop ids). `json_schema`: JSON output (needs `grammars`). Controls and
+        schemas do not combine with `speculate` yet (VERIFY takes no controls)."""
         check_speculate(speculate, ngram, self.limits, self.overlap)
         if speculate and (controls is not None or json_schema is not None):
             raise ValueError("speculate does not combine with controls or json_schema yet")
-        if not prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        budget = len(prompt_ids) + max_new_tokens - 1  # the last new token is never fed back
-        if budget > self.limits.max_context_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds max_context_len "
-                f"({self.limits.max_context_len})"
-            )
-        if budget > self.limits.kv_slots:
-            raise ValueError(
-                f"request needs {budget} KV slots, the executor has {self.limits.kv_slots}"
-            )
+        check_request(prompt_ids, max_new_tokens, self.limits)
         stops = set(stop_token_ids or ())
         if not ignore_eos:
             stops |= self.eos_token_ids
@@ -316,34 +195,12 @@ class ReferenceScheduler:
             batch = dataclasses.replace(batch, released_req_pool_indices=released)
         if masked:
             batch_id = self.mask_pipe.send(dataclasses.replace(batch, deferred_mask=_DEFERRED))
-            self.mask_pipe.send_mask(batch_id, self._mask(members, masked))
+            self.mask_pipe.send_mask(batch_id, step_mask(self.grammars, members, masked))
             out = self.mask_pipe.recv()
         else:
             out = self.forward(batch)
         self.released_rows.clear()  # only once the executor took them (a refused batch keeps them)
         return out
-
-    def _mask(self, members: Sequence[Request], masked: Sequence[int]) -> VocabMask:
-        """The vocab mask of the `masked` positions of a step of `members`."""
-        assert self.grammars is not None
-        words = torch.empty((len(masked), self.grammars.words), dtype=torch.int32)
-        for k, i in enumerate(masked):
-            grammar = members[i].grammar
-            assert grammar is not None
-            grammar.fill(words, k)
-        rows = (
-            None if len(masked) == len(members) else torch.tensor(list(masked), dtype=torch.int64)
-        )
-        return VocabMask(words, rows)
-
-    @staticmethod
-    def _masked(members: list[Request], produces: list[bool]) -> list[int]:
-        """Positions whose token is kept and constrained by a grammar."""
-        return [
-            i
-            for i, (r, p) in enumerate(zip(members, produces, strict=True))
-            if p and r.grammar is not None
-        ]
 
     def step(self) -> list[Request]:
         """Admit, run one batch, and return the requests that finished in it (overlap: send
@@ -357,7 +214,7 @@ class ReferenceScheduler:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
         produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
-        out = self._forward(batch, members, self._masked(members, produces))
+        out = self._forward(batch, members, masked_positions(members, produces))
         runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
         for req, run, end in zip(members, runs, chunk_ends, strict=True):
@@ -483,7 +340,7 @@ class ReferenceScheduler:
             self._with_releases(batch, released_future),
             future_token_slots=torch.tensor(slots, dtype=torch.int64),
         )
-        masked = self._masked(members, produces)
+        masked = masked_positions(members, produces)
         if masked:
             batch_id = self.mask_pipe.send(dataclasses.replace(batch, deferred_mask=_DEFERRED))
         else:
@@ -501,7 +358,9 @@ class ReferenceScheduler:
             if flight.masked:
                 if any(flight.members[i].rid in unread for i in flight.masked):
                     return
-                self.mask_pipe.send_mask(flight.batch_id, self._mask(flight.members, flight.masked))
+                self.mask_pipe.send_mask(
+                    flight.batch_id, step_mask(self.grammars, flight.members, flight.masked)
+                )
                 flight.masked = []
             unread.update(r.rid for r, p in zip(flight.members, flight.produces, strict=True) if p)
 

@@ -36,7 +36,7 @@ from executor.forward_batch import ForwardBatch, ForwardMode, SamplingParams
 from executor.validation import BatchLimits
 
 if TYPE_CHECKING:
-    from executor.client.scheduler import Request
+    from executor.client.requests import Request
 
 DEFAULT_NGRAM = 3
 

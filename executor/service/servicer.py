@@ -32,23 +32,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from executor.controls.types import DeferredMaskTimeout
 from executor.errors import (
-    BatchTooLargeError,
     BatchValidationError,
     FaultInjector,
-    RuntimeConfigError,
-    ToggleRefusedError,
 )
-from executor.observability.telemetry import RpcScope, Telemetry, caller_gone
+from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
-from executor.parallel.comm import TpGroupError
 from executor.service.admission import CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
 from executor.service.auth import TokenCheck, UnauthenticatedError
@@ -63,81 +57,17 @@ from executor.service.deferred_masks import StreamMasks, refuse_on_unary
 from executor.service.device_worker import (
     DeviceWorker,
     Job,
-    QueueFullError,
-    RpcEndedError,
     StreamFailedError,
     StreamState,
-    WorkerClosedError,
 )
-from executor.service.handlers import UndecodableRequest, UndecodableRequestError
+from executor.service.handlers import UndecodableRequest
 from executor.service.runtime_config import RuntimeControl
+from executor.service.status import NotServingError, abort
 from executor.step.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
-
-
-class NotServingError(RuntimeError):
-    """The executor is still loading, or is draining before shutdown."""
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, BatchTooLargeError | QueueFullError | CapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ToggleRefusedError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, UnauthenticatedError):
-        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, NotServingError | WorkerClosedError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, TpGroupError):  # a rank died or hangs: this server is going away
-        return grpc.StatusCode.UNAVAILABLE, f"tensor-parallel group failed: {exc}"
-    if isinstance(exc, RpcEndedError):
-        code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.deadline else grpc.StatusCode.CANCELLED
-        return code, str(exc)
-    if isinstance(exc, CancelledError):  # the RPC ended while its job waited: never run
-        return (
-            grpc.StatusCode.CANCELLED,
-            "the RPC ended before the device reached the batch; it was not applied",
-        )
-    if isinstance(exc, StreamIdleError | DeferredMaskTimeout):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
-    if isinstance(exc, StreamFailedError):
-        return grpc.StatusCode.ABORTED, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-
-
-def abort(
-    context: grpc.ServicerContext,
-    exc: BaseException,
-    rpc: RpcScope,
-    batch_id: int | None = None,
-    span: SpanScope | None = None,
-) -> None:
-    """Answer the RPC with the status `exc` maps to (logged with the code and trace ids)."""
-    gone = caller_gone(context)
-    if gone is not None:  # whatever failed, the caller had already left
-        rpc.caller_left(gone, batch_id)
-        context.abort(gone, rpc.message)
-    code, message = status_for(exc)
-    if (
-        batch_id is not None
-        and f"batch_id {batch_id}" not in message
-        and not message.startswith("batch_id:")
-    ):
-        message = f"batch_id {batch_id}: {message}"
-    rpc.fail(code, message)
-    ids = (span or rpc).log_ids()
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("request failed", batch_id=batch_id, code=code.name, exc_info=exc, **ids)
-    elif isinstance(exc, UndecodableRequestError):  # no stack trace: nothing of ours failed
-        log.warning("undecodable request", code=code.name, reason=message, **ids)
-    else:
-        log.info("request refused", batch_id=batch_id, code=code.name, reason=message, **ids)
-    context.abort(code, message)
 
 
 def _stream_over(batch_id: int) -> BaseException:
