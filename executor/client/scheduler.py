@@ -52,7 +52,7 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
-from executor.controls.types import DeferredMask, RowControl, SamplingControls
+from executor.controls.types import DeferredMask, RowControl, SamplingControls, VocabMask
 from executor.forward_batch import ForwardBatch, SamplingParams
 from executor.validation import BatchLimits
 
@@ -195,12 +195,16 @@ class ReferenceScheduler:
             batch = dataclasses.replace(batch, released_req_pool_indices=released)
         if masked:
             batch_id = self.mask_pipe.send(dataclasses.replace(batch, deferred_mask=_DEFERRED))
-            self.mask_pipe.send_mask(batch_id, step_mask(self.grammars, members, masked))
+            self.mask_pipe.send_mask(batch_id, self._mask(members, masked))
             out = self.mask_pipe.recv()
         else:
             out = self.forward(batch)
         self.released_rows.clear()  # only once the executor took them (a refused batch keeps them)
         return out
+
+    def _mask(self, members: Sequence[Request], masked: Sequence[int]) -> VocabMask:
+        """The vocab mask of a step's `masked` positions (the grammars fill it)."""
+        return step_mask(self.grammars, members, masked)
 
     def step(self) -> list[Request]:
         """Admit, run one batch, and return the requests that finished in it (overlap: send
@@ -358,9 +362,7 @@ class ReferenceScheduler:
             if flight.masked:
                 if any(flight.members[i].rid in unread for i in flight.masked):
                     return
-                self.mask_pipe.send_mask(
-                    flight.batch_id, step_mask(self.grammars, flight.members, flight.masked)
-                )
+                self.mask_pipe.send_mask(flight.batch_id, self._mask(flight.members, flight.masked))
                 flight.masked = []
             unread.update(r.rid for r, p in zip(flight.members, flight.produces, strict=True) if p)
 
