@@ -77,6 +77,9 @@ class TpLeader:
             return
         try:
             broadcast.send(self.comm, Command(broadcast.STOP))
+            # Every rank takes part in one last collective: none leaves the group (and tears
+            # its connections down) while another is still inside the stop's broadcast.
+            self.comm.ping()
         except TpGroupError as e:
             log.warning("could not tell the workers to stop", reason=str(e))
         finally:

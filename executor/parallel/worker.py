@@ -29,5 +29,6 @@ def run_worker(executor: ModelExecutor) -> None:
         elif command.kind == broadcast.PING:
             comm.ping()
         else:
+            comm.ping()  # rank 0's last collective: then every rank may leave the group
             log.info("tensor-parallel worker stopping", rank=comm.rank)
             return
