@@ -29,6 +29,7 @@ GRAPH_BACKENDS = ("auto", "cuda", "compiled", "compiled_step", "standin")
 QUANTIZATION_MODES = ("none", "gguf", "int8", "int4")
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
+QUANT_KERNELS = ("auto", "qmm", "torch")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -146,6 +147,14 @@ class ExecutorConfig:
         "included) | int8 (per-channel) | int4 (group 32): int8/int4 quantize the decoder "
         "linears at load, the embedding and LM head stay float",
     )
+    quant_kernel: str = setting(
+        "auto",
+        "auto | qmm | torch: what group-quantized linears (gguf, int4) run on; qmm is a CPU "
+        "kernel built for this machine on first use (int8 activations times the stored 4- or "
+        "8-bit weights, as llama.cpp computes), torch is torch's int4 kernels (bfloat16 "
+        "activations); auto = qmm where it builds and loads (x86-64, AVX2, a C compiler), "
+        "else torch",
+    )
     linear_kernel: str = setting(
         "auto",
         "auto | onednn | aten: what the float linears run on; onednn packs each weight once at "
@@ -230,6 +239,10 @@ class ExecutorConfig:
             raise ValueError(
                 f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
                 f"got {self.linear_kernel!r}"
+            )
+        if self.quant_kernel not in QUANT_KERNELS:
+            raise ValueError(
+                f"quant_kernel must be one of {', '.join(QUANT_KERNELS)}, got {self.quant_kernel!r}"
             )
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(

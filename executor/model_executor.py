@@ -109,6 +109,7 @@ class ModelExecutor:
                 quantization=config.quantization,
                 comm=self.comm,
                 linear_kernel=config.linear_kernel,
+                quant_kernel=config.quant_kernel,
             )
         self.loaded = loaded
         self.model = loaded.model

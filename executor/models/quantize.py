@@ -81,7 +81,9 @@ def check_int4_shapes(mode: str, config: ModelConfig, device: torch.device) -> N
             raise _refuse(mode, f"model.layers.*.{attr}", shape, problem)
 
 
-def quantize_float_linears(model: DecoderModel, mode: str, device: torch.device) -> None:
+def quantize_float_linears(
+    model: DecoderModel, mode: str, device: torch.device, *, use_qmm: bool = False
+) -> None:
     """Replace every loaded float decoder linear (the family's `FUSED_LINEARS`) by its int4
     or int8 quantization; other weights (grouped experts, routers) stay float."""
     if mode not in ("int4", "int8"):
@@ -96,7 +98,9 @@ def quantize_float_linears(model: DecoderModel, mode: str, device: torch.device)
             weight = (
                 quantize_int4(linear.weight) if mode == "int4" else quantize_int8(linear.weight)
             )
-            layer.set_submodule(path, quantized_linear(weight, linear.bias, device=device))
+            layer.set_submodule(
+                path, quantized_linear(weight, linear.bias, device=device, use_qmm=use_qmm)
+            )
 
 
 def install_gguf_blocks(
@@ -104,6 +108,8 @@ def install_gguf_blocks(
     blocks: Mapping[str, GroupQuant],
     floats: dict[str, torch.Tensor],
     device: torch.device,
+    *,
+    use_qmm: bool = False,
 ) -> int:
     """Swap in an int4-kernel linear for each fused linear whose parts are all GGUF blocks of
     one bit width; the others get their parts dequantized into `floats` (for
@@ -121,20 +127,24 @@ def install_gguf_blocks(
             present = [part for part in parts if part is not None]
             if len(present) == len(parts) and len({part.bits for part in present}) == 1:
                 weight = cat_rows(present)
-                problem = int4_shape_problem(*weight.shape, weight.group, device)
+                problem = (
+                    None if use_qmm else int4_shape_problem(*weight.shape, weight.group, device)
+                )
                 if problem is not None:
                     raise _refuse("gguf", p + attr, weight.shape, problem)
                 bias = None
                 if linear.bias is not None:
                     bias = torch.cat([floats.pop(f"{p}{src}.bias") for src in sources])
                     bias = bias.to(device=device, dtype=linear.bias.dtype)
-                layer.set_submodule(attr, quantized_linear(weight, bias, device=device))
+                layer.set_submodule(
+                    attr, quantized_linear(weight, bias, device=device, use_qmm=use_qmm)
+                )
                 swapped += 1
             else:
                 for name, part in zip(names, parts, strict=True):
                     if part is not None:
                         floats[name] = part.dequantize()
-    _install_head_and_embedding(model, blocks, floats, device)
+    _install_head_and_embedding(model, blocks, floats, device, use_qmm=use_qmm)
     return swapped
 
 
@@ -143,15 +153,19 @@ def _install_head_and_embedding(
     blocks: Mapping[str, GroupQuant],
     floats: dict[str, torch.Tensor],
     device: torch.device,
+    *,
+    use_qmm: bool,
 ) -> None:
     """The LM head as an int4-kernel linear over its blocks (the embedding's when tied), and
     the embedding as a `QuantizedEmbedding`; a head the kernel cannot take stays float (and,
     when tied, so does the embedding)."""
     embed = blocks.get("model.embed_tokens.weight")
     head = embed if model.config.tie_word_embeddings else blocks.get("lm_head.weight")
-    head_fits = head is not None and int4_shape_problem(*head.shape, head.group, device) is None
+    head_fits = head is not None and (
+        use_qmm or int4_shape_problem(*head.shape, head.group, device) is None
+    )
     if head is not None and head_fits:
-        model.lm_head = quantized_linear(head, None, device=device)
+        model.lm_head = quantized_linear(head, None, device=device, use_qmm=use_qmm)
     elif head is not None and not model.config.tie_word_embeddings:
         floats["lm_head.weight"] = head.dequantize()
     if embed is not None and (head_fits or not model.config.tie_word_embeddings):
