@@ -24,6 +24,7 @@
 
 #define GROUP 32
 #define ROW_BLOCK 64
+#define PARALLEL_MIN_PRODUCTS (1 << 17)
 
 /* ABI version: ops/qmm.py refuses a library whose version differs from its own. */
 int qmm_version(void) { return 1; }
@@ -151,9 +152,11 @@ void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m, i
                 float *y) {
     const int64_t groups = k / GROUP;
     const int64_t row_bytes = bits == 4 ? k / 2 : k;
+    /* A team only where the work pays for its start and its barrier (~1e5 products). */
+    const int parallel = m * n * k >= PARALLEL_MIN_PRODUCTS;
     for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
         const int64_t r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel)
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *w = (const uint8_t *)qw + j * row_bytes;
             const float *s = scale + j * groups;
