@@ -5,7 +5,7 @@ that spent it, read after the step."""
 from __future__ import annotations
 
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -80,3 +80,19 @@ def test_cpu_steps_keep_the_host_clock() -> None:
     assert clock.durations_ns["forward"] >= 2_000_000
     clock.use_device_events(torch.device("cuda", 0))  # no CUDA needed to choose events
     assert clock.events is not None
+
+
+@pytest.mark.gpu
+def test_a_cuda_step_times_its_forward_on_the_device(make_executor: Any) -> None:
+    """On CUDA the forward phase is the GPU's time (events), not the enqueue: it is the
+    larger part of the step on a model whose kernels outlast their launches."""
+    from executor.batch_prep import make_extend_batch
+
+    ex = make_executor(device="cuda", dtype="float32", graph_mode="none")
+    batch = make_extend_batch(
+        input_ids=[list(range(3, 515))], req_pool_indices=[1], out_cache_loc=[list(range(1, 513))]
+    )
+    timings = ex.forward(batch).stats.timings_ns
+    assert {"forward", "sample", "total"} <= timings.keys()
+    assert 0 < timings["forward"] <= timings["total"]
+    assert 0 < timings["sample"] <= timings["total"]
