@@ -355,3 +355,19 @@ def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
     assert (
         factory.poisoned == report.poisoned == "decode bucket 2: capture poisoned on tp rank(s) [1]"
     )
+
+
+@pytest.mark.gpu
+def test_ranks_on_cuda_serve_only_the_graph_buckets_every_rank_captured() -> None:
+    """The agreement over NCCL with real CUDA graphs: rank 1 loses decode bucket 2 (an
+    injected out-of-memory capture, before the capture runs any collective); both ranks
+    serve buckets 1 and 4 and give tp 1's tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, {torch.cuda.device_count()} present")
+    config = _tiny(device="cuda", graph_backend="cuda", graph_mode="both")
+    prompts = PROMPTS[:2]
+    runs: list[dict] = [{"captured": True}, RUNS[0]]
+    want = run_generations(ModelExecutor(config), prompts, runs)
+    got = generate_tp(config.replace(tp_size=2), prompts, runs, faults={1: {"decode": 2}})
+    assert got[0] == ([1, 4], [16, 64])
+    assert got[1][0] == want[1][0]
