@@ -7,7 +7,9 @@ the figure there is a lower bound (inside a CUDA graph it is not seen at all).
 
 A collective that fails (a peer died: connection closed; a peer hangs: the group's timeout)
 raises `TpGroupError` and marks the group failed for good: a tensor-parallel group that lost
-a rank cannot be resynchronised, so the host stops serving and exits (`on_failure`).
+a rank cannot be resynchronised, so the host stops serving and exits (`on_failure`). gloo
+fails the call itself; an NCCL call only enqueues, so its failure (the watchdog aborting it,
+`nccl_env.py`) is raised by `settle` at the end of the step.
 """
 
 from __future__ import annotations
