@@ -144,8 +144,8 @@ class ExecutorConfig:
     quantization: str = setting(
         "none",
         "none | gguf (run the GGUF's own Q4_0/Q4_1/Q8_0 blocks, the embedding and tied LM head "
-        "included) | int8 (per-channel) | int4 (group 32): int8/int4 quantize the decoder "
-        "linears at load, the embedding and LM head stay float",
+        "included) | int8 (per-channel; CPU only: refused on CUDA) | int4 (group 32): int8/int4 "
+        "quantize the decoder linears at load, the embedding and LM head stay float",
     )
     quant_kernel: str = setting(
         "auto",

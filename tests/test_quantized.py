@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.config import ExecutorConfig
+from executor.config import ExecutorConfig, resolve_device
 from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.gguf_blocks import read_blocks
 from executor.models.layers import Linear, PackedLinear
-from executor.models.loader import load_model
+from executor.models.loader import load_model, read_model_config
 from executor.models.quant_formats import GroupQuant, quantize_int4, quantize_int8
 from executor.models.quantize import check_quantization
 from executor.models.quantized import (
@@ -491,3 +491,20 @@ def _decode_batch(bs: int) -> ForwardBatch:
         seq_lens=[1] * bs,
         out_cache_loc=list(range(1, bs + 1)),
     )
+
+
+def test_int8_is_refused_on_cuda_at_config_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`device=auto` on a CUDA machine with `quantization=int8`: refused before any weight is
+    read, naming the naive kernel; int4 and none resolve there, and int8 still does on CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = ExecutorConfig(model="tiny-random", device="auto", quantization="int8")
+    assert resolve_device(config) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"quantization=int8 is not served on CUDA.*naive"):
+        read_model_config(config)
+    for mode in ("int4", "none"):
+        read_model_config(config.replace(quantization=mode))
+    read_model_config(config.replace(device="cpu"))
+    with pytest.raises(ValueError, match="_weight_int8pack_mm"):
+        check_quantization(
+            "int8", "hf", "some-dir", TINY_CONFIGS["tiny-random"], torch.device("cuda")
+        )

@@ -2,7 +2,8 @@
 
 - `gguf`: the file's own Q4_0 / Q4_1 / Q8_0 blocks (`gguf_blocks.py`), fused and packed for
   the int4 kernel; a linear whose GGUF tensors are float stays a float `Linear`.
-- `int4` / `int8`: float weights quantized at load (group-32 min/max int4, per-channel int8).
+- `int4` / `int8`: float weights quantized at load (group-32 min/max int4, per-channel int8);
+  int8 is CPU only (`check_device`: torch's CUDA int8 kernel is a naive one).
 
 What each mode quantizes:
 - `gguf`: every tensor the file stores in blocks. The four linears of each decoder layer
@@ -61,7 +62,25 @@ def check_quantization(
     """Refuse a bad combination at start-up, from metadata only (no weights read): `gguf` on
     a model that is no GGUF file, `int4` on shapes the int4 kernel cannot take."""
     check_source(mode, source_kind, spec)
+    check_device(mode, device)
     check_int4_shapes(mode, config, device)
+
+
+# NOTE: torch's `_weight_int8pack_mm` on CUDA is a naive kernel (one thread per output
+# element, no tensor cores, the weight re-read per row of x): slower than the bfloat16 model
+# it is meant to beat. No other int8 weight-only kernel ships with torch (`_int_mm` needs int8
+# activations), so int8 is refused there rather than served slowly.
+INT8_ON_CUDA = (
+    "quantization=int8 is not served on CUDA: torch's int8 weight-only kernel there "
+    "(_weight_int8pack_mm) is a naive one, slower than the unquantized model; use "
+    "quantization=int4 (torch's tinygemm kernel) or none (bfloat16) on CUDA"
+)
+
+
+def check_device(mode: str, device: torch.device) -> None:
+    """Refuse a mode whose kernel on `device` would be slower than not quantizing."""
+    if mode == "int8" and device.type == "cuda":
+        raise ValueError(INT8_ON_CUDA)
 
 
 def check_source(mode: str, source_kind: str, spec: str) -> None:
@@ -88,6 +107,7 @@ def quantize_float_linears(
     or int8 quantization; other weights (grouped experts, routers) stay float."""
     if mode not in ("int4", "int8"):
         raise ValueError(f"quantize_float_linears takes int4 or int8, got {mode!r}")
+    check_device(mode, device)
     check_int4_shapes(mode, model.config, device)
     for layer in model.decoder_layers:
         for path in model.FUSED_LINEARS:
