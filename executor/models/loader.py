@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from executor.config import (
-    QUANTIZATION_MODES,
+    LOADED_QUANTIZATIONS,
     ExecutorConfig,
     resolve_cache_dir,
     resolve_device,
@@ -31,7 +31,11 @@ from executor.models.gguf_loader import lazy_gguf, load_gguf, read_gguf_blocks, 
 from executor.models.hf_loader import lazy_hf_directory, load_hf_directory, read_hf_config
 from executor.models.packing import choose_linear_kernel, pack_float_linears
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
-from executor.models.quant_kernel import QuantKernelChoice, choose_quant_kernel
+from executor.models.quant_kernel import (
+    QuantKernelChoice,
+    choose_quant_kernel,
+    choose_quantization,
+)
 from executor.models.quantize import (
     check_int4_shapes,
     check_quantization,
@@ -105,6 +109,19 @@ def read_weights(
     return lazy_hf_directory(source.path) if lazy else load_hf_directory(source.path)
 
 
+def resolve_quantization(config: ExecutorConfig) -> tuple[str, str]:
+    """(mode, reason): `config.quantization` with `auto` decided for this model and machine
+    (`quant_kernel.choose_quantization`)."""
+    return choose_quantization(
+        config.quantization,
+        resolve_model_spec(config.model).kind,
+        resolve_device(config),
+        resolve_cache_dir(config),
+        quant_kernel=config.quant_kernel,
+        tp_size=config.tp_size,
+    )
+
+
 def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     """The model's hyper-parameters (metadata only, no weights) and the effective context length;
     refuses a `quantization` the model cannot take (the server calls this before loading)."""
@@ -117,13 +134,12 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     else:
         assert source.path is not None
         model_cfg = read_gguf_config(source.path, resolve_cache_dir(config))
-    check_quantization(
-        config.quantization, source.kind, source.spec, model_cfg, resolve_device(config)
-    )
+    quantization, _ = resolve_quantization(config)
+    check_quantization(quantization, source.kind, source.spec, model_cfg, resolve_device(config))
     if config.tp_size > 1:
-        if config.quantization != "none":
+        if quantization != "none":
             raise ValueError(
-                f"quantization={config.quantization} is not supported with tp_size > 1 "
+                f"quantization={quantization} is not supported with tp_size > 1 "
                 "(tensor parallelism shards float weights only)"
             )
         shard_plan(model_cfg, config.tp_size, 0)  # refuses head counts that do not divide
@@ -135,7 +151,11 @@ def prepare_shared_weights(config: ExecutorConfig) -> None:
     here, so the ranks each read their shard of it instead of each dequantizing the file."""
     source = resolve_model_spec(config.model)
     cache_dir = resolve_cache_dir(config)
-    if source.kind == "gguf" and cache_dir is not None and config.quantization == "none":
+    if (
+        source.kind == "gguf"
+        and cache_dir is not None
+        and resolve_quantization(config)[0] == "none"
+    ):
         assert source.path is not None
         lazy_gguf(source.path, cache_dir)
 
@@ -150,6 +170,8 @@ class LoadedModel:
     weight_bytes: int = 0  # resident bytes of every weight (parameters and quantized buffers)
     linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
     quant_kernel: str = "torch"  # what group-quantized linears run on: qmm | torch
+    linear_kernel_reason: str = ""  # why each kernel was chosen (what `auto` saw)
+    quant_kernel_reason: str = ""
 
 
 def _build(
@@ -224,9 +246,10 @@ def load_model(
     `quantization` other than none the decoder linears stay quantized (`quantize.py`); with
     `linear_kernel` onednn (auto: on CPU in float32) the float linears are packed
     (`packing.py`)."""
-    if quantization not in QUANTIZATION_MODES:
+    if quantization not in LOADED_QUANTIZATIONS:
         raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}"
+            f"quantization must be one of {', '.join(LOADED_QUANTIZATIONS)} (auto is resolved "
+            f"by resolve_quantization first), got {quantization!r}"
         )
     kernel = choose_linear_kernel(linear_kernel, device, dtype)  # refuses before loading
     quant = (
@@ -279,4 +302,6 @@ def load_model(
         weight_bytes=nbytes,
         linear_kernel=kernel.kernel,
         quant_kernel=quant.kernel,
+        linear_kernel_reason=kernel.reason,
+        quant_kernel_reason=quant.reason,
     )

@@ -7,7 +7,7 @@ from typing import Any
 from executor.controls.types import mask_words
 from executor.errors import RuntimeConfigError
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.step.outputs import ExecutorInfo
+from executor.step.outputs import ExecutorInfo, SettingChoice
 from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
@@ -51,6 +51,10 @@ def info_to_proto(
         max_hidden_bytes=lim.max_hidden_bytes,
         max_output_bytes=lim.max_output_bytes,
         allow_input_embeds=lim.allow_input_embeds,
+        setting_choices=[
+            pb.SettingChoice(setting=c.setting, value=c.value, reason=c.reason)
+            for c in info.choices
+        ],
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
@@ -99,6 +103,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
         sampling_controls=tuple(msg.sampling_controls),
         deferred_mask_timeout_ms=msg.deferred_mask_timeout_ms,
+        choices=tuple(SettingChoice(c.setting, c.value, c.reason) for c in msg.setting_choices),
     )
     return info, msg.model_spec
 

@@ -84,6 +84,15 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True)
+class SettingChoice:
+    """What a start-up setting became on this machine: `auto` resolved, or as configured."""
+
+    setting: str  # the ExecutorConfig field: dtype, quantization, quant_kernel, ...
+    value: str
+    reason: str  # what `auto` saw, or "configured"
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     """Everything a scheduler needs to allocate rows and slots and to stop requests."""
 
@@ -106,3 +115,5 @@ class ExecutorInfo:
     tp_size: int = 1  # tensor-parallel ranks
     sampling_controls: tuple[str, ...] = ()  # the controls applied (proto field names)
     deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
+    # What each performance setting became here and why (the start-up log says the same).
+    choices: tuple[SettingChoice, ...] = ()
