@@ -50,6 +50,7 @@ class Served:
     port: int
     ready_s: float  # from the process's start until readiness
     process: subprocess.Popen[bytes]
+    started_at: float = 0.0  # time.perf_counter() when the process started
 
 
 @contextmanager
@@ -83,7 +84,7 @@ def served(
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-        yield Served(client, port, time.perf_counter() - t0, process)
+        yield Served(client, port, time.perf_counter() - t0, process, t0)
     finally:
         client.close()
         process.terminate()

@@ -1,19 +1,28 @@
-"""Decode speed and weight memory: this executor (`--quantization none` and `gguf`, eager and
-`compiled_step` graphs, through gRPC) against llama.cpp on the same GGUF file, in one run.
+"""Decode speed and start-up at DEFAULT settings, through gRPC, against llama.cpp on the same
+GGUF file and thread count, in one run; other configurations beside it for comparison.
 
     PYTHONPATH=.:proto .venv/bin/python benchmarks/vs_llamacpp.py [--model smollm2]
 
-For each quantization and path a server starts on loopback in its own process (one at a time,
-as deployed: a server inside the benchmark's process measured 2-3x slower here), takes
-`--prompt` tokens of prefill for each of `--batch-sizes` requests, then `--steps` DECODE steps
-through unary `Forward`; a step's time is the client's wall time per call (token-to-token).
-bs-32 tokens/s is the aggregate (32 tokens per step). Weight bytes are what `GetInfo` reports.
+Each `--configs` entry is a server started on loopback in its own process (one at a time, as
+deployed) with only the sizing flags (`--max-reqs`, `--kv-slots`, `--max-context-len`) plus
+that configuration's own:
+- `defaults`: nothing else: what `make serve` runs. Its start-up (ready to answer) and, when a
+  graph capture runs in the background, the time until it is in use are reported; the
+  decode steps are measured once it is (the first steps run eagerly meanwhile).
+- `eager`: the defaults with `--graph-mode none`;
+- `gguf-torch`: `--quantization gguf --quant-kernel torch --graph-mode none` (torch's int4
+  kernels, bfloat16 activations);
+- `float32`: `--quantization none --dtype float32 --graph-mode none`;
+- `compiled_step`: the defaults with each DECODE step one inductor graph per batch size.
+Each server takes `--prompt` tokens of prefill for each of `--batch-sizes` requests, then
+`--steps` DECODE steps through unary `Forward`; a step's time is the client's wall time per
+call (token-to-token), reported as the median and the minimum (the minimum is the steadier
+figure on a shared machine). bs-32 tokens/s is the aggregate.
 
-llama.cpp runs through llama-cpp-python (the optional `bench` extra:
-`pip install '.[bench]'`; it compiles llama.cpp from source, about 6 minutes on two cores)
-with `--threads` threads, one stream: the same prompt length, then `--steps` greedy tokens,
-token-to-token time. Without llama-cpp-python that part is skipped with the reason, and the
-executor's figures are still measured. Results: docs/performance.md.
+llama.cpp runs through llama-cpp-python (the optional `bench` extra; it compiles llama.cpp from
+source) with `--threads` threads, one stream: the same prompt length, then `--steps` greedy
+tokens, token-to-token time, measured before and after the executor's runs. Without
+llama-cpp-python that part is skipped with the reason. Results: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from served import cpu_description, served  # benchmarks/served.py (the script's folder)
+from served import Served, cpu_description, served  # benchmarks/served.py (the script's folder)
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.models.loader import resolve_model_spec
@@ -36,16 +46,47 @@ LLAMA_CPP_MISSING = (
 )
 
 
+@dataclass
+class Measured:
+    steps: dict[int, tuple[float, float]]  # bs -> (median, min) ms per DECODE step
+    weight_bytes: int
+    ready_s: float  # start to readiness (answering)
+    graphs_s: float | None  # start until a background graph capture was in use (None: none ran)
+    choices: list[str]  # GetInfo's setting choices, "setting=value (reason)"
+
+
+CONFIGS = {
+    "defaults": [],
+    "eager": ["--graph-mode", "none"],
+    "gguf-torch": ["--quantization", "gguf", "--quant-kernel", "torch", "--graph-mode", "none"],
+    "float32": ["--quantization", "none", "--dtype", "float32", "--graph-mode", "none"],
+    "compiled_step": ["--graph-mode", "decode", "--graph-backend", "compiled_step"],
+}
+
+
+def wait_for_graphs(server: Served, timeout: float) -> float | None:
+    """Seconds since start until no background capture runs (None if none was running)."""
+    client = server.client
+    if client.get_runtime_config().graph_capture != "capturing":
+        return None
+    deadline = time.monotonic() + timeout
+    while client.get_runtime_config().graph_capture == "capturing":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the background graph capture did not end in {timeout} s")
+        time.sleep(0.5)
+    return time.perf_counter() - server.started_at
+
+
 def executor_decode(
     flags: list[str], sizes: list[int], prompt: int, steps: int, threads: int
-) -> tuple[dict[int, float], int]:
-    """{bs: median ms per DECODE step through gRPC}, resident weight bytes; the server in its
-    own process with `flags`."""
+) -> Measured:
+    """DECODE step times of a server in its own process started with `flags`."""
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
-    results: dict[int, float] = {}
+    results: dict[int, tuple[float, float]] = {}
     with served(flags, env=env) as server:
         client = server.client
-        weight_bytes = client.info().info.weight_bytes
+        graphs_s = wait_for_graphs(server, timeout=1800)
+        info = client.info().info
         span = prompt + steps
         first = 1
         for bs in sizes:  # disjoint rows and slots for each batch size
@@ -70,12 +111,15 @@ def executor_decode(
                 t0 = time.perf_counter()
                 client.forward(batch)
                 times.append(time.perf_counter() - t0)
-            results[bs] = statistics.median(times[2:]) * 1e3
-    return results, weight_bytes
+            results[bs] = (statistics.median(times[2:]) * 1e3, min(times[2:]) * 1e3)
+        choices = [f"{c.setting}={c.value} ({c.reason})" for c in info.choices]
+        return Measured(results, info.weight_bytes, server.ready_s, graphs_s, choices)
 
 
-def llama_cpp_decode(path: str, prompt: int, steps: int, threads: int) -> float | None:
-    """Median ms per token of one greedy stream, or None (with the reason printed)."""
+def llama_cpp_decode(
+    path: str, prompt: int, steps: int, threads: int
+) -> tuple[float, float] | None:
+    """(median, min) ms per token of one greedy stream, or None (with the reason printed)."""
     try:
         import llama_cpp
     except ImportError:
@@ -93,7 +137,7 @@ def llama_cpp_decode(path: str, prompt: int, steps: int, threads: int) -> float 
         last = now
         if n == steps:
             break
-    return statistics.median(times[2:]) * 1e3
+    return statistics.median(times[2:]) * 1e3, min(times[2:]) * 1e3
 
 
 def main() -> None:
@@ -107,20 +151,17 @@ def main() -> None:
         "--torch-threads",
         type=int,
         default=0,
-        help="the server's torch intra-op threads (OMP_NUM_THREADS; 0: torch's default). On a "
-        "shared, oversubscribed machine "
-        "the int4 kernel's OpenMP region waits for descheduled threads (~12 ms a call with 2 "
-        "threads at load 8 on 2 cores, 0.5 ms with 1): compare the paths at 1 thread there",
+        help="the servers' torch intra-op threads (OMP_NUM_THREADS; 0: torch's default)",
     )
-    ap.add_argument("--quantizations", default="gguf,none")
     ap.add_argument(
-        "--paths",
-        default="eager,compiled_step",
-        help="eager (graph_mode none) and/or compiled_step (DECODE graphs at the batch sizes "
-        "measured, each step one compiled graph; compiling costs about a minute per batch "
-        "size on two cores, then inductor's cache under the default cache dir)",
+        "--configs", default="defaults,eager,gguf-torch,float32", help=", ".join(CONFIGS)
     )
     ap.add_argument("--cache-dir", default="", help="the servers' --cache-dir ('' = default)")
+    ap.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also transformers float32 on the same file, in this process (DynamicCache loop)",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     source = resolve_model_spec(args.model)
@@ -130,72 +171,94 @@ def main() -> None:
         f"model={args.model} ({source.path}) torch={torch.__version__} server torch "
         f"threads={args.torch_threads or 'default'} prompt={args.prompt} steps={args.steps}"
     )
-    # llama.cpp before and after the executor's runs: this machine's speed drifts by tens of
-    # percent over minutes, so each ratio is given against both readings.
-    llama_ms = [measure_llama_cpp(source.path, args)]
-    measured: dict[tuple[str, str], tuple[dict[int, float], int]] = {}
-    paths = args.paths.split(",")
-    for quantization in args.quantizations.split(","):
-        for path in paths:
-            graphs = ["--graph-mode", "none"]
-            if path == "compiled_step":
-                graphs = [
-                    "--graph-mode", "decode", "--graph-backend", "compiled_step",
-                    "--graph-batch-sizes", args.batch_sizes,
-                ]  # fmt: skip
-            elif path != "eager":
-                ap.error(f"--paths: eager or compiled_step, got {path!r}")
-            # `none` is the float32 path the issue compares memory against (auto would be
-            # bfloat16 on a CPU with native bfloat16); gguf keeps the auto activations.
-            flags = [
-                "--model", args.model, "--quantization", quantization,
-                "--dtype", "float32" if quantization == "none" else "auto",
-                "--max-reqs", str(sum(sizes) + 1),
-                "--kv-slots", str((sum(sizes) + 1) * (args.prompt + args.steps)),
-                "--max-context-len", str(args.prompt + args.steps + 8),
-                *graphs,
-            ]  # fmt: skip
-            if args.cache_dir:
-                flags += ["--cache-dir", args.cache_dir]
-            per_bs, weight_bytes = executor_decode(
-                flags, sizes, args.prompt, args.steps, args.torch_threads
+    # llama.cpp before and after the executor's runs: a shared machine's speed drifts over
+    # minutes, so each ratio is given against both readings.
+    llama = [measure_llama_cpp(source.path, args)]
+    measured: dict[str, Measured] = {}
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            ap.error(f"--configs: one of {', '.join(CONFIGS)}, got {name!r}")
+        flags = [
+            "--model", args.model,
+            "--max-reqs", str(sum(sizes) + 1),
+            "--kv-slots", str((sum(sizes) + 1) * (args.prompt + args.steps)),
+            "--max-context-len", str(args.prompt + args.steps + 8),
+            *CONFIGS[name],
+        ]  # fmt: skip
+        if name == "compiled_step":
+            flags += ["--graph-batch-sizes", args.batch_sizes]
+        if args.cache_dir:
+            flags += ["--cache-dir", args.cache_dir]
+        m = executor_decode(flags, sizes, args.prompt, args.steps, args.torch_threads)
+        measured[name] = m
+        graphs = f", graphs in use after {m.graphs_s:.1f} s" if m.graphs_s is not None else ""
+        print(
+            f"executor {name}: ready in {m.ready_s:.1f} s{graphs}; weights {m.weight_bytes / 2**20:.1f} MiB"
+        )
+        if name == "defaults":
+            for choice in m.choices:
+                print(f"  {choice}")
+        for bs, (med, best) in m.steps.items():
+            print(
+                f"executor {name:<13} bs={bs:<3} {med:8.2f} ms/step (min {best:7.2f}) "
+                f"{bs * 1e3 / med:8.1f} tokens/s"
             )
-            measured[quantization, path] = per_bs, weight_bytes
-            for bs, ms in per_bs.items():
-                print(
-                    f"executor quantization={quantization:<5} path={path:<13} bs={bs:<3} "
-                    f"{ms:8.2f} ms/step {bs * 1e3 / ms:8.1f} tokens/s"
-                )
-        print(f"executor quantization={quantization:<5} weights {weight_bytes / 2**20:.1f} MiB")
-    weights = {q: b for (q, _), (_, b) in measured.items()}
-    if "gguf" in weights and "none" in weights:
-        ratio = weights["gguf"] / weights["none"]
-        print(f"weight bytes gguf / none: {ratio:.3f} (target <= 0.333)")
-    if llama_ms[0] is not None:  # else the reason was printed once already
-        llama_ms.append(measure_llama_cpp(source.path, args))
-    readings = [ms for ms in llama_ms if ms is not None]
+    hf = transformers_decode(source.path, sizes, args.steps) if args.transformers else {}
+    for bs, (med, best) in hf.items():
+        print(f"transformers float32 bs={bs:<3} {med:8.2f} ms/step (min {best:7.2f})")
+    for name, m in measured.items():
+        for bs in sorted(set(hf) & set(m.steps)):
+            print(
+                f"bs-{bs} tokens/s {name} / transformers float32: "
+                f"{hf[bs][0] / m.steps[bs][0]:.2f} (target >= 3 at bs 32)"
+            )
+    if llama[0] is not None:  # else the reason was printed once already
+        llama.append(measure_llama_cpp(source.path, args))
+    readings = [r for r in llama if r is not None]
     if not readings:
         return
-    for when, ms in zip(("before", "after"), readings, strict=False):
+    for when, (med, best) in zip(("before", "after"), readings, strict=False):
         print(
-            f"llama.cpp threads={args.threads} bs=1 ({when}) {ms:8.2f} ms/token "
-            f"{1e3 / ms:8.1f} tokens/s"
+            f"llama.cpp threads={args.threads} bs=1 ({when}) {med:8.2f} ms/token (min "
+            f"{best:7.2f}) {1e3 / med:8.1f} tokens/s"
         )
-    for (quantization, path), (per_bs, _) in measured.items():
-        name = f"{quantization}/{path}"
-        if 1 in per_bs:
-            ratios = " / ".join(f"{per_bs[1] / ms:.2f}" for ms in readings)
-            print(f"bs-1 ms/token {name} / llama.cpp: {ratios} (target <= 1.5)")
-        big = max(per_bs)
+    for name, m in measured.items():
+        if 1 in m.steps:
+            ratios = " / ".join(f"{m.steps[1][0] / med:.2f}" for med, _ in readings)
+            mins = " / ".join(f"{m.steps[1][1] / best:.2f}" for _, best in readings)
+            print(f"bs-1 ms/token {name} / llama.cpp: {ratios} (minima {mins}; target <= 1.2)")
+        big = max(m.steps)
         if big > 1:
-            ratios = " / ".join(f"{big * ms / per_bs[big]:.2f}" for ms in readings)
+            ratios = " / ".join(f"{big * med / m.steps[big][0]:.2f}" for med, _ in readings)
             print(
                 f"bs-{big} aggregate tokens/s {name} / llama.cpp single stream: {ratios} "
                 "(target >= 5)"
             )
 
 
-def measure_llama_cpp(path: Path | None, args: argparse.Namespace) -> float | None:
+def transformers_decode(
+    path: Path | None, sizes: list[int], steps: int
+) -> dict[int, tuple[float, float]]:
+    """{bs: (median, min) ms per step} of transformers' own loop in float32 on the file."""
+    from vs_transformers import Transformers  # benchmarks/vs_transformers.py
+
+    if path is None:
+        print("the model is no local GGUF file: transformers not measured")
+        return {}
+    model = Transformers(path)
+    out = {}
+    for bs in sizes:
+        step = model.decode_step(bs)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        out[bs] = (statistics.median(times[2:]) * 1e3, min(times[2:]) * 1e3)
+    return out
+
+
+def measure_llama_cpp(path: Path | None, args: argparse.Namespace) -> tuple[float, float] | None:
     if path is None:
         print("the model is no local GGUF file: llama.cpp not measured")
         return None

@@ -245,6 +245,10 @@ class ModelExecutor:
             tp_rank=self.comm.rank,
             tp_size=self.comm.size,
         )
+        for choice in (*self.choices, *self.control.choices()):
+            log.info(
+                "setting chosen", setting=choice.setting, value=choice.value, reason=choice.reason
+            )
 
     @property
     def info(self) -> ExecutorInfo:

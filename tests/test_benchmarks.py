@@ -193,3 +193,20 @@ def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     table = kernel_count.table([("torch ops", torch_ops), ("fused", fused)]).splitlines()
     assert table[0].startswith("| path | kernels per layer |")
     assert table[3].startswith(f"| fused | {fused.total} |")
+
+
+def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
+    """A few DECODE steps of a served configuration: both batch sizes timed (median >= min),
+    readiness timed, the setting choices read, and no background capture waited for."""
+    from benchmarks import vs_llamacpp
+
+    flags = [
+        "--model", "tiny-random", "--max-reqs", "4", "--kv-slots", "64",
+        "--max-context-len", "32", "--cache-dir", str(tmp_path), "--dtype", "float32",
+        *vs_llamacpp.CONFIGS["eager"],
+    ]  # fmt: skip
+    m = vs_llamacpp.executor_decode(flags, [1, 2], prompt=4, steps=5, threads=1)
+    assert set(m.steps) == {1, 2}
+    assert all(med >= best > 0 for med, best in m.steps.values())
+    assert m.ready_s > 0 and m.graphs_s is None and m.weight_bytes > 0
+    assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)

@@ -455,3 +455,16 @@ def test_readme_values_table_is_current() -> None:
     spec.loader.exec_module(module)
     readme = (CHART / "README.md").read_text()
     assert readme == module.readme_with_table(readme), "run python helm/tools/values_table.py"
+
+
+def test_the_cache_can_be_a_persistent_volume_claim() -> None:
+    """Compiled code (the qmm kernel, inductor's caches) outlives the pod on a named claim."""
+    volumes = {
+        v["name"]: v
+        for v in render({"cache": {"mountPath": "/cache", "existingClaim": "executor-cache"}})
+        .one("Deployment")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["cache"] == {
+        "name": "cache",
+        "persistentVolumeClaim": {"claimName": "executor-cache"},
+    }
