@@ -461,8 +461,9 @@ def test_the_cache_can_be_a_persistent_volume_claim() -> None:
     """Compiled code (the qmm kernel, inductor's caches) outlives the pod on a named claim."""
     volumes = {
         v["name"]: v
-        for v in render({"cache": {"mountPath": "/cache", "existingClaim": "executor-cache"}})
-        .one("Deployment")["spec"]["template"]["spec"]["volumes"]
+        for v in render({"cache": {"mountPath": "/cache", "existingClaim": "executor-cache"}}).one(
+            "Deployment"
+        )["spec"]["template"]["spec"]["volumes"]
     }
     assert volumes["cache"] == {
         "name": "cache",
