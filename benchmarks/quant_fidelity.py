@@ -152,6 +152,7 @@ def main() -> None:
         max_context_len=2048,
         cache_dir=args.cache_dir,
         dtype="float32",  # the reference is float32 whatever the CPU (auto may be bfloat16)
+        quantization="none",  # auto would keep the GGUF's blocks
     )
     ref = ModelExecutor(base)
     tok = ref.load_tokenizer()

@@ -4,9 +4,10 @@
  *   4-bit: w = q * scale + min, q in 0..15, 16 bytes a group (low nibbles are the group's
  *          inputs 0..15, high nibbles 16..31: GGUF's Q4_0/Q4_1 byte order);
  *   8-bit: w = q * scale + min, q in -128..127, 32 bytes a group (GGUF's Q8_0).
- * x is quantized per group of 32 to int8 with its own scale (dx = max|x| / 127), and the
- * group's exact float sum sx is kept, so a group's dot product is
- *   scale * dx * sum(q * qx) + min * sx
+ * x is quantized to int8 per half group of 16 with its own scale (dx = max|x| / 127: halves
+ * rather than whole groups keep an outlier from coarsening 31 neighbours), and each group's
+ * exact float sum sx is kept, so a group's dot product is
+ *   scale * (dx_lo * sum_lo(q * qx) + dx_hi * sum_hi(q * qx)) + min * sx
  * with sum(q * qx) an integer dot product (AVX2: vpmaddubsw + vpmaddwd; AVX-VNNI: vpdpbusd).
  *
  * Rows of W are split across OpenMP threads (the process's one OpenMP runtime: torch's); every
@@ -23,11 +24,12 @@
 #endif
 
 #define GROUP 32
+#define HALF 16
 #define ROW_BLOCK 64
 #define PARALLEL_MIN_PRODUCTS (1 << 17)
 
 /* ABI version: ops/qmm.py refuses a library whose version differs from its own. */
-int qmm_version(void) { return 1; }
+int qmm_version(void) { return 2; }
 
 /* Which code paths this build holds: "avx2", "avx2+vnni" or "scalar". */
 const char *qmm_isa(void) {
@@ -40,25 +42,27 @@ const char *qmm_isa(void) {
 #endif
 }
 
-/* x [m, k] float -> qx [m, k] int8, dx and sx [m, k / 32] float. */
+/* x [m, k] float -> qx [m, k] int8, dx [m, k / 16] and sx [m, k / 32] float. */
 void qmm_quantize(const float *x, int64_t m, int64_t k, int8_t *qx, float *dx, float *sx) {
-    const int64_t groups = k / GROUP;
+    const int64_t halves = k / HALF;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
     for (int64_t r = 0; r < m; r++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float *v = x + r * k + g * GROUP;
-            int8_t *q = qx + r * k + g * GROUP;
+        for (int64_t h = 0; h < halves; h++) {
+            const float *v = x + r * k + h * HALF;
+            int8_t *q = qx + r * k + h * HALF;
             float amax = 0.0f, sum = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
+            for (int i = 0; i < HALF; i++) {
                 float a = fabsf(v[i]);
                 amax = a > amax ? a : amax;
                 sum += v[i];
             }
-            const float d = amax / 127.0f;
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < GROUP; i++) q[i] = (int8_t)nearbyintf(v[i] * id);
-            dx[r * groups + g] = d;
-            sx[r * groups + g] = sum;
+            for (int i = 0; i < HALF; i++) q[i] = (int8_t)nearbyintf(v[i] * id);
+            dx[r * halves + h] = amax / 127.0f;
+            if (h % 2 == 0)
+                sx[r * (halves / 2) + h / 2] = sum;
+            else
+                sx[r * (halves / 2) + h / 2] += sum;
         }
     }
 }
@@ -119,7 +123,10 @@ static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, con
             __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * k + g * GROUP));
             if (bits == 8) xv = _mm256_sign_epi8(xv, sgn);
             const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, xv));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[g] * dx[r * groups + g]), p, acc[r]);
+            /* lanes 0-3 hold inputs 0..15 of the group, lanes 4-7 inputs 16..31 */
+            const float *d = dx + r * 2 * groups + 2 * g;
+            const __m256 ds = _mm256_set_m128(_mm_set1_ps(d[1]), _mm_set1_ps(d[0]));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(scale[g]), ds), p, acc[r]);
         }
     }
     for (int r = 0; r < nr; r++)
@@ -129,17 +136,21 @@ static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, con
         const int8_t *xr = qx + r * k;
         float total = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
-            int32_t dot = 0;
+            int32_t lo = 0, hi = 0; /* inputs 0..15 and 16..31 of the group */
             if (bits == 4) {
                 for (int i = 0; i < 16; i++) {
-                    dot += (qw[g * 16 + i] & 0x0F) * xr[g * GROUP + i];
-                    dot += (qw[g * 16 + i] >> 4) * xr[g * GROUP + 16 + i];
+                    lo += (qw[g * 16 + i] & 0x0F) * xr[g * GROUP + i];
+                    hi += (qw[g * 16 + i] >> 4) * xr[g * GROUP + 16 + i];
                 }
             } else {
                 const int8_t *w = (const int8_t *)qw + g * GROUP;
-                for (int i = 0; i < GROUP; i++) dot += w[i] * xr[g * GROUP + i];
+                for (int i = 0; i < 16; i++) {
+                    lo += w[i] * xr[g * GROUP + i];
+                    hi += w[16 + i] * xr[g * GROUP + 16 + i];
+                }
             }
-            total += scale[g] * dx[r * groups + g] * (float)dot;
+            const float *d = dx + r * 2 * groups + 2 * g;
+            total += scale[g] * (d[0] * (float)lo + d[1] * (float)hi);
         }
         out[r * out_stride] = total + min_term(mn, sx + r * groups, groups);
     }
@@ -163,10 +174,10 @@ void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m, i
             const float *mj = mn + j * groups;
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4)
-                rows_dot(bits, w, s, mj, qx + r * k, dx + r * groups, sx + r * groups, k,
+                rows_dot(bits, w, s, mj, qx + r * k, dx + r * 2 * groups, sx + r * groups, k,
                          groups, 4, y + r * n + j, n);
             for (; r < r1; r++)
-                rows_dot(bits, w, s, mj, qx + r * k, dx + r * groups, sx + r * groups, k,
+                rows_dot(bits, w, s, mj, qx + r * k, dx + r * 2 * groups, sx + r * groups, k,
                          groups, 1, y + r * n + j, n);
         }
     }

@@ -167,11 +167,37 @@ def test_a_hostile_gguf_header_is_refused_before_any_allocation(
     array: refused at once, naming the claim (a reader would size its allocations by them)."""
     import time
 
-    from executor.models.gguf_header import check_gguf_header
+    from executor.models.gguf_header import check_gguf_header, open_gguf
 
     path = tmp_path / "hostile.gguf"
     path.write_bytes(b"GGUF" + body)
-    start = time.perf_counter()
-    with pytest.raises(ValueError, match=message):
-        check_gguf_header(path)
-    assert time.perf_counter() - start < 1.0
+    for read in (check_gguf_header, open_gguf):
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=message):
+            read(path)
+        assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q4_1],
+)
+def test_the_gguf_walk_reads_what_the_gguf_package_reads(
+    tmp_path: Path, qtype: gguf.GGMLQuantizationType
+) -> None:
+    """`open_gguf` (the bounded walk) against `gguf.GGUFReader`: every metadata value, and
+    every tensor's name, shape, type and bytes."""
+    from executor.models.gguf_header import open_gguf
+
+    config = TINY_CONFIGS["tiny-random"]
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, tiny_random_weights(config), qtype)
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    keys = {k for k in theirs.fields if not k.startswith("GGUF.")}  # the reader's own entries
+    assert set(ours.fields) == keys
+    for key in keys:
+        assert ours.fields[key].contents() == pytest.approx(theirs.fields[key].contents()), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (list(a.shape), a.tensor_type) == (list(b.shape), b.tensor_type), a.name
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
