@@ -280,6 +280,7 @@ def start_server(
     address = f"{server_config.host}:{server_config.port}"
     tls = server_config.tls
     certificates = CertificateFiles(tls) if tls is not None else None
+    servicer.kv.tls = tls  # a push to a peer presents this server's own identity
     if certificates is None:
         port = server.add_insecure_port(address)
         if not is_loopback(server_config.host):

@@ -61,6 +61,7 @@ from executor.service.device_worker import (
     StreamState,
 )
 from executor.service.handlers import UndecodableRequest
+from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl
 from executor.service.status import NotServingError, abort
 from executor.step.outputs import ForwardOutput
@@ -123,6 +124,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.draining = threading.Event()
         # Tests only (executor/errors.py): make encoding a chosen answer raise.
         self.faults: FaultInjector | None = None
+        self.kv = KVService(self._accepting)  # the KV data plane (start_server sets its TLS)
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
@@ -404,3 +406,32 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
             return runtime_config_to_proto(config)
+
+    def ExportKV(
+        self, request: pb.KvExportRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.KvExportResponse]:
+        with self.telemetry.rpc("ExportKV", context) as rpc:
+            try:
+                yield from self.kv.export(request, context.is_active)
+            except GeneratorExit:  # the caller stopped reading: nothing to answer
+                raise
+            except BaseException as exc:
+                abort(context, exc, rpc)
+
+    def ImportKV(
+        self, request_iterator: Iterator[pb.KvImportRequest], context: grpc.ServicerContext
+    ) -> pb.KvImportResponse:
+        with self.telemetry.rpc("ImportKV", context) as rpc:
+            try:
+                return self.kv.import_(request_iterator)
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises
+
+    def PushKV(self, request: pb.KvPushRequest, context: grpc.ServicerContext) -> pb.KvPushResponse:
+        with self.telemetry.rpc("PushKV", context) as rpc:
+            try:
+                return self.kv.push(request)
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises

@@ -11,6 +11,9 @@ from executor.controls.types import DeferredMaskTimeout
 from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
+    KVChecksumError,
+    KVPeerError,
+    KVStateError,
     RuntimeConfigError,
     ToggleRefusedError,
 )
@@ -39,7 +42,11 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ToggleRefusedError):
+    if isinstance(exc, KVChecksumError):
+        return grpc.StatusCode.DATA_LOSS, str(exc)
+    if isinstance(exc, KVPeerError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, ToggleRefusedError | KVStateError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)

@@ -1,0 +1,304 @@
+"""The KV data plane's handlers: ExportKV, ImportKV and PushKV (executor to executor).
+
+Every read of and write into the cache runs as a device job (`DeviceWorker.run_on_device`),
+between two steps: an export reads one chunk per job (memory bounded by chunk_bytes), an
+import stages every chunk on the host, verifies it, and writes it in one job. A push is an
+export whose chunks go straight into the peer's ImportKV, over a channel built from this
+server's own TLS files (`peer_credentials`). Refusals map through `status.py`; a push reports
+each transfer's outcome in its answer instead of failing the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import structlog
+import torch
+
+from executor.errors import BatchTooLargeError, BatchValidationError, KVStateError
+from executor.kv_transfer.engine import ImportResult, KVTransfer
+from executor.kv_transfer.layout import check_runs, checksum, expand_runs, plan_chunks
+from executor.kv_transfer.staging import Chunk, ImportStaging
+from executor.service.codec import tensor_to_proto
+from executor.service.device_worker import DeviceWorker
+from executor.service.info_codec import layout_to_proto
+from executor.service.kv_codec import (
+    chunk_from_proto,
+    chunk_to_proto,
+    import_header_from_proto,
+    runs_from_proto,
+)
+from executor.service.status import status_for
+from executor.service.tls import TlsFiles, channel_credentials
+from model_executor.v1 import executor_pb2 as pb
+from model_executor.v1 import executor_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+MAX_PUSH_TRANSFERS = 64  # transfers one PushKV may carry
+DEFAULT_PUSH_TIMEOUT_S = 60.0
+_MESSAGE_SLACK = 1 << 20  # a chunk message's bytes beyond its data
+
+
+def peer_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
+    """The client side of this server's TLS identity, for pushes to peers: its certificate and
+    key (mTLS peers accept it when one CA signs both), its client CA as the roots that verify
+    the peer ('' = the system roots). None: plaintext, as this server serves."""
+    if tls is None:
+        return None
+    return channel_credentials(tls.client_ca_file, tls.cert_file, tls.key_file)
+
+
+@dataclass
+class KVTransferObserver:
+    """What the handlers report (the server's metrics; no-ops in tests that pass none)."""
+
+    on_transfer: Callable[[str, int, float, bool], None] = lambda direction, nbytes, seconds, ok: (
+        None
+    )
+
+
+class KVService:
+    def __init__(
+        self,
+        worker: Callable[[], DeviceWorker],
+        *,
+        tls: TlsFiles | None = None,
+        observer: KVTransferObserver | None = None,
+    ) -> None:
+        """`worker`: the device worker now (raises NotServingError while loading or draining)."""
+        self._worker = worker
+        self.tls = tls
+        self.observer = observer or KVTransferObserver()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+
+    # --- ExportKV ---------------------------------------------------------------------------
+    def export(
+        self, request: pb.KvExportRequest, is_active: Callable[[], bool]
+    ) -> Iterator[pb.KvExportResponse]:
+        worker = self._worker()
+        kvt: KVTransfer = worker.executor.kv_transfer
+        _tp_unsupported(kvt)
+        runs = runs_from_proto(request.slots, "slots", kvt.limits)
+        check_runs(runs, "slots.runs", kvt.layout, kvt.limits)
+        slots = expand_runs(runs)
+        t0 = time.perf_counter()
+        tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
+        specs = plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes)
+        yield pb.KvExportResponse(
+            header=pb.KvTransferHeader(
+                transfer_id=request.transfer_id,
+                layout=layout_to_proto(kvt.layout, kvt.limits),
+                num_slots=int(slots.size),
+                token_ids=tensor_to_proto(torch.from_numpy(tokens)),
+                num_chunks=len(specs),
+            )
+        )
+        nbytes, ok = 0, False
+        try:
+            for chunk in _read_chunks(worker, kvt, slots):
+                if not is_active():
+                    return
+                nbytes += len(chunk.data)
+                yield pb.KvExportResponse(chunk=chunk)
+            ok = True
+        finally:
+            self.observer.on_transfer("export", nbytes, time.perf_counter() - t0, ok)
+
+    # --- ImportKV ---------------------------------------------------------------------------
+    def import_(self, requests: Iterator[pb.KvImportRequest]) -> pb.KvImportResponse:
+        worker = self._worker()
+        kvt: KVTransfer = worker.executor.kv_transfer
+        t0 = time.perf_counter()
+        nbytes, ok = 0, False
+        try:
+            staging = self._stage(kvt, requests, worker)
+            nbytes = staging.nbytes
+            result: ImportResult = worker.run_on_device(lambda: kvt.apply_import(staging)).result()
+            ok = True
+            return pb.KvImportResponse(
+                transfer_id=result.transfer_id,
+                num_slots=result.num_slots,
+                bytes=result.nbytes,
+                replayed=result.replayed,
+            )
+        finally:
+            self.observer.on_transfer("import", nbytes if ok else 0, time.perf_counter() - t0, ok)
+
+    @staticmethod
+    def _stage(
+        kvt: KVTransfer, requests: Iterator[pb.KvImportRequest], worker: DeviceWorker
+    ) -> ImportStaging:
+        _tp_unsupported(kvt)
+        it = iter(requests)
+        first = next(it, None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise BatchValidationError("header", "the first ImportKV message must be the header")
+        header = import_header_from_proto(first.header, kvt.limits)
+        limits = worker.executor.limits
+        slots = header.check(kvt.layout, kvt.limits, limits.max_reqs, limits.max_context_len)
+        staging = ImportStaging(header, slots, kvt.layout, kvt.limits)
+        expected = staging.expected_chunks
+        for msg in it:
+            if msg.WhichOneof("item") != "chunk":
+                raise BatchValidationError("header", "only the first ImportKV message is a header")
+            if staging.chunks >= expected:
+                raise BatchTooLargeError("chunk", f"the transfer has {expected} chunks; more came")
+            staging.add(chunk_from_proto(msg.chunk))
+        staging.check_complete()
+        return staging
+
+    # --- PushKV -----------------------------------------------------------------------------
+    def push(self, request: pb.KvPushRequest) -> pb.KvPushResponse:
+        if len(request.transfers) > MAX_PUSH_TRANSFERS:
+            raise BatchTooLargeError(
+                "transfers",
+                f"has {len(request.transfers)} entries; must be <= {MAX_PUSH_TRANSFERS}",
+            )
+        worker = self._worker()
+        kvt: KVTransfer = worker.executor.kv_transfer
+        planned = [self._plan_push(kvt, i, t) for i, t in enumerate(request.transfers)]
+        return pb.KvPushResponse(
+            results=[self._push_one(worker, kvt, t, slots) for t, slots in planned]
+        )
+
+    @staticmethod
+    def _plan_push(
+        kvt: KVTransfer, i: int, t: pb.KvPushTransfer
+    ) -> tuple[pb.KvPushTransfer, np.ndarray]:
+        """Refuse a malformed transfer before any is run (the whole call: INVALID_ARGUMENT)."""
+        field = f"transfers[{i}]"
+        if t.transfer_id == 0:
+            raise BatchValidationError(
+                f"{field}.transfer_id", "must be nonzero (the peer's exactly-once key)"
+            )
+        if not t.target:
+            raise BatchValidationError(f"{field}.target", "must name the peer executor (host:port)")
+        if t.timeout_s < 0:
+            raise BatchValidationError(f"{field}.timeout_s", f"must be >= 0, got {t.timeout_s}")
+        runs = runs_from_proto(t.source_slots, f"{field}.source_slots", kvt.limits)
+        check_runs(runs, f"{field}.source_slots.runs", kvt.layout, kvt.limits)
+        target = runs_from_proto(t.target_slots, f"{field}.target_slots", kvt.limits)
+        n_target = int(target[:, 1].sum()) if target.size else 0
+        slots = expand_runs(runs)
+        if n_target != slots.size:
+            raise BatchValidationError(
+                f"{field}.target_slots", f"names {n_target} slots; source_slots names {slots.size}"
+            )
+        return t, slots
+
+    def _push_one(
+        self, worker: DeviceWorker, kvt: KVTransfer, t: pb.KvPushTransfer, slots: np.ndarray
+    ) -> pb.KvTransferResult:
+        t0 = time.perf_counter()
+        sent = [0]
+        try:
+            _tp_unsupported(kvt)
+            tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
+            stub = pb_grpc.ModelExecutorStub(self._channel(t.target))
+            answer = stub.ImportKV(
+                self._push_messages(worker, kvt, t, slots, tokens, sent),
+                timeout=t.timeout_s or DEFAULT_PUSH_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            message = f"peer {t.target}: {exc.details()}"
+            return self._failed(t, code.name if code is not None else "UNKNOWN", message, t0)
+        except BaseException as exc:  # refused here (source slots) or failed reading them
+            code, message = status_for(exc)
+            return self._failed(t, code.name, message, t0)
+        seconds = time.perf_counter() - t0
+        self.observer.on_transfer("push", sent[0], seconds, True)
+        return pb.KvTransferResult(
+            transfer_id=t.transfer_id,
+            ok=True,
+            code="OK",
+            bytes=answer.bytes,
+            seconds=seconds,
+            replayed=answer.replayed,
+        )
+
+    def _failed(
+        self, t: pb.KvPushTransfer, code: str, message: str, t0: float
+    ) -> pb.KvTransferResult:
+        seconds = time.perf_counter() - t0
+        log.info(
+            "kv push failed", transfer_id=t.transfer_id, target=t.target, code=code, reason=message
+        )
+        self.observer.on_transfer("push", 0, seconds, False)
+        return pb.KvTransferResult(
+            transfer_id=t.transfer_id, ok=False, code=code, message=message, seconds=seconds
+        )
+
+    @staticmethod
+    def _push_messages(
+        worker: DeviceWorker,
+        kvt: KVTransfer,
+        t: pb.KvPushTransfer,
+        slots: np.ndarray,
+        tokens: np.ndarray,
+        sent: list[int],
+    ) -> Iterator[pb.KvImportRequest]:
+        yield pb.KvImportRequest(
+            header=pb.KvImportHeader(
+                transfer_id=t.transfer_id,
+                req_pool_index=t.target_req_pool_index,
+                slots=t.target_slots,
+                token_ids=tensor_to_proto(torch.from_numpy(tokens)),
+                layout=layout_to_proto(kvt.layout, kvt.limits),
+            )
+        )
+        for chunk in _read_chunks(worker, kvt, slots):
+            sent[0] += len(chunk.data)
+            yield pb.KvImportRequest(chunk=chunk)
+
+    def _channel(self, target: str) -> grpc.Channel:
+        """One channel per peer, kept (a push reuses its connection)."""
+        with self._channels_lock:
+            channel = self._channels.get(target)
+            if channel is None:
+                size = 64 << 20
+                options = [
+                    ("grpc.max_send_message_length", size),
+                    ("grpc.max_receive_message_length", size),
+                ]
+                creds = peer_credentials(self.tls)
+                channel = (
+                    grpc.insecure_channel(target, options=options)
+                    if creds is None
+                    else grpc.secure_channel(target, creds, options=options)
+                )
+                self._channels[target] = channel
+            return channel
+
+    def close(self) -> None:
+        with self._channels_lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+def _read_chunks(worker: DeviceWorker, kvt: KVTransfer, slots: np.ndarray) -> Iterator[pb.KvChunk]:
+    """The transfer's chunks in stream order, each read by one device job (between steps)."""
+    for spec in plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes):
+        data: bytes = worker.run_on_device(functools.partial(kvt.read_chunk, slots, spec)).result()
+        chunk = Chunk(spec.layer, spec.kind, spec.first, spec.count, data, checksum(data), kvt.rank)
+        yield chunk_to_proto(chunk)
+
+
+def _check_and_tokens(kvt: KVTransfer, slots: np.ndarray) -> np.ndarray:
+    """Device thread: refuse slots no live row holds, then read their tokens."""
+    kvt.check_export(slots)
+    return kvt.read_tokens(slots)
+
+
+def _tp_unsupported(kvt: KVTransfer) -> None:
+    if kvt.layout.tp_size > 1:
+        raise KVStateError("the KV data plane serves tp_size 1 executors only in this version")

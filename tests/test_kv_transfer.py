@@ -1,0 +1,312 @@
+"""The KV data plane end to end: a request prefilled on executor A and decoded on executor B
+(after a push, or an export and an import) samples what one executor alone samples; a
+migration between steps too; every refusal leaves both caches exactly as they were."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.client.grpc_client import ExecutorClient
+from executor.client.kv_client import PushSpec, slot_runs
+from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
+from executor.model_executor import ModelExecutor
+from executor.service.server import RunningServer
+from tests.server_util import free_port, running_server, tiny_config
+
+PROMPTS = [
+    [11, 42, 7, 300, 5, 91, 18, 256, 3],
+    [77, 4, 4, 123, 401, 60],
+    [500, 2, 31, 8, 19, 250, 333, 41, 12, 9, 140, 27, 15],
+]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, RunningServer]]:
+    cache = tmp_path_factory.mktemp("cache")
+    with (
+        running_server(tiny_config(cache, kv_slots=1024)) as a,
+        running_server(tiny_config(cache, kv_slots=512)) as b,
+    ):
+        yield a, b
+
+
+def _client(server: RunningServer) -> ExecutorClient:
+    return ExecutorClient(f"127.0.0.1:{server.port}")
+
+
+def cache_digest(executor: ModelExecutor) -> str:
+    """Everything a transfer may change: all K/V, the row table, resident lengths, the slot
+    owners and each slot's token. Call while the server is idle."""
+    pool, kv = executor.req_to_token_pool, executor.kv_pool
+    h = hashlib.sha256()
+    for t in (kv.k, kv.v, pool.req_to_token, executor.step.controls.slot_tokens.tokens):
+        h.update(t.cpu().contiguous().view(-1).numpy().view(np.uint8).tobytes())
+    h.update(pool.resident_lens.tobytes())
+    assert pool.owners is not None
+    h.update(pool.owners.refs.tobytes())
+    h.update(pool.owners.table.tobytes())
+    return h.hexdigest()
+
+
+def _prefill(c: ExecutorClient, prompt: list[int], row: int, slots: list[int]) -> int:
+    out = c.forward(
+        make_extend_batch(input_ids=[prompt], req_pool_indices=[row], out_cache_loc=[slots])
+    )
+    return int(out.next_token_ids[0])
+
+
+def _decode(
+    c: ExecutorClient, token: int, row: int, held: int, slots: list[int], steps: int
+) -> list[int]:
+    """`steps` greedy DECODE steps of a row holding `held` tokens whose next input is `token`."""
+    out = []
+    for i in range(steps):
+        res = c.forward(
+            make_decode_batch(
+                input_ids=[token],
+                req_pool_indices=[row],
+                seq_lens=[held + i + 1],
+                out_cache_loc=[slots[i]],
+            )
+        )
+        token = int(res.next_token_ids[0])
+        out.append(token)
+    return out
+
+
+def _release(c: ExecutorClient, row: int) -> None:
+    """Free a row: an IDLE batch that releases it (its slots are free again)."""
+    batch = dataclasses.replace(
+        make_idle_batch(), released_req_pool_indices=torch.tensor([row], dtype=torch.int64)
+    )
+    c.forward(batch)
+
+
+def _alone(c: ExecutorClient, prompt: list[int], row: int, base: int) -> list[int]:
+    n = len(prompt)
+    first = _prefill(c, prompt, row, list(range(base, base + n)))
+    rest = _decode(c, first, row, n, list(range(base + n, base + n + NEW_TOKENS)), NEW_TOKENS - 1)
+    _release(c, row)
+    return [first, *rest]
+
+
+def test_runs_coalesce_and_expand() -> None:
+    slots = np.array([5, 6, 7, 9, 10, 3], dtype=np.int64)
+    runs = coalesce(slots)
+    assert runs.tolist() == [[5, 3], [9, 2], [3, 1]]
+    assert expand_runs(runs).tolist() == slots.tolist()
+
+
+def test_get_info_reports_the_kv_layout_and_caps(pair: tuple[RunningServer, RunningServer]) -> None:
+    a, _ = pair
+    with _client(a) as c:
+        info = c.info().info
+    layout, limits = info.kv_layout, info.kv_transfer_limits
+    assert layout is not None and limits is not None
+    ex = a.executor
+    assert layout.num_layers == ex.kv_pool.num_layers
+    assert layout.kv_heads == ex.kv_pool.num_kv_heads and layout.head_dim == ex.kv_pool.head_dim
+    assert layout.kv_slots == 1024 and layout.tp_size == 1
+    assert layout.bytes_per_slot == 2 * ex.kv_pool.k[:, 1].numel() * ex.kv_pool.k.element_size()
+    assert limits.max_slots == ex.limits.max_context_len and limits.chunk_bytes > 0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_prefill_on_a_push_decode_on_b_equals_one_executor(
+    pair: tuple[RunningServer, RunningServer], prompt: list[int]
+) -> None:
+    a, b = pair
+    with _client(a) as ca, _client(b) as cb:
+        want = _alone(ca, prompt, row=3, base=1)
+        n = len(prompt)
+        a_slots = list(range(200, 200 + n))
+        first = _prefill(ca, prompt, 2, a_slots)
+        b_slots = [400 - i for i in range(n)]  # descending: one run per slot on B
+        results = ca.kv.push([PushSpec(a_slots, f"127.0.0.1:{b.port}", 5, b_slots)])
+        assert results[0].ok, results[0]
+        assert results[0].nbytes == n * b.executor.kv_transfer.layout.bytes_per_slot
+        _release(ca, 2)
+        rest = _decode(cb, first, 5, n, list(range(1, NEW_TOKENS)), NEW_TOKENS - 1)
+        _release(cb, 5)
+    assert [first, *rest] == want
+
+
+def test_export_then_import_through_the_scheduler_equals_one_executor(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    prompt = PROMPTS[0]
+    n = len(prompt)
+    with _client(a) as ca, _client(b) as cb:
+        want = _alone(ca, prompt, row=3, base=1)
+        first = _prefill(ca, prompt, 2, list(range(100, 100 + n)))
+        exported = ca.kv.export(list(range(100, 100 + n)))
+        assert exported.token_ids == prompt  # each slot's token travels with its KV
+        answer = cb.kv.import_(exported, 6, list(range(50, 50 + n)))
+        assert answer.num_slots == n and not answer.replayed
+        _release(ca, 2)
+        rest = _decode(cb, first, 6, n, list(range(60, 60 + NEW_TOKENS)), NEW_TOKENS - 1)
+        back = cb.kv.export(list(range(50, 50 + n)))
+        assert back.token_ids == prompt
+        _release(cb, 6)
+    assert [first, *rest] == want
+
+
+def test_a_request_migrates_between_two_decode_steps(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    prompt = PROMPTS[2]
+    n, before = len(prompt), 3
+    with _client(a) as ca, _client(b) as cb:
+        want = _alone(ca, prompt, row=3, base=1)
+        slots_a = list(range(300, 300 + n + before))
+        first = _prefill(ca, prompt, 4, slots_a[:n])
+        got = [first, *_decode(ca, first, 4, n, slots_a[n:], before)]
+        held = n + before  # the KV of the prompt and of `before` decoded inputs
+        slots_b = list(range(10, 10 + held))
+        [result] = ca.kv.push([PushSpec(slots_a, f"127.0.0.1:{b.port}", 7, slots_b)])
+        assert result.ok, result
+        _release(ca, 4)
+        got += _decode(cb, got[-1], 7, held, list(range(100, 120)), NEW_TOKENS - len(got))
+        _release(cb, 7)
+    assert got == want
+
+
+def test_a_corrupted_chunk_is_data_loss_and_changes_nothing(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    prompt = PROMPTS[1]
+    n = len(prompt)
+    with _client(a) as ca, _client(b) as cb:
+        _prefill(ca, prompt, 2, list(range(100, 100 + n)))
+        exported = ca.kv.export(list(range(100, 100 + n)))
+        _release(ca, 2)
+        damaged = bytearray(exported.chunks[-1].data)
+        damaged[3] ^= 0x40
+        exported.chunks[-1].data = bytes(damaged)
+        before = cache_digest(b.executor)
+        with pytest.raises(grpc.RpcError) as err:
+            cb.kv.import_(exported, 6, list(range(50, 50 + n)))
+        assert err.value.code() is grpc.StatusCode.DATA_LOSS
+        assert "crc32 mismatch" in (err.value.details() or "")
+        assert cache_digest(b.executor) == before
+
+
+def test_an_import_into_a_held_slot_or_row_is_refused_and_changes_nothing(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    prompt = PROMPTS[1]
+    n = len(prompt)
+    with _client(a) as ca, _client(b) as cb:
+        _prefill(ca, prompt, 2, list(range(100, 100 + n)))
+        exported = ca.kv.export(list(range(100, 100 + n)))
+        _release(ca, 2)
+        _prefill(cb, [1, 2, 3], 8, [70, 71, 72])  # a live request on B holds 70..72
+        before = cache_digest(b.executor)
+        with pytest.raises(grpc.RpcError) as err:
+            cb.kv.import_(exported, 6, [68, 69, 70, 71, 72, 73])
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "slot 70" in (err.value.details() or "")
+        with pytest.raises(grpc.RpcError) as err:
+            cb.kv.import_(exported, 8, list(range(50, 50 + n)))
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "row 8" in (err.value.details() or "")
+        assert cache_digest(b.executor) == before
+        _release(cb, 8)
+
+
+def test_a_push_to_an_unreachable_peer_fails_per_transfer_and_changes_nothing(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    with _client(a) as ca:
+        _prefill(ca, PROMPTS[0], 2, list(range(100, 109)))
+        before = cache_digest(a.executor), cache_digest(b.executor)
+        dead = f"127.0.0.1:{free_port()}"
+        peer = f"127.0.0.1:{b.port}"
+        results = ca.kv.push(
+            [
+                PushSpec(list(range(100, 109)), dead, 5, list(range(1, 10)), timeout_s=5),
+                PushSpec([500], peer, 9, [20]),  # a slot A does not hold
+            ]
+        )
+        assert cache_digest(b.executor) == before[1]  # neither reached B's cache
+        [ok] = ca.kv.push([PushSpec(list(range(100, 109)), peer, 8, list(range(1, 10)))])
+        assert ok.ok  # the peer and the source are fine: the failures were the transfers'
+        assert not results[0].ok and results[0].code == "UNAVAILABLE", results[0]
+        assert dead in results[0].message
+        assert not results[1].ok and results[1].code == "FAILED_PRECONDITION"
+        assert "slot 500" in results[1].message
+        assert cache_digest(a.executor) == before[0]  # a push never changes its source
+        with _client(b) as cb:
+            _release(cb, 8)
+        _release(ca, 2)
+
+
+def test_a_retried_import_applies_nothing_twice(pair: tuple[RunningServer, RunningServer]) -> None:
+    a, b = pair
+    n = 4
+    with _client(a) as ca, _client(b) as cb:
+        _prefill(ca, [9, 8, 7, 6], 2, list(range(100, 100 + n)))
+        exported = ca.kv.export(list(range(100, 100 + n)))
+        _release(ca, 2)
+        first = cb.kv.import_(exported, 6, list(range(30, 30 + n)), transfer_id=4242)
+        assert not first.replayed
+        after = cache_digest(b.executor)
+        again = cb.kv.import_(exported, 6, list(range(30, 30 + n)), transfer_id=4242)
+        assert again.replayed and cache_digest(b.executor) == after
+        with pytest.raises(grpc.RpcError) as err:  # the same id for another import
+            cb.kv.import_(exported, 9, list(range(40, 40 + n)), transfer_id=4242)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "transfer_id" in (err.value.details() or "")
+        _release(cb, 6)
+
+
+def test_sizes_are_refused_from_the_header(pair: tuple[RunningServer, RunningServer]) -> None:
+    a, _ = pair
+    limits = a.executor.kv_transfer.limits
+    with _client(a) as c:
+        too_many = list(range(1, 2 * limits.max_runs + 2, 2))  # every slot its own run
+        with pytest.raises(grpc.RpcError) as err:
+            c.kv.export(too_many)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_transfer_runs" in (err.value.details() or "")
+        for slots, rule in (([0, 1], "1..kv_slots"), ([5, 5], "twice"), ([2000], "1..kv_slots")):
+            with pytest.raises(grpc.RpcError) as err:
+                c.kv.export(slots)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert rule in (err.value.details() or "")
+
+
+def test_chunks_are_bounded_and_carry_their_checksum(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, _ = pair
+    kvt = a.executor.kv_transfer
+    n = 20
+    with _client(a) as c:
+        _prefill(c, list(range(1, n + 1)), 2, list(range(600, 600 + n)))
+        exported = c.kv.export(list(range(600, 600 + n)))
+        _release(c, 2)
+    assert (
+        exported.header.num_chunks
+        == len(exported.chunks)
+        == len(plan_chunks(n, kvt.layout, kvt.limits.chunk_bytes))
+    )
+    for chunk in exported.chunks:
+        assert len(chunk.data) <= kvt.limits.chunk_bytes
+        assert checksum(chunk.data) == chunk.crc32
+    assert exported.nbytes == n * kvt.layout.bytes_per_slot
+    assert slot_runs(list(range(600, 620))).runs.shape == [1, 2]  # one run, not 20
