@@ -19,7 +19,7 @@ from executor.client.kv_client import PushSpec, slot_runs
 from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
-from tests.server_util import free_port, running_server, tiny_config
+from tests.server_util import Scrape, free_port, running_server, tiny_config
 
 PROMPTS = [
     [11, 42, 7, 300, 5, 91, 18, 256, 3],
@@ -310,3 +310,34 @@ def test_chunks_are_bounded_and_carry_their_checksum(
         assert checksum(chunk.data) == chunk.crc32
     assert exported.nbytes == n * kvt.layout.bytes_per_slot
     assert slot_runs(list(range(600, 620))).runs.shape == [1, 2]  # one run, not 20
+
+
+def test_transfers_are_counted_per_direction(pair: tuple[RunningServer, RunningServer]) -> None:
+    a, b = pair
+    n = 5
+    before_a, before_b = Scrape(a), Scrape(b)
+    with _client(a) as ca, _client(b) as cb:
+        _prefill(ca, [1, 2, 3, 4, 5], 2, list(range(100, 100 + n)))
+        [ok] = ca.kv.push(
+            [PushSpec(list(range(100, 100 + n)), f"127.0.0.1:{b.port}", 9, list(range(1, 1 + n)))]
+        )
+        [bad] = ca.kv.push([PushSpec([900], f"127.0.0.1:{b.port}", 10, [30])])
+        _release(ca, 2)
+        _release(cb, 9)
+    assert ok.ok and not bad.ok
+    after_a, after_b = Scrape(a), Scrape(b)
+    nbytes = n * a.executor.kv_transfer.layout.bytes_per_slot
+
+    def delta(after: Scrape, before: Scrape, name: str, **labels: str) -> float:
+        return after.get(name, **labels) - before.get(name, **labels)
+
+    push = {"direction": "push"}
+    assert delta(after_a, before_a, "model_executor_kv_transfers_total", outcome="ok", **push) == 1
+    assert (
+        delta(after_a, before_a, "model_executor_kv_transfers_total", outcome="failed", **push) == 1
+    )
+    assert delta(after_a, before_a, "model_executor_kv_transfer_bytes_total", **push) == nbytes
+    assert delta(after_a, before_a, "model_executor_kv_transfer_seconds_count", **push) == 2
+    imp = {"direction": "import"}
+    assert delta(after_b, before_b, "model_executor_kv_transfers_total", outcome="ok", **imp) == 1
+    assert delta(after_b, before_b, "model_executor_kv_transfer_bytes_total", **imp) == nbytes

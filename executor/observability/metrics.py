@@ -252,6 +252,22 @@ class ExecutorMetrics:
             "Retried batches answered from the retry memory (their batch_id was already "
             "applied), not applied again.",
         )
+        # The KV data plane (recorded by the handler threads of ExportKV/ImportKV/PushKV).
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes",
+            "KV bytes moved by completed transfers, by direction (export, import, push).",
+            ("direction",),
+        )
+        self.kv_transfers = counter(
+            "kv_transfers",
+            "KV transfers, by direction and outcome (ok, failed).",
+            ("direction", "outcome"),
+        )
+        self.kv_transfer_seconds = histogram(
+            "kv_transfer_seconds",
+            "Time of one KV transfer (header to last byte written or sent), by direction.",
+            ("direction",), LATENCY_BUCKETS,
+        )  # fmt: skip
         # Graph runners (through the ExecutorObserver hooks).
         self.graph_captures = counter(
             "graph_captures", "Graph captures that succeeded, by kind.", ("kind",)
@@ -355,6 +371,13 @@ class ExecutorMetrics:
     def count_replay(self) -> None:
         """A retried batch answered from the retry memory."""
         self.batches_replayed.inc()
+
+    def observe_kv_transfer(self, direction: str, nbytes: int, seconds: float, ok: bool) -> None:
+        """One KV transfer ended (`executor.service.kv_service`)."""
+        self.kv_transfers.labels(direction, "ok" if ok else "failed").inc()
+        self.kv_transfer_seconds.labels(direction).observe(seconds)
+        if ok:
+            self.kv_transfer_bytes.labels(direction).inc(nbytes)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         """One answered RPC; `code` is the gRPC status code's name (OK, INVALID_ARGUMENT, ...)."""

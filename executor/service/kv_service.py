@@ -123,6 +123,8 @@ class KVService:
             nbytes = staging.nbytes
             result: ImportResult = worker.run_on_device(lambda: kvt.apply_import(staging)).result()
             ok = True
+            if result.replayed:  # answered from memory: nothing was written again
+                nbytes = 0
             return pb.KvImportResponse(
                 transfer_id=result.transfer_id,
                 num_slots=result.num_slots,
@@ -130,7 +132,7 @@ class KVService:
                 replayed=result.replayed,
             )
         finally:
-            self.observer.on_transfer("import", nbytes if ok else 0, time.perf_counter() - t0, ok)
+            self.observer.on_transfer("import", nbytes, time.perf_counter() - t0, ok)
 
     @staticmethod
     def _stage(

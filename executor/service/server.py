@@ -40,6 +40,7 @@ from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import add_executor_servicer
+from executor.service.kv_service import KVTransferObserver
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
@@ -281,6 +282,7 @@ def start_server(
     tls = server_config.tls
     certificates = CertificateFiles(tls) if tls is not None else None
     servicer.kv.tls = tls  # a push to a peer presents this server's own identity
+    servicer.kv.observer = KVTransferObserver(metrics.observe_kv_transfer)
     if certificates is None:
         port = server.add_insecure_port(address)
         if not is_loopback(server_config.host):
