@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -14,8 +15,10 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.client.disaggregated import DisaggregatedScheduler, TransferFailed, migrate
 from executor.client.grpc_client import ExecutorClient
 from executor.client.kv_client import PushSpec, slot_runs
+from executor.client.scheduler import ReferenceScheduler, generate
 from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
@@ -341,3 +344,99 @@ def test_transfers_are_counted_per_direction(pair: tuple[RunningServer, RunningS
     imp = {"direction": "import"}
     assert delta(after_b, before_b, "model_executor_kv_transfers_total", outcome="ok", **imp) == 1
     assert delta(after_b, before_b, "model_executor_kv_transfer_bytes_total", **imp) == nbytes
+
+
+# --- the reference scheduler: disaggregated prefill/decode, migration, the CLI ---------------
+
+
+def test_disaggregated_generate_equals_one_executor(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    prompts = [*PROMPTS, [3, 1, 4, 1, 5, 9, 2, 6]]
+    budgets = [NEW_TOKENS, 1, 5, 12]
+    with _client(a) as ca, _client(b) as cb:
+        want = [
+            generate(ca.retrying(), ca.info().info.limits, [p], max_new_tokens=m, ignore_eos=True)[
+                0
+            ]
+            for p, m in zip(prompts, budgets, strict=True)
+        ]
+        sched = DisaggregatedScheduler(ca, cb, f"127.0.0.1:{b.port}")
+        reqs = [
+            sched.add_request(p, max_new_tokens=m, ignore_eos=True)
+            for p, m in zip(prompts, budgets, strict=True)
+        ]
+        sched.run()
+    assert [r.output_ids for r in reqs] == want
+    assert all(r.finish_reason == "length" for r in reqs)
+    # every prompt but the one-token budget moved, each in one push of its prompt's slots
+    assert len(sched.transfers) == 3 and all(t.ok for t in sched.transfers)
+    for ex in (a.executor, b.executor):  # both schedulers released what they held
+        assert ex.req_to_token_pool.rows_in_use() == 0
+
+
+def test_migrating_a_running_request_equals_one_executor(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    prompts = PROMPTS[:2]
+    with _client(a) as ca, _client(b) as cb:
+        limits_a, limits_b = ca.info().info.limits, cb.info().info.limits
+        want = generate(ca.retrying(), limits_a, prompts, max_new_tokens=10, ignore_eos=True)
+        src = ReferenceScheduler(ca.retrying(), limits_a)
+        dst = ReferenceScheduler(cb.retrying(), limits_b)
+        reqs = [src.add_request(p, max_new_tokens=10, ignore_eos=True) for p in prompts]
+        for _ in range(4):  # prefill and three decode steps on A
+            src.step()
+        moved = reqs[0]
+        result = migrate(moved, src, ca.kv, dst, f"127.0.0.1:{b.port}")
+        assert result.ok and moved in dst.running and moved not in src.running
+        while src.has_work() or dst.has_work():
+            if src.has_work():
+                src.step()
+            if dst.has_work():
+                dst.step()
+        src.flush_releases()
+        dst.flush_releases()
+    assert [r.output_ids for r in reqs] == want
+
+
+def test_a_failed_migration_keeps_the_request_where_it_was(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, _ = pair
+    with _client(a) as ca:
+        limits = ca.info().info.limits
+        want = generate(ca.retrying(), limits, [PROMPTS[0]], max_new_tokens=6, ignore_eos=True)
+        src = ReferenceScheduler(ca.retrying(), limits)
+        dst = ReferenceScheduler(ca.retrying(), limits)  # its executor is never reached
+        [req] = [src.add_request(PROMPTS[0], max_new_tokens=6, ignore_eos=True)]
+        src.step()
+        free_before = dst.allocator.free_slots
+        with pytest.raises(TransferFailed, match="UNAVAILABLE"):
+            migrate(req, src, ca.kv, dst, f"127.0.0.1:{free_port()}")
+        assert req in src.running and dst.allocator.free_slots == free_before
+        src.run()
+    assert req.output_ids == want[0]
+
+
+def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
+    pair: tuple[RunningServer, RunningServer],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from executor.client.cli import main
+
+    a, b = pair
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    args = ["generate", "hi", "there", "--max-new-tokens", "6", "--ignore-eos"]
+    args += ["--cache-dir", str(tmp_path)]
+    assert main([*args, "--target", f"127.0.0.1:{a.port}"]) == 0
+    alone = capsys.readouterr().out
+    split = ["--prefill-target", f"127.0.0.1:{a.port}", "--target", f"127.0.0.1:{b.port}"]
+    assert main([*args, *split]) == 0
+    assert capsys.readouterr().out == alone
+    assert "--- [1] length" in alone
+    assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
