@@ -227,13 +227,13 @@ class ModelExecutor:
             ),
             KVTransferLimits(max_slots=max_context_len, max_runs=max_context_len),
             self.control.step_lock,
-            rank=self.comm.rank,
+            comm=self.comm,
         )
         self.leader: TpLeader | None = None
         if self.comm.enabled and self.comm.rank == 0:
             # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
             self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
-            self.control.leader = self.step.leader = self.leader
+            self.control.leader = self.step.leader = self.kv_transfer.leader = self.leader
             self.future.keep_host_mirror()
         log.info(
             "executor ready",

@@ -7,6 +7,11 @@ no live row, the transfer id new) and then written as an EXTEND of those tokens 
 left the cache: K/V at the slots, `req_to_token[row, :n]`, the row's resident length, the
 slot owners and each slot's token. A failure while writing restores what it had changed.
 
+Tensor parallel: rank 0 (the one with the RPCs) checks and remembers; each chunk is read
+by every rank from its own heads and gathered on rank 0 (`kv_read`), and a checked import
+is broadcast with every rank's bytes and each rank writes its own heads (`kv_write`), the
+way a step is broadcast (`executor.parallel.broadcast`).
+
 Imports are exactly-once by `transfer_id`: the last `memory` applied ids are kept with what
 they wrote; a retry of the same import is answered `replayed` and applies nothing; an id
 reused for a different import is refused.
@@ -27,6 +32,11 @@ from executor.errors import BatchValidationError, KVStateError
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.layout import ChunkSpec, KVLayout, KVTransferLimits
 from executor.kv_transfer.staging import ImportStaging
+from executor.parallel import broadcast
+from executor.parallel.broadcast import Command
+from executor.parallel.comm import TpComm
+from executor.parallel.leader import TpLeader
+from ops.device_scope import device_scope
 from ops.host_transfer import to_device, to_host
 
 
@@ -59,7 +69,7 @@ class KVTransfer:
         limits: KVTransferLimits,
         lock: threading.Lock,
         *,
-        rank: int = 0,
+        comm: TpComm | None = None,
         memory: int = 1024,
     ) -> None:
         self.pool = pool
@@ -68,7 +78,9 @@ class KVTransfer:
         self.layout = layout
         self.limits = limits
         self.lock = lock
-        self.rank = rank
+        self.comm = comm or TpComm()
+        self.rank = self.comm.rank
+        self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
         self.memory = memory
         self._applied: OrderedDict[int, tuple[bytes, ImportResult]] = OrderedDict()
 
@@ -88,18 +100,41 @@ class KVTransfer:
 
     def read_tokens(self, slots: np.ndarray) -> np.ndarray:
         """The token recorded at each slot (-1: unknown). Device thread."""
-        with self.lock:
+        with self.lock, device_scope(self.kv.device):
             idx = torch.from_numpy(slots).to(self.slot_tokens.tokens.device)
             return to_host(self.slot_tokens.tokens[idx], "kv_export").numpy()
 
-    def read_chunk(self, slots: np.ndarray, spec: ChunkSpec) -> bytes:
-        """One chunk's bytes (`[count, kv_heads, head_dim]` of this rank). Device thread."""
-        with self.lock:
-            cache = self.kv.k if spec.kind == 0 else self.kv.v
-            part = slots[spec.first : spec.first + spec.count]
-            idx = torch.from_numpy(part).to(cache.device)
-            values = cache[spec.layer].index_select(0, idx)  # [count, Hk, D]
-            return to_host(values, "kv_export").view(torch.uint8).numpy().tobytes()
+    def read_chunk(self, slots: np.ndarray, spec: ChunkSpec) -> list[bytes]:
+        """One chunk's bytes on every rank (`[count, kv_heads, head_dim]` each, rank order).
+        Device thread (rank 0)."""
+        part = slots[spec.first : spec.first + spec.count]
+        with self.lock, device_scope(self.kv.device):
+            if self.leader is None:
+                local = self._read_local(part, spec.layer, spec.kind)
+                return [to_host(local, "kv_export").numpy().tobytes()]
+            with self.leader.holding():
+                kv = {"slots": part.tolist(), "layer": spec.layer, "kind": spec.kind}
+                self.leader.send(Command(broadcast.KV_READ, kv=kv))
+                return self._gather(self._read_local(part, spec.layer, spec.kind))
+
+    def serve_read(self, kv: dict[str, object]) -> None:
+        """A worker rank: its part of rank 0's `kv_read`."""
+        part = np.asarray(kv["slots"], dtype=np.int64)
+        with device_scope(self.kv.device):
+            self._gather(self._read_local(part, int(kv["layer"]), int(kv["kind"])))  # type: ignore[call-overload]
+
+    def _read_local(self, part: np.ndarray, layer: int, kind: int) -> torch.Tensor:
+        """This rank's heads of `part` in one (layer, kind), as flat bytes on the device."""
+        cache = self.kv.k if kind == 0 else self.kv.v
+        idx = torch.from_numpy(part).to(cache.device)
+        return cache[layer].index_select(0, idx).contiguous().view(-1).view(torch.uint8)
+
+    def _gather(self, local: torch.Tensor) -> list[bytes]:
+        """Every rank's bytes on rank 0 (one all-gather; the same shape on every rank)."""
+        everyone = self.comm.all_gather_last(local)  # [tp * nbytes]
+        host = to_host(everyone, "kv_export").numpy()
+        n = local.numel()
+        return [host[r * n : (r + 1) * n].tobytes() for r in range(self.comm.size)]
 
     # --- import -----------------------------------------------------------------------------
     def check_import(self, staging: ImportStaging) -> ImportResult | None:
@@ -140,8 +175,29 @@ class KVTransfer:
             replay = self.check_import(staging)
             if replay is not None:
                 return replay
-            self._write(staging)
             header = staging.header
+            with device_scope(self.kv.device):
+                if self.leader is not None:
+                    with self.leader.holding():
+                        kv = {
+                            "row": header.row,
+                            "slots": staging.slots.tolist(),
+                            "tokens": None
+                            if header.token_ids is None
+                            else header.token_ids.tolist(),
+                        }
+                        payload = torch.stack([staging.k, staging.v], 1)  # [tp, 2, L, n, Hk, D]
+                        self.leader.send(
+                            Command(broadcast.KV_WRITE, kv=kv, payload=_bytes(payload))
+                        )
+                        self._write(
+                            header.row, staging.slots, header.token_ids, staging.k[0], staging.v[0]
+                        )
+                        self.comm.ping()  # every rank wrote its heads
+                else:
+                    self._write(
+                        header.row, staging.slots, header.token_ids, staging.k[0], staging.v[0]
+                    )
             result = ImportResult(
                 header.transfer_id, header.row, int(staging.slots.size), staging.nbytes
             )
@@ -150,16 +206,34 @@ class KVTransfer:
                 self._applied.popitem(last=False)
             return result
 
-    def _write(self, staging: ImportStaging) -> None:
-        header, slots = staging.header, staging.slots
-        n, row, device = int(slots.size), header.row, self.kv.device
+    def serve_write(self, kv: dict[str, object], payload: torch.Tensor) -> None:
+        """A worker rank: write its heads of an import rank 0 checked and broadcast."""
+        slots = np.asarray(kv["slots"], dtype=np.int64)
+        tokens = None if kv["tokens"] is None else np.asarray(kv["tokens"], dtype=np.int64)
+        lay = self.layout
+        shape = (lay.tp_size, 2, lay.num_layers, slots.size, lay.kv_heads, lay.head_dim)
+        staged = payload.view(lay.dtype).view(shape)[self.rank]
+        with device_scope(self.kv.device):
+            self._write(int(kv["row"]), slots, tokens, staged[0], staged[1])  # type: ignore[call-overload]
+        self.comm.ping()
+
+    def _write(
+        self,
+        row: int,
+        slots: np.ndarray,
+        token_ids: np.ndarray | None,
+        k_host: torch.Tensor,
+        v_host: torch.Tensor,
+    ) -> None:
+        """`k_host`/`v_host`: this rank's heads, [L, n, Hk, D] on the host."""
+        n, device = int(slots.size), self.kv.device
         idx = torch.from_numpy(slots).to(device)
         table = self.pool.req_to_token
-        k_new = to_device(staging.k[self.rank], device, "kv_import")  # [L, n, Hk, D]
-        v_new = to_device(staging.v[self.rank], device, "kv_import")
+        k_new = to_device(k_host, device, "kv_import")  # [L, n, Hk, D]
+        v_new = to_device(v_host, device, "kv_import")
         tokens = (
-            torch.from_numpy(header.token_ids.astype(np.int64))
-            if header.token_ids is not None
+            torch.from_numpy(token_ids.astype(np.int64))
+            if token_ids is not None
             else torch.full((n,), UNKNOWN, dtype=torch.int64)
         )
         # The old values of everything written, to restore on a failure part-way.
@@ -184,3 +258,8 @@ class KVTransfer:
             owners.table[row, :n] = slots
             np.add.at(owners.refs, slots, 1)
         self.pool.resident_lens[row] = n
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor's bytes, flat (uint8): how the payload of a broadcast travels."""
+    return t.contiguous().view(-1).view(torch.uint8)

@@ -21,7 +21,7 @@ import numpy as np
 import structlog
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError, KVStateError
+from executor.errors import BatchTooLargeError, BatchValidationError
 from executor.kv_transfer.engine import ImportResult, KVTransfer
 from executor.kv_transfer.layout import check_runs, checksum, expand_runs, plan_chunks
 from executor.kv_transfer.staging import Chunk, ImportStaging
@@ -85,7 +85,6 @@ class KVService:
     ) -> Iterator[pb.KvExportResponse]:
         worker = self._worker()
         kvt: KVTransfer = worker.executor.kv_transfer
-        _tp_unsupported(kvt)
         runs = runs_from_proto(request.slots, "slots", kvt.limits)
         check_runs(runs, "slots.runs", kvt.layout, kvt.limits)
         slots = expand_runs(runs)
@@ -98,7 +97,7 @@ class KVService:
                 layout=layout_to_proto(kvt.layout, kvt.limits),
                 num_slots=int(slots.size),
                 token_ids=tensor_to_proto(torch.from_numpy(tokens)),
-                num_chunks=len(specs),
+                num_chunks=len(specs) * kvt.layout.tp_size,
             )
         )
         nbytes, ok = 0, False
@@ -138,7 +137,6 @@ class KVService:
     def _stage(
         kvt: KVTransfer, requests: Iterator[pb.KvImportRequest], worker: DeviceWorker
     ) -> ImportStaging:
-        _tp_unsupported(kvt)
         it = iter(requests)
         first = next(it, None)
         if first is None or first.WhichOneof("item") != "header":
@@ -202,7 +200,6 @@ class KVService:
         t0 = time.perf_counter()
         sent = [0]
         try:
-            _tp_unsupported(kvt)
             tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
             stub = pb_grpc.ModelExecutorStub(self._channel(t.target))
             answer = stub.ImportKV(
@@ -290,17 +287,15 @@ class KVService:
 def _read_chunks(worker: DeviceWorker, kvt: KVTransfer, slots: np.ndarray) -> Iterator[pb.KvChunk]:
     """The transfer's chunks in stream order, each read by one device job (between steps)."""
     for spec in plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes):
-        data: bytes = worker.run_on_device(functools.partial(kvt.read_chunk, slots, spec)).result()
-        chunk = Chunk(spec.layer, spec.kind, spec.first, spec.count, data, checksum(data), kvt.rank)
-        yield chunk_to_proto(chunk)
+        ranks: list[bytes] = worker.run_on_device(
+            functools.partial(kvt.read_chunk, slots, spec)
+        ).result()
+        for rank, data in enumerate(ranks):
+            chunk = Chunk(spec.layer, spec.kind, spec.first, spec.count, data, checksum(data), rank)
+            yield chunk_to_proto(chunk)
 
 
 def _check_and_tokens(kvt: KVTransfer, slots: np.ndarray) -> np.ndarray:
     """Device thread: refuse slots no live row holds, then read their tokens."""
     kvt.check_export(slots)
     return kvt.read_tokens(slots)
-
-
-def _tp_unsupported(kvt: KVTransfer) -> None:
-    if kvt.layout.tp_size > 1:
-        raise KVStateError("the KV data plane serves tp_size 1 executors only in this version")
