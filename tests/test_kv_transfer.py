@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -19,10 +20,14 @@ from executor.client.disaggregated import DisaggregatedScheduler, TransferFailed
 from executor.client.grpc_client import ExecutorClient
 from executor.client.kv_client import PushSpec, slot_runs
 from executor.client.scheduler import ReferenceScheduler, generate
+from executor.errors import BatchValidationError, KVChecksumError
 from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
+from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
+from executor.service.tls import channel_credentials
 from tests.server_util import Scrape, free_port, running_server, tiny_config
+from tests.tls_util import Issued, TestCA
 
 PROMPTS = [
     [11, 42, 7, 300, 5, 91, 18, 256, 3],
@@ -440,3 +445,147 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     assert capsys.readouterr().out == alone
     assert "--- [1] length" in alone
     assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
+
+
+def test_a_push_between_mtls_executors_uses_the_servers_own_identity(tmp_path: Path) -> None:
+
+    ca, other = TestCA(tmp_path, "fleet"), TestCA(tmp_path, "other")
+    cert_a, cert_b = ca.issue("a", peer=True), ca.issue("b", peer=True)
+    stranger = other.issue("c", peer=True)
+    client = ca.issue("scheduler", client=True)
+
+    def mtls(cert: Issued, ca_file: Path) -> dict[str, str]:
+        return {
+            "tls_cert_file": str(cert.cert_file),
+            "tls_key_file": str(cert.key_file),
+            "tls_client_ca_file": str(ca_file),
+        }
+
+    cache = tmp_path / "cache"
+    with (
+        running_server(tiny_config(cache), **mtls(cert_a, ca.cert_file)) as a,
+        running_server(tiny_config(cache), **mtls(cert_b, ca.cert_file)) as b,
+        running_server(tiny_config(cache), **mtls(stranger, other.cert_file)) as c,
+    ):
+        creds = channel_credentials(str(ca.cert_file), str(client.cert_file), str(client.key_file))
+        with ExecutorClient(f"localhost:{a.port}", credentials=creds) as ca_client:
+            _prefill(ca_client, PROMPTS[0], 2, list(range(1, 10)))
+            before = cache_digest(c.executor)
+            ok, refused = ca_client.kv.push(
+                [
+                    PushSpec(list(range(1, 10)), f"localhost:{b.port}", 3, list(range(1, 10))),
+                    PushSpec(
+                        list(range(1, 10)),
+                        f"localhost:{c.port}",
+                        3,
+                        list(range(1, 10)),
+                        timeout_s=5,
+                    ),
+                ]
+            )
+            _release(ca_client, 2)
+        assert ok.ok, ok
+        assert b.executor.req_to_token_pool.resident_lens[3] == 9
+        # a peer whose CA this server does not trust (nor it this server's) is unreachable
+        assert not refused.ok and refused.code == "UNAVAILABLE"
+        assert cache_digest(c.executor) == before
+
+
+# --- the engine in-process: staging checks, all-or-nothing writes -----------------------------
+
+
+def _staged(
+    ex: ModelExecutor, src_slots: list[int], row: int, dst_slots: list[int], tid: int = 7
+) -> ImportStaging:
+    """An import of `ex`'s own `src_slots` into `row`/`dst_slots`, staged from its chunks."""
+    kvt = ex.kv_transfer
+    src = np.asarray(src_slots, dtype=np.int64)
+    header = ImportHeader(
+        tid, row, coalesce(np.asarray(dst_slots)), kvt.read_tokens(src), kvt.layout
+    )
+    lim = ex.limits
+    staging = ImportStaging(
+        header,
+        header.check(kvt.layout, kvt.limits, lim.max_reqs, lim.max_context_len),
+        kvt.layout,
+        kvt.limits,
+    )
+    for spec in plan_chunks(src.size, kvt.layout, kvt.limits.chunk_bytes):
+        [data] = kvt.read_chunk(src, spec)
+        staging.add(Chunk(spec.layer, spec.kind, spec.first, spec.count, data, checksum(data)))
+    return staging
+
+
+def test_a_write_that_fails_part_way_restores_everything(
+    make_executor: Callable[..., ModelExecutor],
+) -> None:
+    ex = make_executor()
+    ex.forward(
+        make_extend_batch(
+            input_ids=[PROMPTS[0]], req_pool_indices=[1], out_cache_loc=[list(range(1, 10))]
+        )
+    )
+    staging = _staged(ex, list(range(1, 10)), 2, list(range(20, 29)))
+    before = cache_digest(ex)
+    real = ex.kv_transfer.slot_tokens.tokens
+
+    class FailsOnce:  # the last device write of an import raises the first time
+        failed = False
+
+        def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+            return real[index]
+
+        def __setitem__(self, index: torch.Tensor, value: torch.Tensor) -> None:
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("device write failed")
+            real[index] = value
+
+    ex.kv_transfer.slot_tokens = SimpleNamespace(tokens=FailsOnce())  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="device write failed"):
+        ex.kv_transfer.apply_import(staging)
+    ex.kv_transfer.slot_tokens = ex.step.controls.slot_tokens
+    assert cache_digest(ex) == before
+    result = ex.kv_transfer.apply_import(staging)  # nothing was remembered: it applies now
+    assert not result.replayed and ex.req_to_token_pool.resident_lens[2] == 9
+
+
+def test_staging_refuses_chunks_that_do_not_fit(
+    make_executor: Callable[..., ModelExecutor],
+) -> None:
+    ex = make_executor()
+    kvt = ex.kv_transfer
+    ex.forward(
+        make_extend_batch(
+            input_ids=[PROMPTS[1]], req_pool_indices=[1], out_cache_loc=[list(range(1, 7))]
+        )
+    )
+    full = _staged(ex, list(range(1, 7)), 2, list(range(30, 36)))
+    data = full.k[0, 0, :2].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    header = full.header
+    lim = ex.limits
+    slots = header.check(kvt.layout, kvt.limits, lim.max_reqs, lim.max_context_len)
+    staging = ImportStaging(header, slots, kvt.layout, kvt.limits)
+    staging.add(Chunk(0, 0, 0, 2, data, checksum(data)))
+    cases = [
+        (Chunk(0, 0, 1, 2, data, checksum(data)), BatchValidationError, "overlaps"),
+        (Chunk(0, 0, 5, 2, data, checksum(data)), BatchValidationError, "outside"),
+        (Chunk(0, 0, 2, 1, data, checksum(data)), KVChecksumError, "data bytes"),
+        (Chunk(0, 0, 2, 2, data, checksum(data) ^ 1), KVChecksumError, "crc32"),
+        (Chunk(99, 0, 2, 2, data, checksum(data)), BatchValidationError, "layer"),
+        (Chunk(0, 0, 2, 2, data, checksum(data), rank=1), BatchValidationError, "rank"),
+    ]
+    for chunk, error, words in cases:
+        with pytest.raises(error, match=words):
+            staging.add(chunk)
+    with pytest.raises(BatchValidationError, match="missing"):
+        staging.check_complete()
+    other = dataclasses.replace(kvt.layout, head_dim=kvt.layout.head_dim * 2)
+    with pytest.raises(BatchValidationError, match="head_dim"):
+        dataclasses.replace(header, source=other).check(
+            kvt.layout, kvt.limits, lim.max_reqs, lim.max_context_len
+        )
+    with pytest.raises(BatchValidationError, match="max_reqs"):
+        dataclasses.replace(header, row=lim.max_reqs + 1).check(
+            kvt.layout, kvt.limits, lim.max_reqs, lim.max_context_len
+        )
