@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from executor.config import ExecutorConfig
 from executor.controls.types import mask_words
 from executor.errors import StartupCancelled
+from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
 from executor.observability.metrics import ExecutorMetrics, LiveSources
@@ -247,6 +248,11 @@ def start_server(
     model_cfg, max_context_len = read_model_config(config)
     receive, send = message_limits(
         config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
+    )
+    # An ImportKV request and an ExportKV answer carry one KV chunk (DEFAULT_CHUNK_BYTES).
+    receive, send = (
+        max(receive, DEFAULT_CHUNK_BYTES + _SLACK),
+        max(send, DEFAULT_CHUNK_BYTES + _SLACK),
     )
     options = [("grpc.max_receive_message_length", receive), ("grpc.max_send_message_length", send)]
     server = grpc.server(
