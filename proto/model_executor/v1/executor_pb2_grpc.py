@@ -183,7 +183,8 @@ class ModelExecutorServicer:
     def PushKV(self, request, context):
         """PushKV: this executor exports named slots straight into a peer executor's ImportKV
         (over a channel built from this server's own TLS files: its certificate and key as the
-        client identity, tls_client_ca_file as the roots that verify the peer), so the bytes
+        client identity, so under mTLS it needs the clientAuth usage too; tls_client_ca_file
+        as the roots that verify the peer), so the bytes
         never pass through the scheduler. The answer says, per transfer, whether it completed
         (vLLM's finished_sending / finished_recving): a transfer that failed (peer unreachable,
         peer refused) left the peer's cache as it was, and the source's is never changed.
