@@ -589,3 +589,31 @@ def test_staging_refuses_chunks_that_do_not_fit(
         dataclasses.replace(header, row=lim.max_reqs + 1).check(
             kvt.layout, kvt.limits, lim.max_reqs, lim.max_context_len
         )
+
+
+@pytest.mark.slow
+def test_smollm2_prefilled_on_a_and_decoded_on_b_equals_one_executor(cache_dir: Path) -> None:
+    """SmolLM2-135M, float32, held-out prompts: disaggregated and migrated generation give
+    one executor's greedy tokens."""
+    config = tiny_config(cache_dir, model="smollm2", graph_mode="none", kv_slots=2048, max_reqs=8)
+    with running_server(config) as a, running_server(config) as b:
+        tok = a.executor.load_tokenizer()
+        texts = ["The tallest mountain in Africa is", "def reverse(s):\n", "Water boils at"]
+        prompts = [tok.encode(t) for t in texts]
+        with _client(a) as ca, _client(b) as cb:
+            limits = ca.info().info.limits
+            want = generate(ca.retrying(), limits, prompts, max_new_tokens=12, ignore_eos=True)
+            sched = DisaggregatedScheduler(ca, cb, f"127.0.0.1:{b.port}")
+            reqs = [sched.add_request(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+            sched.run()
+            assert [r.output_ids for r in reqs] == want
+            src = ReferenceScheduler(ca.retrying(), limits)
+            dst = ReferenceScheduler(cb.retrying(), cb.info().info.limits)
+            moving = [src.add_request(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+            for _ in range(5):
+                src.step()
+            for req in moving:
+                migrate(req, src, ca.kv, dst, f"127.0.0.1:{b.port}")
+            dst.run()
+            src.flush_releases()
+        assert [r.output_ids for r in moving] == want
