@@ -31,7 +31,7 @@ from executor.controls.slot_tokens import UNKNOWN, SlotTokens
 from executor.errors import BatchValidationError, KVStateError
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.layout import ChunkSpec, KVLayout, KVTransferLimits
-from executor.kv_transfer.staging import ImportStaging
+from executor.kv_transfer.staging import ImportHeader, ImportStaging
 from executor.parallel import broadcast
 from executor.parallel.broadcast import Command
 from executor.parallel.comm import TpComm
@@ -49,13 +49,13 @@ class ImportResult:
     replayed: bool = False  # a retry of an import already applied: nothing written
 
 
-def import_fingerprint(staging: ImportStaging) -> bytes:
+def import_fingerprint(header: ImportHeader, slots: np.ndarray) -> bytes:
     """What an import writes (row, slots, tokens): tells a retry from a reused id."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(np.int64(staging.header.row).tobytes())
-    h.update(staging.slots.tobytes())
-    if staging.header.token_ids is not None:
-        h.update(staging.header.token_ids.astype(np.int64).tobytes())
+    h.update(np.int64(header.row).tobytes())
+    h.update(slots.tobytes())
+    if header.token_ids is not None:
+        h.update(header.token_ids.astype(np.int64).tobytes())
     return h.digest()
 
 
@@ -137,14 +137,19 @@ class KVTransfer:
         return [host[r * n : (r + 1) * n].tobytes() for r in range(self.comm.size)]
 
     # --- import -----------------------------------------------------------------------------
-    def check_import(self, staging: ImportStaging) -> ImportResult | None:
+    def precheck_import(self, header: ImportHeader, slots: np.ndarray) -> ImportResult | None:
+        """`check_import` as soon as the header arrives, before any byte is staged: a refusal
+        or a retry is answered without reading the chunks. Device thread."""
+        with self.lock:
+            return self.check_import(header, slots)
+
+    def check_import(self, header: ImportHeader, slots: np.ndarray) -> ImportResult | None:
         """The stored result when this is a retry of an applied import; raises when the cache's
         state forbids it. Changes nothing."""
-        header, slots = staging.header, staging.slots
         seen = self._applied.get(header.transfer_id)
         if seen is not None:
             fp, result = seen
-            if fp != import_fingerprint(staging):
+            if fp != import_fingerprint(header, slots):
                 raise BatchValidationError(
                     "header.transfer_id",
                     f"{header.transfer_id} was applied to a different import; use a fresh id per transfer",
@@ -172,7 +177,7 @@ class KVTransfer:
     def apply_import(self, staging: ImportStaging) -> ImportResult:
         """Check, then write the import all-or-nothing. Device thread."""
         with self.lock:
-            replay = self.check_import(staging)
+            replay = self.check_import(staging.header, staging.slots)
             if replay is not None:
                 return replay
             header = staging.header
@@ -201,7 +206,7 @@ class KVTransfer:
             result = ImportResult(
                 header.transfer_id, header.row, int(staging.slots.size), staging.nbytes
             )
-            self._applied[header.transfer_id] = (import_fingerprint(staging), result)
+            self._applied[header.transfer_id] = (import_fingerprint(header, staging.slots), result)
             while len(self._applied) > self.memory:
                 self._applied.popitem(last=False)
             return result

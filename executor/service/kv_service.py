@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -23,8 +25,8 @@ import torch
 
 from executor.errors import BatchTooLargeError, BatchValidationError
 from executor.kv_transfer.engine import ImportResult, KVTransfer
-from executor.kv_transfer.layout import check_runs, checksum, expand_runs, plan_chunks
-from executor.kv_transfer.staging import Chunk, ImportStaging
+from executor.kv_transfer.layout import ChunkSpec, check_runs, checksum, expand_runs, plan_chunks
+from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.service.codec import tensor_to_proto
 from executor.service.device_worker import DeviceWorker
 from executor.service.info_codec import layout_to_proto
@@ -41,6 +43,7 @@ from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
+READ_AHEAD = 2  # chunk reads queued ahead of the one being sent
 MAX_PUSH_TRANSFERS = 64  # transfers one PushKV may carry
 DEFAULT_PUSH_TIMEOUT_S = 60.0
 _MESSAGE_SLACK = 1 << 20  # a chunk message's bytes beyond its data
@@ -118,12 +121,18 @@ class KVService:
         t0 = time.perf_counter()
         nbytes, ok = 0, False
         try:
-            staging = self._stage(kvt, requests, worker)
-            nbytes = staging.nbytes
-            result: ImportResult = worker.run_on_device(lambda: kvt.apply_import(staging)).result()
+            it = iter(requests)
+            header, slots = self._header(kvt, it, worker)
+            # The cache's state first (row and slots free, the id new): a refused import or a
+            # retry is answered before its bytes are read.
+            result: ImportResult | None = worker.run_on_device(
+                functools.partial(kvt.precheck_import, header, slots)
+            ).result()
+            if result is None:
+                staging = self._stage(kvt, header, slots, it)
+                result = worker.run_on_device(functools.partial(kvt.apply_import, staging)).result()
+                nbytes = 0 if result.replayed else staging.nbytes
             ok = True
-            if result.replayed:  # answered from memory: nothing was written again
-                nbytes = 0
             return pb.KvImportResponse(
                 transfer_id=result.transfer_id,
                 num_slots=result.num_slots,
@@ -134,16 +143,21 @@ class KVService:
             self.observer.on_transfer("import", nbytes, time.perf_counter() - t0, ok)
 
     @staticmethod
-    def _stage(
-        kvt: KVTransfer, requests: Iterator[pb.KvImportRequest], worker: DeviceWorker
-    ) -> ImportStaging:
-        it = iter(requests)
+    def _header(
+        kvt: KVTransfer, it: Iterator[pb.KvImportRequest], worker: DeviceWorker
+    ) -> tuple[ImportHeader, np.ndarray]:
         first = next(it, None)
         if first is None or first.WhichOneof("item") != "header":
             raise BatchValidationError("header", "the first ImportKV message must be the header")
         header = import_header_from_proto(first.header, kvt.limits)
         limits = worker.executor.limits
         slots = header.check(kvt.layout, kvt.limits, limits.max_reqs, limits.max_context_len)
+        return header, slots
+
+    @staticmethod
+    def _stage(
+        kvt: KVTransfer, header: ImportHeader, slots: np.ndarray, it: Iterator[pb.KvImportRequest]
+    ) -> ImportStaging:
         staging = ImportStaging(header, slots, kvt.layout, kvt.limits)
         expected = staging.expected_chunks
         for msg in it:
@@ -285,11 +299,25 @@ class KVService:
 
 
 def _read_chunks(worker: DeviceWorker, kvt: KVTransfer, slots: np.ndarray) -> Iterator[pb.KvChunk]:
-    """The transfer's chunks in stream order, each read by one device job (between steps)."""
-    for spec in plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes):
-        ranks: list[bytes] = worker.run_on_device(
-            functools.partial(kvt.read_chunk, slots, spec)
-        ).result()
+    """The transfer's chunks in stream order, each read by one device job (between steps).
+    READ_AHEAD reads are queued ahead of the one being sent, so reading overlaps sending while
+    at most READ_AHEAD + 1 chunks are held."""
+    specs = iter(plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes))
+    reads: deque[tuple[ChunkSpec, Future[list[bytes]]]] = deque()
+
+    def read_next() -> None:
+        spec = next(specs, None)
+        if spec is not None:
+            reads.append(
+                (spec, worker.run_on_device(functools.partial(kvt.read_chunk, slots, spec)))
+            )
+
+    for _ in range(READ_AHEAD + 1):
+        read_next()
+    while reads:
+        spec, future = reads.popleft()
+        ranks = future.result()
+        read_next()
         for rank, data in enumerate(ranks):
             chunk = Chunk(spec.layer, spec.kind, spec.first, spec.count, data, checksum(data), rank)
             yield chunk_to_proto(chunk)
