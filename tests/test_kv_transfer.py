@@ -198,7 +198,9 @@ def test_a_corrupted_chunk_is_data_loss_and_changes_nothing(
     n = len(prompt)
     with _client(a) as ca, _client(b) as cb:
         _prefill(ca, prompt, 2, list(range(100, 100 + n)))
+        before_a = cache_digest(a.executor)
         exported = ca.kv.export(list(range(100, 100 + n)))
+        assert cache_digest(a.executor) == before_a  # an export changes nothing
         _release(ca, 2)
         damaged = bytearray(exported.chunks[-1].data)
         damaged[3] ^= 0x40
@@ -209,6 +211,41 @@ def test_a_corrupted_chunk_is_data_loss_and_changes_nothing(
         assert err.value.code() is grpc.StatusCode.DATA_LOSS
         assert "crc32 mismatch" in (err.value.details() or "")
         assert cache_digest(b.executor) == before
+
+
+def test_an_imported_prefix_is_continued_by_an_extend_and_shared_through_prefix_cache_loc(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    """The imported row continues with an EXTEND (its prefix held), and another row reads the
+    imported slots through prefix_cache_loc: both sample what a whole-prompt prefill does."""
+    a, b = pair
+    prompt, k = PROMPTS[2], 8
+    n = len(prompt)
+    with _client(a) as ca, _client(b) as cb:
+        want = _prefill(ca, prompt, 3, list(range(1, 1 + n)))
+        _release(ca, 3)
+        _prefill(ca, prompt[:k], 2, list(range(100, 100 + k)))
+        exported = ca.kv.export(list(range(100, 100 + k)))
+        _release(ca, 2)
+        cb.kv.import_(exported, 6, list(range(50, 50 + k)))
+        rest = list(range(60, 60 + n - k))
+        continued = cb.forward(
+            make_extend_batch(
+                input_ids=[prompt[k:]], req_pool_indices=[6], out_cache_loc=[rest], prefix_lens=[k]
+            )
+        )
+        shared = cb.forward(
+            make_extend_batch(
+                input_ids=[prompt[k:]],
+                req_pool_indices=[7],
+                out_cache_loc=[list(range(80, 80 + n - k))],
+                prefix_lens=[k],
+                prefix_cache_loc=[list(range(50, 50 + k))],
+            )
+        )
+        _release(cb, 6)
+        _release(cb, 7)
+    assert int(continued.next_token_ids[0]) == want == int(shared.next_token_ids[0])
 
 
 def test_an_import_into_a_held_slot_or_row_is_refused_and_changes_nothing(

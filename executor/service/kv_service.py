@@ -58,13 +58,16 @@ def peer_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
     return channel_credentials(tls.client_ca_file, tls.cert_file, tls.key_file)
 
 
+def _not_observed(direction: str, nbytes: int, seconds: float, ok: bool) -> None:
+    return None
+
+
 @dataclass
 class KVTransferObserver:
-    """What the handlers report (the server's metrics; no-ops in tests that pass none)."""
+    """What the handlers report: `on_transfer(direction, nbytes, seconds, ok)` when a transfer
+    ends (the server's metrics; nothing when none is given)."""
 
-    on_transfer: Callable[[str, int, float, bool], None] = lambda direction, nbytes, seconds, ok: (
-        None
-    )
+    on_transfer: Callable[[str, int, float, bool], None] = _not_observed
 
 
 class KVService:
@@ -92,19 +95,19 @@ class KVService:
         check_runs(runs, "slots.runs", kvt.layout, kvt.limits)
         slots = expand_runs(runs)
         t0 = time.perf_counter()
-        tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
-        specs = plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes)
-        yield pb.KvExportResponse(
-            header=pb.KvTransferHeader(
-                transfer_id=request.transfer_id,
-                layout=layout_to_proto(kvt.layout, kvt.limits),
-                num_slots=int(slots.size),
-                token_ids=tensor_to_proto(torch.from_numpy(tokens)),
-                num_chunks=len(specs) * kvt.layout.tp_size,
-            )
-        )
         nbytes, ok = 0, False
         try:
+            tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
+            specs = plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes)
+            yield pb.KvExportResponse(
+                header=pb.KvTransferHeader(
+                    transfer_id=request.transfer_id,
+                    layout=layout_to_proto(kvt.layout, kvt.limits),
+                    num_slots=int(slots.size),
+                    token_ids=tensor_to_proto(torch.from_numpy(tokens)),
+                    num_chunks=len(specs) * kvt.layout.tp_size,
+                )
+            )
             for chunk in _read_chunks(worker, kvt, slots):
                 if not is_active():
                     return

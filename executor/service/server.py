@@ -214,6 +214,7 @@ class RunningServer:
         if worker is not None and not worker.stop(timeout=DRAIN_MARGIN_S):
             log.warning("a device step outlived the drain; exiting without it")
         self.stop_tp_group()
+        self.servicer.kv.close()  # the channels to KV push peers
         self.telemetry.metrics.close()
         self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))

@@ -173,8 +173,10 @@ class ModelExecutorServicer:
         the K/V and the row holds the n tokens as if an EXTEND had written them: a DECODE with
         seq_lens n+1 (or an EXTEND with extend_prefix_lens n) continues the request. A damaged
         chunk is DATA_LOSS; a target row or slot a live request holds is FAILED_PRECONDITION;
-        then nothing changed. Exactly once per transfer_id: a retry of an applied import is
-        answered replayed=true and applies nothing; an id reused for another import is refused.
+        then nothing changed. The state is checked when the header arrives too, so a refusal
+        (or a retry) is answered before the chunks are read. Exactly once per transfer_id (the
+        last 1024 applied ids are kept): a retry of an applied import is answered replayed=true
+        and applies nothing; an id reused for another import is refused (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
