@@ -3,7 +3,7 @@
 Two executors in their own processes (`served.py`). A request of `--tokens` tokens is
 prefilled on A; then, `--repeats` times each: ExportKV of its slots into this process, ImportKV
 of those bytes into B (a free row and slots, released after), and PushKV from A straight into
-B. Slots are allocated contiguously (one run on the wire) or fragmented into pages of
+B (after one round not counted). Slots are allocated contiguously (one run on the wire) or fragmented into pages of
 `--page` slots in shuffled order, every other page held by someone else (one run per page):
 what a paged allocator sends after some churn. MB/s counts K/V data bytes (every layer and rank); descriptors per MB are
 the runs the transfer names plus the chunks it is cut into.
@@ -95,7 +95,7 @@ def measure(
     _prefill(a, tokens, 1, src)
     export_s, import_s, push_s = [], [], []
     exported = None
-    for _ in range(repeats):
+    for i in range(repeats + 1):  # the first round warms both sides up and is not counted
         t0 = time.perf_counter()
         exported = a.kv.export(src)
         export_s.append(time.perf_counter() - t0)
@@ -109,6 +109,8 @@ def measure(
         if not result.ok:
             raise RuntimeError(f"push failed: {result.code}: {result.message}")
         _release(b, 1)
+        if i == 0:
+            export_s, import_s, push_s = [], [], []
     _release(a, 1)
     assert exported is not None
     mbytes = exported.nbytes / MB
