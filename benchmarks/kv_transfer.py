@@ -1,12 +1,13 @@
 """KV data plane throughput on loopback: export, import and push, in MB/s and descriptors per MB.
 
 Two executors in their own processes (`served.py`). A request of `--tokens` tokens is
-prefilled on A; then, `--repeats` times each: ExportKV of its slots into this process, ImportKV
-of those bytes into B (a free row and slots, released after), and PushKV from A straight into
-B (after one round not counted). Slots are allocated contiguously (one run on the wire) or fragmented into pages of
-`--page` slots in shuffled order, every other page held by someone else (one run per page):
-what a paged allocator sends after some churn. MB/s counts K/V data bytes (every layer and rank); descriptors per MB are
-the runs the transfer names plus the chunks it is cut into.
+prefilled on A; then, `--repeats` times each (after one round not counted): ExportKV of its
+slots into this process, ImportKV of those bytes into B (a free row and slots, released
+after), and PushKV from A straight into B. Slots are allocated contiguously (one run on the
+wire) or fragmented into pages of `--page` slots in shuffled order, every other page held by
+someone else (one run per page): what a paged allocator sends after some churn. MB/s counts
+K/V data bytes (every layer and rank); descriptors per MB are the runs the transfer names
+plus the chunks it is cut into.
 
     python benchmarks/kv_transfer.py [--model smollm2] [--tokens 1024] [--repeats 3] [--page 16]
 """

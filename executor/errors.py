@@ -119,8 +119,3 @@ class KVStateError(RuntimeError):
 class KVChecksumError(ValueError):
     """A KV chunk whose bytes do not match its checksum or its declared size: the data was
     damaged on the way; nothing was changed. Maps to DATA_LOSS."""
-
-
-class KVPeerError(RuntimeError):
-    """The peer executor of a push could not be reached or refused the import. Maps to
-    UNAVAILABLE (or the peer's own status, carried in the message)."""

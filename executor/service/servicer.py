@@ -6,7 +6,8 @@
 | StreamIdleError, DeferredMaskTimeout   | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
-| ToggleRefusedError                     | FAILED_PRECONDITION |
+| ToggleRefusedError, KVStateError      | FAILED_PRECONDITION |
+| KVChecksumError (a damaged KV chunk)   | DATA_LOSS           |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining, WorkerClosedError | UNAVAILABLE        |
 | RpcEndedError (deadline / cancelled)   | DEADLINE_EXCEEDED / CANCELLED (not run) |
@@ -22,7 +23,8 @@ Whatever the error, a caller that stopped waiting (cancelled, went away, or its 
 passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its doing, not a
 failure of the executor (the error-ratio alert leaves both out).
 
-Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
+Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count). The
+KV data plane's handlers (ExportKV, ImportKV, PushKV) delegate to `kv_service.py`.
 """
 
 from __future__ import annotations

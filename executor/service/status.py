@@ -12,7 +12,6 @@ from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
     KVChecksumError,
-    KVPeerError,
     KVStateError,
     RuntimeConfigError,
     ToggleRefusedError,
@@ -44,8 +43,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, KVChecksumError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
-    if isinstance(exc, KVPeerError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, ToggleRefusedError | KVStateError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
