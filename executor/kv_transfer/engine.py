@@ -101,7 +101,7 @@ class KVTransfer:
     def read_tokens(self, slots: np.ndarray) -> np.ndarray:
         """The token recorded at each slot (-1: unknown). Device thread."""
         with self.lock, device_scope(self.kv.device):
-            idx = torch.from_numpy(slots).to(self.slot_tokens.tokens.device)
+            idx = to_device(torch.from_numpy(slots), self.slot_tokens.tokens.device, "kv_export")
             return to_host(self.slot_tokens.tokens[idx], "kv_export").numpy()
 
     def read_chunk(self, slots: np.ndarray, spec: ChunkSpec) -> list[bytes]:
@@ -126,7 +126,7 @@ class KVTransfer:
     def _read_local(self, part: np.ndarray, layer: int, kind: int) -> torch.Tensor:
         """This rank's heads of `part` in one (layer, kind), as flat bytes on the device."""
         cache = self.kv.k if kind == 0 else self.kv.v
-        idx = torch.from_numpy(part).to(cache.device)
+        idx = to_device(torch.from_numpy(part), cache.device, "kv_export")
         return cache[layer].index_select(0, idx).contiguous().view(-1).view(torch.uint8)
 
     def _gather(self, local: torch.Tensor) -> list[bytes]:
@@ -232,7 +232,7 @@ class KVTransfer:
     ) -> None:
         """`k_host`/`v_host`: this rank's heads, [L, n, Hk, D] on the host."""
         n, device = int(slots.size), self.kv.device
-        idx = torch.from_numpy(slots).to(device)
+        idx = to_device(torch.from_numpy(slots), device, "kv_import")
         table = self.pool.req_to_token
         k_new = to_device(k_host, device, "kv_import")  # [L, n, Hk, D]
         v_new = to_device(v_host, device, "kv_import")
@@ -250,7 +250,7 @@ class KVTransfer:
             self.kv.k[:, idx] = k_new
             self.kv.v[:, idx] = v_new
             table[row, :n] = idx.to(torch.int32)
-            self.slot_tokens.tokens[idx] = tokens.to(device)
+            self.slot_tokens.tokens[idx] = to_device(tokens, device, "kv_import")
         except BaseException:  # a device write failed part-way: put back what it changed
             self.kv.k[:, idx] = old_k
             self.kv.v[:, idx] = old_v
