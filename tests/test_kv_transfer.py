@@ -126,6 +126,19 @@ def test_get_info_reports_the_kv_layout_and_caps(pair: tuple[RunningServer, Runn
     assert layout.kv_slots == 1024 and layout.tp_size == 1
     assert layout.bytes_per_slot == 2 * ex.kv_pool.k[:, 1].numel() * ex.kv_pool.k.element_size()
     assert limits.max_slots == ex.limits.max_context_len and limits.chunk_bytes > 0
+    assert limits == ex.kv_transfer.limits  # every cap travels (pushes, transfer-id memory)
+
+
+def test_a_push_of_more_transfers_than_the_cap_is_refused_whole(
+    pair: tuple[RunningServer, RunningServer],
+) -> None:
+    a, b = pair
+    cap = a.executor.kv_transfer.limits.max_push_transfers
+    spec = PushSpec([1], f"127.0.0.1:{b.port}", 1, [1])
+    with _client(a) as ca, pytest.raises(grpc.RpcError) as err:
+        ca.kv.push([spec] * (cap + 1))
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_push_transfers" in (err.value.details() or "")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

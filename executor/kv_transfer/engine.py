@@ -12,7 +12,7 @@ by every rank from its own heads and gathered on rank 0 (`kv_read`), and a check
 is broadcast with every rank's bytes and each rank writes its own heads (`kv_write`), the
 way a step is broadcast (`executor.parallel.broadcast`).
 
-Imports are exactly-once by `transfer_id`: the last `memory` applied ids are kept with what
+Imports are exactly-once by `transfer_id`: the last `limits.transfer_memory` applied ids are kept with what
 they wrote; a retry of the same import is answered `replayed` and applies nothing; an id
 reused for a different import is refused.
 """
@@ -70,7 +70,6 @@ class KVTransfer:
         lock: threading.Lock,
         *,
         comm: TpComm | None = None,
-        memory: int = 1024,
     ) -> None:
         self.pool = pool
         self.kv = kv
@@ -81,7 +80,6 @@ class KVTransfer:
         self.comm = comm or TpComm()
         self.rank = self.comm.rank
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
-        self.memory = memory
         self._applied: OrderedDict[int, tuple[bytes, ImportResult]] = OrderedDict()
 
     # --- export -----------------------------------------------------------------------------
@@ -207,7 +205,7 @@ class KVTransfer:
                 header.transfer_id, header.row, int(staging.slots.size), staging.nbytes
             )
             self._applied[header.transfer_id] = (import_fingerprint(header, staging.slots), result)
-            while len(self._applied) > self.memory:
+            while len(self._applied) > self.limits.transfer_memory:
                 self._applied.popitem(last=False)
             return result
 

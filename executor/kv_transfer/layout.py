@@ -61,6 +61,8 @@ class KVTransferLimits:
     max_slots: int  # slots one transfer may name (a request's context at most)
     max_runs: int  # runs one transfer may name
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # most data bytes in one chunk
+    max_push_transfers: int = 64  # transfers one PushKV may carry
+    transfer_memory: int = 1024  # applied import ids kept (exactly once per transfer_id)
 
 
 def check_runs(runs: np.ndarray, field: str, layout: KVLayout, limits: KVTransferLimits) -> None:

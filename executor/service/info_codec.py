@@ -31,6 +31,8 @@ def layout_to_proto(layout: KVLayout, limits: KVTransferLimits) -> pb.KvLayout:
         max_transfer_slots=limits.max_slots,
         max_transfer_runs=limits.max_runs,
         chunk_bytes=limits.chunk_bytes,
+        max_push_transfers=limits.max_push_transfers,
+        transfer_memory=limits.transfer_memory,
     )
 
 
@@ -51,7 +53,13 @@ def layout_from_proto(msg: pb.KvLayout, field: str) -> KVLayout:
 
 
 def limits_from_proto(msg: pb.KvLayout) -> KVTransferLimits:
-    return KVTransferLimits(msg.max_transfer_slots, msg.max_transfer_runs, msg.chunk_bytes)
+    return KVTransferLimits(
+        msg.max_transfer_slots,
+        msg.max_transfer_runs,
+        msg.chunk_bytes,
+        msg.max_push_transfers,
+        msg.transfer_memory,
+    )
 
 
 def info_to_proto(

@@ -44,7 +44,6 @@ from model_executor.v1 import executor_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 READ_AHEAD = 2  # chunk reads queued ahead of the one being sent
-MAX_PUSH_TRANSFERS = 64  # transfers one PushKV may carry
 DEFAULT_PUSH_TIMEOUT_S = 60.0
 _MESSAGE_SLACK = 1 << 20  # a chunk message's bytes beyond its data
 
@@ -174,13 +173,14 @@ class KVService:
 
     # --- PushKV -----------------------------------------------------------------------------
     def push(self, request: pb.KvPushRequest) -> pb.KvPushResponse:
-        if len(request.transfers) > MAX_PUSH_TRANSFERS:
-            raise BatchTooLargeError(
-                "transfers",
-                f"has {len(request.transfers)} entries; must be <= {MAX_PUSH_TRANSFERS}",
-            )
         worker = self._worker()
         kvt: KVTransfer = worker.executor.kv_transfer
+        cap = kvt.limits.max_push_transfers
+        if len(request.transfers) > cap:
+            raise BatchTooLargeError(
+                "transfers",
+                f"has {len(request.transfers)} entries; must be <= max_push_transfers ({cap})",
+            )
         planned = [self._plan_push(kvt, i, t) for i, t in enumerate(request.transfers)]
         return pb.KvPushResponse(
             results=[self._push_one(worker, kvt, t, slots) for t, slots in planned]

@@ -403,7 +403,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "kv_heads", "kv_heads_total", "head_dim", "dtype", "kv_slots", "bytes_per_slot", "tp_size", "max_transfer_slots", "max_transfer_runs", "chunk_bytes")
+    __slots__ = ("num_layers", "kv_heads", "kv_heads_total", "head_dim", "dtype", "kv_slots", "bytes_per_slot", "tp_size", "max_transfer_slots", "max_transfer_runs", "chunk_bytes", "max_push_transfers", "transfer_memory")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +415,8 @@ class KvLayout(_message.Message):
     MAX_TRANSFER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_TRANSFER_RUNS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PUSH_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MEMORY_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     kv_heads: int
     kv_heads_total: int
@@ -426,7 +428,9 @@ class KvLayout(_message.Message):
     max_transfer_slots: int
     max_transfer_runs: int
     chunk_bytes: int
-    def __init__(self, num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., kv_heads_total: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_slots: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_transfer_slots: _Optional[int] = ..., max_transfer_runs: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    max_push_transfers: int
+    transfer_memory: int
+    def __init__(self, num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., kv_heads_total: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_slots: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_transfer_slots: _Optional[int] = ..., max_transfer_runs: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_push_transfers: _Optional[int] = ..., transfer_memory: _Optional[int] = ...) -> None: ...
 
 class KvRuns(_message.Message):
     __slots__ = ("runs",)

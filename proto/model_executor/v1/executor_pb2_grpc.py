@@ -175,7 +175,7 @@ class ModelExecutorServicer:
         chunk is DATA_LOSS; a target row or slot a live request holds is FAILED_PRECONDITION;
         then nothing changed. The state is checked when the header arrives too, so a refusal
         (or a retry) is answered before the chunks are read. Exactly once per transfer_id (the
-        last 1024 applied ids are kept): a retry of an applied import is answered replayed=true
+        last kv_layout.transfer_memory applied ids are kept): a retry of an applied import is answered replayed=true
         and applies nothing; an id reused for another import is refused (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
