@@ -667,3 +667,32 @@ def test_smollm2_prefilled_on_a_and_decoded_on_b_equals_one_executor(cache_dir: 
             dst.run()
             src.flush_releases()
         assert [r.output_ids for r in moving] == want
+
+
+def test_a_push_whose_source_read_fails_mid_stream_writes_nothing_on_the_peer(
+    pair: tuple[RunningServer, RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = pair
+    kvt = a.executor.kv_transfer
+    real, calls = kvt.read_chunk, [0]
+
+    def flaky(slots: np.ndarray, spec: object) -> list[bytes]:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("the device read failed")
+        return real(slots, spec)  # type: ignore[arg-type]
+
+    with _client(a) as ca:
+        _prefill(ca, PROMPTS[0], 2, list(range(100, 109)))
+        before = cache_digest(b.executor)
+        monkeypatch.setattr(kvt, "read_chunk", flaky)
+        [result] = ca.kv.push(
+            [PushSpec(list(range(100, 109)), f"127.0.0.1:{b.port}", 5, list(range(1, 10)))]
+        )
+        monkeypatch.undo()
+        _release(ca, 2)
+    assert not result.ok and result.code == "INTERNAL", result
+    assert (
+        "reading the source slots" in result.message and "the device read failed" in result.message
+    )
+    assert cache_digest(b.executor) == before

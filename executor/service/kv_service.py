@@ -57,6 +57,14 @@ def peer_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
     return channel_credentials(tls.client_ca_file, tls.cert_file, tls.key_file)
 
 
+@dataclass
+class _PushProgress:
+    """What a push's request stream did, seen from the thread that waits for the answer."""
+
+    sent: int = 0  # data bytes handed to gRPC
+    failure: BaseException | None = None  # why reading the source failed (gRPC only cancels)
+
+
 def _not_observed(direction: str, nbytes: int, seconds: float, ok: bool) -> None:
     return None
 
@@ -215,23 +223,26 @@ class KVService:
         self, worker: DeviceWorker, kvt: KVTransfer, t: pb.KvPushTransfer, slots: np.ndarray
     ) -> pb.KvTransferResult:
         t0 = time.perf_counter()
-        sent = [0]
+        progress = _PushProgress()
         try:
             tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
             stub = pb_grpc.ModelExecutorStub(self._channel(t.target))
             answer = stub.ImportKV(
-                self._push_messages(worker, kvt, t, slots, tokens, sent),
+                self._push_messages(worker, kvt, t, slots, tokens, progress),
                 timeout=t.timeout_s or DEFAULT_PUSH_TIMEOUT_S,
             )
         except grpc.RpcError as exc:
-            code = exc.code()
+            if progress.failure is not None:  # reading here failed: gRPC only saw it cancel
+                code, message = status_for(progress.failure)
+                return self._failed(t, code.name, f"reading the source slots: {message}", t0)
+            rpc_code = exc.code()
             message = f"peer {t.target}: {exc.details()}"
-            return self._failed(t, code.name if code is not None else "UNKNOWN", message, t0)
+            return self._failed(t, rpc_code.name if rpc_code else "UNKNOWN", message, t0)
         except BaseException as exc:  # refused here (source slots) or failed reading them
             code, message = status_for(exc)
             return self._failed(t, code.name, message, t0)
         seconds = time.perf_counter() - t0
-        self.observer.on_transfer("push", sent[0], seconds, True)
+        self.observer.on_transfer("push", progress.sent, seconds, True)
         return pb.KvTransferResult(
             transfer_id=t.transfer_id,
             ok=True,
@@ -260,7 +271,7 @@ class KVService:
         t: pb.KvPushTransfer,
         slots: np.ndarray,
         tokens: np.ndarray,
-        sent: list[int],
+        progress: _PushProgress,
     ) -> Iterator[pb.KvImportRequest]:
         yield pb.KvImportRequest(
             header=pb.KvImportHeader(
@@ -271,9 +282,15 @@ class KVService:
                 layout=layout_to_proto(kvt.layout, kvt.limits),
             )
         )
-        for chunk in _read_chunks(worker, kvt, slots):
-            sent[0] += len(chunk.data)
-            yield pb.KvImportRequest(chunk=chunk)
+        try:
+            for chunk in _read_chunks(worker, kvt, slots):
+                progress.sent += len(chunk.data)
+                yield pb.KvImportRequest(chunk=chunk)
+        except GeneratorExit:  # gRPC stopped asking (the peer answered or the call ended)
+            raise
+        except BaseException as exc:
+            progress.failure = exc
+            raise
 
     def _channel(self, target: str) -> grpc.Channel:
         """One channel per peer, kept (a push reuses its connection)."""
