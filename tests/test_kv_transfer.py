@@ -292,15 +292,22 @@ def test_a_push_to_an_unreachable_peer_fails_per_transfer_and_changes_nothing(
     with _client(a) as ca:
         _prefill(ca, PROMPTS[0], 2, list(range(100, 109)))
         before = cache_digest(a.executor), cache_digest(b.executor)
+        scrape = Scrape(a)
         dead = f"127.0.0.1:{free_port()}"
         peer = f"127.0.0.1:{b.port}"
         results = ca.kv.push(
             [
                 PushSpec(list(range(100, 109)), dead, 5, list(range(1, 10)), timeout_s=5),
                 PushSpec([500], peer, 9, [20]),  # a slot A does not hold
-            ]
+            ],
+            attempts=2,  # the unreachable one is tried twice, the refused one once
         )
         assert cache_digest(b.executor) == before[1]  # neither reached B's cache
+        failed = {"direction": "push", "outcome": "failed"}
+        tries = Scrape(a).get("model_executor_kv_transfers_total", **failed) - scrape.get(
+            "model_executor_kv_transfers_total", **failed
+        )
+        assert tries == 3  # the unreachable transfer twice, the refused one once
         [ok] = ca.kv.push([PushSpec(list(range(100, 109)), peer, 8, list(range(1, 10)))])
         assert ok.ok  # the peer and the source are fine: the failures were the transfers'
         assert not results[0].ok and results[0].code == "UNAVAILABLE", results[0]
@@ -329,6 +336,16 @@ def test_a_retried_import_applies_nothing_twice(pair: tuple[RunningServer, Runni
             cb.kv.import_(exported, 9, list(range(40, 40 + n)), transfer_id=4242)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "transfer_id" in (err.value.details() or "")
+        _release(cb, 6)
+        # A push resent under its transfer id (its answer was lost) is answered from memory.
+        _prefill(ca, [9, 8, 7, 6], 2, list(range(100, 100 + n)))
+        spec = PushSpec(list(range(100, 100 + n)), f"127.0.0.1:{b.port}", 6, [31, 33, 35, 37])
+        [first_push] = ca.kv.push([dataclasses.replace(spec, transfer_id=4343)])
+        after = cache_digest(b.executor)
+        [again_push] = ca.kv.push([dataclasses.replace(spec, transfer_id=4343)], attempts=3)
+        assert first_push.ok and not first_push.replayed
+        assert again_push.ok and again_push.replayed and cache_digest(b.executor) == after
+        _release(ca, 2)
         _release(cb, 6)
 
 

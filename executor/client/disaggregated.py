@@ -52,6 +52,9 @@ def detach(sched: ReferenceScheduler, req: Request) -> None:
     sched.released_rows.append(req.row)
 
 
+PUSH_ATTEMPTS = 3  # a push that timed out or lost its answer is sent again (exactly once)
+
+
 class TransferFailed(RuntimeError):
     """A KV push between the executors failed; nothing was written on the target."""
 
@@ -79,7 +82,9 @@ def migrate(
         raise RuntimeError(f"the destination has no room for {budget} slots and a row now")
     row, slots = reserved
     n = req.num_computed
-    [result] = source_kv.push([PushSpec(req.slots[:n], dest_address, row, slots[:n])])
+    [result] = source_kv.push(
+        [PushSpec(req.slots[:n], dest_address, row, slots[:n])], attempts=PUSH_ATTEMPTS
+    )
     if not result.ok:
         dest.allocator.free(row, slots)
         raise TransferFailed(result)
@@ -184,7 +189,7 @@ class DisaggregatedScheduler:
         # NOTE: A's scheduler freed `pre`'s slots, but A's executor holds them until A's next
         # batch releases the row: the push reads them before that batch.
         spec = PushSpec(pre.slots[:n], self.decode_address, row, slots[:n])
-        [result] = self.prefill.kv.push([spec])
+        [result] = self.prefill.kv.push([spec], attempts=PUSH_ATTEMPTS)
         self.transfers.append(result)
         if not result.ok:
             self.b.allocator.free(row, slots)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
 from executor.kv_transfer.layout import coalesce
@@ -22,6 +24,10 @@ from executor.service.kv_codec import runs_to_proto
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
+# A PushKV call that ended so may not have run (or only some of it); a transfer that ended so
+# may or may not have been applied on the peer: both are safe to push again under their ids.
+_RETRY_CALL = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+_RETRY_TRANSFER = frozenset({"DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"})
 _ids = itertools.count(secrets.randbits(62) + 1)  # transfer ids: unique across clients
 _ids_lock = threading.Lock()
 
@@ -116,24 +122,43 @@ class KVClient:
         return response
 
     def push(
-        self, transfers: Sequence[PushSpec], *, timeout: float | None = None
+        self,
+        transfers: Sequence[PushSpec],
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+        backoff_s: float = 0.05,
     ) -> list[TransferResult]:
-        """The executor this client talks to pushes each transfer to its peer, in order."""
-        request = pb.KvPushRequest(
-            transfers=[
-                pb.KvPushTransfer(
-                    transfer_id=t.transfer_id or next_transfer_id(),
-                    source_slots=slot_runs(t.source_slots),
-                    target=t.target,
-                    target_req_pool_index=t.target_row,
-                    target_slots=slot_runs(t.target_slots),
-                    timeout_s=t.timeout_s,
-                )
-                for t in transfers
-            ]
-        )
-        answer = self.stub.PushKV(request, timeout=timeout)
-        return [
-            TransferResult(r.transfer_id, r.ok, r.code, r.message, r.bytes, r.seconds, r.replayed)
-            for r in answer.results
+        """The executor this client talks to pushes each transfer to its peer, in order; one
+        result per transfer. With `attempts` > 1, a transfer that ended DEADLINE_EXCEEDED,
+        CANCELLED or UNAVAILABLE (or a PushKV call that did) is pushed again under the same
+        transfer_id: the peer answers one it already applied `replayed`, never twice."""
+        pending = [
+            pb.KvPushTransfer(
+                transfer_id=t.transfer_id or next_transfer_id(),
+                source_slots=slot_runs(t.source_slots),
+                target=t.target,
+                target_req_pool_index=t.target_row,
+                target_slots=slot_runs(t.target_slots),
+                timeout_s=t.timeout_s,
+            )
+            for t in transfers
         ]
+        results: dict[int, TransferResult] = {}
+        for attempt in range(attempts):
+            try:
+                answer = self.stub.PushKV(pb.KvPushRequest(transfers=pending), timeout=timeout)
+            except grpc.RpcError as exc:
+                if attempt + 1 == attempts or exc.code() not in _RETRY_CALL:
+                    raise
+            else:
+                for r in answer.results:
+                    results[r.transfer_id] = TransferResult(
+                        r.transfer_id, r.ok, r.code, r.message, r.bytes, r.seconds, r.replayed
+                    )
+                pending = [t for t in pending if results[t.transfer_id].code in _RETRY_TRANSFER]
+                if not pending:
+                    break
+            if attempt + 1 < attempts:
+                time.sleep(backoff_s * 2**attempt)
+        return list(results.values())  # request order: the first answer's, updated in place

@@ -28,7 +28,7 @@ from executor.kv_transfer.engine import ImportResult, KVTransfer
 from executor.kv_transfer.layout import ChunkSpec, check_runs, checksum, expand_runs, plan_chunks
 from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.service.codec import tensor_to_proto
-from executor.service.device_worker import DeviceWorker
+from executor.service.device_worker import DeviceWorker, RpcEndedError
 from executor.service.info_codec import layout_to_proto
 from executor.service.kv_codec import (
     chunk_from_proto,
@@ -125,7 +125,11 @@ class KVService:
             self.observer.on_transfer("export", nbytes, time.perf_counter() - t0, ok)
 
     # --- ImportKV ---------------------------------------------------------------------------
-    def import_(self, requests: Iterator[pb.KvImportRequest]) -> pb.KvImportResponse:
+    def import_(
+        self, requests: Iterator[pb.KvImportRequest], is_active: Callable[[], bool]
+    ) -> pb.KvImportResponse:
+        """`is_active`: the RPC's liveness; an import whose caller left before the device
+        reached it is not applied (RpcEndedError), as for a batch."""
         worker = self._worker()
         kvt: KVTransfer = worker.executor.kv_transfer
         t0 = time.perf_counter()
@@ -140,7 +144,9 @@ class KVService:
             ).result()
             if result is None:
                 staging = self._stage(kvt, header, slots, it)
-                result = worker.run_on_device(functools.partial(kvt.apply_import, staging)).result()
+                result = worker.run_on_device(
+                    functools.partial(_apply_if_active, kvt, staging, is_active)
+                ).result()
                 nbytes = 0 if result.replayed else staging.nbytes
             ok = True
             return pb.KvImportResponse(
@@ -341,6 +347,19 @@ def _read_chunks(worker: DeviceWorker, kvt: KVTransfer, slots: np.ndarray) -> It
         for rank, data in enumerate(ranks):
             chunk = Chunk(spec.layer, spec.kind, spec.first, spec.count, data, checksum(data), rank)
             yield chunk_to_proto(chunk)
+
+
+def _apply_if_active(
+    kvt: KVTransfer, staging: ImportStaging, is_active: Callable[[], bool]
+) -> ImportResult:
+    """Device thread: apply the import unless its RPC ended while it waited for the device."""
+    if not is_active():
+        raise RpcEndedError(
+            f"transfer_id {staging.header.transfer_id} was not applied: its RPC ended (cancelled "
+            "or past its deadline) before the device reached it",
+            deadline=False,
+        )
+    return kvt.apply_import(staging)
 
 
 def _check_and_tokens(kvt: KVTransfer, slots: np.ndarray) -> np.ndarray:

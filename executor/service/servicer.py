@@ -425,7 +425,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     ) -> pb.KvImportResponse:
         with self.telemetry.rpc("ImportKV", context) as rpc:
             try:
-                return self.kv.import_(request_iterator)
+                return self.kv.import_(request_iterator, context.is_active)
             except BaseException as exc:
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises

@@ -188,8 +188,11 @@ class ModelExecutorServicer:
         client identity, so under mTLS it needs the clientAuth usage too; tls_client_ca_file
         as the roots that verify the peer), so the bytes
         never pass through the scheduler. The answer says, per transfer, whether it completed
-        (vLLM's finished_sending / finished_recving): a transfer that failed (peer unreachable,
-        peer refused) left the peer's cache as it was, and the source's is never changed.
+        (vLLM's finished_sending / finished_recving). A transfer refused by the peer (its
+        status in the result) or that never reached it (UNAVAILABLE) left the peer's cache as it
+        was; after DEADLINE_EXCEEDED or CANCELLED it may have been applied: push it again under
+        the same transfer_id (the peer answers replayed=true if it was). The source's cache is
+        never changed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
