@@ -18,7 +18,7 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.disaggregated import DisaggregatedScheduler, TransferFailed, migrate
 from executor.client.grpc_client import ExecutorClient
-from executor.client.kv_client import PushSpec, slot_runs
+from executor.client.kv_client import ExportedKV, PushSpec, slot_runs
 from executor.client.scheduler import ReferenceScheduler, generate
 from executor.errors import BatchValidationError, KVChecksumError
 from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
@@ -26,6 +26,7 @@ from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
 from executor.service.tls import channel_credentials
+from model_executor.v1 import executor_pb2 as pb
 from tests.server_util import Scrape, free_port, running_server, tiny_config
 from tests.tls_util import Issued, TestCA
 
@@ -713,3 +714,29 @@ def test_a_push_whose_source_read_fails_mid_stream_writes_nothing_on_the_peer(
         "reading the source slots" in result.message and "the device read failed" in result.message
     )
     assert cache_digest(b.executor) == before
+
+
+def test_kv_calls_share_the_forward_call_limit(tmp_path: Path) -> None:
+    """A KV call holds a handler thread as a Forward does: with every place taken by open
+    streams, ExportKV, ImportKV and PushKV are refused at once and health still answers."""
+    with (
+        running_server(tiny_config(tmp_path), rpc_threads=4, max_forward_calls=2) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as c,
+    ):
+        sessions = [c.open_stream() for _ in range(2)]
+        for s in sessions:  # each stream has taken its place once it answered a step
+            s.send(make_idle_batch())
+            s.recv()
+        calls = {
+            "ExportKV": lambda: c.kv.export([1], timeout=5),
+            "PushKV": lambda: c.kv.push([PushSpec([1], "127.0.0.1:1", 1, [1])], timeout=5),
+            "ImportKV": lambda: c.kv.import_(ExportedKV(pb.KvTransferHeader()), 1, [1], timeout=5),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, name
+            assert "max_forward_calls" in (err.value.details() or ""), name
+        assert c.health(timeout=2) == "SERVING"
+        for s in sessions:
+            s.close()

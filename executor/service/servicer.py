@@ -414,18 +414,28 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     ) -> Iterator[pb.KvExportResponse]:
         with self.telemetry.rpc("ExportKV", context) as rpc:
             try:
+                self._enter("ExportKV")  # a KV call holds a handler thread like a Forward
+            except CapacityError as exc:
+                abort(context, exc, rpc)
+            try:
                 yield from self.kv.export(request, context.is_active)
             except GeneratorExit:  # the caller stopped reading: nothing to answer
                 raise
             except BaseException as exc:
                 abort(context, exc, rpc)
+            finally:
+                self._leave()
 
     def ImportKV(
         self, request_iterator: Iterator[pb.KvImportRequest], context: grpc.ServicerContext
     ) -> pb.KvImportResponse:
         with self.telemetry.rpc("ImportKV", context) as rpc:
             try:
-                return self.kv.import_(request_iterator, context.is_active)
+                self._enter("ImportKV")
+                try:
+                    return self.kv.import_(request_iterator, context.is_active)
+                finally:
+                    self._leave()
             except BaseException as exc:
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
@@ -433,7 +443,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     def PushKV(self, request: pb.KvPushRequest, context: grpc.ServicerContext) -> pb.KvPushResponse:
         with self.telemetry.rpc("PushKV", context) as rpc:
             try:
-                return self.kv.push(request)
+                self._enter("PushKV")
+                try:
+                    return self.kv.push(request)
+                finally:
+                    self._leave()
             except BaseException as exc:
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises

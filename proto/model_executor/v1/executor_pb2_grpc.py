@@ -38,7 +38,8 @@ class ModelExecutorStub:
     - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
     (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
     answered UNAVAILABLE and not run.
-    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    - Capacity: Forward, ForwardStream and KV data-plane calls (ExportKV, ImportKV, PushKV)
+    beyond max_forward_calls, and a unary batch
     that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
     """
 
@@ -103,7 +104,8 @@ class ModelExecutorServicer:
     - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
     (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
     answered UNAVAILABLE and not run.
-    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    - Capacity: Forward, ForwardStream and KV data-plane calls (ExportKV, ImportKV, PushKV)
+    beyond max_forward_calls, and a unary batch
     that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
     """
 
@@ -262,7 +264,8 @@ class ModelExecutor:
     - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
     (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
     answered UNAVAILABLE and not run.
-    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    - Capacity: Forward, ForwardStream and KV data-plane calls (ExportKV, ImportKV, PushKV)
+    beyond max_forward_calls, and a unary batch
     that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
     """
 
