@@ -33,7 +33,10 @@ def generate_disaggregated(
         prefill.wait_ready(timeout=args.ready_timeout)
         texts = prompts
         if args.chat:
-            texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            texts = [
+                tok.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts
+            ]
         scheduler = DisaggregatedScheduler(
             prefill, decode, args.kv_peer_address or args.target, remote.info.eos_token_ids
         )
