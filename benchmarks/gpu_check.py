@@ -5,8 +5,11 @@
 Steps, each with its wall time and pass/fail in the report:
 1. the `gpu`-marked tests (`pytest -m gpu`): Triton kernels against the reference, real CUDA
    graphs against eager, tensor parallelism over NCCL, the device scope;
-2. the per-path step latency on SmolLM2 (`benchmarks/paths.py --device cuda`);
-3. the attention backends on CUDA (`benchmarks/attention_backends.py --device cuda`).
+2. the fused Triton kernels (RMSNorm, rotary, SiLU-mul) against the torch ops and the step
+   clock's CUDA events, on the GPU (`tests/test_triton_fused.py`, `tests/test_step_clock.py`);
+3. the kernels launched per decode layer, torch ops vs fused (`benchmarks/kernel_count.py`);
+4. the per-path step latency on SmolLM2 (`benchmarks/paths.py --device cuda`);
+5. the attention backends on CUDA (`benchmarks/attention_backends.py --device cuda`).
 Without a CUDA device it writes a report saying so and exits 2 (nothing is pretended).
 """
 
@@ -83,6 +86,20 @@ def main() -> int:
     py = sys.executable
     steps = [
         ("gpu tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]),
+        (
+            "fused kernels and step clock on CUDA",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_triton_fused.py",
+                "tests/test_step_clock.py",
+            ],
+        ),
+        ("kernels per decode layer", [py, "benchmarks/kernel_count.py", "--device", "cuda"]),
         (
             "paths on SmolLM2",
             [py, "benchmarks/paths.py", "--device", "cuda", "--plot", "gpu-paths.png"],

@@ -3,7 +3,9 @@
     PYTHONPATH=.:proto .venv/bin/python benchmarks/quant_fidelity.py [--model smollm2]
 
 The float32 path runs the values ggml dequantizes; the gguf path runs the same blocks through
-the int4 kernels with bfloat16 activations. Two measurements (results in docs/performance.md):
+each `--quant-kernels` kernel: `qmm` (int8 activations per group of 32, as llama.cpp) and
+`torch` (torch's int4 kernels, bfloat16 activations). Two measurements for each (results in
+docs/performance.md):
 
 1. Greedy decoding of the test prompts (tests/test_hf_parity.py's) for `--new-tokens` tokens:
    the share of tokens equal up to the first divergence, and at each divergence the float32
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -138,6 +141,9 @@ def main() -> None:
         help="the gguf path's model dtype (auto: bfloat16 on CPUs with native bfloat16, where "
         "norms, rotary and attention run in bfloat16 too; float32 elsewhere)",
     )
+    p.add_argument(
+        "--quant-kernels", default="qmm,torch", help="comma-separated quant_kernel values"
+    )
     args = p.parse_args()
     base = ExecutorConfig(
         model=args.model,
@@ -148,9 +154,25 @@ def main() -> None:
         dtype="float32",  # the reference is float32 whatever the CPU (auto may be bfloat16)
     )
     ref = ModelExecutor(base)
-    quant = ModelExecutor(base.replace(quantization="gguf", dtype=args.gguf_dtype))
     tok = ref.load_tokenizer()
-    print(f"gguf path: dtype {quant.info.dtype} (--gguf-dtype {args.gguf_dtype})")
+    ids = tok.encode(TEXT.read_text())[: args.text_tokens]
+    ppl_ref, n = perplexity(ref, ids, args.window)
+    print(f"perplexity on {n} tokens of {TEXT} (windows of {args.window}): float32 {ppl_ref:.4f}")
+    for kernel in args.quant_kernels.split(","):
+        quant = ModelExecutor(
+            base.replace(quantization="gguf", dtype=args.gguf_dtype, quant_kernel=kernel)
+        )
+        print(f"--- gguf path, quant_kernel {quant.loaded.quant_kernel}, dtype {quant.info.dtype}")
+        compare(ref, quant, tok, args.new_tokens)
+        ppl_q, _ = perplexity(quant, ids, args.window)
+        print(
+            f"perplexity: gguf {ppl_q:.4f}, relative to float32 "
+            f"{(ppl_q - ppl_ref) / ppl_ref * 100:+.2f}%"
+        )
+
+
+def compare(ref: ModelExecutor, quant: ModelExecutor, tok: Any, new_tokens: int) -> None:
+    """Greedy tokens of both paths on the prompts, with the gap and difference at divergences."""
     print(
         f"weights: float32 {ref.loaded.weight_bytes / 2**20:.1f} MiB, "
         f"gguf {quant.loaded.weight_bytes / 2**20:.1f} MiB "
@@ -159,14 +181,14 @@ def main() -> None:
     equal_total = 0
     for text in PROMPTS:
         prompt = tok.encode(text)
-        ref_tokens, ref_logits = greedy(ref, prompt, args.new_tokens)
-        q_tokens, _ = greedy(quant, prompt, args.new_tokens)
+        ref_tokens, ref_logits = greedy(ref, prompt, new_tokens)
+        q_tokens, _ = greedy(quant, prompt, new_tokens)
         first = next(
             (i for i, (a, b) in enumerate(zip(ref_tokens, q_tokens, strict=True)) if a != b), None
         )
-        equal = args.new_tokens if first is None else first
+        equal = new_tokens if first is None else first
         equal_total += equal
-        line = f"{text!r:.40}: {equal}/{args.new_tokens} equal up to the first divergence"
+        line = f"{text!r:.40}: {equal}/{new_tokens} equal up to the first divergence"
         if first is not None:
             # Both paths on the float32 path's tokens, to compare logits at the divergence.
             q_logits = forced_logits(quant, prompt, ref_tokens[: first + 1])
@@ -177,15 +199,8 @@ def main() -> None:
                 f"max |logit diff| {diff:.3f}"
             )
         print(line)
-    share = equal_total / (args.new_tokens * len(PROMPTS))
+    share = equal_total / (new_tokens * len(PROMPTS))
     print(f"share of greedy tokens equal up to the first divergence: {share:.3f}")
-    ids = tok.encode(TEXT.read_text())[: args.text_tokens]
-    ppl_ref, n = perplexity(ref, ids, args.window)
-    ppl_q, _ = perplexity(quant, ids, args.window)
-    print(
-        f"perplexity on {n} tokens of {TEXT} (windows of {args.window}): float32 {ppl_ref:.4f}, "
-        f"gguf {ppl_q:.4f}, relative difference {(ppl_q - ppl_ref) / ppl_ref * 100:+.2f}%"
-    )
 
 
 if __name__ == "__main__":

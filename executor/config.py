@@ -26,9 +26,12 @@ NEEDS_CPU_SEQ_LENS_VALUES = tuple(p.value for p in SeqLensPolicy)  # auto | on |
 # What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
 # stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
 GRAPH_BACKENDS = ("auto", "cuda", "compiled", "compiled_step", "standin")
-QUANTIZATION_MODES = ("none", "gguf", "int8", "int4")
+QUANTIZATION_MODES = ("auto", "none", "gguf", "int8", "int4")
+# What `auto` resolves to and what a model is loaded with (executor.models.quant_kernel).
+LOADED_QUANTIZATIONS = QUANTIZATION_MODES[1:]
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
+QUANT_KERNELS = ("auto", "qmm", "torch")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -141,10 +144,19 @@ class ExecutorConfig:
         "offsets for packed sequences, would need it); off: such a batch is refused",
     )
     quantization: str = setting(
-        "none",
+        "auto",
+        "auto (gguf for a GGUF file on a CPU where the qmm kernel loads, else none) | "
         "none | gguf (run the GGUF's own Q4_0/Q4_1/Q8_0 blocks, the embedding and tied LM head "
-        "included) | int8 (per-channel) | int4 (group 32): int8/int4 quantize the decoder "
-        "linears at load, the embedding and LM head stay float",
+        "included) | int8 (per-channel; CPU only: refused on CUDA) | int4 (group 32): int8/int4 "
+        "quantize the decoder linears at load, the embedding and LM head stay float",
+    )
+    quant_kernel: str = setting(
+        "auto",
+        "auto | qmm | torch: what group-quantized linears (gguf, int4) run on; qmm is a CPU "
+        "kernel built for this machine on first use (int8 activations times the stored 4- or "
+        "8-bit weights, as llama.cpp computes), torch is torch's int4 kernels (bfloat16 "
+        "activations); auto = qmm where it builds and loads (x86-64, AVX2, a C compiler), "
+        "else torch",
     )
     linear_kernel: str = setting(
         "auto",
@@ -231,6 +243,10 @@ class ExecutorConfig:
                 f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
                 f"got {self.linear_kernel!r}"
             )
+        if self.quant_kernel not in QUANT_KERNELS:
+            raise ValueError(
+                f"quant_kernel must be one of {', '.join(QUANT_KERNELS)}, got {self.quant_kernel!r}"
+            )
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
@@ -306,10 +322,25 @@ def resolve_max_context_len(config: ExecutorConfig, model: ModelConfig) -> int:
 
 
 def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
-    """`auto` is `both` on CUDA (graphs pay off there) and `none` on CPU."""
+    """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
+    where a server then captures `background_graph_mode` while it serves."""
     if config.graph_mode == "auto":
         return "both" if device.type == "cuda" else "none"
     return config.graph_mode
+
+
+def background_graph_mode(config: ExecutorConfig, device: torch.device) -> str | None:
+    """`graph_mode=auto` on a CPU: the mode a server captures in the background once it
+    serves (eager until then), or None. Decode graphs with the `compiled` backend: inductor
+    compiles the layer halves once for every layer and batch size (dynamic shapes), so a cold
+    compile takes tens of seconds, a warm one (inductor's cache in `cache_dir`) seconds; the
+    measured gain is in docs/performance.md. Not under tensor parallelism (ranks capture in
+    step at start-up) nor with another graph backend configured."""
+    if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
+        return None
+    if config.graph_backend not in ("auto", "compiled"):
+        return None
+    return "decode"
 
 
 def resolve_graph_backend(config: ExecutorConfig, device: torch.device) -> str:

@@ -43,7 +43,7 @@ from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.model_runner import ModelRunner
-from executor.models.loader import LoadedModel, load_model
+from executor.models.loader import LoadedModel, load_model, resolve_quantization
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.observer import ExecutorObserver, NullObserver
 from executor.parallel.comm import TpComm
@@ -51,7 +51,7 @@ from executor.parallel.leader import TpLeader
 from executor.sampling import Sampler
 from executor.step.clock import StepClock
 from executor.step.graph_control import GraphControl
-from executor.step.outputs import ExecutorInfo, ForwardOutput
+from executor.step.outputs import ExecutorInfo, ForwardOutput, SettingChoice
 from executor.step.paths import GraphMode, SeqLensPolicy
 from executor.step.step import Step
 from executor.step.toggles import SeqLensQuestion, Toggles
@@ -101,6 +101,7 @@ class ModelExecutor:
         log.info(
             "dtype chosen", dtype=str(self.dtype).removeprefix("torch."), reason=dtype_choice.reason
         )
+        quantization, why = resolve_quantization(config)
         if loaded is None:
             loaded = load_model(
                 config.model,
@@ -108,11 +109,21 @@ class ModelExecutor:
                 dtype=self.dtype,
                 max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
                 cache_dir=resolve_cache_dir(config),
-                quantization=config.quantization,
+                quantization=quantization,
                 comm=self.comm,
                 linear_kernel=config.linear_kernel,
+                quant_kernel=config.quant_kernel,
             )
         self.loaded = loaded
+        self.choices = (
+            SettingChoice(
+                "device", str(self.device), "configured" if config.device != "auto" else "auto"
+            ),
+            SettingChoice("dtype", str(self.dtype).removeprefix("torch."), dtype_choice.reason),
+            SettingChoice("quantization", loaded.quantization, why),
+            SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
+            SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
+        )
         self.model = loaded.model
         mcfg = loaded.config
         max_context_len = resolve_max_context_len(config, mcfg)
@@ -279,6 +290,7 @@ class ModelExecutor:
             deferred_mask_timeout_ms=round(self.config.deferred_mask_timeout_s * 1000),
             kv_layout=self.kv_transfer.layout,
             kv_transfer_limits=self.kv_transfer.limits,
+            choices=(*self.choices, *self.control.choices()),
         )
 
     @on_own_device

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pathlib
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import structlog
@@ -133,29 +133,34 @@ class ModelRunner:
         missing = self._missing(mode)
         settings = self.graph_settings
         out = CapturedRunners()
+        # The runners' registries are built holding `lock` too: building one writes its pooled
+        # buffers (e.g. `seq_lens`' fill value), which a live eager step may be reading.
+        held = lock or nullcontext()
         if "decode" in missing:
             assert settings is not None
-            out.decode = DecodeGraphRunner(
-                self.model,
-                self.attn_backend,
-                device=self.device,
-                buckets=settings.decode_buckets,
-                needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
-                factory=self.graph_factory,
-                future_tokens=self.future_tokens,
-            )
+            with held:
+                out.decode = DecodeGraphRunner(
+                    self.model,
+                    self.attn_backend,
+                    device=self.device,
+                    buckets=settings.decode_buckets,
+                    needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
+                    factory=self.graph_factory,
+                    future_tokens=self.future_tokens,
+                )
             out.reports.append(out.decode.capture(progress=progress, lock=lock))
         if "piecewise" in missing:
             assert settings is not None
-            out.piecewise = PiecewiseGraphRunner(
-                self.model,
-                self.attn_backend,
-                device=self.device,
-                buckets=settings.piecewise_buckets,
-                max_bs=settings.max_bs,
-                factory=self.graph_factory,
-                future_tokens=self.future_tokens,
-            )
+            with held:
+                out.piecewise = PiecewiseGraphRunner(
+                    self.model,
+                    self.attn_backend,
+                    device=self.device,
+                    buckets=settings.piecewise_buckets,
+                    max_bs=settings.max_bs,
+                    factory=self.graph_factory,
+                    future_tokens=self.future_tokens,
+                )
             out.reports.append(out.piecewise.capture(progress=progress, lock=lock))
         return out
 

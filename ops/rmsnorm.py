@@ -1,8 +1,11 @@
-"""RMSNorm, alone and fused with the residual add that precedes it in a decoder layer."""
+"""RMSNorm, alone and fused with the residual add that precedes it in a decoder layer
+(one Triton kernel on CUDA: `ops/triton_fused.py`)."""
 
 from __future__ import annotations
 
 import torch
+
+from ops.fused_dispatch import use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +23,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return `(rms_norm(x + residual), x + residual)`; with no residual, x is the residual."""
+    """Return `(rms_norm(x + residual), x + residual)`; with no residual, x is the residual.
+    On CUDA one Triton kernel (`ops.triton_fused.add_rms_norm`), else the reference."""
+    if use_triton(x) and x.stride(-1) == 1 and x.dim() in (2, 3):
+        from ops import triton_fused
+
+        return triton_fused.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `add_rms_norm`."""
     summed = x if residual is None else x + residual
     return rms_norm(summed, weight, eps), summed

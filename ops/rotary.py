@@ -1,8 +1,11 @@
-"""Rotary position embedding (the non-interleaved "rotate half" layout of Hugging Face Llama)."""
+"""Rotary position embedding (the non-interleaved "rotate half" layout of Hugging Face Llama);
+`RotaryEmbedding` runs one Triton kernel for q and k on CUDA (`ops/triton_fused.py`)."""
 
 from __future__ import annotations
 
 import torch
+
+from ops.fused_dispatch import use_triton
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -44,4 +47,9 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        d = q.shape[-1]
+        if use_triton(q) and d & (d - 1) == 0 and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from ops import triton_fused
+
+            return triton_fused.rotary(positions, q, k, self.cos_cache, self.sin_cache)
         return apply_rotary(q, k, self.cos_cache[positions], self.sin_cache[positions])

@@ -203,3 +203,25 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     lines = kv_transfer.table(results).splitlines()
     assert lines[0].startswith("| slots | tokens | MB | runs | chunks | descriptors/MB |")
     assert lines[2].startswith("| contiguous | 40 |") and lines[3].startswith("| pages of 8 | 40 |")
+
+
+def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
+    """One middle layer of a bs-1 DECODE step on the tiny model, the Triton kernels under
+    the interpreter: the torch ops launch about three times what the fused path does, which
+    is within the issue's 12 a layer; each fused op is one launch."""
+    pytest.importorskip("triton")
+    from benchmarks import kernel_count
+
+    ex = kernel_count.build("tiny-random", "cpu", None)
+    torch_ops = kernel_count.measure(ex, fused=False, row=1)
+    fused = kernel_count.measure(ex, fused=True, row=2)
+    assert fused.regions["rmsnorm"] == 2 and fused.regions["rotary"] == 1
+    assert fused.regions["silu_mul"] == 1
+    assert torch_ops.regions["rmsnorm"] >= 10 and torch_ops.regions["rotary"] >= 8
+    # Linears, the KV store and attention are the same on both paths.
+    assert fused.regions["other"] == torch_ops.regions["other"] >= 6
+    assert fused.ops["aten::mm"] == 4 and fused.ops["triton::_decode_stage1_kernel"] == 1
+    assert fused.total <= 12 < 30 <= torch_ops.total
+    table = kernel_count.table([("torch ops", torch_ops), ("fused", fused)]).splitlines()
+    assert table[0].startswith("| path | kernels per layer |")
+    assert table[3].startswith(f"| fused | {fused.total} |")

@@ -492,6 +492,32 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     assert out.stats.path == "piecewise"
 
 
+def test_a_background_capture_builds_its_registries_holding_the_step_lock(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building a runner's registry writes pooled input buffers (the padded `seq_lens` fill)
+    that a live eager step may be reading: it must not overlap a step."""
+    from executor.graphs import decode_runner, piecewise_runner
+
+    ex = make_executor(graph_mode="none", graph_batch_sizes="1,2", piecewise_token_sizes="8")
+    held: list[tuple[str, bool]] = []
+    for module, name in (
+        (decode_runner, "build_decode_registry"),
+        (piecewise_runner, "build_prefill_registry"),
+    ):
+        real = getattr(module, name)
+
+        def recording(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+            held.append((_name, ex.control.step_lock.locked()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recording)
+    ex.control.apply_toggles(graph_mode="both", background_capture=True)
+    assert ex.control.wait_for_capture(60)
+    assert ex.toggles.graph_mode == "both"
+    assert held == [("build_decode_registry", True), ("build_prefill_registry", True)]
+
+
 def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8,16")
     [report] = ex.control.capture_reports

@@ -303,3 +303,71 @@ def test_nothing_on_the_tp_broadcast_path_unpickles() -> None:
         source = inspect.getsource(module)
         assert "pickle" not in source and "broadcast_object" not in source
     assert not hasattr(TpComm, "broadcast_object")
+
+
+def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
+    """Rank 1 loses decode bucket 2 and piecewise bucket 16 (an injected out-of-memory
+    capture); after start-up both ranks keep the intersection (rank 0 drops them too), so
+    every batch takes the same path with collectives of the same size on both ranks, and the
+    tokens equal tp 1's."""
+    config = _tiny(graph_mode="both")
+    prompts = PROMPTS[:2]  # DECODE at batch size 2: the dropped bucket, padded to 4
+    runs: list[dict] = [{"captured": True}, RUNS[0]]
+    want = run_generations(ModelExecutor(config), prompts, runs)
+    assert want[0] == ([1, 2, 4], [16, 64])
+    got = generate_tp(
+        config.replace(tp_size=2), prompts, runs, faults={1: {"decode": 2, "piecewise": 16}}
+    )
+    assert got[0] == ([1, 4], [64])
+    tokens, paths = got[1]
+    assert tokens == want[1][0]
+    assert {"full_graph", "piecewise"} <= set(paths), paths
+
+
+def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
+    """The capture loop follows the group: a bucket another rank failed is dropped here
+    (`drop`) and reported, and a poisoned capture elsewhere poisons this factory and ends
+    the pass (no later bucket is tried, as on the poisoned rank)."""
+    from executor.graphs.capture import capture_buckets
+    from executor.graphs.graph import GraphFactory
+    from executor.parallel.agreement import CaptureOutcome, GroupOutcome
+
+    group = {
+        8: GroupOutcome(CaptureOutcome.CAPTURED, []),
+        4: GroupOutcome(CaptureOutcome.FAILED, [1]),
+    }
+    group[2] = GroupOutcome(CaptureOutcome.POISONED, [1])
+    tried: list[int] = []
+    dropped: list[int] = []
+    factory = GraphFactory(torch.device("cpu"))
+    report = capture_buckets(
+        "decode",
+        [1, 2, 4, 8],
+        tried.append,
+        factory,
+        progress=False,
+        agree=lambda mine: group[tried[-1]],
+        drop=dropped.append,
+    )
+    assert tried == [8, 4, 2] and dropped == [4, 2]
+    assert report.captured == [8]
+    assert report.failed[4] == "decode bucket 4: capture failed on tp rank(s) [1]"
+    assert (
+        factory.poisoned == report.poisoned == "decode bucket 2: capture poisoned on tp rank(s) [1]"
+    )
+
+
+@pytest.mark.gpu
+def test_ranks_on_cuda_serve_only_the_graph_buckets_every_rank_captured() -> None:
+    """The agreement over NCCL with real CUDA graphs: rank 1 loses decode bucket 2 (an
+    injected out-of-memory capture, before the capture runs any collective); both ranks
+    serve buckets 1 and 4 and give tp 1's tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, {torch.cuda.device_count()} present")
+    config = _tiny(device="cuda", graph_backend="cuda", graph_mode="both")
+    prompts = PROMPTS[:2]
+    runs: list[dict] = [{"captured": True}, RUNS[0]]
+    want = run_generations(ModelExecutor(config), prompts, runs)
+    got = generate_tp(config.replace(tp_size=2), prompts, runs, faults={1: {"decode": 2}})
+    assert got[0] == ([1, 4], [16, 64])
+    assert got[1][0] == want[1][0]

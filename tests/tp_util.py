@@ -8,6 +8,7 @@ returns, even when one fails, and the rendezvous port is a free one.
 
 from __future__ import annotations
 
+import os
 import queue
 import traceback
 from typing import Any
@@ -40,6 +41,15 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
             ]
             results.append(([o.next_token_ids.tolist() for o in outs], extras))
             continue
+        if "captured" in kw:  # the graph buckets this rank serves: (decode, piecewise)
+            runner = ex.runner
+            results.append(
+                tuple(
+                    sorted(r.captured) if r is not None else None
+                    for r in (runner.decode_graphs, runner.piecewise)
+                )
+            )
+            continue
         if "refuse" in kw:
             try:
                 ex.forward(kw["refuse"])
@@ -58,6 +68,26 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     return results
 
 
+def fail_captures(skip: dict[str, int]) -> None:
+    """The fault a rank injects into its own captures: bucket `size` of runner `kind`
+    (decode | piecewise) fails as an out-of-memory capture does (cleanly, that bucket only)."""
+    from executor.graphs.decode_runner import DecodeGraphRunner
+    from executor.graphs.graph import GraphCaptureOOM
+    from executor.graphs.piecewise_runner import PiecewiseGraphRunner
+
+    for cls in (DecodeGraphRunner, PiecewiseGraphRunner):
+        if cls.kind not in skip:
+            continue
+        original = cls._capture_one
+
+        def capture_one(self: Any, size: int, original: Any = original) -> None:
+            if size == skip[self.kind]:
+                raise GraphCaptureOOM(f"injected: out of memory capturing {self.kind} {size}")
+            original(self, size)
+
+        cls._capture_one = capture_one  # type: ignore[method-assign]
+
+
 def _rank_main(
     rank: int,
     config: Any,
@@ -65,18 +95,24 @@ def _rank_main(
     prompts: list[list[int]],
     runs: list[dict[str, Any]],
     out: Any,
+    faults: dict[int, dict[str, int]] | None = None,
 ) -> None:
     from executor.config import resolve_device
     from executor.model_executor import ModelExecutor
     from executor.parallel.group import close_comm, init_comm
+    from executor.parallel.nccl_env import set_nccl_error_handling
     from executor.parallel.worker import run_worker
 
     comm = None
+    if faults and rank in faults:
+        fail_captures(faults[rank])
     try:
         endpoint = TpEndpoint(
             rank, config.tp_size, "127.0.0.1", port, config.tp_timeout_s, local_rank=rank
         )
-        comm = init_comm(endpoint, resolve_device(config, rank))
+        device = resolve_device(config, rank)
+        set_nccl_error_handling(os.environ, device)
+        comm = init_comm(endpoint, device)
         ex = ModelExecutor(config, comm=comm, local_rank=rank)
         if rank == 0:
             ex.warmup()
@@ -94,14 +130,22 @@ def _rank_main(
 
 
 def generate_tp(
-    config: Any, prompts: list[list[int]], runs: list[dict[str, Any]], timeout_s: float = 240
+    config: Any,
+    prompts: list[list[int]],
+    runs: list[dict[str, Any]],
+    timeout_s: float = 240,
+    *,
+    faults: dict[int, dict[str, int]] | None = None,
 ) -> list[Any]:
-    """Rank 0's `run_generations(...)` at `config.tp_size` ranks."""
+    """Rank 0's `run_generations(...)` at `config.tp_size` ranks; `faults`: rank -> the
+    capture it fails (`fail_captures`)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, config, port, prompts, runs, out), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(r, config, port, prompts, runs, out, faults), daemon=True
+        )
         for r in range(config.tp_size)
     ]
     for p in procs:

@@ -9,7 +9,9 @@ which size picks a batch's bucket, and how a replay runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Generic, TypeVar
 
 import torch
@@ -20,6 +22,7 @@ from executor.graphs.buckets import pad_to_bucket
 from executor.graphs.capture import CaptureReport, capture_buckets
 from executor.graphs.graph import GraphFactory
 from executor.models.decoder_model import DecoderModel
+from executor.parallel.agreement import agree_on_capture
 from executor.runner_output import RunnerOutput
 from registry import BufferRegistry, FillStats
 
@@ -56,16 +59,31 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
             self._prepare_capture()
             self.factory.prepare(len(self.buckets))
         self.captured.clear()
-        self.report = capture_buckets(
-            self.kind,
-            self.buckets,
-            self._capture_one,
-            self.factory,
-            progress=progress,
-            lock=lock,
-            graphs_per_bucket=self.graphs_per_bucket(),
-        )
+        comm = self.model.comm
+        if comm.enabled:
+            # One real collective first: NCCL creates its communicator on the first one,
+            # which must not happen inside a capture.
+            comm.all_reduce_(torch.zeros(1, device=self.device))
+        with comm.capture_runs() if comm.enabled else nullcontext():
+            self.report = capture_buckets(
+                self.kind,
+                self.buckets,
+                self._capture_one,
+                self.factory,
+                progress=progress,
+                lock=lock,
+                graphs_per_bucket=self.graphs_per_bucket(),
+                agree=partial(agree_on_capture, comm) if comm.enabled else None,
+                drop=lambda size: self.keep_only([s for s in self.captured if s != size]),
+            )
         return self.report
+
+    def keep_only(self, buckets: Sequence[int]) -> None:
+        """Drop every captured bucket not in `buckets` (its batches then replay a larger
+        bucket, or run eagerly); the dropped graphs are released."""
+        keep = set(buckets)
+        for size in [s for s in self.captured if s not in keep]:
+            del self.captured[size]
 
     def graphs_per_bucket(self) -> int:
         """How many graphs one bucket captures (the start-up report counts them)."""

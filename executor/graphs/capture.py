@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from executor.errors import StartupCancelled
 from executor.graphs.graph import GraphCapturePoisoned, GraphFactory
+from executor.parallel.agreement import CaptureOutcome, GroupOutcome
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,8 @@ def capture_buckets(
     progress: bool = True,
     lock: AbstractContextManager[object] | None = None,
     graphs_per_bucket: int = 1,
+    agree: Callable[[CaptureOutcome], GroupOutcome] | None = None,
+    drop: Callable[[int], None] | None = None,
 ) -> CaptureReport:
     """Capture every bucket, largest first. A bucket whose capture fails cleanly (an
     out-of-memory error, a compile error) is logged with its reason and left out (its
@@ -55,6 +58,11 @@ def capture_buckets(
 
     With `lock`, each bucket is captured holding it (a background capture: the steps that
     take it run between two buckets).
+
+    With `agree` (tensor parallelism: `executor.parallel.agreement.agree_on_capture` on
+    this rank's group), every bucket's outcome is the group's: a bucket captured here but
+    failed on another rank is dropped here too (`drop(size)`), and a poisoned capture on
+    any rank poisons this factory, so every rank serves the same buckets.
 
     Raises StartupCancelled before the next bucket once `factory.stop` is set."""
     report = CaptureReport(kind, graphs_per_bucket=graphs_per_bucket)
@@ -75,6 +83,7 @@ def capture_buckets(
                 log.info("graph capture stopped", kind=kind, before_size=size)
                 raise StartupCancelled(f"{kind} graph capture stopped before bucket {size}")
             t = time.perf_counter()
+            outcome = CaptureOutcome.CAPTURED
             try:
                 with lock or nullcontext():
                     capture_one(size)
@@ -87,10 +96,16 @@ def capture_buckets(
                     size=size,
                     error=report.poisoned,
                 )
-                break
+                outcome = CaptureOutcome.POISONED
             except Exception as e:
                 report.failed[size] = f"{type(e).__name__}: {e}"
                 log.warning("graph capture failed", kind=kind, size=size, error=report.failed[size])
+                outcome = CaptureOutcome.FAILED
+            if agree is not None:
+                outcome = _follow_group(kind, size, outcome, agree, drop, factory, report)
+            if outcome is CaptureOutcome.POISONED:
+                break
+            if outcome is CaptureOutcome.FAILED:
                 continue
             report.captured.append(size)
             log.info(
@@ -108,3 +123,27 @@ def capture_buckets(
         memory_mib=round(report.memory_bytes / 2**20, 1),
     )
     return report
+
+
+def _follow_group(
+    kind: str,
+    size: int,
+    mine: CaptureOutcome,
+    agree: Callable[[CaptureOutcome], GroupOutcome],
+    drop: Callable[[int], None] | None,
+    factory: GraphFactory,
+    report: CaptureReport,
+) -> CaptureOutcome:
+    """This rank takes the group's outcome of bucket `size` (the worst of the ranks')."""
+    group = agree(mine)
+    if group.outcome <= mine:
+        return mine
+    reason = group.reason(kind, size)
+    log.warning("graph bucket dropped: the group's outcome", kind=kind, size=size, reason=reason)
+    if drop is not None:
+        drop(size)
+    report.failed[size] = reason
+    if group.outcome is CaptureOutcome.POISONED:
+        report.poisoned = reason
+        factory.poison(reason)
+    return group.outcome

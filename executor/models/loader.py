@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from executor.config import (
-    QUANTIZATION_MODES,
+    LOADED_QUANTIZATIONS,
     ExecutorConfig,
     resolve_cache_dir,
     resolve_device,
@@ -31,6 +31,11 @@ from executor.models.gguf_loader import lazy_gguf, load_gguf, read_gguf_blocks, 
 from executor.models.hf_loader import lazy_hf_directory, load_hf_directory, read_hf_config
 from executor.models.packing import choose_linear_kernel, pack_float_linears
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
+from executor.models.quant_kernel import (
+    QuantKernelChoice,
+    choose_quant_kernel,
+    choose_quantization,
+)
 from executor.models.quantize import (
     check_int4_shapes,
     check_quantization,
@@ -104,6 +109,19 @@ def read_weights(
     return lazy_hf_directory(source.path) if lazy else load_hf_directory(source.path)
 
 
+def resolve_quantization(config: ExecutorConfig) -> tuple[str, str]:
+    """(mode, reason): `config.quantization` with `auto` decided for this model and machine
+    (`quant_kernel.choose_quantization`)."""
+    return choose_quantization(
+        config.quantization,
+        resolve_model_spec(config.model).kind,
+        resolve_device(config),
+        resolve_cache_dir(config),
+        quant_kernel=config.quant_kernel,
+        tp_size=config.tp_size,
+    )
+
+
 def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     """The model's hyper-parameters (metadata only, no weights) and the effective context length;
     refuses a `quantization` the model cannot take (the server calls this before loading)."""
@@ -116,13 +134,12 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     else:
         assert source.path is not None
         model_cfg = read_gguf_config(source.path, resolve_cache_dir(config))
-    check_quantization(
-        config.quantization, source.kind, source.spec, model_cfg, resolve_device(config)
-    )
+    quantization, _ = resolve_quantization(config)
+    check_quantization(quantization, source.kind, source.spec, model_cfg, resolve_device(config))
     if config.tp_size > 1:
-        if config.quantization != "none":
+        if quantization != "none":
             raise ValueError(
-                f"quantization={config.quantization} is not supported with tp_size > 1 "
+                f"quantization={quantization} is not supported with tp_size > 1 "
                 "(tensor parallelism shards float weights only)"
             )
         shard_plan(model_cfg, config.tp_size, 0)  # refuses head counts that do not divide
@@ -134,7 +151,11 @@ def prepare_shared_weights(config: ExecutorConfig) -> None:
     here, so the ranks each read their shard of it instead of each dequantizing the file."""
     source = resolve_model_spec(config.model)
     cache_dir = resolve_cache_dir(config)
-    if source.kind == "gguf" and cache_dir is not None and config.quantization == "none":
+    if (
+        source.kind == "gguf"
+        and cache_dir is not None
+        and resolve_quantization(config)[0] == "none"
+    ):
         assert source.path is not None
         lazy_gguf(source.path, cache_dir)
 
@@ -148,6 +169,9 @@ class LoadedModel:
     quantization: str = "none"
     weight_bytes: int = 0  # resident bytes of every weight (parameters and quantized buffers)
     linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
+    quant_kernel: str = "torch"  # what group-quantized linears run on: qmm | torch
+    linear_kernel_reason: str = ""  # why each kernel was chosen (what `auto` saw)
+    quant_kernel_reason: str = ""
 
 
 def _build(
@@ -159,6 +183,7 @@ def _build(
     dtype: torch.dtype,
     max_positions: int,
     comm: TpComm,
+    quant: QuantKernelChoice,
 ) -> tuple[ModelConfig, DecoderModel]:
     if comm.enabled:
         if quantization != "none":
@@ -173,7 +198,11 @@ def _build(
     if quantization == "gguf":
         check_source(quantization, source.kind, source.spec)
         assert source.path is not None
-        packed = packed_cache_file(source.path, cache_dir, device, dtype) if cache_dir else None
+        packed = (
+            packed_cache_file(source.path, cache_dir, device, dtype, quant.kernel)
+            if cache_dir
+            else None
+        )
         if packed is not None and packed.exists():
             config = read_gguf_config(source.path, cache_dir)
             model = create_model(config, max_positions, device=device, dtype=dtype)
@@ -181,7 +210,7 @@ def _build(
             return config, model
         config, floats, blocks = read_gguf_blocks(source.path)
         model = create_model(config, max_positions, device=device, dtype=dtype)
-        if install_gguf_blocks(model, blocks, floats, device) == 0:
+        if install_gguf_blocks(model, blocks, floats, device, use_qmm=quant.use_qmm) == 0:
             raise ValueError(
                 f"quantization=gguf: {source.path.name} stores no decoder linear as "
                 f"{', '.join(BLOCK_FORMATS)}; use quantization=int8 or int4 for a float GGUF"
@@ -193,10 +222,11 @@ def _build(
     config, tensors = read_weights(source, cache_dir)
     # Parameters start uninitialized; load_hf_weights raises if any is left unset.
     model = create_model(config, max_positions, device=device, dtype=dtype)
-    check_int4_shapes(quantization, config, device)  # before reading any weight in
+    if not quant.use_qmm:
+        check_int4_shapes(quantization, config, device)  # before reading any weight in
     load_hf_weights(model, tensors)
     if quantization in ("int4", "int8"):
-        quantize_float_linears(model, quantization, device)
+        quantize_float_linears(model, quantization, device, use_qmm=quant.use_qmm)
     return config, model
 
 
@@ -210,16 +240,23 @@ def load_model(
     quantization: str = "none",
     comm: TpComm | None = None,
     linear_kernel: str = "auto",
+    quant_kernel: str = "auto",
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with every parameter loaded exactly once; with
     `quantization` other than none the decoder linears stay quantized (`quantize.py`); with
     `linear_kernel` onednn (auto: on CPU in float32) the float linears are packed
     (`packing.py`)."""
-    if quantization not in QUANTIZATION_MODES:
+    if quantization not in LOADED_QUANTIZATIONS:
         raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}"
+            f"quantization must be one of {', '.join(LOADED_QUANTIZATIONS)} (auto is resolved "
+            f"by resolve_quantization first), got {quantization!r}"
         )
     kernel = choose_linear_kernel(linear_kernel, device, dtype)  # refuses before loading
+    quant = (
+        choose_quant_kernel(quant_kernel, device, cache_dir)
+        if quantization in ("gguf", "int4") and not (comm and comm.enabled)
+        else QuantKernelChoice("torch", f"not used: quantization={quantization}")
+    )
     t0 = time.perf_counter()
     source = resolve_model_spec(spec)
     comm = comm or TpComm()
@@ -231,6 +268,7 @@ def load_model(
         dtype=dtype,
         max_positions=max_positions,
         comm=comm,
+        quant=quant,
     )
     packed = pack_float_linears(model) if kernel.kernel == "onednn" else 0
     model.eval()
@@ -246,6 +284,8 @@ def load_model(
         quantization=quantization,
         linear_kernel=kernel.kernel,
         linear_kernel_reason=kernel.reason,
+        quant_kernel=quant.kernel,
+        quant_kernel_reason=quant.reason,
         packed_linears=packed,
         tp_rank=comm.rank,
         tp_size=comm.size,
@@ -261,4 +301,7 @@ def load_model(
         quantization=quantization,
         weight_bytes=nbytes,
         linear_kernel=kernel.kernel,
+        quant_kernel=quant.kernel,
+        linear_kernel_reason=kernel.reason,
+        quant_kernel_reason=quant.reason,
     )

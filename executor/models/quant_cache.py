@@ -4,8 +4,9 @@ Reading a GGUF walks its whole vocabulary (seconds) and packing every linear for
 kernel takes seconds more, so the finished model's state (float and packed tensors) is kept
 as safetensors beside the dequantized-weights cache (`file_cache.py`, keyed by the file's
 sha256), with a manifest in its metadata naming each quantized module's class and
-attributes. The key also names the device type, the model dtype and the torch version: the int4 kernels' packed
-layout differs between CPU and CUDA and may change between releases.
+attributes. The key also names the device type, the model dtype, the quantized kernel and the
+torch version: the kernels' packed layouts differ between kernels and between CPU and CUDA,
+and may change between releases.
 """
 
 from __future__ import annotations
@@ -18,20 +19,30 @@ import torch
 
 from executor.models.decoder_model import DecoderModel
 from executor.models.file_cache import cache_path
-from executor.models.quantized import Int4Linear, Int8Linear, QuantizedEmbedding, Restorable
+from executor.models.quantized import (
+    GroupQmmLinear,
+    Int4Linear,
+    Int8Linear,
+    QuantizedEmbedding,
+    Restorable,
+)
 
 CACHE_FORMAT = 2  # 2: modules nested as self_attn.* / mlp.*
 _CLASSES: dict[str, type[Restorable]] = {
-    cls.__name__: cls for cls in (Int4Linear, Int8Linear, QuantizedEmbedding)
+    cls.__name__: cls for cls in (Int4Linear, Int8Linear, GroupQmmLinear, QuantizedEmbedding)
 }
 
 
 def packed_cache_file(
-    model_file: Path, cache_dir: Path, device: torch.device, dtype: torch.dtype
+    model_file: Path, cache_dir: Path, device: torch.device, dtype: torch.dtype, kernel: str
 ) -> Path:
+    """`kernel`: the quantized linears' kernel (qmm | torch), whose layouts differ."""
     torch_version = torch.__version__.replace("+", "-")
     dtype_name = str(dtype).removeprefix("torch.")
-    suffix = f".packed-v{CACHE_FORMAT}-{device.type}-{dtype_name}-torch{torch_version}.safetensors"
+    suffix = (
+        f".packed-v{CACHE_FORMAT}-{device.type}-{dtype_name}-{kernel}-torch{torch_version}"
+        ".safetensors"
+    )
     return cache_path(model_file, cache_dir, suffix)
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from executor.models.layers import PackedLinear
 from executor.models.quant_formats import ChannelQuant, GroupQuant, QuantizedWeight
+from ops import qmm
 
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -176,6 +177,46 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
+class GroupQmmLinear(QuantizedLinear):
+    """A `GroupQuant` weight (4- or 8-bit, group 32) in `ops.qmm`'s layout, multiplied by its
+    CPU kernel: float32 activations in (quantized to int8 per group inside the kernel), the
+    weights as stored, no bfloat16 conversion. 8-bit weights run as one term."""
+
+    CACHED_ATTRS = (*QuantizedLinear.CACHED_ATTRS, "bits")
+
+    def __init__(
+        self, weight: GroupQuant, bias: torch.Tensor | None, *, device: torch.device
+    ) -> None:
+        n, k = weight.shape
+        if device.type != "cpu":
+            raise ValueError(f"the qmm kernel runs on the CPU, not {device.type}")
+        if weight.group != qmm.GROUP or k % qmm.GROUP:
+            raise ValueError(
+                f"qmm weight [{n}, {k}]: groups of {qmm.GROUP} inputs, got group {weight.group}"
+            )
+        super().__init__(k, n, bias, weight.source)
+        self.bits = weight.bits
+        self.qweight: torch.Tensor
+        self.scale: torch.Tensor
+        self.mn: torch.Tensor
+        # w = (q - offset) * scale + zero = q * scale + (zero - offset * scale)
+        self.register_buffer("qweight", qmm.pack_groups(weight.q, weight.bits))
+        self.register_buffer("scale", weight.scale.to(torch.float32, copy=True).contiguous())
+        self.register_buffer(
+            "mn", (weight.zero - weight.offset * weight.scale).float().contiguous()
+        )
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return qmm.qmm(x.float(), self.qweight, self.scale, self.mn, self.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]  # float32 in and out: the kernel's own activation type
+        out = self._matmul(x.reshape(-1, self.in_features)).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+
 class QuantizedEmbedding(Restorable):
     """`Embedding`'s interface over a `GroupQuant` table (GGUF's Q8_0 `token_embd`): gathers the
     rows' 8-bit values and scales and dequantizes only those, so the result is exactly the
@@ -205,10 +246,17 @@ class QuantizedEmbedding(Restorable):
 
 
 def quantized_linear(
-    weight: QuantizedWeight, bias: torch.Tensor | None, *, device: torch.device
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None,
+    *,
+    device: torch.device,
+    use_qmm: bool = False,
 ) -> QuantizedLinear:
-    """The layer for `weight`'s form: GroupQuant -> Int4Linear, ChannelQuant -> Int8Linear."""
+    """The layer for `weight`'s form: GroupQuant -> GroupQmmLinear (`use_qmm`, the CPU kernel
+    of `ops.qmm`) or Int4Linear (torch's int4 kernels), ChannelQuant -> Int8Linear."""
     if isinstance(weight, GroupQuant):
+        if use_qmm:
+            return GroupQmmLinear(weight, bias, device=device)
         return Int4Linear(weight, bias, device=device)
     return Int8Linear(weight, bias, device=device)
 

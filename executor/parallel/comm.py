@@ -7,18 +7,28 @@ the figure there is a lower bound (inside a CUDA graph it is not seen at all).
 
 A collective that fails (a peer died: connection closed; a peer hangs: the group's timeout)
 raises `TpGroupError` and marks the group failed for good: a tensor-parallel group that lost
-a rank cannot be resynchronised, so the host stops serving and exits (`on_failure`).
+a rank cannot be resynchronised, so the host stops serving and exits (`on_failure`). gloo
+fails the call itself; an NCCL call only enqueues, so its failure (the watchdog aborting it,
+`nccl_env.py`) is raised by `settle` at the end of the step.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def _stream_capturing(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s stream is capturing a CUDA graph (an op there is recorded)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class TpGroupError(RuntimeError):
@@ -40,6 +50,10 @@ class TpComm:
     allreduce_ns: int = 0  # accumulated since the last take_allreduce_ns
     allreduce_calls: int = 0
     _notified: bool = field(default=False, repr=False)
+    _capture_thread: int | None = field(default=None, repr=False)
+    # The bound of `settle`'s wait (the group's timeout, `tp_timeout_s`).
+    wait_timeout_s: float = 60.0
+    _pending: Any = field(default=None, repr=False)  # the last NCCL all-reduce's Work
 
     @property
     def enabled(self) -> bool:
@@ -62,15 +76,54 @@ class TpComm:
             self._notified = True
             self.on_failure(self.failed)
 
+    @contextmanager
+    def capture_runs(self) -> Iterator[None]:
+        """Around a graph-capture pass on this thread: the model's all-reduces in its warm-up
+        and check runs do not communicate (their outputs are discarded, and a rank whose
+        bucket fails must not leave the others inside that bucket's collectives); on CUDA
+        the all-reduce a capturing stream records is still recorded (it communicates at
+        replay). Ranks then agree on each bucket (`executor.parallel.agreement`)."""
+        self._capture_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._capture_thread = None
+
+    def _local_only(self, tensor: torch.Tensor) -> bool:
+        if self._capture_thread != threading.get_ident():
+            return False
+        return not _stream_capturing(tensor)
+
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
-        if self.size == 1:
+        if self.size == 1 or self._local_only(tensor):
             return tensor
         t0 = time.perf_counter_ns()
-        self._call("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
+        if self.backend == "nccl" and not _stream_capturing(tensor):
+            self._call("all_reduce", lambda: self._enqueue_all_reduce(tensor))
+        else:
+            self._call("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
         self.allreduce_ns += time.perf_counter_ns() - t0
         self.allreduce_calls += 1
         return tensor
+
+    def _enqueue_all_reduce(self, tensor: torch.Tensor) -> None:
+        """NCCL: enqueue the all-reduce and order the current stream after it (no host
+        wait); the work is kept so `settle` can see whether it failed."""
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        work.wait()  # NCCL: the current stream waits for the NCCL stream, the host does not
+        self._pending = work
+
+    def settle(self) -> None:
+        """After a step's device work is done (its one device-to-host read): the step's last
+        NCCL collective is waited on, bounded by the group's timeout (`wait_timeout_s`).
+        It completed with the step, so the wait costs nothing; a collective the watchdog
+        aborted (a dead or hung peer) raises `TpGroupError` here instead of the step
+        returning what a broken group computed. A no-op on gloo, whose calls fail
+        synchronously."""
+        work, self._pending = self._pending, None
+        if work is not None:
+            self._call("all_reduce", lambda: work.wait(timedelta(seconds=self.wait_timeout_s)))
 
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `tensor` along the last dimension (rank order)."""
@@ -80,6 +133,16 @@ class TpComm:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self._call("all_gather", lambda: dist.all_gather(parts, tensor, group=self.group))
         return torch.cat(parts, dim=-1)
+
+    def all_gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's host `tensor` (same shape and dtype on every rank), in rank order,
+        over the CPU group: host facts the ranks must agree on (never device memory)."""
+        if self.size == 1:
+            return [tensor]
+        group = self.cpu_group or self.group
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._call("all_gather", lambda: dist.all_gather(parts, tensor, group=group))
+        return parts
 
     def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` into every rank's (same shape and dtype), in place."""

@@ -78,7 +78,13 @@ def init_comm(endpoint: TpEndpoint, device: torch.device) -> TpComm:
         timeout=timeout,
     )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    return TpComm(rank=endpoint.rank, size=endpoint.size, backend=backend, cpu_group=cpu_group)
+    return TpComm(
+        rank=endpoint.rank,
+        size=endpoint.size,
+        backend=backend,
+        cpu_group=cpu_group,
+        wait_timeout_s=endpoint.timeout_s,
+    )
 
 
 def close_comm(comm: TpComm) -> None:

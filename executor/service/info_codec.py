@@ -10,7 +10,7 @@ from executor.controls.types import mask_words
 from executor.errors import BatchValidationError, RuntimeConfigError
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.step.outputs import ExecutorInfo
+from executor.step.outputs import ExecutorInfo, SettingChoice
 from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
@@ -101,6 +101,10 @@ def info_to_proto(
         max_hidden_bytes=lim.max_hidden_bytes,
         max_output_bytes=lim.max_output_bytes,
         allow_input_embeds=lim.allow_input_embeds,
+        setting_choices=[
+            pb.SettingChoice(setting=c.setting, value=c.value, reason=c.reason)
+            for c in info.choices
+        ],
     )
     if info.kv_layout is not None and info.kv_transfer_limits is not None:
         msg.kv_layout.CopyFrom(layout_to_proto(info.kv_layout, info.kv_transfer_limits))
@@ -154,6 +158,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         deferred_mask_timeout_ms=msg.deferred_mask_timeout_ms,
         kv_layout=layout_from_proto(msg.kv_layout, "kv_layout") if has_kv else None,
         kv_transfer_limits=limits_from_proto(msg.kv_layout) if has_kv else None,
+        choices=tuple(SettingChoice(c.setting, c.value, c.reason) for c in msg.setting_choices),
     )
     return info, msg.model_spec
 

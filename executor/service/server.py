@@ -392,6 +392,9 @@ def start_server(
                     req_rows_used=pool.rows_in_use,
                 ),
             )
+            # graph_mode=auto on a CPU: compile decode graphs while serving eagerly.
+            if (upgrade := executor.control.start_background()) is not None:
+                log.info("graph capture started while serving", graph_mode=upgrade)
             worker.start()
             if running.readiness.serve(worker, runtime):
                 log.info("ready", seconds=round(time.perf_counter() - t0, 3))

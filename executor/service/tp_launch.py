@@ -27,6 +27,7 @@ from executor.config import ExecutorConfig, resolve_device
 from executor.models.loader import prepare_shared_weights
 from executor.parallel.comm import TpComm, TpGroupError
 from executor.parallel.group import TpEndpoint, close_comm, endpoint_from_env, free_port, init_comm
+from executor.parallel.nccl_env import set_nccl_error_handling
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +82,9 @@ def run_worker_rank(
     configure_logging(log_level, log_format, rank=endpoint.rank)
     comm: TpComm | None = None
     try:
-        comm = init_comm(endpoint, resolve_device(config, endpoint.local_rank))
+        device = resolve_device(config, endpoint.local_rank)
+        set_nccl_error_handling(os.environ, device)
+        comm = init_comm(endpoint, device)
         executor = ModelExecutor(config, comm=comm, local_rank=endpoint.local_rank)
         run_worker(executor)
         return 0
@@ -171,7 +174,9 @@ def start_group(
         raise ValueError("start_group runs on rank 0; other ranks run run_worker_rank")
     group = TpGroup(TpComm(), processes)
     try:
-        group.comm = init_comm(endpoint, resolve_device(config, endpoint.local_rank))
+        device = resolve_device(config, endpoint.local_rank)
+        set_nccl_error_handling(os.environ, device)
+        group.comm = init_comm(endpoint, device)
     except BaseException:
         for p in processes:
             p.kill()

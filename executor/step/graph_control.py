@@ -20,7 +20,7 @@ import torch
 
 from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
-from executor.config import ExecutorConfig, resolve_graph_mode
+from executor.config import ExecutorConfig, background_graph_mode, resolve_graph_mode
 from executor.errors import ToggleRefusedError
 from executor.graphs.capture import CaptureReport
 from executor.model_runner import ModelRunner
@@ -28,6 +28,7 @@ from executor.observer import ExecutorObserver
 from executor.parallel import broadcast
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
+from executor.step.outputs import SettingChoice
 from executor.step.paths import GraphMode, SeqLensPolicy
 from executor.step.toggles import CaptureState, SeqLensQuestion, Toggles
 from ops.device_scope import device_scope, on_own_device
@@ -75,6 +76,43 @@ class GraphControl:
                 attention_backend=self.attn_backend.name,
                 reason=refusal,
             )
+
+    def start_background(self) -> str | None:
+        """`graph_mode=auto` on a CPU: capture `background_graph_mode` on a thread of its own
+        while steps run eagerly; installed between two steps once every bucket is compiled.
+        Returns the mode it captures, or None (nothing to do)."""
+        target = background_graph_mode(self.config, self.device)
+        if target is None or self.toggles.graph_mode is not GraphMode.NONE:
+            return None
+        self.apply_toggles(graph_mode=target, background_capture=True)
+        return target
+
+    def choices(self) -> tuple[SettingChoice, ...]:
+        """What graph_mode and graph_backend became here, and why (GetInfo)."""
+        cfg = self.config
+        backend = self.runner.graph_factory.backend
+        background = background_graph_mode(cfg, self.device)
+        if cfg.graph_mode != "auto":
+            mode_reason = "configured"
+        elif background is not None:
+            mode_reason = (
+                f"auto: on a CPU, none at start-up, then {background} captured in the "
+                f"background by the server while it serves (graph_capture: "
+                f"{self.toggles.graph_capture})"
+            )
+        elif self.device.type == "cuda":
+            mode_reason = "auto: graphs on CUDA"
+        else:
+            mode_reason = f"auto: none on a CPU with graph_backend={cfg.graph_backend}"
+        backend_reason = (
+            "configured"
+            if cfg.graph_backend != "auto"
+            else f"auto: {'CUDA graphs on CUDA' if backend == 'cuda' else 'inductor on a CPU'}"
+        )
+        return (
+            SettingChoice("graph_mode", str(self.toggles.graph_mode), mode_reason),
+            SettingChoice("graph_backend", backend, backend_reason),
+        )
 
     # --- the host-lengths decision --------------------------------------------------------
     def check_needs_cpu_seq_lens(self, policy: str, graph_mode: str | None = None) -> bool:

@@ -85,6 +85,15 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True)
+class SettingChoice:
+    """What a start-up setting became on this machine: `auto` resolved, or as configured."""
+
+    setting: str  # the ExecutorConfig field: dtype, quantization, quant_kernel, ...
+    value: str
+    reason: str  # what `auto` saw, or "configured"
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     """Everything a scheduler needs to allocate rows and slots and to stop requests."""
 
@@ -109,3 +118,5 @@ class ExecutorInfo:
     deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
     kv_layout: KVLayout | None = None  # the KV cache as a transfer sees it (this rank's heads)
     kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
+    # What each performance setting became here and why (the start-up log says the same).
+    choices: tuple[SettingChoice, ...] = ()

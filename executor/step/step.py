@@ -106,12 +106,14 @@ class Step:
     ) -> ForwardOutput:
         """Run one step. A refused or failed batch leaves the executor as it was."""
         transfers = host_transfers.totals()
+        clock.use_device_events(self.runner.device)  # CUDA: forward and sample on events
         self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
         with clock.phase("total"):
             with clock.phase("validate"):
                 admitted = self.admit(batch)
             with self.lock, self._group():
                 ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
+                self.comm.settle()  # the device is done (the D2H read): a failed NCCL call raises
         sampled = out.stats  # the sampler's part of the stats
         out.stats = self._stats(admitted.batch, ran, clock, transfers)
         out.stats.control_rows = sampled.control_rows
@@ -307,6 +309,7 @@ class Step:
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
         """A worker rank: a step rank 0 admitted and broadcast (staging, row-table write,
         this rank's part of the model and its collectives; rank 0 samples)."""
+        self.comm.settle()  # the previous step's collectives (done before rank 0 sent this one)
         fb, write, _ = self._stage(Admitted(host, self.pool.check_write(host)), keep_rows=keep_rows)
         try:
             self.runner.forward(fb)  # references resolved by rank 0

@@ -325,7 +325,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,7 @@ class GetInfoResponse(_message.Message):
     MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SETTING_CHOICES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -400,7 +401,18 @@ class GetInfoResponse(_message.Message):
     max_output_bytes: int
     allow_input_embeds: bool
     kv_layout: KvLayout
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    setting_choices: _containers.RepeatedCompositeFieldContainer[SettingChoice]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ...) -> None: ...
+
+class SettingChoice(_message.Message):
+    __slots__ = ("setting", "value", "reason")
+    SETTING_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    setting: str
+    value: str
+    reason: str
+    def __init__(self, setting: _Optional[str] = ..., value: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "kv_heads", "kv_heads_total", "head_dim", "dtype", "kv_slots", "bytes_per_slot", "tp_size", "max_transfer_slots", "max_transfer_runs", "chunk_bytes", "max_push_transfers", "transfer_memory")

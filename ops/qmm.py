@@ -1,0 +1,218 @@
+"""The CPU's group-quantized matmul (`qmm_kernel.c`): built on first use, called without copies.
+
+torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) takes bfloat16 activations and, on a
+CPU without native bfloat16, converts its way through every call. The kernel here does what
+llama.cpp does with a GGUF file: the activations are quantized to int8 per group of 32 and
+multiplied with the 4- or 8-bit weights as integer dot products, so a decode step streams the
+weights as stored (a Q4 weight is a seventh of its float32 bytes) and the matmul's arithmetic is
+32 products an instruction.
+
+Building: `build(cache_dir)` compiles the C file with the system C compiler (`cc`, `-O3
+-march=native -fopenmp`) into `cache_dir/kernels/`, named by a hash of the source, the flags
+and the CPU's model and flags, so a restart loads it in milliseconds and another CPU builds its
+own. `load(cache_dir)` returns the kernel or the reason there is none (no compiler, a build
+error, no AVX2: the caller keeps torch's kernel and says why).
+
+The op `model_executor::qmm(x, qweight, scale, min, bits) -> y` has a fake (shape-only)
+implementation, so compiled graphs call it as an extern kernel; eager steps call the library
+directly (no dispatcher). The library links the process's one OpenMP runtime (torch's), so its
+threads are torch's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GROUP = 32
+ABI_VERSION = 1
+SOURCE = Path(__file__).with_name("qmm_kernel.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_LOCK = threading.Lock()
+_LOADED: dict[Path, QmmKernel] = {}
+
+
+class QmmUnavailable(RuntimeError):
+    """No usable kernel on this machine; the message says why."""
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` compiles for: the CPU's model name and flags (Linux), else the
+    platform's processor string."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def library_path(cache_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
+    """Where the build for this source, these flags (default CFLAGS) and this CPU lives."""
+    flags = CFLAGS if flags is None else flags
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), _cpu_signature().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir / "kernels" / f"qmm-{digest.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
+    """Compile the kernel into the cache (once per source, flags and CPU); its path."""
+    flags = CFLAGS if flags is None else flags
+    target = library_path(cache_dir, flags)
+    if target.exists():
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise QmmUnavailable("no C compiler (cc or gcc) on PATH to build the quantized kernel")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    cmd = [compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise QmmUnavailable(f"building the quantized kernel failed: {done.stderr.strip()[-500:]}")
+    os.replace(tmp, target)  # last: its presence means a whole build
+    return target
+
+
+@dataclass(frozen=True)
+class QmmKernel:
+    """The loaded library: `matmul` runs one multiply on contiguous CPU tensors."""
+
+    lib: ctypes.CDLL
+    path: Path
+    isa: str
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        mn: torch.Tensor,
+        bits: int,
+    ) -> torch.Tensor:
+        """x [M, K] float32 (contiguous) -> [M, N] float32."""
+        m, k = int(x.shape[0]), int(x.shape[1])
+        n = int(scale.shape[0])
+        groups = k // GROUP
+        qx = torch.empty((m, k), dtype=torch.int8)
+        dx = torch.empty((m, groups), dtype=torch.float32)
+        sx = torch.empty((m, groups), dtype=torch.float32)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self.lib.qmm_quantize(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+        self.lib.qmm_matmul(
+            qx.data_ptr(),
+            dx.data_ptr(),
+            sx.data_ptr(),
+            m,
+            k,
+            qweight.data_ptr(),
+            scale.data_ptr(),
+            mn.data_ptr(),
+            n,
+            bits,
+            y.data_ptr(),
+        )
+        return y
+
+
+def load(cache_dir: Path) -> QmmKernel:
+    """The kernel built for this machine (building it first if needed); QmmUnavailable says
+    why there is none."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise QmmUnavailable(
+            f"the quantized kernel is written for x86-64, not {platform.machine()}"
+        )
+    with _LOCK:
+        path = build(cache_dir)
+        if path in _LOADED:
+            return _LOADED[path]
+        kernel = open_library(path)
+        if kernel.isa == "scalar":
+            raise QmmUnavailable(
+                "this CPU has no AVX2/FMA: the quantized kernel would run its scalar reference"
+            )
+        _LOADED[path] = kernel
+        _register_op(kernel)
+        return kernel
+
+
+def open_library(path: Path) -> QmmKernel:
+    """Load a built library and declare its functions (any build: tests run the scalar one)."""
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.qmm_version.restype = ctypes.c_int
+    lib.qmm_isa.restype = ctypes.c_char_p
+    lib.qmm_quantize.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    lib.qmm_quantize.restype = None
+    lib.qmm_matmul.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
+    lib.qmm_matmul.restype = None
+    if lib.qmm_version() != ABI_VERSION:
+        raise QmmUnavailable(f"{path} is version {lib.qmm_version()}, not {ABI_VERSION}")
+    return QmmKernel(lib, path, lib.qmm_isa().decode())
+
+
+# --- the op compiled graphs call ----------------------------------------------------------
+_OP_KERNEL: list[QmmKernel] = []  # the kernel the op runs (one per process)
+_LIB: torch.library.Library | None = None
+
+
+def _register_op(kernel: QmmKernel) -> None:
+    global _LIB
+    _OP_KERNEL[:] = [kernel]
+    if _LIB is not None:
+        return
+    _LIB = torch.library.Library("model_executor", "FRAGMENT")
+    _LIB.define("qmm(Tensor x, Tensor qweight, Tensor scale, Tensor mn, int bits) -> Tensor")
+
+    def impl(
+        x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int
+    ) -> torch.Tensor:
+        return _OP_KERNEL[0].matmul(x.contiguous(), qweight, scale, mn, bits)
+
+    def fake(
+        x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], scale.shape[0]))
+
+    _LIB.impl("qmm", impl, "CPU")
+    torch.library.register_fake("model_executor::qmm", fake, lib=_LIB)
+
+
+def qmm(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """x [M, K] float32 @ W^T with the loaded kernel: through the op while torch.compile
+    traces, else directly. RuntimeError before `load`."""
+    if torch.compiler.is_compiling():
+        return torch.ops.model_executor.qmm(x, qweight, scale, mn, bits)
+    if not _OP_KERNEL:
+        raise RuntimeError("ops.qmm: no kernel loaded (ops.qmm.load(cache_dir) first)")
+    return _OP_KERNEL[0].matmul(x.contiguous(), qweight, scale, mn, bits)
+
+
+def loaded() -> QmmKernel | None:
+    """The kernel this process loaded, if any."""
+    return _OP_KERNEL[0] if _OP_KERNEL else None
+
+
+def pack_groups(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Group values [N, K] into the kernel's bytes: 4-bit 0..15 as [N, K / 2] uint8 (per group
+    of 32: byte i holds input i in its low nibble and input i + 16 in its high one), 8-bit
+    -128..127 as [N, K] int8."""
+    if bits == 8:
+        return q.to(torch.int8).contiguous()
+    n, k = q.shape
+    g = q.to(torch.uint8).reshape(n, k // GROUP, GROUP)
+    return (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()

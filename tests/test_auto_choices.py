@@ -1,0 +1,106 @@
+"""What `auto` settings become on this machine and why: quantization (a GGUF kept quantized
+where the qmm kernel loads), the background graph capture a CPU server starts while it
+serves, and how GetInfo reports every choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.batch_prep import make_decode_batch
+from executor.config import ExecutorConfig, background_graph_mode
+from executor.model_executor import ModelExecutor
+from executor.models import quant_kernel
+from executor.models.quant_kernel import choose_quantization
+from executor.service.info_codec import info_from_proto, info_to_proto
+from ops import qmm
+from tests.test_graphs import _prefill
+
+MakeExecutor = Callable[..., ModelExecutor]
+CPU = torch.device("cpu")
+
+
+def test_auto_quantization_keeps_a_gguf_quantized_where_the_kernel_loads(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        qmm.load(cache_dir)
+    except qmm.QmmUnavailable as e:
+        pytest.skip(f"no qmm kernel on this machine: {e}")
+    mode, why = choose_quantization("auto", "gguf", CPU, cache_dir)
+    assert mode == "gguf" and why.startswith("auto:") and "qmm" in why
+    assert choose_quantization("int8", "gguf", CPU, cache_dir) == ("int8", "configured")
+    for kind in ("hf", "tiny-random"):
+        assert choose_quantization("auto", kind, CPU, cache_dir)[0] == "none"
+    assert choose_quantization("auto", "gguf", CPU, cache_dir, tp_size=2)[0] == "none"
+    assert choose_quantization("auto", "gguf", torch.device("cuda", 0), cache_dir)[0] == "none"
+    mode, why = choose_quantization("auto", "gguf", CPU, cache_dir, quant_kernel="torch")
+    assert mode == "none" and "quant_kernel=torch" in why
+
+    def unavailable(_: Path) -> qmm.QmmKernel:
+        raise qmm.QmmUnavailable("no C compiler (cc or gcc) on PATH")
+
+    monkeypatch.setattr(quant_kernel.qmm, "load", unavailable)
+    mode, why = choose_quantization("auto", "gguf", CPU, cache_dir)
+    assert mode == "none" and "no C compiler" in why
+
+
+def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecutor) -> None:
+    ex = make_executor(quantization="auto", linear_kernel="auto")
+    choices = {c.setting: c for c in ex.info.choices}
+    assert set(choices) == {
+        "device",
+        "dtype",
+        "quantization",
+        "quant_kernel",
+        "linear_kernel",
+        "graph_mode",
+        "graph_backend",
+    }
+    assert (choices["dtype"].value, choices["dtype"].reason) == ("float32", "configured")
+    assert choices["quantization"].value == "none"
+    assert "float" in choices["quantization"].reason  # tiny-random: float weights
+    assert choices["graph_backend"].reason == "configured"  # the fixtures' stand-in
+    back, _ = info_from_proto(info_to_proto(ex.info, "tiny-random"))
+    assert back.choices == ex.info.choices
+
+
+def test_a_cpu_server_with_auto_graphs_captures_decode_graphs_in_the_background() -> None:
+    cfg = ExecutorConfig(device="cpu")
+    assert background_graph_mode(cfg, CPU) == "decode"
+    assert background_graph_mode(cfg.replace(graph_backend="compiled"), CPU) == "decode"
+    for other in (
+        cfg.replace(graph_mode="none"),
+        cfg.replace(graph_backend="standin"),
+        cfg.replace(graph_backend="compiled_step"),
+        cfg.replace(tp_size=2),
+    ):
+        assert background_graph_mode(other, CPU) is None
+    assert background_graph_mode(cfg, torch.device("cuda", 0)) is None
+
+
+def test_the_background_capture_serves_eagerly_then_switches_to_the_compiled_graphs(
+    make_executor: MakeExecutor,
+) -> None:
+    """What the server starts after warm-up: steps run eagerly while inductor compiles, and
+    DECODE runs on the compiled graphs once they are installed."""
+    ex = make_executor(graph_mode="auto", graph_backend="compiled", graph_batch_sizes="1")
+    assert ex.toggles.graph_mode == "none"  # start-up serves at once
+    assert ex.control.start_background() == "decode"
+    [mode] = [c for c in ex.info.choices if c.setting == "graph_mode"]
+    assert "background" in mode.reason
+    _prefill(ex, rows=[1], lens=[6], first_slot=1)
+    out = ex.forward(
+        make_decode_batch(input_ids=[7], req_pool_indices=[1], seq_lens=[7], out_cache_loc=[7])
+    )
+    assert out.stats.path in ("eager", "full_graph")  # whichever the capture has reached
+    assert ex.control.wait_for_capture(300)
+    assert (ex.toggles.graph_mode, ex.toggles.graph_capture) == ("decode", "idle")
+    assert ex.control.start_background() is None  # graphs in use: nothing more to do
+    out = ex.forward(
+        make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[8], out_cache_loc=[8])
+    )
+    assert out.stats.path == "full_graph"
