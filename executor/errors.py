@@ -108,3 +108,14 @@ class TestHooks:
     def check(self, site: str) -> None:
         if self.faults is not None:
             self.faults.check(site)
+
+
+class KVStateError(RuntimeError):
+    """A KV import or export the cache's current state forbids (a target row or slot a live
+    request holds; a source slot no live request holds); nothing was changed. Maps to
+    FAILED_PRECONDITION."""
+
+
+class KVChecksumError(ValueError):
+    """A KV chunk whose bytes do not match its checksum or its declared size: the data was
+    damaged on the way; nothing was changed. Maps to DATA_LOSS."""

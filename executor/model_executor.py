@@ -40,6 +40,8 @@ from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
 from executor.graphs.settings import graph_settings
 from executor.kv_cache import KVPool, ReqToTokenPool
+from executor.kv_transfer.engine import KVTransfer
+from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.model_runner import ModelRunner
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
 from executor.models.tokenizer import Tokenizer, load_tokenizer
@@ -220,11 +222,29 @@ class ModelExecutor:
             observer=self.observer,
             lock=self.control.step_lock,
         )
+        # The KV data plane: this rank's heads of a request's K/V, out of and into the pool.
+        self.kv_transfer = KVTransfer(
+            self.req_to_token_pool,
+            self.kv_pool,
+            self.step.controls.slot_tokens,
+            KVLayout(
+                num_layers=mcfg.num_layers,
+                kv_heads=plan.num_kv_heads,
+                kv_heads_total=mcfg.num_kv_heads,
+                head_dim=mcfg.head_dim,
+                dtype=self.dtype,
+                kv_slots=config.kv_slots,
+                tp_size=self.comm.size,
+            ),
+            KVTransferLimits(max_slots=max_context_len, max_runs=max_context_len),
+            self.control.step_lock,
+            comm=self.comm,
+        )
         self.leader: TpLeader | None = None
         if self.comm.enabled and self.comm.rank == 0:
             # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
             self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
-            self.control.leader = self.step.leader = self.leader
+            self.control.leader = self.step.leader = self.kv_transfer.leader = self.leader
             self.future.keep_host_mirror()
         log.info(
             "executor ready",
@@ -272,6 +292,8 @@ class ModelExecutor:
             tp_size=self.comm.size,
             sampling_controls=CONTROL_NAMES,
             deferred_mask_timeout_ms=round(self.config.deferred_mask_timeout_s * 1000),
+            kv_layout=self.kv_transfer.layout,
+            kv_transfer_limits=self.kv_transfer.limits,
             choices=(*self.choices, *self.control.choices()),
         )
 

@@ -173,6 +173,38 @@ def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     assert rows[2].startswith("| 1 | ") and "%)" in rows[2]
 
 
+def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
+    """A 40-token request moved twice each way between two loopback executors: contiguous
+    slots go as one run, pages of 8 as one run per page, and every figure is a rate."""
+    from benchmarks import kv_transfer
+
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, kv_slots=128)
+    with (
+        running_server(config) as a,
+        running_server(config) as b,
+        ExecutorClient(f"127.0.0.1:{a.port}") as ca,
+        ExecutorClient(f"127.0.0.1:{b.port}") as cb,
+    ):
+        results = [
+            kv_transfer.measure(ca, cb, f"127.0.0.1:{b.port}", tokens=40, repeats=2, page=page)
+            for page in (0, 8)
+        ]
+        assert a.executor.req_to_token_pool.rows_in_use() == 0  # it released what it held
+        assert b.executor.req_to_token_pool.rows_in_use() == 0
+    layout = a.executor.kv_transfer.layout
+    contiguous, paged = results
+    assert contiguous.runs == 1 and paged.runs == 5
+    assert contiguous.mbytes == pytest.approx(40 * layout.bytes_per_slot / 1e6)
+    for r in results:
+        assert len(r.export_mb_s) == len(r.import_mb_s) == len(r.push_mb_s) == 2
+        assert min(r.export_mb_s + r.import_mb_s + r.push_mb_s) > 0
+        assert r.chunks == 2 * layout.num_layers  # 40 slots fit one chunk per layer and kind
+    assert paged.descriptors_per_mb > contiguous.descriptors_per_mb
+    lines = kv_transfer.table(results).splitlines()
+    assert lines[0].startswith("| slots | tokens | MB | runs | chunks | descriptors/MB |")
+    assert lines[2].startswith("| contiguous | 40 |") and lines[3].startswith("| pages of 8 | 40 |")
+
+
 def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     """One middle layer of a bs-1 DECODE step on the tiny model, the Triton kernels under
     the interpreter: the torch ops launch about three times what the fused path does, which

@@ -73,8 +73,17 @@ class TestCA:
         self.cert_file = directory / f"{name}-ca.pem"
         self.cert_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, common_name: str, *, client: bool = False, stem: str | None = None) -> Issued:
-        """A leaf certificate for `common_name`; servers get localhost and 127.0.0.1 as SANs."""
+    def issue(
+        self,
+        common_name: str,
+        *,
+        client: bool = False,
+        stem: str | None = None,
+        peer: bool = False,
+    ) -> Issued:
+        """A leaf certificate for `common_name`; servers get localhost and 127.0.0.1 as SANs.
+        `peer`: a server's certificate that is a client's too (an executor pushing KV to
+        another presents its own certificate)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         serial = x509.random_serial_number()
@@ -89,7 +98,13 @@ class TestCA:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH]
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                    if peer
+                    else [
+                        ExtendedKeyUsageOID.CLIENT_AUTH
+                        if client
+                        else ExtendedKeyUsageOID.SERVER_AUTH
+                    ]
                 ),
                 critical=False,
             )

@@ -107,6 +107,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         info = asdict(remote.info)
         info["model_spec"] = remote.model_spec
         info["readiness"] = client.health()
+        if remote.info.kv_layout is not None:  # its dtype as the wire names it
+            info["kv_layout"]["dtype"] = str(remote.info.kv_layout.dtype).removeprefix("torch.")
         print(json.dumps(info, indent=2))
     return 0
 
@@ -207,6 +209,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
         return 2
+    if args.prefill_target is not None:
+        from executor.client.cli_disaggregated import generate_disaggregated
+
+        return generate_disaggregated(args, prompts, controls, schema)
     with ExitStack() as stack:
         client, remote, tok = _session(args, stack)
         texts = prompts
@@ -298,6 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         default=None,
         help="host:port of a running executor (default: start one in-process)",
+    )
+    gen.add_argument(
+        "--prefill-target",
+        default=None,
+        metavar="HOST:PORT",
+        help="disaggregated: prefill each prompt on this executor, push its KV to --target "
+        "and decode there",
+    )
+    gen.add_argument(
+        "--kv-peer-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --prefill-target: --target as the prefill executor reaches it (default: "
+        "--target)",
     )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -29,6 +29,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor.client.allocator import FutureSlotAllocator
+from executor.client.kv_client import KVClient
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
 from executor.controls.types import VocabMask
 from executor.extras.types import Pooling
@@ -217,6 +218,11 @@ class ExecutorClient:
         return embed_tokens(
             self.retrying(), self.info().info.limits, tokens, pooling=pooling, layer=layer
         )
+
+    @property
+    def kv(self) -> KVClient:
+        """The KV data plane: export, import and push KV (`executor.client.kv_client`)."""
+        return KVClient(self.stub)
 
     def close(self) -> None:
         self.channel.close()

@@ -56,6 +56,7 @@ LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+KV_DIRECTIONS = ("export", "import", "push")  # the KV data plane's `direction` label
 SIZE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # requests per batch
 CAPTURE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -252,6 +253,27 @@ class ExecutorMetrics:
             "Retried batches answered from the retry memory (their batch_id was already "
             "applied), not applied again.",
         )
+        # The KV data plane (recorded by the handler threads of ExportKV/ImportKV/PushKV).
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes",
+            "KV bytes moved by completed transfers, by direction (export, import, push).",
+            ("direction",),
+        )
+        self.kv_transfers = counter(
+            "kv_transfers",
+            "KV transfers, by direction and outcome (ok, failed).",
+            ("direction", "outcome"),
+        )
+        self.kv_transfer_seconds = histogram(
+            "kv_transfer_seconds",
+            "Time of one KV transfer (header to last byte written or sent), by direction.",
+            ("direction",), LATENCY_BUCKETS,
+        )  # fmt: skip
+        for direction in KV_DIRECTIONS:  # every series exists from the start, at 0
+            self.kv_transfer_bytes.labels(direction)
+            self.kv_transfer_seconds.labels(direction)
+            for outcome in ("ok", "failed"):
+                self.kv_transfers.labels(direction, outcome)
         # Graph runners (through the ExecutorObserver hooks).
         self.graph_captures = counter(
             "graph_captures", "Graph captures that succeeded, by kind.", ("kind",)
@@ -355,6 +377,13 @@ class ExecutorMetrics:
     def count_replay(self) -> None:
         """A retried batch answered from the retry memory."""
         self.batches_replayed.inc()
+
+    def observe_kv_transfer(self, direction: str, nbytes: int, seconds: float, ok: bool) -> None:
+        """One KV transfer ended (`executor.service.kv_service`)."""
+        self.kv_transfers.labels(direction, "ok" if ok else "failed").inc()
+        self.kv_transfer_seconds.labels(direction).observe(seconds)
+        if ok:
+            self.kv_transfer_bytes.labels(direction).inc(nbytes)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         """One answered RPC; `code` is the gRPC status code's name (OK, INVALID_ARGUMENT, ...)."""

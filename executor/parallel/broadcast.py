@@ -2,7 +2,9 @@
 
 Every command rank 0 sends is one `Command`: `step` (a validated, completed host batch and
 whether its row-table write stays), `toggles` (a runtime-config change, applied between two
-steps on every rank), `ping` (the idle heartbeat: proves the workers are alive and keeps
+steps on every rank), `kv_read` / `kv_write` (the KV data plane: every rank reads its heads
+of a chunk for rank 0 to gather, or writes its heads of a checked import, `payload` holding
+every rank's bytes), `ping` (the idle heartbeat: proves the workers are alive and keeps
 their wait for the next command inside the collective timeout) and `stop`.
 
 The batch travels as a header (field names, shapes, dtypes, host scalars and lists) encoded
@@ -26,7 +28,8 @@ from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from executor.parallel.comm import TpComm
 
 STEP, TOGGLES, PING, STOP = "step", "toggles", "ping", "stop"
-COMMANDS = (STEP, TOGGLES, PING, STOP)
+KV_READ, KV_WRITE = "kv_read", "kv_write"
+COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE)
 
 
 @dataclass
@@ -35,6 +38,8 @@ class Command:
     batch: ForwardBatch | None = None  # STEP: the completed host batch
     keep_rows: bool = True  # STEP: False for warm-up (its row-table write is undone)
     toggles: dict[str, Any] = field(default_factory=dict)  # TOGGLES: apply_toggles' arguments
+    kv: dict[str, Any] = field(default_factory=dict)  # KV_READ / KV_WRITE: slots, chunk, row
+    payload: torch.Tensor | None = None  # KV_WRITE: every rank's staged bytes (uint8, flat)
 
     def __post_init__(self) -> None:
         if self.kind not in COMMANDS:
@@ -106,6 +111,8 @@ def send(comm: TpComm, command: Command) -> None:
         "kind": command.kind,
         "keep_rows": command.keep_rows,
         "toggles": command.toggles,
+        "kv": command.kv,
+        "payload": 0 if command.payload is None else int(command.payload.numel()),
     }
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     if command.batch is not None:
@@ -120,6 +127,8 @@ def send(comm: TpComm, command: Command) -> None:
     for dtype in sorted(groups, key=str):
         flat = torch.cat(groups[dtype]).to(_WIRE_DTYPES.get(dtype, dtype))
         comm.broadcast_(flat.contiguous())
+    if command.payload is not None:
+        comm.broadcast_(command.payload.contiguous())
 
 
 def receive(comm: TpComm) -> Command:
@@ -150,6 +159,14 @@ def receive(comm: TpComm) -> Command:
         values["sampling"] = SamplingBatch(**sampling) if values.pop("sampling", None) else None
         values["row_outputs"] = tuple(_ask_from_json(a) for a in values.get("row_outputs", []))
         batch = ForwardBatch(**values)
+    payload = None
+    if header.get("payload"):
+        payload = comm.broadcast_(torch.empty(int(header["payload"]), dtype=torch.uint8))
     return Command(
-        kind=header["kind"], batch=batch, keep_rows=header["keep_rows"], toggles=header["toggles"]
+        kind=header["kind"],
+        batch=batch,
+        keep_rows=header["keep_rows"],
+        toggles=header["toggles"],
+        kv=header.get("kv", {}),
+        payload=payload,
     )

@@ -26,6 +26,11 @@ def run_worker(executor: ModelExecutor) -> None:
                 executor.control.apply_toggles(**command.toggles)
             except ToggleRefusedError as e:
                 log.info("toggle refused (as on rank 0)", reason=str(e))
+        elif command.kind == broadcast.KV_READ:
+            executor.kv_transfer.serve_read(command.kv)
+        elif command.kind == broadcast.KV_WRITE:
+            assert command.payload is not None
+            executor.kv_transfer.serve_write(command.kv, command.payload)
         elif command.kind == broadcast.PING:
             comm.ping()
         else:

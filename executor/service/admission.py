@@ -46,9 +46,9 @@ class CallLimit:
                 self._taken += 1
                 return
         raise CapacityError(
-            f"{self.limit} Forward/ForwardStream calls are in progress "
+            f"{self.limit} Forward/ForwardStream and KV data-plane calls are in progress "
             f"(max_forward_calls); this {what} was not started: retry later, or send "
-            "more batches per call"
+            "more per call"
         )
 
     def leave(self) -> None:

@@ -4,12 +4,62 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from executor.controls.types import mask_words
-from executor.errors import RuntimeConfigError
+from executor.errors import BatchValidationError, RuntimeConfigError
+from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from executor.step.outputs import ExecutorInfo, SettingChoice
 from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
+
+_KV_DTYPES = {pb.FLOAT32: torch.float32, pb.BFLOAT16: torch.bfloat16, pb.FLOAT16: torch.float16}
+_KV_DTYPE_PB = {v: k for k, v in _KV_DTYPES.items()}
+
+
+def layout_to_proto(layout: KVLayout, limits: KVTransferLimits) -> pb.KvLayout:
+    return pb.KvLayout(
+        num_layers=layout.num_layers,
+        kv_heads=layout.kv_heads,
+        kv_heads_total=layout.kv_heads_total,
+        head_dim=layout.head_dim,
+        dtype=_KV_DTYPE_PB[layout.dtype],
+        kv_slots=layout.kv_slots,
+        bytes_per_slot=layout.bytes_per_slot,
+        tp_size=layout.tp_size,
+        max_transfer_slots=limits.max_slots,
+        max_transfer_runs=limits.max_runs,
+        chunk_bytes=limits.chunk_bytes,
+        max_push_transfers=limits.max_push_transfers,
+        transfer_memory=limits.transfer_memory,
+    )
+
+
+def layout_from_proto(msg: pb.KvLayout, field: str) -> KVLayout:
+    if msg.dtype not in _KV_DTYPES:
+        raise BatchValidationError(
+            f"{field}.dtype", f"must be FLOAT32, BFLOAT16 or FLOAT16, got {msg.dtype}"
+        )
+    return KVLayout(
+        num_layers=msg.num_layers,
+        kv_heads=msg.kv_heads,
+        kv_heads_total=msg.kv_heads_total,
+        head_dim=msg.head_dim,
+        dtype=_KV_DTYPES[msg.dtype],
+        kv_slots=msg.kv_slots,
+        tp_size=msg.tp_size,
+    )
+
+
+def limits_from_proto(msg: pb.KvLayout) -> KVTransferLimits:
+    return KVTransferLimits(
+        msg.max_transfer_slots,
+        msg.max_transfer_runs,
+        msg.chunk_bytes,
+        msg.max_push_transfers,
+        msg.transfer_memory,
+    )
 
 
 def info_to_proto(
@@ -56,6 +106,8 @@ def info_to_proto(
             for c in info.choices
         ],
     )
+    if info.kv_layout is not None and info.kv_transfer_limits is not None:
+        msg.kv_layout.CopyFrom(layout_to_proto(info.kv_layout, info.kv_transfer_limits))
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     if runtime_config is not None:
@@ -84,6 +136,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         max_output_bytes=msg.max_output_bytes,
         allow_input_embeds=msg.allow_input_embeds,
     )
+    has_kv = msg.HasField("kv_layout")  # unset: a server from before the KV data plane
     info = ExecutorInfo(
         model_name=msg.model_name,
         architecture=msg.architecture,
@@ -103,6 +156,8 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         tp_size=msg.tp_size or 1,  # 0: a server from before tensor parallelism
         sampling_controls=tuple(msg.sampling_controls),
         deferred_mask_timeout_ms=msg.deferred_mask_timeout_ms,
+        kv_layout=layout_from_proto(msg.kv_layout, "kv_layout") if has_kv else None,
+        kv_transfer_limits=limits_from_proto(msg.kv_layout) if has_kv else None,
         choices=tuple(SettingChoice(c.setting, c.value, c.reason) for c in msg.setting_choices),
     )
     return info, msg.model_spec

@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from executor.config import ExecutorConfig
 from executor.controls.types import mask_words
 from executor.errors import StartupCancelled
+from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
 from executor.observability.metrics import ExecutorMetrics, LiveSources
@@ -40,6 +41,7 @@ from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import add_executor_servicer
+from executor.service.kv_service import KVTransferObserver
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
@@ -212,6 +214,7 @@ class RunningServer:
         if worker is not None and not worker.stop(timeout=DRAIN_MARGIN_S):
             log.warning("a device step outlived the drain; exiting without it")
         self.stop_tp_group()
+        self.servicer.kv.close()  # the channels to KV push peers
         self.telemetry.metrics.close()
         self.telemetry.tracing.shutdown()
         log.info("drained", finished=finished, seconds=round(time.monotonic() - start, 3))
@@ -247,6 +250,11 @@ def start_server(
     receive, send = message_limits(
         config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
     )
+    # An ImportKV request and an ExportKV answer carry one KV chunk (DEFAULT_CHUNK_BYTES).
+    receive, send = (
+        max(receive, DEFAULT_CHUNK_BYTES + _SLACK),
+        max(send, DEFAULT_CHUNK_BYTES + _SLACK),
+    )
     options = [("grpc.max_receive_message_length", receive), ("grpc.max_send_message_length", send)]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
@@ -280,6 +288,8 @@ def start_server(
     address = f"{server_config.host}:{server_config.port}"
     tls = server_config.tls
     certificates = CertificateFiles(tls) if tls is not None else None
+    servicer.kv.tls = tls  # a push to a peer presents this server's own identity
+    servicer.kv.observer = KVTransferObserver(metrics.observe_kv_transfer)
     if certificates is None:
         port = server.add_insecure_port(address)
         if not is_loopback(server_config.host):

@@ -25,7 +25,8 @@ class ServerConfig:
     rpc_threads: int = setting(16, "gRPC handler threads (the device itself is one thread)")
     max_forward_calls: int = setting(
         0,
-        "Forward/ForwardStream calls in progress at once (each holds a handler thread); more "
+        "Forward/ForwardStream and KV data-plane (ExportKV/ImportKV/PushKV) calls in progress "
+        "at once (each holds a handler thread); more "
         "get RESOURCE_EXHAUSTED; must be < rpc_threads so health and GetInfo always have "
         "threads; 0 = rpc_threads less a quarter (at least 2 kept free)",
     )

@@ -6,7 +6,8 @@
 | StreamIdleError, DeferredMaskTimeout   | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
-| ToggleRefusedError                     | FAILED_PRECONDITION |
+| ToggleRefusedError, KVStateError      | FAILED_PRECONDITION |
+| KVChecksumError (a damaged KV chunk)   | DATA_LOSS           |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining, WorkerClosedError | UNAVAILABLE        |
 | RpcEndedError (deadline / cancelled)   | DEADLINE_EXCEEDED / CANCELLED (not run) |
@@ -22,7 +23,8 @@ Whatever the error, a caller that stopped waiting (cancelled, went away, or its 
 passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its doing, not a
 failure of the executor (the error-ratio alert leaves both out).
 
-Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count).
+Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count). The
+KV data plane's handlers (ExportKV, ImportKV, PushKV) delegate to `kv_service.py`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from executor.service.device_worker import (
     StreamState,
 )
 from executor.service.handlers import UndecodableRequest
+from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl
 from executor.service.status import NotServingError, abort
 from executor.step.outputs import ForwardOutput
@@ -123,6 +126,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.draining = threading.Event()
         # Tests only (executor/errors.py): make encoding a chosen answer raise.
         self.faults: FaultInjector | None = None
+        self.kv = KVService(self._accepting)  # the KV data plane (start_server sets its TLS)
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
@@ -404,3 +408,46 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
             return runtime_config_to_proto(config)
+
+    def ExportKV(
+        self, request: pb.KvExportRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.KvExportResponse]:
+        with self.telemetry.rpc("ExportKV", context) as rpc:
+            try:
+                self._enter("ExportKV")  # a KV call holds a handler thread like a Forward
+            except CapacityError as exc:
+                abort(context, exc, rpc)
+            try:
+                yield from self.kv.export(request, context.is_active)
+            except GeneratorExit:  # the caller stopped reading: nothing to answer
+                raise
+            except BaseException as exc:
+                abort(context, exc, rpc)
+            finally:
+                self._leave()
+
+    def ImportKV(
+        self, request_iterator: Iterator[pb.KvImportRequest], context: grpc.ServicerContext
+    ) -> pb.KvImportResponse:
+        with self.telemetry.rpc("ImportKV", context) as rpc:
+            try:
+                self._enter("ImportKV")
+                try:
+                    return self.kv.import_(request_iterator, context.is_active)
+                finally:
+                    self._leave()
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises
+
+    def PushKV(self, request: pb.KvPushRequest, context: grpc.ServicerContext) -> pb.KvPushResponse:
+        with self.telemetry.rpc("PushKV", context) as rpc:
+            try:
+                self._enter("PushKV")
+                try:
+                    return self.kv.push(request)
+                finally:
+                    self._leave()
+            except BaseException as exc:
+                abort(context, exc, rpc)
+                raise  # unreachable: abort raises

@@ -11,6 +11,8 @@ from executor.controls.types import DeferredMaskTimeout
 from executor.errors import (
     BatchTooLargeError,
     BatchValidationError,
+    KVChecksumError,
+    KVStateError,
     RuntimeConfigError,
     ToggleRefusedError,
 )
@@ -39,7 +41,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ToggleRefusedError):
+    if isinstance(exc, KVChecksumError):
+        return grpc.StatusCode.DATA_LOSS, str(exc)
+    if isinstance(exc, ToggleRefusedError | KVStateError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)

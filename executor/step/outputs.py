@@ -8,6 +8,7 @@ import torch
 
 from executor.extras.types import ExtraOutputs
 from executor.forward_batch import ForwardMode
+from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.validation import BatchLimits
 
 MODE_NAMES = {
@@ -115,5 +116,7 @@ class ExecutorInfo:
     tp_size: int = 1  # tensor-parallel ranks
     sampling_controls: tuple[str, ...] = ()  # the controls applied (proto field names)
     deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
+    kv_layout: KVLayout | None = None  # the KV cache as a transfer sees it (this rank's heads)
+    kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
     # What each performance setting became here and why (the start-up log says the same).
     choices: tuple[SettingChoice, ...] = ()

@@ -815,6 +815,44 @@ def internals() -> dict[str, Any]:
             ],
         ),
         Row(
+            "KV data plane",
+            [
+                Panel(
+                    "KV transfer throughput",
+                    "K/V bytes per second moved by completed transfers: export (read by a "
+                    "scheduler), import (written here), push (sent from here to a peer).",
+                    [
+                        Target(
+                            f"sum by (direction) (rate(model_executor_kv_transfer_bytes_total{{{SEL}}}[{RATE}]))",
+                            "{{direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    width=8,
+                ),
+                Panel(
+                    "KV transfers/s",
+                    "Transfers by direction and outcome; failed ones (refused, damaged chunk, "
+                    "peer unreachable) wrote nothing.",
+                    [
+                        Target(
+                            f"sum by (direction, outcome) (rate(model_executor_kv_transfers_total{{{SEL}}}[{RATE}]))",
+                            "{{direction}} {{outcome}}",
+                        )
+                    ],
+                    unit="ops",
+                    width=8,
+                ),
+                Panel(
+                    "KV transfer latency",
+                    "p50/p95/p99 of one transfer, header to last byte, by direction.",
+                    _quantiles("model_executor_kv_transfer_seconds", "direction"),
+                    unit="s",
+                    width=8,
+                ),
+            ],
+        ),
+        Row(
             "Configuration",
             [
                 Panel(

@@ -29,6 +29,11 @@ class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_LAST: _ClassVar[Pooling]
     POOLING_MEAN: _ClassVar[Pooling]
 
+class KvKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_KIND_K: _ClassVar[KvKind]
+    KV_KIND_V: _ClassVar[KvKind]
+
 class NeedsCpuSeqLens(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NEEDS_CPU_SEQ_LENS_UNSPECIFIED: _ClassVar[NeedsCpuSeqLens]
@@ -56,6 +61,8 @@ IDLE: ForwardMode
 VERIFY: ForwardMode
 POOLING_LAST: Pooling
 POOLING_MEAN: Pooling
+KV_KIND_K: KvKind
+KV_KIND_V: KvKind
 NEEDS_CPU_SEQ_LENS_UNSPECIFIED: NeedsCpuSeqLens
 NEEDS_CPU_SEQ_LENS_AUTO: NeedsCpuSeqLens
 NEEDS_CPU_SEQ_LENS_ON: NeedsCpuSeqLens
@@ -318,7 +325,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "setting_choices")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +362,7 @@ class GetInfoResponse(_message.Message):
     MAX_HIDDEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SETTING_CHOICES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
@@ -392,8 +400,9 @@ class GetInfoResponse(_message.Message):
     max_hidden_bytes: int
     max_output_bytes: int
     allow_input_embeds: bool
+    kv_layout: KvLayout
     setting_choices: _containers.RepeatedCompositeFieldContainer[SettingChoice]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ...) -> None: ...
 
 class SettingChoice(_message.Message):
     __slots__ = ("setting", "value", "reason")
@@ -404,6 +413,170 @@ class SettingChoice(_message.Message):
     value: str
     reason: str
     def __init__(self, setting: _Optional[str] = ..., value: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "kv_heads", "kv_heads_total", "head_dim", "dtype", "kv_slots", "bytes_per_slot", "tp_size", "max_transfer_slots", "max_transfer_runs", "chunk_bytes", "max_push_transfers", "transfer_memory")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRANSFER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRANSFER_RUNS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PUSH_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    kv_heads: int
+    kv_heads_total: int
+    head_dim: int
+    dtype: DType
+    kv_slots: int
+    bytes_per_slot: int
+    tp_size: int
+    max_transfer_slots: int
+    max_transfer_runs: int
+    chunk_bytes: int
+    max_push_transfers: int
+    transfer_memory: int
+    def __init__(self, num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., kv_heads_total: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., kv_slots: _Optional[int] = ..., bytes_per_slot: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_transfer_slots: _Optional[int] = ..., max_transfer_runs: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_push_transfers: _Optional[int] = ..., transfer_memory: _Optional[int] = ...) -> None: ...
+
+class KvRuns(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: Tensor
+    def __init__(self, runs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("rank", "layer", "kind", "first", "count", "data", "crc32")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    layer: int
+    kind: KvKind
+    first: int
+    count: int
+    data: bytes
+    crc32: int
+    def __init__(self, rank: _Optional[int] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class KvExportRequest(_message.Message):
+    __slots__ = ("slots", "transfer_id")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    slots: KvRuns
+    transfer_id: int
+    def __init__(self, slots: _Optional[_Union[KvRuns, _Mapping]] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+
+class KvTransferHeader(_message.Message):
+    __slots__ = ("transfer_id", "layout", "num_slots", "token_ids", "num_chunks")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    layout: KvLayout
+    num_slots: int
+    token_ids: Tensor
+    num_chunks: int
+    def __init__(self, transfer_id: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_slots: _Optional[int] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class KvExportResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: KvTransferHeader
+    chunk: KvChunk
+    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class KvImportHeader(_message.Message):
+    __slots__ = ("transfer_id", "req_pool_index", "slots", "token_ids", "layout")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    req_pool_index: int
+    slots: KvRuns
+    token_ids: Tensor
+    layout: KvLayout
+    def __init__(self, transfer_id: _Optional[int] = ..., req_pool_index: _Optional[int] = ..., slots: _Optional[_Union[KvRuns, _Mapping]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+
+class KvImportRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: KvImportHeader
+    chunk: KvChunk
+    def __init__(self, header: _Optional[_Union[KvImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class KvImportResponse(_message.Message):
+    __slots__ = ("transfer_id", "num_slots", "bytes", "replayed")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    num_slots: int
+    bytes: int
+    replayed: bool
+    def __init__(self, transfer_id: _Optional[int] = ..., num_slots: _Optional[int] = ..., bytes: _Optional[int] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class KvPushTransfer(_message.Message):
+    __slots__ = ("transfer_id", "source_slots", "target", "target_req_pool_index", "target_slots", "timeout_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    source_slots: KvRuns
+    target: str
+    target_req_pool_index: int
+    target_slots: KvRuns
+    timeout_s: float
+    def __init__(self, transfer_id: _Optional[int] = ..., source_slots: _Optional[_Union[KvRuns, _Mapping]] = ..., target: _Optional[str] = ..., target_req_pool_index: _Optional[int] = ..., target_slots: _Optional[_Union[KvRuns, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class KvPushRequest(_message.Message):
+    __slots__ = ("transfers",)
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    transfers: _containers.RepeatedCompositeFieldContainer[KvPushTransfer]
+    def __init__(self, transfers: _Optional[_Iterable[_Union[KvPushTransfer, _Mapping]]] = ...) -> None: ...
+
+class KvTransferResult(_message.Message):
+    __slots__ = ("transfer_id", "ok", "code", "message", "bytes", "seconds", "replayed")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    ok: bool
+    code: str
+    message: str
+    bytes: int
+    seconds: float
+    replayed: bool
+    def __init__(self, transfer_id: _Optional[int] = ..., ok: _Optional[bool] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class KvPushResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KvTransferResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[KvTransferResult, _Mapping]]] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
     __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective", "graph_capture")

@@ -38,7 +38,8 @@ class ModelExecutorStub:
     - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
     (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
     answered UNAVAILABLE and not run.
-    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    - Capacity: Forward, ForwardStream and KV data-plane calls (ExportKV, ImportKV, PushKV)
+    beyond max_forward_calls, and a unary batch
     that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
     """
 
@@ -73,6 +74,21 @@ class ModelExecutorStub:
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.UpdateRuntimeConfigRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_stream(
+                '/model_executor.v1.ModelExecutor/ExportKV',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.KvExportRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.KvExportResponse.FromString,
+                _registered_method=True)
+        self.ImportKV = channel.stream_unary(
+                '/model_executor.v1.ModelExecutor/ImportKV',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.KvImportRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.KvImportResponse.FromString,
+                _registered_method=True)
+        self.PushKV = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/PushKV',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.KvPushRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.KvPushResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -88,7 +104,8 @@ class ModelExecutorServicer:
     - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
     (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
     answered UNAVAILABLE and not run.
-    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    - Capacity: Forward, ForwardStream and KV data-plane calls (ExportKV, ImportKV, PushKV)
+    beyond max_forward_calls, and a unary batch
     that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
     """
 
@@ -137,6 +154,52 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKV(self, request, context):
+        """The KV data plane (GetInfo.kv_layout: the layout and the caps). Slots travel as runs
+        (KvRuns). Every size is capped and refused from the header: INVALID_ARGUMENT for a
+        malformed field, RESOURCE_EXHAUSTED past a cap, each naming the field and the rule.
+
+        ExportKV streams the K/V of named slots: first a KvExportResponse.header (the layout,
+        the token at each slot), then the chunks (each at most kv_layout.chunk_bytes of data,
+        within one layer and kind, with its CRC-32). Every chunk is read between two steps.
+        Slots no live request holds are refused (FAILED_PRECONDITION). Nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKV(self, request_iterator, context):
+        """ImportKV takes a header (the target row and the free slots of positions 0..n-1), then
+        every chunk of the transfer. Everything is staged and verified (sizes, placement, CRC)
+        before anything is written; then, between two steps and all-or-nothing, the slots get
+        the K/V and the row holds the n tokens as if an EXTEND had written them: a DECODE with
+        seq_lens n+1 (or an EXTEND with extend_prefix_lens n) continues the request. A damaged
+        chunk is DATA_LOSS; a target row or slot a live request holds is FAILED_PRECONDITION;
+        then nothing changed. The state is checked when the header arrives too, so a refusal
+        (or a retry) is answered before the chunks are read. Exactly once per transfer_id (the
+        last kv_layout.transfer_memory applied ids are kept): a retry of an applied import is answered replayed=true
+        and applies nothing; an id reused for another import is refused (INVALID_ARGUMENT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKV(self, request, context):
+        """PushKV: this executor exports named slots straight into a peer executor's ImportKV
+        (over a channel built from this server's own TLS files: its certificate and key as the
+        client identity, so under mTLS it needs the clientAuth usage too; tls_client_ca_file
+        as the roots that verify the peer), so the bytes
+        never pass through the scheduler. The answer says, per transfer, whether it completed
+        (vLLM's finished_sending / finished_recving). A transfer refused by the peer (its
+        status in the result) or that never reached it (UNAVAILABLE) left the peer's cache as it
+        was; after DEADLINE_EXCEEDED or CANCELLED it may have been applied: push it again under
+        the same transfer_id (the peer answers replayed=true if it was). The source's cache is
+        never changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +228,21 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.UpdateRuntimeConfigRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.SerializeToString,
             ),
+            'ExportKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.KvExportRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.KvExportResponse.SerializeToString,
+            ),
+            'ImportKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.KvImportRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.KvImportResponse.SerializeToString,
+            ),
+            'PushKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.KvPushRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.KvPushResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'model_executor.v1.ModelExecutor', rpc_method_handlers)
@@ -186,7 +264,8 @@ class ModelExecutor:
     - Drain (SIGTERM): readiness turns NOT_SERVING for good and nothing more is accepted
     (UNAVAILABLE); accepted batches run within the grace; any still queued at its end are
     answered UNAVAILABLE and not run.
-    - Capacity: Forward and ForwardStream calls beyond max_forward_calls, and a unary batch
+    - Capacity: Forward, ForwardStream and KV data-plane calls (ExportKV, ImportKV, PushKV)
+    beyond max_forward_calls, and a unary batch
     that waited longer than queue_wait_s for the device, get RESOURCE_EXHAUSTED (not applied).
     """
 
@@ -315,6 +394,87 @@ class ModelExecutor:
             '/model_executor.v1.ModelExecutor/UpdateRuntimeConfig',
             model__executor_dot_v1_dot_executor__pb2.UpdateRuntimeConfigRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.RuntimeConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/ExportKV',
+            model__executor_dot_v1_dot_executor__pb2.KvExportRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.KvExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/model_executor.v1.ModelExecutor/ImportKV',
+            model__executor_dot_v1_dot_executor__pb2.KvImportRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.KvImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/PushKV',
+            model__executor_dot_v1_dot_executor__pb2.KvPushRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.KvPushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,68 @@
+"""`model-executor generate --prefill-target A --target B`: disaggregated generation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import ExitStack
+
+from executor.client.cli import _client, _session
+from executor.forward_batch import SamplingParams
+
+
+def generate_disaggregated(
+    args: argparse.Namespace, prompts: list[str], controls: object, schema: str | None
+) -> int:
+    """`generate --prefill-target A --target B`: each prompt prefilled on A, its KV pushed
+    from A to B, decoded on B (client/disaggregated.py)."""
+    from executor.client.disaggregated import DisaggregatedScheduler, TransferFailed
+
+    if args.target is None:
+        print("generate: --prefill-target needs --target (the decode executor)", file=sys.stderr)
+        return 2
+    if args.overlap or args.speculate or controls is not None or schema is not None:
+        print(
+            "generate: --prefill-target does not combine with --overlap, --speculate, "
+            "sampling controls or --json-schema",
+            file=sys.stderr,
+        )
+        return 2
+    with ExitStack() as stack:
+        decode, remote, tok = _session(args, stack)
+        prefill = stack.enter_context(_client(args, args.prefill_target))
+        prefill.wait_ready(timeout=args.ready_timeout)
+        texts = prompts
+        if args.chat:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            texts = [
+                tok.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts
+            ]
+        scheduler = DisaggregatedScheduler(
+            prefill, decode, args.kv_peer_address or args.target, remote.info.eos_token_ids
+        )
+        sampling = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+        )
+        reqs = [
+            scheduler.add_request(
+                tok.encode(t),
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                ignore_eos=args.ignore_eos,
+            )
+            for t in texts
+        ]
+        try:
+            scheduler.run()
+        except TransferFailed as exc:
+            print(f"model-executor: {exc}", file=sys.stderr)
+            return 1
+        for i, req in enumerate(reqs):
+            if len(reqs) > 1:
+                print(f"--- [{i}] {req.finish_reason}")
+            print(tok.decode(req.output_ids))
+    return 0
