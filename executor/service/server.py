@@ -32,12 +32,14 @@ from executor.controls.types import mask_words
 from executor.errors import StartupCancelled
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
+from executor.observability.log_limit import RateLimitedLog
 from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
+from executor.service.access import AccessInterceptor, AccessRules, parse_identity_patterns
 from executor.service.admission import CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
-from executor.service.auth import TokenCheck, read_token
+from executor.service.auth import CALL_RULE, TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import add_executor_servicer
 from executor.service.runtime_config import RuntimeControl
@@ -243,15 +245,12 @@ def start_server(
     `span_exporter` receives this server's spans too (tests pass an in-memory one).
     """
     token = read_token(server_config.runtime_config_token_file)
+    call_token = read_token(server_config.call_token_file, "call_token_file")
     model_cfg, max_context_len = read_model_config(config)
     receive, send = message_limits(
         config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
     )
     options = [("grpc.max_receive_message_length", receive), ("grpc.max_send_message_length", send)]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
-        options=options,
-    )
     metrics = ExecutorMetrics()
     tracing = Tracing(
         server_config.trace_exporter,
@@ -259,7 +258,24 @@ def start_server(
         server_config.trace_sample_ratio,
         extra_exporter=span_exporter,
     )
-    telemetry = Telemetry(metrics, tracing)
+    refusal_log = RateLimitedLog(interval_s=server_config.refusal_log_interval_s)
+    telemetry = Telemetry(metrics, tracing, refusal_log)
+    access = AccessRules(
+        parse_identity_patterns(server_config.allowed_client_identities),
+        TokenCheck(call_token, also=(token,), rule=CALL_RULE),
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
+        options=options,
+        # Who may call is checked before any request is decoded (executor.service.access).
+        interceptors=[
+            AccessInterceptor(
+                access, refusal_log, lambda method, code: metrics.observe_rpc(method, code, 0.0)
+            )
+        ]
+        if access.enabled
+        else None,
+    )
     servicer = ExecutorServicer(
         config.model,
         server_config.stream_window,
@@ -321,6 +337,8 @@ def start_server(
         max_receive_bytes=receive,
         max_send_bytes=send,
         runtime_config_token=token is not None,
+        call_token=call_token is not None,
+        allowed_client_identities=len(access.identity_patterns),
     )
 
     running = RunningServer(

@@ -72,6 +72,17 @@ class ServerConfig:
         "file holding a shared secret; when set, GetRuntimeConfig/UpdateRuntimeConfig need "
         "'authorization: Bearer SECRET' metadata; '' = no secret",
     )
+    call_token_file: str = setting(
+        "",
+        "file holding a bearer token that EVERY call on the gRPC port must carry "
+        "('authorization: Bearer TOKEN'; the runtime_config token passes too), checked before "
+        "the request is decoded; else UNAUTHENTICATED; '' = no token",
+    )
+    refusal_log_interval_s: float = setting(
+        10.0,
+        "refused calls and batches log one line per reason per this many seconds, with the "
+        "count of lines suppressed since; 0 = every refusal",
+    )
 
     tls_cert_file: str = setting(
         "",
@@ -83,6 +94,13 @@ class ServerConfig:
         "",
         "PEM CA bundle; when set, clients must present a certificate it signed (mTLS); "
         "needs tls_cert_file",
+    )
+    allowed_client_identities: str = setting(
+        "",
+        "comma-separated glob patterns (fnmatch) of client-certificate identities (a SAN such "
+        "as spiffe://cluster/ns/llm/sa/scheduler or a DNS name, the subject's common name, or "
+        "the subject 'CN=..,O=..') that may call; others get PERMISSION_DENIED before their "
+        "request is decoded; needs tls_client_ca_file (mTLS); '' = any certificate the CA signed",
     )
     health_port: int = setting(
         -1,
@@ -129,6 +147,15 @@ class ServerConfig:
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        if self.allowed_client_identities.strip() and not self.tls_client_ca_file:
+            raise ValueError(
+                "allowed_client_identities needs tls_client_ca_file (mTLS): without client "
+                "certificates no caller has an identity to check"
+            )
+        if self.refusal_log_interval_s < 0:
+            raise ValueError(
+                f"refusal_log_interval_s must be >= 0, got {self.refusal_log_interval_s}"
+            )
         if not -1 <= self.health_port <= 65535:
             raise ValueError(
                 f"health_port must be in 0..65535, or -1 (off), got {self.health_port}"

@@ -54,6 +54,15 @@ the model is loaded and warmed up, NOT_SERVING while loading and draining.
 model_executor.v1.ModelExecutor
 {{- end }}
 
+{{- define "model-executor.callTokenSecretName" -}}
+{{- default (printf "%s-call-token" (include "model-executor.fullname" .)) .Values.callToken.existingSecret }}
+{{- end }}
+
+{{/* Where the call token file is mounted. */}}
+{{- define "model-executor.callTokenDir" -}}
+/var/run/secrets/model-executor-call
+{{- end }}
+
 {{/* Where the runtime-config token file is mounted. */}}
 {{- define "model-executor.tokenDir" -}}
 /var/run/secrets/model-executor
