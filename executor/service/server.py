@@ -37,7 +37,7 @@ from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
 from executor.service.access import AccessInterceptor, AccessRules, parse_identity_patterns
-from executor.service.admission import CallLimit, forward_call_limit
+from executor.service.admission import ByteBudget, CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import CALL_RULE, TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
@@ -94,6 +94,22 @@ def message_limits(
     draft = bs * (caps.max_draft_tokens + 1) * (8 + 4)
     send = bs * (8 + 4) + bs * k * (8 + 4) + draft + caps.max_output_bytes + _SLACK
     return receive, send
+
+
+def batch_budget_bytes(budget_mib: int, receive_limit: int) -> int:
+    """The byte budget of queued and running batches: `budget_mib`, raised to one batch of the
+    receive limit (a budget smaller than the largest batch would refuse it forever)."""
+    if not budget_mib:
+        return 0
+    budget = budget_mib << 20
+    if budget < receive_limit:
+        log.warning(
+            "batch_budget_mib is below the largest batch; raised to it",
+            batch_budget_mib=budget_mib,
+            max_receive_bytes=receive_limit,
+        )
+        return receive_limit
+    return budget
 
 
 # How long a drain waits, after the grace and the port's close, for a device step that is
@@ -284,6 +300,7 @@ def start_server(
         call_limit=CallLimit(
             forward_call_limit(server_config.rpc_threads, server_config.max_forward_calls)
         ),
+        byte_budget=ByteBudget(batch_budget_bytes(server_config.batch_budget_mib, receive)),
         queue_wait_s=server_config.queue_wait_s,
         stream_idle_timeout_s=server_config.stream_idle_timeout_s,
     )

@@ -18,6 +18,12 @@ class ServerConfig:
     queue_size: int = setting(
         64, "batches that may wait for the device; more get RESOURCE_EXHAUSTED"
     )
+    batch_budget_mib: int = setting(
+        1024,
+        "MiB of encoded batches that may be queued for or running on the device at once; a "
+        "batch beyond it gets RESOURCE_EXHAUSTED before it is decoded (raised to one largest "
+        "batch, the receive limit, when smaller); 0 = no byte budget",
+    )
     stream_window: int = setting(4, "batches one ForwardStream may have queued or running at once")
     drain_grace_s: float = setting(
         30.0, "on SIGTERM/SIGINT, seconds to finish queued and running batches"
@@ -122,6 +128,8 @@ class ServerConfig:
         for name in ("queue_wait_s", "stream_idle_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_budget_mib < 0:
+            raise ValueError(f"batch_budget_mib must be >= 0, got {self.batch_budget_mib}")
         if self.retry_memory_mib < 1:
             raise ValueError(f"retry_memory_mib must be >= 1, got {self.retry_memory_mib}")
         if self.retry_memory < 0:
