@@ -47,6 +47,7 @@ from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
+from executor.service.watchdog import DeviceWatchdog, RunningStep
 from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
@@ -173,6 +174,43 @@ class RunningServer:
     tp_failure: list[str] = field(default_factory=list)
     tp_failed: threading.Event = field(default_factory=threading.Event)
     executor: ModelExecutor | None = None
+    # The device watchdog, and why the device failed (a stuck step, a sticky device error).
+    watchdog: DeviceWatchdog | None = None
+    device_failure: list[str] = field(default_factory=list)
+    device_failed: threading.Event = field(default_factory=threading.Event)
+    device_fatal: threading.Event = field(default_factory=threading.Event)  # `serve` exits 1
+
+    def on_device_stuck(self, step: RunningStep) -> None:
+        """A step outran step_timeout_s: liveness and readiness NOT_SERVING (the kubelet
+        restarts the pod), every waiting caller UNAVAILABLE."""
+        bound = self.server_config.step_timeout_s
+        log.error(
+            "device step stuck; not serving",
+            batch_id=step.batch_id,
+            phase=step.phase,
+            seconds=round(step.seconds, 3),
+            step_timeout_s=bound,
+        )
+        self._device_down(
+            f"the device is stuck: batch_id {step.batch_id} has run {step.seconds:.1f} s in "
+            f"its {step.phase} phase (step_timeout_s {bound:g}); the executor will restart"
+        )
+
+    def on_device_error(self, exc: BaseException) -> None:
+        """A device error that poisons the context: not serving, and `serve` exits 1 so that
+        Kubernetes restarts the process with a fresh one."""
+        log.error("sticky device error; exiting", error=f"{type(exc).__name__}: {exc}")
+        self._device_down(f"the device failed ({type(exc).__name__}); the executor will restart")
+        self.device_fatal.set()
+
+    def _device_down(self, reason: str) -> None:
+        self.device_failure.append(reason)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # liveness
+        worker = self.readiness.drain()
+        if worker is not None:
+            answered = worker.abandon(reason)
+            log.warning("waiting batches answered UNAVAILABLE", answered=answered)
+        self.device_failed.set()
 
     def on_tp_failure(self, reason: str) -> None:
         """A collective failed: NOT_SERVING now (new batches UNAVAILABLE); `serve` exits 1."""
@@ -208,6 +246,8 @@ class RunningServer:
         DRAIN_MARGIN_S plus the port's close (at most 1 s). True if everything finished."""
         grace = self.server_config.drain_grace_s if grace_s is None else grace_s
         start = time.monotonic()
+        if self.watchdog is not None:  # a drain's own wait is bounded by its grace
+            self.watchdog.stop()
         worker = self.readiness.drain()
         self.stop_loading.set()  # a start-up still loading or capturing stops at its next bucket
         log.info("draining", grace_s=grace, queued=worker.depth if worker else 0)
@@ -401,6 +441,7 @@ def start_server(
                 applied=AppliedBatches(
                     server_config.retry_memory, max_bytes=server_config.retry_memory_mib << 20
                 ),
+                on_device_error=running.on_device_error,
             )
             runtime = RuntimeControl(
                 executor,
@@ -418,6 +459,11 @@ def start_server(
                 ),
             )
             worker.start()
+            if server_config.step_timeout_s:
+                running.watchdog = DeviceWatchdog(
+                    worker, server_config.step_timeout_s, running.on_device_stuck
+                )
+                running.watchdog.start()
             if running.readiness.serve(worker, runtime):
                 log.info("ready", seconds=round(time.perf_counter() - t0, 3))
             else:  # a drain began while the model loaded: it never serves
@@ -460,6 +506,10 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
     while not stop.wait(0.5):
         if running.ready.is_set() and running.load_error:
             running.server.stop(grace=None)
+            return 1
+        if running.device_fatal.is_set():
+            log.error("exiting: the device failed", reason=running.device_failure[0])
+            running.server.stop(grace=1.0).wait()
             return 1
         if running.tp_failed.is_set():
             log.error("exiting: tensor-parallel group failed", reason=running.tp_failure[0])

@@ -40,6 +40,12 @@ class ServerConfig:
         "longest a unary Forward's batch waits for the device before it is answered "
         "RESOURCE_EXHAUSTED (not applied); 0 = as long as the call's deadline allows",
     )
+    step_timeout_s: float = setting(
+        300.0,
+        "device watchdog: a step running longer than this turns liveness and readiness "
+        "NOT_SERVING and answers every waiting batch UNAVAILABLE (the pod restarts); "
+        "0 = no watchdog",
+    )
     stream_idle_timeout_s: float = setting(
         300.0,
         "a ForwardStream that sends no batch for this long, with none in flight, is ended "
@@ -125,7 +131,7 @@ class ServerConfig:
                 f"max_forward_calls must be in 0..rpc_threads-1 ({self.rpc_threads - 1}), "
                 f"got {self.max_forward_calls}"
             )
-        for name in ("queue_wait_s", "stream_idle_timeout_s"):
+        for name in ("queue_wait_s", "stream_idle_timeout_s", "step_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_budget_mib < 0:

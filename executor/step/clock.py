@@ -17,6 +17,9 @@ from types import TracebackType
 class StepClock:
     durations_ns: dict[str, int] = field(default_factory=dict)
     started_ns: dict[str, int] = field(default_factory=dict)  # wall clock
+    # Where the step is now, for a watchdog on another thread: the phase entered last, or
+    # "after <phase>" once it ended ("" before the first).
+    current: str = ""
 
     def phase(self, name: str) -> _Phase:
         return _Phase(self, name)
@@ -38,6 +41,7 @@ class _Phase:
         self._name = name
 
     def __enter__(self) -> None:
+        self._clock.current = self._name
         self._wall = time.time_ns()
         self._t0 = time.perf_counter_ns()
 
@@ -47,5 +51,6 @@ class _Phase:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._clock.current = f"after {self._name}"
         if exc_type is None:  # recorded on success only
             self._clock.record(self._name, self._wall, time.perf_counter_ns() - self._t0)
