@@ -109,6 +109,7 @@ class ModelExecutor:
                 quantization=config.quantization,
                 comm=self.comm,
                 linear_kernel=config.linear_kernel,
+                sha256=config.model_sha256,
             )
         self.loaded = loaded
         self.model = loaded.model
