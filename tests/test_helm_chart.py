@@ -479,3 +479,12 @@ def test_readme_values_table_is_current() -> None:
     spec.loader.exec_module(module)
     readme = (CHART / "README.md").read_text()
     assert readme == module.readme_with_table(readme), "run python helm/tools/values_table.py"
+
+
+def test_image_by_digest(default: Rendered, everything: Rendered) -> None:
+    values = all_options_values()["image"]
+    assert _container(everything)["image"] == f"{values['repository']}@{values['digest']}"
+    assert _container(default)["image"].endswith(":0.1.0") or ":" in _container(default)["image"]
+    assert "@" not in _container(default)["image"]  # by tag when no digest is given
+    with pytest.raises(Exception, match="digest"):
+        render({"image": {"repository": "r", "digest": "latest"}})

@@ -42,6 +42,18 @@ app.kubernetes.io/component: model-executor
 {{- end }}
 {{- end }}
 
+{{/*
+The image reference: repository@digest when image.digest is set (the exact bytes that were
+reviewed and scanned; the tag is then ignored), else repository:tag.
+*/}}
+{{- define "model-executor.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end }}
+
 {{- define "model-executor.tokenSecretName" -}}
 {{- default (printf "%s-runtime-config-token" (include "model-executor.fullname" .)) .Values.runtimeConfigToken.existingSecret }}
 {{- end }}
