@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.observability.peer import certificate_identities
+from executor.observability.peer import PeerBook, certificate_identities
 from executor.service.access import parse_identity_patterns
 from executor.service.server import RunningServer
 from executor.service.server_config import ServerConfig
@@ -223,3 +223,21 @@ def test_certificate_identities_read_sans_and_subject() -> None:
         "scheduler.llm.svc",
         "spiffe://c/ns/llm/sa/s",
     )
+
+
+def test_each_new_connection_is_logged_once_with_its_identity(
+    pki: dict[str, object], guarded: RunningServer
+) -> None:
+    with capture_logs() as logs, _client(pki, guarded, "scheduler", "call-s3cret") as c:
+        for _ in range(3):
+            c.info()
+        c.forward(_batch(5))  # type: ignore[arg-type]
+    [line] = [line for line in logs if line["event"] == "new peer"]
+    assert line["peer"].startswith("ipv") and "scheduler" in line["peer_identity"]
+
+
+def test_peer_book_forgets_the_oldest() -> None:
+    book = PeerBook(capacity=2)
+    assert book.first("a") and not book.first("a")
+    assert book.first("b") and book.first("c")  # "a" forgotten
+    assert book.first("a") and not book.first("c")

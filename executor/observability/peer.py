@@ -2,12 +2,14 @@
 
 Read from the call's `grpc.ServicerContext`: `peer()` ("ipv4:10.0.3.7:51234") and the auth
 context, where gRPC puts the verified client certificate's subject and subject alternative
-names. Logs carry them as `peer` / `peer_identity`, spans as `client.address` /
-`model_executor.peer.identity`.
+names. Logs carry them as `peer` / `peer_identity` (on refusals and failures, and a `new peer`
+line for each new connection), spans as `client.address` / `model_executor.peer.identity`.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,3 +53,24 @@ def peer_of(context: grpc.ServicerContext) -> Peer:
     auth = context.auth_context()
     identities = certificate_identities(auth) if auth.get("x509_pem_cert") else ()
     return Peer(context.peer(), identities)
+
+
+class PeerBook:
+    """The peer addresses seen lately (at most `capacity`, the oldest forgotten first): each
+    new connection is logged once with its identity, not every call it makes."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def first(self, address: str) -> bool:
+        """True the first time `address` is seen (since it was last forgotten)."""
+        with self._lock:
+            if address in self._seen:
+                self._seen.move_to_end(address)
+                return False
+            self._seen[address] = None
+            if len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+            return True

@@ -22,7 +22,7 @@ import structlog
 
 from executor.observability.log_limit import RateLimitedLog
 from executor.observability.metrics import ExecutorMetrics
-from executor.observability.peer import Peer, peer_of
+from executor.observability.peer import Peer, PeerBook, peer_of
 from executor.observability.tracing import SpanScope, Tracing
 from model_executor.v1 import executor_pb2 as pb
 
@@ -71,6 +71,8 @@ class RpcScope(SpanScope):
         self._peer: Peer | None = None
         if self.recording:
             span.set_attributes(self.peer.span_attributes())
+        if telemetry.peers.first(context.peer()):  # once per connection, not per call
+            log.info("new peer", method=method, **self.peer.log_fields())
 
     @property
     def peer(self) -> Peer:
@@ -148,6 +150,7 @@ class Telemetry:
         self.tracing = tracing
         # Refusals (the caller's doing) log one line per reason per interval.
         self.refusal_log = refusal_log if refusal_log is not None else RateLimitedLog()
+        self.peers = PeerBook()
 
     def rpc(self, method: str, context: grpc.ServicerContext) -> RpcScope:
         """`with telemetry.rpc("Forward", context) as rpc:` around a handler's body."""
