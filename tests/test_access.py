@@ -241,3 +241,18 @@ def test_peer_book_forgets_the_oldest() -> None:
     assert book.first("a") and not book.first("a")
     assert book.first("b") and book.first("c")  # "a" forgotten
     assert book.first("a") and not book.first("c")
+
+
+def test_the_cli_sends_the_call_token_from_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from executor.client import cli
+
+    (tmp_path / "call").write_text("call-s3cret\n")
+    with running_server(tiny_config(tmp_path), call_token_file=str(tmp_path / "call")) as srv:
+        target = ["--target", f"127.0.0.1:{srv.port}"]
+        assert cli.main(["info", *target, "--token-file", str(tmp_path / "call")]) == 0
+        assert '"readiness": "SERVING"' in capsys.readouterr().out
+        with pytest.raises(grpc.RpcError) as err:
+            cli.main(["info", *target, "--token-file", ""])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
