@@ -323,6 +323,7 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
         options=options,
+        maximum_concurrent_rpcs=server_config.concurrent_rpcs,
         # Who may call is checked before any request is decoded (executor.service.access).
         interceptors=[
             AccessInterceptor(

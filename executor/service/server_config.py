@@ -29,6 +29,12 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT, seconds to finish queued and running batches"
     )
     rpc_threads: int = setting(16, "gRPC handler threads (the device itself is one thread)")
+    max_concurrent_rpcs: int = setting(
+        0,
+        "RPCs the gRPC port holds at once, running or waiting for a handler thread; more get "
+        "RESOURCE_EXHAUSTED at once instead of queueing without bound (idle streams, bodies "
+        "that never arrive); >= rpc_threads; 0 = 4 x rpc_threads",
+    )
     max_forward_calls: int = setting(
         0,
         "Forward/ForwardStream calls in progress at once (each holds a handler thread); more "
@@ -126,6 +132,11 @@ class ServerConfig:
         for name in ("queue_size", "stream_window", "rpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_rpcs and self.max_concurrent_rpcs < self.rpc_threads:
+            raise ValueError(
+                f"max_concurrent_rpcs must be 0 (auto) or >= rpc_threads ({self.rpc_threads}), "
+                f"got {self.max_concurrent_rpcs}"
+            )
         if not 0 <= self.max_forward_calls < self.rpc_threads:
             raise ValueError(
                 f"max_forward_calls must be in 0..rpc_threads-1 ({self.rpc_threads - 1}), "
@@ -178,6 +189,11 @@ class ServerConfig:
             raise ValueError(
                 f"log_format must be one of {', '.join(FORMATS)}, got {self.log_format!r}"
             )
+
+    @property
+    def concurrent_rpcs(self) -> int:
+        """The effective `max_concurrent_rpcs`."""
+        return self.max_concurrent_rpcs or 4 * self.rpc_threads
 
     @property
     def tls(self) -> TlsFiles | None:
