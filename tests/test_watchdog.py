@@ -166,3 +166,41 @@ def test_the_step_clock_says_where_the_step_is() -> None:
     with clock.phase("stage"):
         assert clock.current == "stage"
     assert clock.current == "after stage"
+
+
+def test_serve_exits_1_on_a_sticky_device_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve` (as `model-executor serve` runs it) returns exit code 1 once a batch hits a
+    sticky device error, so that Kubernetes restarts the container."""
+    import signal
+
+    from executor.service import server as server_mod
+    from executor.service.server_config import ServerConfig
+
+    real_start = server_mod.start_server
+    poisoned = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def start(*args: object, **kwargs: object) -> object:
+        running = real_start(*args, **kwargs)  # type: ignore[arg-type]
+
+        def poison() -> None:
+            running.wait_ready(60)
+            assert running.executor is not None
+            running.executor.hooks.faults = _Raise(poisoned)  # type: ignore[assignment]
+            with ExecutorClient(f"127.0.0.1:{running.port}") as c, pytest.raises(grpc.RpcError):
+                c.forward(_batch(1), timeout=10)  # type: ignore[arg-type]
+
+        threading.Thread(target=poison, daemon=True).start()
+        return running
+
+    monkeypatch.setattr(server_mod, "start_server", start)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = server_mod.serve(
+            tiny_config(tmp_path), ServerConfig(host="127.0.0.1", port=0, metrics_port=-1)
+        )
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 1

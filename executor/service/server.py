@@ -508,9 +508,12 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
         if running.ready.is_set() and running.load_error:
             running.server.stop(grace=None)
             return 1
-        if running.device_fatal.is_set():
+        if running.device_fatal.is_set():  # no drain: the device context is unusable
             log.error("exiting: the device failed", reason=running.device_failure[0])
             running.server.stop(grace=1.0).wait()
+            if running.health_server is not None:
+                running.health_server.stop(grace=None).wait()
+            running.telemetry.metrics.close()
             return 1
         if running.tp_failed.is_set():
             log.error("exiting: tensor-parallel group failed", reason=running.tp_failure[0])
