@@ -20,7 +20,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.forward_batch import ForwardBatch
 from executor.service.admission import ByteBudget, CapacityError
 from executor.service.codec import batch_to_proto
-from executor.service.server import batch_budget_bytes
+from executor.service.wire_limits import batch_budget_bytes
 from tests.server_util import running_server, tiny_config
 
 TOKENS = 8192  # max_tokens_per_batch of the tiny config: the largest batch it takes

@@ -48,11 +48,17 @@ def certificate_identities(auth_context: dict[str, list[bytes]]) -> tuple[str, .
     return tuple(names)
 
 
-def peer_of(context: grpc.ServicerContext) -> Peer:
-    """The call's peer; identities only when the transport carries a client certificate."""
-    auth = context.auth_context()
+def peer_of(context: grpc.ServicerContext, address: str | None = None) -> Peer:
+    """The call's peer; identities only when the transport carries a client certificate.
+    `address`: `context.peer()` read earlier (a call that already ended may not tell it)."""
+    if address is None:
+        address = context.peer()
+    try:
+        auth = context.auth_context()
+    except Exception:  # the call ended (cancelled, gone): its address is all there is
+        return Peer(address)
     identities = certificate_identities(auth) if auth.get("x509_pem_cert") else ()
-    return Peer(context.peer(), identities)
+    return Peer(address, identities)
 
 
 class PeerBook:

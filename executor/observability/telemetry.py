@@ -68,18 +68,20 @@ class RpcScope(SpanScope):
         tracing = telemetry.tracing
         span = tracing.server_span(f"{SERVICE_NAME}/{method}", context.invocation_metadata())
         super().__init__(tracing.tracer, span)
+        # The address now, while the call is live (a termination callback may log it later);
+        # the certificate identities lazily: only traced calls and logged lines pay for them.
+        self._address = context.peer()
         self._peer: Peer | None = None
         if self.recording:
             span.set_attributes(self.peer.span_attributes())
-        if telemetry.peers.first(context.peer()):  # once per connection, not per call
+        if telemetry.peers.first(self._address):  # once per connection, not per call
             log.info("new peer", method=method, **self.peer.log_fields())
 
     @property
     def peer(self) -> Peer:
-        """The caller (address and, under mTLS, certificate identities); read once, lazily:
-        only traced calls and logged lines pay for it."""
+        """The caller: its address and, under mTLS, its certificate identities (read once)."""
         if self._peer is None:
-            self._peer = peer_of(self._context)
+            self._peer = peer_of(self._context, self._address)
         return self._peer
 
     def log_ids(self) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
-from executor.controls.types import mask_words
 from executor.errors import StartupCancelled
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
@@ -42,111 +41,20 @@ from executor.service.applied_batches import AppliedBatches
 from executor.service.auth import CALL_RULE, TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import add_executor_servicer
+from executor.service.readiness import SERVICE_NAME, Readiness, health_only_server
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
 from executor.service.watchdog import DeviceWatchdog, RunningStep
-from executor.validation import BatchLimits
-from model_executor.v1 import executor_pb2 as pb
+from executor.service.wire_limits import batch_budget_bytes, message_limits
 
 log = structlog.get_logger(__name__)
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
-_SLACK = 1 << 20
-
-
-def message_limits(
-    config: ExecutorConfig, hidden_size: int, vocab_size: int, max_context_len: int
-) -> tuple[int, int]:
-    """(receive, send) byte limits from the largest batch and response the executor accepts."""
-    bs = config.max_batch_size or config.max_reqs
-    tokens = config.max_tokens_per_batch
-    # ids, slots, positions (int64) and embeddings (float32) per token; per-request fields; a
-    # prefix_cache_loc covering every request's whole context; sampling params.
-    caps = BatchLimits(
-        max_reqs=config.max_reqs,
-        kv_slots=config.kv_slots,
-        max_context_len=max_context_len,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        max_batch_size=bs,
-        max_tokens_per_batch=tokens,
-    )
-    # Per request: a vocab mask row, its controls (logit bias entries and three id lists, as
-    # varints of at most 5 bytes plus a float), its score ids; the release lists.
-    per_request = (
-        mask_words(vocab_size) * 4
-        + caps.max_logit_bias * 12
-        + 3 * caps.max_control_token_ids * 5
-        + caps.max_score_token_ids * 5
-    )
-    receive = (
-        tokens * (3 * 8 + hidden_size * 4)
-        + bs * (4 * 8 + 48 + per_request)
-        + bs * max_context_len * 8
-        + (config.max_reqs + 4 * config.max_reqs) * 8
-        + _SLACK
-    )
-    # next ids and logprobs, top-k ids + logprobs with k up to max_top_logprobs, the accepted
-    # drafts of a VERIFY step, and the extra outputs up to their cap.
-    k = min(config.max_top_logprobs, vocab_size)
-    draft = bs * (caps.max_draft_tokens + 1) * (8 + 4)
-    send = bs * (8 + 4) + bs * k * (8 + 4) + draft + caps.max_output_bytes + _SLACK
-    return receive, send
-
-
-def batch_budget_bytes(budget_mib: int, receive_limit: int) -> int:
-    """The byte budget of queued and running batches: `budget_mib`, raised to one batch of the
-    receive limit (a budget smaller than the largest batch would refuse it forever)."""
-    if not budget_mib:
-        return 0
-    budget = budget_mib << 20
-    if budget < receive_limit:
-        log.warning(
-            "batch_budget_mib is below the largest batch; raised to it",
-            batch_budget_mib=budget_mib,
-            max_receive_bytes=receive_limit,
-        )
-        return receive_limit
-    return budget
-
 
 # How long a drain waits, after the grace and the port's close, for a device step that is
 # still running: the device thread is a daemon, so the process exits even if it never ends.
 DRAIN_MARGIN_S = 2.0
-
-
-class Readiness:
-    """Readiness and draining, changed under one lock: once draining, never SERVING again
-    (the loader's "attach, then SERVING unless draining" cannot interleave with a drain)."""
-
-    def __init__(
-        self, health: health.HealthServicer, servicer: ExecutorServicer, metrics: ExecutorMetrics
-    ) -> None:
-        self._lock = threading.Lock()
-        self._health = health
-        self._servicer = servicer
-        self._metrics = metrics
-
-    def serve(self, worker: DeviceWorker, runtime: RuntimeControl) -> bool:
-        """Attach the loaded worker and turn SERVING; False (nothing attached) when draining."""
-        with self._lock:
-            if self._servicer.draining.is_set():
-                return False
-            self._servicer.attach(worker, runtime)
-            self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-            self._metrics.set_ready(True)
-            return True
-
-    def drain(self) -> DeviceWorker | None:
-        """Turn NOT_SERVING for good; the worker to drain (None: the model never attached)."""
-        with self._lock:
-            self._servicer.draining.set()
-            self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._metrics.set_ready(False)
-            return self._servicer.worker
 
 
 @dataclass
@@ -276,19 +184,6 @@ class RunningServer:
         return finished
 
 
-def _health_only_server(
-    server_config: ServerConfig, health_servicer: health.HealthServicer
-) -> tuple[grpc.Server, int]:
-    """A plaintext port with grpc.health.v1 only (the same statuses as the main port): what
-    the kubelet's gRPC probes can reach when the main port is TLS. It carries no batches."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{server_config.host}:{server_config.health_port}")
-    if port == 0:
-        raise OSError(f"could not listen on {server_config.host}:{server_config.health_port}")
-    return server, port
-
-
 def start_server(
     config: ExecutorConfig,
     server_config: ServerConfig,
@@ -368,7 +263,7 @@ def start_server(
         raise OSError(f"could not listen on {address}")
     health_server, health_port = None, None
     if server_config.health_port >= 0:
-        health_server, health_port = _health_only_server(server_config, health_servicer)
+        health_server, health_port = health_only_server(server_config, health_servicer)
     metrics_port = None
     if server_config.metrics_port >= 0:
         try:
