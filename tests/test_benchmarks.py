@@ -242,3 +242,35 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert all(med >= best > 0 for med, best in m.steps.values())
     assert m.ready_s > 0 and m.graphs_s is None and m.weight_bytes > 0
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
+
+
+def test_hardening_benchmark_measures_access_health_and_headers(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """A few calls of each: both servers answered, the health port answered while the main
+    port was saturated, every hostile header was refused."""
+    from benchmarks import hardening
+
+    (tmp_path / "token").write_text("t")
+    config = hardening.tiny(cache_dir)
+    plain = hardening.serve(config)
+    guarded = hardening.serve(
+        config, call_token_file=str(tmp_path / "token"), rpc_threads=4, max_forward_calls=2,
+        health_port=0,
+    )  # fmt: skip
+    try:
+        with (
+            ExecutorClient(f"127.0.0.1:{plain.port}") as open_client,
+            ExecutorClient(f"127.0.0.1:{guarded.port}", token="t") as token_client,
+        ):
+            access = hardening.measure_access(open_client, token_client, 3)
+        health = hardening.measure_health(guarded, 3)
+    finally:
+        plain.drain(1.0)
+        guarded.drain(1.0)
+    headers = hardening.measure_headers(tmp_path)
+    assert len(access.open_us) == len(access.token_us) == 3 and min(access.token_us) > 0
+    assert len(health) == 3 and max(health) < 1000
+    assert len(headers) == 3 and all(ms < 1000 for ms, _, _ in headers.values())
+    table = hardening.report(access, health, headers)
+    assert "| added by the access check |" in table and table.count("| refuse ") == 3

@@ -178,3 +178,49 @@ def test_healthcheck_asks_a_live_servers_readiness(tmp_path: Path) -> None:
         assert running.health_port is not None
         assert check(running.port).returncode != 0  # plaintext on the TLS port: refused
         assert check(running.port, running.health_port).returncode == 0
+
+
+def test_the_image_installs_exactly_the_hash_locked_dependencies() -> None:
+    """requirements.lock pins every runtime dependency of pyproject.toml with a sha256 (torch
+    and triton come from the PyTorch index by version); the build installs it hash-checked
+    with --no-deps before the project (itself --no-deps), then `pip check`s the set."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import lock_requirements
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert lock_requirements.missing_from_lock() == []
+    text = (ROOT / "requirements.lock").read_text()
+    entries = re.findall(r"^(\S+)==(\S+) \\\n    --hash=sha256:([0-9a-f]{64})$", text, re.M)
+    pins = re.findall(r"^\S+==", text, re.M)
+    assert entries and len(entries) == len(pins)  # every pin has its hash
+    names = {lock_requirements.normalize(n) for n, _, _ in entries}
+    assert {"grpcio", "protobuf", "numpy", "safetensors", "xgrammar"} <= names
+    assert not names & {"torch", "triton"}
+    # the lock was resolved against the torch the image installs
+    args = {
+        a.split("=")[0]: a.split("=", 1)[1] for k, a in instructions() if k == "ARG" and "=" in a
+    }
+    assert lock_requirements.STAND_INS["torch"][0] == args["TORCH_VERSION"]
+    # pyproject's exact pins are the locked versions
+    locked = lock_requirements.locked()
+    for requirement in lock_requirements.runtime_requirements():
+        if "==" in requirement:
+            name, _, version = requirement.partition("==")
+            assert locked[lock_requirements.normalize(name)] == version.strip(), requirement
+    runs = [args for k, args in instructions() if k == "RUN"]
+    [lock_step] = [i for i, r in enumerate(runs) if "-r requirements.lock" in r]
+    assert "--require-hashes" in runs[lock_step] and "--no-deps" in runs[lock_step]
+    [project_step] = [
+        i for i, r in enumerate(runs) if "pip install --no-cache-dir --no-deps ." in r
+    ]
+    assert lock_step < project_step and "pip check" in runs[project_step]
+    assert not any(re.search(r"pip install --no-cache-dir \.(\s|$)", r) for r in runs)
+
+
+def test_the_cpu_runtime_has_no_compiler() -> None:
+    """The compilers are installed only for the CUDA variant (Triton's launcher)."""
+    run = " ".join(a for k, a in instructions() if k == "RUN")
+    for compiler in ("gcc", "g++", "clang", "build-essential"):
+        unconditional = re.sub(r'if \[ "\$VARIANT" = cuda \]; then [^;]*;', "", run)
+        assert compiler not in unconditional, compiler

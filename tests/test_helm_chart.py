@@ -51,6 +51,8 @@ CHART_OWNED = {
     "tls_key_file",
     "tls_client_ca_file",
     "health_port",
+    "call_token_file",  # callToken
+    "allowed_client_identities",  # tls.allowedClientIdentities
 }
 
 
@@ -301,7 +303,7 @@ def test_all_options_mount_the_model_and_the_token(everything: Rendered) -> None
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "llm-models"
     assert mounts["model"]["mountPath"] == "/models" and mounts["model"]["readOnly"] is True
-    secret = everything.one("Secret")
+    [secret] = [s for s in everything.all("Secret") if "runtime-config" in s["metadata"]["name"]]
     assert volumes["runtime-config-token"]["secret"]["secretName"] == secret["metadata"]["name"]
     token_file = _environment(everything)["MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE"]
     assert token_file == mounts["runtime-config-token"]["mountPath"] + "/bearer"
@@ -337,6 +339,28 @@ def test_tls_mounts_the_secrets_and_points_the_executor_at_them(
     r = render({"tls": {"enabled": True, "secretName": "executor-tls"}})
     cfg = settings.build(ServerConfig, env=_environment(r))
     assert cfg.tls is not None and not cfg.tls.mutual
+
+
+def test_identity_settings_reach_the_executor(default: Rendered, everything: Rendered) -> None:
+    """The allowlist and the call token (a Secret, mounted) become the executor's settings;
+    by default neither is set and the NetworkPolicy is on."""
+    values = all_options_values()
+    pod = everything.one("Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in _container(everything)["volumeMounts"]}
+    [secret] = [s for s in everything.all("Secret") if s["metadata"]["name"].endswith("call-token")]
+    assert set(secret["data"]) == {values["callToken"]["secretKey"]}
+    assert volumes["call-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    cfg = settings.build(ServerConfig, env=_environment(everything))
+    assert cfg.call_token_file == mounts["call-token"]["mountPath"] + "/call"
+    assert cfg.allowed_client_identities.split(",") == values["tls"]["allowedClientIdentities"]
+    assert cfg.refusal_log_interval_s == values["config"]["refusal_log_interval_s"]
+    default_cfg = settings.build(ServerConfig, env=_environment(default))
+    assert default_cfg.call_token_file == "" and default_cfg.allowed_client_identities == ""
+    assert default.all("NetworkPolicy")
+    # An allowlist without mTLS would check nothing: the chart refuses to render it.
+    with pytest.raises(Exception, match="allowedClientIdentities needs mTLS"):
+        render({"tls": {"enabled": True, "secretName": "t", "allowedClientIdentities": ["s"]}})
 
 
 def test_host_path_model_an_existing_token_secret_and_a_cpu_pod() -> None:
@@ -469,3 +493,12 @@ def test_the_cache_can_be_a_persistent_volume_claim() -> None:
         "name": "cache",
         "persistentVolumeClaim": {"claimName": "executor-cache"},
     }
+
+
+def test_image_by_digest(default: Rendered, everything: Rendered) -> None:
+    values = all_options_values()["image"]
+    assert _container(everything)["image"] == f"{values['repository']}@{values['digest']}"
+    assert _container(default)["image"].endswith(":0.1.0") or ":" in _container(default)["image"]
+    assert "@" not in _container(default)["image"]  # by tag when no digest is given
+    with pytest.raises(Exception, match="digest"):
+        render({"image": {"repository": "r", "digest": "latest"}})

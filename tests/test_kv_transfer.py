@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -506,11 +507,16 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "there", "--max-new-tokens", "6", "--ignore-eos"]
     args += ["--cache-dir", str(tmp_path)]
+
+    def printed() -> str:  # what the CLI printed, without the in-process servers' log lines
+        lines = capsys.readouterr().out.splitlines(keepends=True)
+        return "".join(line for line in lines if not re.match(r"\d{4}-\d\d-\d\d ", line))
+
     assert main([*args, "--target", f"127.0.0.1:{a.port}"]) == 0
-    alone = capsys.readouterr().out
+    alone = printed()
     split = ["--prefill-target", f"127.0.0.1:{a.port}", "--target", f"127.0.0.1:{b.port}"]
     assert main([*args, *split]) == 0
-    assert capsys.readouterr().out == alone
+    assert printed() == alone
     assert "--- [1] length" in alone
     assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
 

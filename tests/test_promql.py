@@ -59,7 +59,7 @@ def contract_violations(query: Query) -> list[str]:
 def test_queries_found() -> None:
     sources = {q.source.split(":")[0] for q in QUERIES}
     assert sources == {"overview.json", "internals.json", "model-executor.rules.yml"}
-    assert len(rule_queries()) == 10
+    assert len(rule_queries()) == 11
     assert all(len(dashboard_queries(path)) > 15 for path in DASHBOARDS)
 
 

@@ -240,7 +240,7 @@ def test_modes_refuse_bad_combinations_at_start_up(tmp_path: Path) -> None:
     ):
         _load(_write(tmp_path, "tiny-random", Q.F32), "gguf")
     with pytest.raises(
-        ValueError, match="quantization must be one of none, gguf, int8, int4, got 'q4'"
+        ValueError, match="quantization must be one of auto, none, gguf, int8, int4, got 'q4'"
     ):
         ExecutorConfig(quantization="q4")
 
@@ -294,6 +294,7 @@ def test_gguf_mode_generates_what_the_float32_path_generates(
         max_context_len=256,
         cache_dir=str(cache_dir),
         dtype="float32",
+        quantization="none",  # the float32 reference (auto keeps a GGUF's blocks)
     )
     ref = ModelExecutor(base)
     quant = ModelExecutor(base.replace(quantization="gguf", quant_kernel=quant_kernel))
@@ -364,7 +365,7 @@ def test_cuda_int4_linear_equals_f_linear(qtype: Q) -> None:
 
 # How far a graph path's logits may stray from eager's on the same quantized model: the paths
 # round their float inputs differently, and an activation quantization amplifies that.
-GRAPH_LOGIT_TOLERANCE = {"torch": ROUNDED_TOL, "qmm": 0.03}
+GRAPH_LOGIT_TOLERANCE = {"torch": ROUNDED_TOL, "qmm": 0.05}
 
 
 @pytest.mark.parametrize("quant_kernel", ["qmm", "torch"])

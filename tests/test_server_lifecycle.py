@@ -159,8 +159,8 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
 
 def test_the_health_port_answers_while_the_data_plane_is_saturated(tmp_path: Path) -> None:
     """Every handler thread of the main port held by calls that never finish (idle streams,
-    a unary call stuck in the device queue): the health-only server, with its own threads,
-    still answers both probes within a second."""
+    reflection streams, unary calls whose body never arrives): the health-only server, with
+    its own threads, still answers both probes within a second."""
     from tests.server_util import running_server
 
     config = tiny_config(tmp_path)
@@ -177,6 +177,12 @@ def test_the_health_port_answers_while_the_data_plane_is_saturated(tmp_path: Pat
         calls = [stub.ForwardStream(idle()) for _ in range(2)]
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         watches = [reflection.ServerReflectionInfo(idle()) for _ in range(3)]
+        # Unary calls whose body never comes: headers sent, the message never (a unary
+        # method called as a client stream that yields nothing), each holding a thread.
+        stalled_call = channel.stream_unary(
+            "/model_executor.v1.ModelExecutor/GetInfo", request_serializer=None
+        )
+        stalled = [stalled_call.future(idle()) for _ in range(3)]
         time.sleep(0.5)  # the idle calls take their threads
         try:
             with ExecutorClient(f"127.0.0.1:{srv.port}") as main:  # the main port is starved
@@ -194,4 +200,6 @@ def test_the_health_port_answers_while_the_data_plane_is_saturated(tmp_path: Pat
                 c.cancel()
             for w in watches:
                 w.cancel()
+            for f in stalled:
+                f.cancel()
             channel.close()

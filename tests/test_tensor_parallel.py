@@ -5,6 +5,7 @@ equal to tp 1. Multi-rank runs spawn real processes (`tests/tp_util.py`), torn d
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from executor.models.registry import shard_plan
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.broadcast import STEP, Command, receive, send
 from executor.parallel.comm import TpComm
-from tests.tp_util import generate_tp, run_generations
+from tests.tp_util import PickleUsedError, generate_tp, pickle_forbidden, run_generations
 
 TINY = TINY_CONFIGS["tiny-random"]
 PROMPTS = [[5, 17, 33, 2, 400, 12], [9], list(range(100, 140)), [7, 7, 7]]
@@ -291,6 +292,31 @@ def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
         torch.testing.assert_close(
             torch.tensor(got[0][1][0][key]), torch.tensor(want[0][1][0][key]), rtol=1e-4, atol=1e-4
         )
+
+
+def test_tp_steps_run_with_pickle_forbidden_on_every_rank() -> None:
+    """Every way into pickle raises on both ranks while steps, refusals and a toggle are
+    broadcast: the generation still matches tp 1, so nothing on the path pickles."""
+    config = _tiny(graph_mode="none")
+    bad = make_extend_batch(input_ids=[[5, 6]], req_pool_indices=[99], out_cache_loc=[[1, 2]])
+    runs = [RUNS[0], {"refuse": bad}, {"toggles": {"eager_input_no_copy": True}}, RUNS[1]]
+    want = run_generations(ModelExecutor(config), PROMPTS, runs)
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, runs, forbid_pickle=True)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+
+
+def test_pickle_forbidden_catches_torch_object_collectives() -> None:
+    """The guard the test above relies on does bite: pickle and torch's object picklers."""
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    with pickle_forbidden():
+        with pytest.raises(PickleUsedError):
+            pickle.dumps({"a": 1})
+        with pytest.raises(PickleUsedError):
+            c10d._pickler(io.BytesIO())  # what broadcast_object_list pickles with
+    assert pickle.loads(pickle.dumps({"a": 1})) == {"a": 1}  # restored after
 
 
 def test_nothing_on_the_tp_broadcast_path_unpickles() -> None:

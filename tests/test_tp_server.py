@@ -6,6 +6,7 @@ worker turns it NOT_SERVING, answers UNAVAILABLE and exits non-zero within a bou
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from executor.batch_prep import make_extend_batch
@@ -43,6 +45,12 @@ def _descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is loopback too
+    return bool((mapped or address).is_loopback)
 
 
 def _alive(pid: int) -> bool:
@@ -153,6 +161,15 @@ def test_serve_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path: Path)
         assert count is not None and float(count.group(1)) > 0, metrics
         assert 'tp_size="2"' in metrics and 'rank="0"' in metrics
         assert children, "no worker process was spawned"
+        # The group listens on loopback only (a FileStore, no TCPStore; gloo pinned to lo):
+        # nothing off the pod can join it or write its store.
+        exposed = [
+            (pid, c.laddr)
+            for pid in (served.proc.pid, *children)
+            for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and not _loopback(c.laddr.ip)
+        ]
+        assert exposed == [], exposed
         served.proc.send_signal(signal.SIGTERM)
         code = served.proc.wait(timeout=60)
         assert code == 0, served.text

@@ -8,14 +8,42 @@ returns, even when one fails, and the rendezvous port is a free one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import queue
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from executor.parallel.group import TpEndpoint, free_port
+
+
+class PickleUsedError(AssertionError):
+    """Something pickled or unpickled while `pickle_forbidden` was in force."""
+
+
+@contextlib.contextmanager
+def pickle_forbidden() -> Iterator[None]:
+    """Make every way into pickle raise `PickleUsedError`: the module's functions and classes,
+    and the picklers torch.distributed's object collectives bound at import."""
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PickleUsedError("pickle was used on the tensor-parallel path")
+
+    targets = [(pickle, n) for n in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler")]
+    targets += [(c10d, n) for n in ("_pickler", "_unpickler") if hasattr(c10d, n)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+    for mod, name, _ in saved:
+        setattr(mod, name, refuse)
+    try:
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
 
 
 def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]]) -> list[Any]:
@@ -96,6 +124,7 @@ def _rank_main(
     runs: list[dict[str, Any]],
     out: Any,
     faults: dict[int, dict[str, int]] | None = None,
+    forbid_pickle: bool = False,
 ) -> None:
     from executor.config import resolve_device
     from executor.model_executor import ModelExecutor
@@ -114,13 +143,16 @@ def _rank_main(
         set_nccl_error_handling(os.environ, device)
         comm = init_comm(endpoint, device)
         ex = ModelExecutor(config, comm=comm, local_rank=rank)
+        guard = pickle_forbidden() if forbid_pickle else contextlib.nullcontext()
         if rank == 0:
             ex.warmup()
-            result = run_generations(ex, prompts, runs)
-            ex.close()
+            with guard:  # every step and toggle, broadcast (the queue below pickles)
+                result = run_generations(ex, prompts, runs)
+                ex.close()
             out.put(("ok", result))
         else:
-            run_worker(ex)
+            with guard:
+                run_worker(ex)
     except BaseException:
         out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
         raise
@@ -136,15 +168,19 @@ def generate_tp(
     timeout_s: float = 240,
     *,
     faults: dict[int, dict[str, int]] | None = None,
+    forbid_pickle: bool = False,
 ) -> list[Any]:
     """Rank 0's `run_generations(...)` at `config.tp_size` ranks; `faults`: rank -> the
-    capture it fails (`fail_captures`)."""
+    capture it fails (`fail_captures`); `forbid_pickle`: pickle raises on every rank while the
+    steps run (`pickle_forbidden`)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, config, port, prompts, runs, out, faults), daemon=True
+            target=_rank_main,
+            args=(r, config, port, prompts, runs, out, faults, forbid_pickle),
+            daemon=True,
         )
         for r in range(config.tp_size)
     ]

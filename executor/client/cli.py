@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """A client's TLS flags: for a server started with --tls-cert-file (and mTLS)."""
-    group = parser.add_argument_group("TLS (for a server with --tls-cert-file)")
+    group = parser.add_argument_group("TLS and credentials (for a guarded server)")
     group.add_argument(
         "--tls-ca-file",
         dest="client_tls_ca_file",
@@ -88,6 +88,13 @@ def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="PEM key of --tls-cert-file",
     )
+    group.add_argument(
+        "--token-file",
+        default=os.environ.get("MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE", ""),
+        help="file with a bearer token sent on every call: the server's call_token_file, or "
+        "its runtime-config secret (needed by `config`; default: env "
+        "MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE)",
+    )
 
 
 def _client(args: argparse.Namespace, target: str, token: str | None = None) -> ExecutorClient:
@@ -98,6 +105,9 @@ def _client(args: argparse.Namespace, target: str, token: str | None = None) -> 
     credentials = (
         channel_credentials(ca or "", cert or "", key or "") if (ca or cert or key) else None
     )
+    if token is None:
+        secret = read_token(args.token_file, "--token-file")
+        token = secret.decode() if secret else None
     return ExecutorClient(target, token=token, credentials=credentials)
 
 
@@ -413,12 +423,6 @@ def build_parser() -> argparse.ArgumentParser:
         "trace_sample_ratio=0..1",
     )
     config.add_argument("--target", default=DEFAULT_TARGET)
-    config.add_argument(
-        "--token-file",
-        default=os.environ.get("MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE", ""),
-        help="file with the server's runtime-config secret "
-        "(default: env MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE)",
-    )
     _add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
     return parser

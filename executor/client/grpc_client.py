@@ -68,7 +68,8 @@ class RemoteInfo:
 
 
 class ExecutorClient:
-    """`token`: the shared secret of the runtime-config RPCs, when the server has one.
+    """`token`: the server's bearer token (call_token_file, or the runtime-config secret, which
+    passes both checks); sent on every call, health checks included.
     `credentials`: TLS for a server with tls_cert_file (`executor.service.tls.channel_credentials`);
     None = plaintext."""
 
@@ -105,7 +106,7 @@ class ExecutorClient:
     def health(self, service: str = READINESS_SERVICE, timeout: float = 5.0) -> str:
         """SERVING / NOT_SERVING / ... for `service` ("" is liveness)."""
         resp = self.health_stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self._auth
         )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
@@ -166,7 +167,9 @@ class ExecutorClient:
         )
         for attempt in range(attempts):
             try:
-                return response_from_proto(self.stub.Forward(request, timeout=timeout))
+                return response_from_proto(
+                    self.stub.Forward(request, timeout=timeout, metadata=self._auth)
+                )
             except grpc.RpcError as exc:
                 if attempt + 1 == attempts or exc.code() not in RETRYABLE:
                     raise
@@ -189,7 +192,7 @@ class ExecutorClient:
         requests = (
             pb.ForwardRequest(batch_id=self._next_id(), batch=batch_to_proto(b)) for b in batches
         )
-        for response in self.stub.ForwardStream(requests, timeout=timeout):
+        for response in self.stub.ForwardStream(requests, timeout=timeout, metadata=self._auth):
             yield response_from_proto(response)
 
     def open_stream(self) -> ForwardSession:
@@ -252,7 +255,7 @@ class ForwardSession:
     def __init__(self, client: ExecutorClient) -> None:
         self._outbox: queue.Queue[object] = queue.Queue()
         self._client = client
-        self._responses = client.stub.ForwardStream(self._requests())
+        self._responses = client.stub.ForwardStream(self._requests(), metadata=client._auth)
 
     def _requests(self) -> Iterator[pb.ForwardRequest]:
         while True:

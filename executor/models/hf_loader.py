@@ -1,4 +1,8 @@
-"""Read a Hugging Face model directory: config.json plus one or more *.safetensors shards."""
+"""Read a Hugging Face model directory: config.json plus one or more *.safetensors shards.
+
+Every shard's header passes `check_safetensors_header` (bounded: sizes, counts and offsets
+within the file) before safetensors reads it, and an index may name only files of the
+directory itself."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 import torch
 
 from executor.models.config import ModelConfig
+from executor.models.safetensors_header import check_safetensors_header
 
 
 def read_hf_config(path: Path) -> ModelConfig:
@@ -25,7 +30,14 @@ def _weight_files(path: Path) -> list[Path]:
     index_path = path / "model.safetensors.index.json"
     if index_path.exists():
         wanted = set(json.loads(index_path.read_text())["weight_map"].values())
+        for name in wanted:  # a plain file of this directory: no "../", no absolute path
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise ValueError(
+                    f"{index_path.name}: weight_map names {name!r}, not a file of {path}"
+                )
         shards = [path / name for name in sorted(wanted)]
+    for shard in shards:
+        check_safetensors_header(shard)
     return shards
 
 

@@ -29,6 +29,7 @@ from executor.models.decoder_model import DecoderModel
 from executor.models.gguf_blocks import BLOCK_FORMATS
 from executor.models.gguf_loader import lazy_gguf, load_gguf, read_gguf_blocks, read_gguf_config
 from executor.models.hf_loader import lazy_hf_directory, load_hf_directory, read_hf_config
+from executor.models.model_digest import verify_model_digest
 from executor.models.packing import choose_linear_kernel, pack_float_linears
 from executor.models.quant_cache import load_packed, packed_cache_file, save_packed
 from executor.models.quant_kernel import (
@@ -241,11 +242,12 @@ def load_model(
     comm: TpComm | None = None,
     linear_kernel: str = "auto",
     quant_kernel: str = "auto",
+    sha256: str = "",
 ) -> LoadedModel:
     """Build the model on `device` in `dtype` with every parameter loaded exactly once; with
     `quantization` other than none the decoder linears stay quantized (`quantize.py`); with
     `linear_kernel` onednn (auto: on CPU in float32) the float linears are packed
-    (`packing.py`)."""
+    (`packing.py`); `sha256`: the pinned digest of the model files (`model_digest.py`)."""
     if quantization not in LOADED_QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(LOADED_QUANTIZATIONS)} (auto is resolved "
@@ -259,6 +261,10 @@ def load_model(
     )
     t0 = time.perf_counter()
     source = resolve_model_spec(spec)
+    if sha256:  # before any of the files is parsed
+        if source.path is None:
+            raise ValueError(f"model_sha256 pins model files; model {spec!r} has none")
+        verify_model_digest(source.path, sha256)
     comm = comm or TpComm()
     config, model = _build(
         source,

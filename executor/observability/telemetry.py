@@ -15,11 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from types import TracebackType
+from typing import Any
 
 import grpc
 import structlog
 
+from executor.observability.log_limit import RateLimitedLog
 from executor.observability.metrics import ExecutorMetrics
+from executor.observability.peer import Peer, PeerBook, peer_of
 from executor.observability.tracing import SpanScope, Tracing
 from model_executor.v1 import executor_pb2 as pb
 
@@ -54,6 +57,7 @@ class RpcScope(SpanScope):
         self._start = time.perf_counter()
         self._context = context
         self._metrics = telemetry.metrics
+        self.refusal_log = telemetry.refusal_log
         self.method = method
         self.code = grpc.StatusCode.OK
         self.message = ""
@@ -64,6 +68,25 @@ class RpcScope(SpanScope):
         tracing = telemetry.tracing
         span = tracing.server_span(f"{SERVICE_NAME}/{method}", context.invocation_metadata())
         super().__init__(tracing.tracer, span)
+        # The address now, while the call is live (a termination callback may log it later);
+        # the certificate identities lazily: only traced calls and logged lines pay for them.
+        self._address = context.peer()
+        self._peer: Peer | None = None
+        if self.recording:
+            span.set_attributes(self.peer.span_attributes())
+        if telemetry.peers.first(self._address):  # once per connection, not per call
+            log.info("new peer", method=method, **self.peer.log_fields())
+
+    @property
+    def peer(self) -> Peer:
+        """The caller: its address and, under mTLS, its certificate identities (read once)."""
+        if self._peer is None:
+            self._peer = peer_of(self._context, self._address)
+        return self._peer
+
+    def log_ids(self) -> dict[str, Any]:
+        """Trace ids and the caller, for a log line about this RPC."""
+        return {**super().log_ids(), **self.peer.log_fields()}
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         self.code, self.message = code, message
@@ -122,9 +145,14 @@ _CODES = {code: (code.name, code.value[0]) for code in grpc.StatusCode}
 class Telemetry:
     """Metrics and tracing of one server, as the gRPC handlers use them."""
 
-    def __init__(self, metrics: ExecutorMetrics, tracing: Tracing) -> None:
+    def __init__(
+        self, metrics: ExecutorMetrics, tracing: Tracing, refusal_log: RateLimitedLog | None = None
+    ) -> None:
         self.metrics = metrics
         self.tracing = tracing
+        # Refusals (the caller's doing) log one line per reason per interval.
+        self.refusal_log = refusal_log if refusal_log is not None else RateLimitedLog()
+        self.peers = PeerBook()
 
     def rpc(self, method: str, context: grpc.ServicerContext) -> RpcScope:
         """`with telemetry.rpc("Forward", context) as rpc:` around a handler's body."""

@@ -169,7 +169,7 @@ class SpanScope:
         self.context = trace.set_span_in_context(span)
         self.recording = span.is_recording()
 
-    def log_ids(self) -> dict[str, str]:
+    def log_ids(self) -> dict[str, Any]:
         """`trace_id` / `span_id` for log lines about this span."""
         ctx = self.span.get_span_context()
         if not ctx.is_valid:

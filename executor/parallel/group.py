@@ -1,8 +1,10 @@
 """Join a tensor-parallel group: `TpEndpoint` (who and where), `init_comm`, `close_comm`.
 
-`serve` spawns its workers with an endpoint on a free loopback port; under `torchrun` the
-endpoint comes from the environment it sets (`endpoint_from_env`, called by the host: the
-engine reads no environment itself). gloo on CPU; on CUDA NCCL for the model's collectives
+`serve` spawns its workers with an endpoint whose rendezvous is a FileStore in a private
+directory (`store_file`): no listening socket, so nothing off the pod can join the group or
+write its store (a TCPStore listens on every interface whatever its host). Under `torchrun`
+the endpoint is the TCP one its environment describes (`endpoint_from_env`, called by the
+host: the engine reads no environment itself). gloo on CPU; on CUDA NCCL for the model's collectives
 plus a gloo group for the host-side broadcast of batches.
 """
 
@@ -27,11 +29,12 @@ class TpEndpoint:
     master_port: int
     timeout_s: float
     local_rank: int = 0  # the CUDA device index of this rank on its node
+    store_file: str = ""  # a FileStore path: the rendezvous without a socket (one host)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is outside a group of size {self.size}")
-        if not 0 < self.master_port < 65536:
+        if not self.store_file and not 0 < self.master_port < 65536:
             raise ValueError(f"master port must be in 1..65535, got {self.master_port}")
 
 
@@ -70,9 +73,14 @@ def init_comm(endpoint: TpEndpoint, device: torch.device) -> TpComm:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    init_method = (
+        f"file://{endpoint.store_file}"
+        if endpoint.store_file
+        else f"tcp://{endpoint.master_addr}:{endpoint.master_port}"
+    )
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{endpoint.master_addr}:{endpoint.master_port}",
+        init_method=init_method,
         rank=endpoint.rank,
         world_size=endpoint.size,
         timeout=timeout,

@@ -1,4 +1,5 @@
-"""Admission: how many Forward/ForwardStream calls may hold a handler thread at once.
+"""Admission: how many Forward/ForwardStream calls may hold a handler thread at once, and how
+many bytes of batches may wait for or run on the device (`ByteBudget`).
 
 Every RPC, health checks included, runs on the server's one pool of `rpc_threads` handler
 threads. A stream holds its thread for as long as it is open, a unary Forward while its
@@ -56,3 +57,43 @@ class CallLimit:
             if self._taken == 0:
                 raise ValueError("CallLimit.leave() without a matching enter()")
             self._taken -= 1
+
+
+class ByteBudget:
+    """How many bytes of batches may be queued for or running on the device at once.
+
+    The queue holds at most `queue_size` batches, but one batch may be as large as the receive
+    limit, so counting batches bounds memory only at `queue_size` times that. Each Forward
+    batch takes its encoded size from the budget before it is decoded and gives it back when
+    its job ends (run, refused or dropped); a batch that does not fit is answered
+    RESOURCE_EXHAUSTED (`CapacityError`) at once and nothing is queued. 0 = no budget.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def take(self, size: int, batch_id: int) -> None:
+        if not self.limit:
+            return
+        with self._lock:
+            if self.taken + size <= self.limit:
+                self.taken += size
+                return
+            taken = self.taken
+        raise CapacityError(
+            f"batch_id {batch_id} ({size} bytes) does not fit the byte budget of batches "
+            f"queued or running (batch_budget_mib: {self.limit} bytes, {taken} taken); "
+            "retry later, or send smaller batches"
+        )
+
+    def give(self, size: int) -> None:
+        if not self.limit:
+            return
+        with self._lock:
+            if size > self.taken:
+                raise ValueError(f"ByteBudget.give({size}) exceeds the {self.taken} bytes taken")
+            self.taken -= size

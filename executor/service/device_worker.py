@@ -43,6 +43,7 @@ from executor.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
+from executor.service.watchdog import RunningStep, is_sticky_device_error
 from executor.step.clock import StepClock
 from executor.step.outputs import ForwardOutput, StepStats
 
@@ -118,10 +119,13 @@ class DeviceWorker:
         *,
         on_step: Callable[[StepStats], None] | None = None,
         applied: AppliedBatches | None = None,
+        on_device_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.executor = executor
         self.queue_size = queue_size
         self.on_step = on_step
+        # Called (on the device thread) with a step's error that poisons the device context.
+        self.on_device_error = on_device_error
         self.applied = applied if applied is not None else AppliedBatches(0)
         # Unbounded underneath: `_put` enforces queue_size, so the stop marker never blocks.
         self._queue: queue.Queue[Job | ControlJob | None] = queue.Queue()
@@ -129,6 +133,8 @@ class DeviceWorker:
         self._in_flight = 0
         self._closed = False
         self._running: Job | ControlJob | None = None
+        # The step on the device now, for the watchdog: (batch_id, start, its clock).
+        self._on_device: tuple[int, float, StepClock] | None = None
         self._thread = threading.Thread(target=self._run, name="device-worker", daemon=True)
 
     def start(self) -> None:
@@ -138,6 +144,14 @@ class DeviceWorker:
     def depth(self) -> int:
         """Jobs waiting (not counting the one running)."""
         return self._queue.qsize()
+
+    def running_step(self) -> RunningStep | None:
+        """The batch on the device now, how long it has run and its phase (None: idle)."""
+        step = self._on_device  # one read: the device thread replaces the tuple, never mutates it
+        if step is None:
+            return None
+        batch_id, start, clock = step
+        return RunningStep(batch_id, time.monotonic() - start, clock.current or "queue")
 
     def submit(
         self,
@@ -306,14 +320,19 @@ class DeviceWorker:
         clock.record("queue", job.enqueued_wall_ns, time.perf_counter_ns() - job.enqueued_ns)
         structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
         token = otel_context.attach(job.trace_context) if job.trace_context is not None else None
+        self._on_device = (job.batch_id, time.monotonic(), clock)
         try:
             out = self.executor.forward(job.batch, clock=clock)
         except BaseException as exc:  # handed to the RPC thread, which maps it to a status
+            self._on_device = None
             if job.stream is not None and job.stream.failed_batch_id is None:
                 job.stream.failed_batch_id = job.batch_id  # before the next job is taken
             _resolve(job.future, exc=exc)
             self._detach(token)
+            if self.on_device_error is not None and is_sticky_device_error(exc):
+                self.on_device_error(exc)
             return
+        self._on_device = None
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.
         self.applied.store(job.batch_id, job.fingerprint, out)
         try:

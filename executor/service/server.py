@@ -28,108 +28,35 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
-from executor.controls.types import mask_words
 from executor.errors import StartupCancelled
 from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
+from executor.observability.log_limit import RateLimitedLog
 from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
-from executor.service.admission import CallLimit, forward_call_limit
+from executor.service.access import AccessInterceptor, AccessRules, parse_identity_patterns
+from executor.service.admission import ByteBudget, CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
-from executor.service.auth import TokenCheck, read_token
+from executor.service.auth import CALL_RULE, TokenCheck, read_token
 from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import add_executor_servicer
 from executor.service.kv_service import KVTransferObserver
+from executor.service.readiness import SERVICE_NAME, Readiness, health_only_server
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
-from executor.validation import BatchLimits
-from model_executor.v1 import executor_pb2 as pb
+from executor.service.watchdog import DeviceWatchdog, RunningStep
+from executor.service.wire_limits import MESSAGE_SLACK, batch_budget_bytes, message_limits
 
 log = structlog.get_logger(__name__)
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
-_SLACK = 1 << 20
-
-
-def message_limits(
-    config: ExecutorConfig, hidden_size: int, vocab_size: int, max_context_len: int
-) -> tuple[int, int]:
-    """(receive, send) byte limits from the largest batch and response the executor accepts."""
-    bs = config.max_batch_size or config.max_reqs
-    tokens = config.max_tokens_per_batch
-    # ids, slots, positions (int64) and embeddings (float32) per token; per-request fields; a
-    # prefix_cache_loc covering every request's whole context; sampling params.
-    caps = BatchLimits(
-        max_reqs=config.max_reqs,
-        kv_slots=config.kv_slots,
-        max_context_len=max_context_len,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        max_batch_size=bs,
-        max_tokens_per_batch=tokens,
-    )
-    # Per request: a vocab mask row, its controls (logit bias entries and three id lists, as
-    # varints of at most 5 bytes plus a float), its score ids; the release lists.
-    per_request = (
-        mask_words(vocab_size) * 4
-        + caps.max_logit_bias * 12
-        + 3 * caps.max_control_token_ids * 5
-        + caps.max_score_token_ids * 5
-    )
-    receive = (
-        tokens * (3 * 8 + hidden_size * 4)
-        + bs * (4 * 8 + 48 + per_request)
-        + bs * max_context_len * 8
-        + (config.max_reqs + 4 * config.max_reqs) * 8
-        + _SLACK
-    )
-    # next ids and logprobs, top-k ids + logprobs with k up to max_top_logprobs, the accepted
-    # drafts of a VERIFY step, and the extra outputs up to their cap.
-    k = min(config.max_top_logprobs, vocab_size)
-    draft = bs * (caps.max_draft_tokens + 1) * (8 + 4)
-    send = bs * (8 + 4) + bs * k * (8 + 4) + draft + caps.max_output_bytes + _SLACK
-    return receive, send
-
 
 # How long a drain waits, after the grace and the port's close, for a device step that is
 # still running: the device thread is a daemon, so the process exits even if it never ends.
 DRAIN_MARGIN_S = 2.0
-
-
-class Readiness:
-    """Readiness and draining, changed under one lock: once draining, never SERVING again
-    (the loader's "attach, then SERVING unless draining" cannot interleave with a drain)."""
-
-    def __init__(
-        self, health: health.HealthServicer, servicer: ExecutorServicer, metrics: ExecutorMetrics
-    ) -> None:
-        self._lock = threading.Lock()
-        self._health = health
-        self._servicer = servicer
-        self._metrics = metrics
-
-    def serve(self, worker: DeviceWorker, runtime: RuntimeControl) -> bool:
-        """Attach the loaded worker and turn SERVING; False (nothing attached) when draining."""
-        with self._lock:
-            if self._servicer.draining.is_set():
-                return False
-            self._servicer.attach(worker, runtime)
-            self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-            self._metrics.set_ready(True)
-            return True
-
-    def drain(self) -> DeviceWorker | None:
-        """Turn NOT_SERVING for good; the worker to drain (None: the model never attached)."""
-        with self._lock:
-            self._servicer.draining.set()
-            self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._metrics.set_ready(False)
-            return self._servicer.worker
 
 
 @dataclass
@@ -157,6 +84,43 @@ class RunningServer:
     tp_failure: list[str] = field(default_factory=list)
     tp_failed: threading.Event = field(default_factory=threading.Event)
     executor: ModelExecutor | None = None
+    # The device watchdog, and why the device failed (a stuck step, a sticky device error).
+    watchdog: DeviceWatchdog | None = None
+    device_failure: list[str] = field(default_factory=list)
+    device_failed: threading.Event = field(default_factory=threading.Event)
+    device_fatal: threading.Event = field(default_factory=threading.Event)  # `serve` exits 1
+
+    def on_device_stuck(self, step: RunningStep) -> None:
+        """A step outran step_timeout_s: liveness and readiness NOT_SERVING (the kubelet
+        restarts the pod), every waiting caller UNAVAILABLE."""
+        bound = self.server_config.step_timeout_s
+        log.error(
+            "device step stuck; not serving",
+            batch_id=step.batch_id,
+            phase=step.phase,
+            seconds=round(step.seconds, 3),
+            step_timeout_s=bound,
+        )
+        self._device_down(
+            f"the device is stuck: batch_id {step.batch_id} has run {step.seconds:.1f} s in "
+            f"its {step.phase} phase (step_timeout_s {bound:g}); the executor will restart"
+        )
+
+    def on_device_error(self, exc: BaseException) -> None:
+        """A device error that poisons the context: not serving, and `serve` exits 1 so that
+        Kubernetes restarts the process with a fresh one."""
+        log.error("sticky device error; exiting", error=f"{type(exc).__name__}: {exc}")
+        self._device_down(f"the device failed ({type(exc).__name__}); the executor will restart")
+        self.device_fatal.set()
+
+    def _device_down(self, reason: str) -> None:
+        self.device_failure.append(reason)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # liveness
+        worker = self.readiness.drain()
+        if worker is not None:
+            answered = worker.abandon(reason)
+            log.warning("waiting batches answered UNAVAILABLE", answered=answered)
+        self.device_failed.set()
 
     def on_tp_failure(self, reason: str) -> None:
         """A collective failed: NOT_SERVING now (new batches UNAVAILABLE); `serve` exits 1."""
@@ -192,6 +156,8 @@ class RunningServer:
         DRAIN_MARGIN_S plus the port's close (at most 1 s). True if everything finished."""
         grace = self.server_config.drain_grace_s if grace_s is None else grace_s
         start = time.monotonic()
+        if self.watchdog is not None:  # a drain's own wait is bounded by its grace
+            self.watchdog.stop()
         worker = self.readiness.drain()
         self.stop_loading.set()  # a start-up still loading or capturing stops at its next bucket
         log.info("draining", grace_s=grace, queued=worker.depth if worker else 0)
@@ -221,19 +187,6 @@ class RunningServer:
         return finished
 
 
-def _health_only_server(
-    server_config: ServerConfig, health_servicer: health.HealthServicer
-) -> tuple[grpc.Server, int]:
-    """A plaintext port with grpc.health.v1 only (the same statuses as the main port): what
-    the kubelet's gRPC probes can reach when the main port is TLS. It carries no batches."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{server_config.host}:{server_config.health_port}")
-    if port == 0:
-        raise OSError(f"could not listen on {server_config.host}:{server_config.health_port}")
-    return server, port
-
-
 def start_server(
     config: ExecutorConfig,
     server_config: ServerConfig,
@@ -246,20 +199,17 @@ def start_server(
     `span_exporter` receives this server's spans too (tests pass an in-memory one).
     """
     token = read_token(server_config.runtime_config_token_file)
+    call_token = read_token(server_config.call_token_file, "call_token_file")
     model_cfg, max_context_len = read_model_config(config)
     receive, send = message_limits(
         config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
     )
     # An ImportKV request and an ExportKV answer carry one KV chunk (DEFAULT_CHUNK_BYTES).
     receive, send = (
-        max(receive, DEFAULT_CHUNK_BYTES + _SLACK),
-        max(send, DEFAULT_CHUNK_BYTES + _SLACK),
+        max(receive, DEFAULT_CHUNK_BYTES + MESSAGE_SLACK),
+        max(send, DEFAULT_CHUNK_BYTES + MESSAGE_SLACK),
     )
     options = [("grpc.max_receive_message_length", receive), ("grpc.max_send_message_length", send)]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
-        options=options,
-    )
     metrics = ExecutorMetrics()
     tracing = Tracing(
         server_config.trace_exporter,
@@ -267,7 +217,25 @@ def start_server(
         server_config.trace_sample_ratio,
         extra_exporter=span_exporter,
     )
-    telemetry = Telemetry(metrics, tracing)
+    refusal_log = RateLimitedLog(interval_s=server_config.refusal_log_interval_s)
+    telemetry = Telemetry(metrics, tracing, refusal_log)
+    access = AccessRules(
+        parse_identity_patterns(server_config.allowed_client_identities),
+        TokenCheck(call_token, also=(token,), rule=CALL_RULE),
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
+        options=options,
+        maximum_concurrent_rpcs=server_config.concurrent_rpcs,
+        # Who may call is checked before any request is decoded (executor.service.access).
+        interceptors=[
+            AccessInterceptor(
+                access, refusal_log, lambda method, code: metrics.observe_rpc(method, code, 0.0)
+            )
+        ]
+        if access.enabled
+        else None,
+    )
     servicer = ExecutorServicer(
         config.model,
         server_config.stream_window,
@@ -276,6 +244,7 @@ def start_server(
         call_limit=CallLimit(
             forward_call_limit(server_config.rpc_threads, server_config.max_forward_calls)
         ),
+        byte_budget=ByteBudget(batch_budget_bytes(server_config.batch_budget_mib, receive)),
         queue_wait_s=server_config.queue_wait_s,
         stream_idle_timeout_s=server_config.stream_idle_timeout_s,
     )
@@ -304,7 +273,7 @@ def start_server(
         raise OSError(f"could not listen on {address}")
     health_server, health_port = None, None
     if server_config.health_port >= 0:
-        health_server, health_port = _health_only_server(server_config, health_servicer)
+        health_server, health_port = health_only_server(server_config, health_servicer)
     metrics_port = None
     if server_config.metrics_port >= 0:
         try:
@@ -331,6 +300,8 @@ def start_server(
         max_receive_bytes=receive,
         max_send_bytes=send,
         runtime_config_token=token is not None,
+        call_token=call_token is not None,
+        allowed_client_identities=len(access.identity_patterns),
     )
 
     running = RunningServer(
@@ -376,6 +347,7 @@ def start_server(
                 applied=AppliedBatches(
                     server_config.retry_memory, max_bytes=server_config.retry_memory_mib << 20
                 ),
+                on_device_error=running.on_device_error,
             )
             runtime = RuntimeControl(
                 executor,
@@ -396,6 +368,11 @@ def start_server(
             if (upgrade := executor.control.start_background()) is not None:
                 log.info("graph capture started while serving", graph_mode=upgrade)
             worker.start()
+            if server_config.step_timeout_s:
+                running.watchdog = DeviceWatchdog(
+                    worker, server_config.step_timeout_s, running.on_device_stuck
+                )
+                running.watchdog.start()
             if running.readiness.serve(worker, runtime):
                 log.info("ready", seconds=round(time.perf_counter() - t0, 3))
             else:  # a drain began while the model loaded: it never serves
@@ -438,6 +415,13 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
     while not stop.wait(0.5):
         if running.ready.is_set() and running.load_error:
             running.server.stop(grace=None)
+            return 1
+        if running.device_fatal.is_set():  # no drain: the device context is unusable
+            log.error("exiting: the device failed", reason=running.device_failure[0])
+            running.server.stop(grace=1.0).wait()
+            if running.health_server is not None:
+                running.health_server.stop(grace=None).wait()
+            running.telemetry.metrics.close()
             return 1
         if running.tp_failed.is_set():
             log.error("exiting: tensor-parallel group failed", reason=running.tp_failure[0])

@@ -18,11 +18,23 @@ class ServerConfig:
     queue_size: int = setting(
         64, "batches that may wait for the device; more get RESOURCE_EXHAUSTED"
     )
+    batch_budget_mib: int = setting(
+        1024,
+        "MiB of encoded batches that may be queued for or running on the device at once; a "
+        "batch beyond it gets RESOURCE_EXHAUSTED before it is decoded (raised to one largest "
+        "batch, the receive limit, when smaller); 0 = no byte budget",
+    )
     stream_window: int = setting(4, "batches one ForwardStream may have queued or running at once")
     drain_grace_s: float = setting(
         30.0, "on SIGTERM/SIGINT, seconds to finish queued and running batches"
     )
     rpc_threads: int = setting(16, "gRPC handler threads (the device itself is one thread)")
+    max_concurrent_rpcs: int = setting(
+        0,
+        "RPCs the gRPC port holds at once, running or waiting for a handler thread; more get "
+        "RESOURCE_EXHAUSTED at once instead of queueing without bound (idle streams, bodies "
+        "that never arrive); >= rpc_threads; 0 = 4 x rpc_threads",
+    )
     max_forward_calls: int = setting(
         0,
         "Forward/ForwardStream and KV data-plane (ExportKV/ImportKV/PushKV) calls in progress "
@@ -34,6 +46,12 @@ class ServerConfig:
         30.0,
         "longest a unary Forward's batch waits for the device before it is answered "
         "RESOURCE_EXHAUSTED (not applied); 0 = as long as the call's deadline allows",
+    )
+    step_timeout_s: float = setting(
+        300.0,
+        "device watchdog: a step running longer than this turns liveness and readiness "
+        "NOT_SERVING and answers every waiting batch UNAVAILABLE (the pod restarts); "
+        "0 = no watchdog",
     )
     stream_idle_timeout_s: float = setting(
         300.0,
@@ -73,6 +91,17 @@ class ServerConfig:
         "file holding a shared secret; when set, GetRuntimeConfig/UpdateRuntimeConfig need "
         "'authorization: Bearer SECRET' metadata; '' = no secret",
     )
+    call_token_file: str = setting(
+        "",
+        "file holding a bearer token that EVERY call on the gRPC port must carry "
+        "('authorization: Bearer TOKEN'; the runtime_config token passes too), checked before "
+        "the request is decoded; else UNAUTHENTICATED; '' = no token",
+    )
+    refusal_log_interval_s: float = setting(
+        10.0,
+        "refused calls and batches log one line per reason per this many seconds, with the "
+        "count of lines suppressed since; 0 = every refusal",
+    )
 
     tls_cert_file: str = setting(
         "",
@@ -84,6 +113,13 @@ class ServerConfig:
         "",
         "PEM CA bundle; when set, clients must present a certificate it signed (mTLS); "
         "needs tls_cert_file",
+    )
+    allowed_client_identities: str = setting(
+        "",
+        "comma-separated glob patterns (fnmatch) of client-certificate identities (a SAN such "
+        "as spiffe://cluster/ns/llm/sa/scheduler or a DNS name, the subject's common name, or "
+        "the subject 'CN=..,O=..') that may call; others get PERMISSION_DENIED before their "
+        "request is decoded; needs tls_client_ca_file (mTLS); '' = any certificate the CA signed",
     )
     health_port: int = setting(
         -1,
@@ -97,14 +133,21 @@ class ServerConfig:
         for name in ("queue_size", "stream_window", "rpc_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_rpcs and self.max_concurrent_rpcs < self.rpc_threads:
+            raise ValueError(
+                f"max_concurrent_rpcs must be 0 (auto) or >= rpc_threads ({self.rpc_threads}), "
+                f"got {self.max_concurrent_rpcs}"
+            )
         if not 0 <= self.max_forward_calls < self.rpc_threads:
             raise ValueError(
                 f"max_forward_calls must be in 0..rpc_threads-1 ({self.rpc_threads - 1}), "
                 f"got {self.max_forward_calls}"
             )
-        for name in ("queue_wait_s", "stream_idle_timeout_s"):
+        for name in ("queue_wait_s", "stream_idle_timeout_s", "step_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_budget_mib < 0:
+            raise ValueError(f"batch_budget_mib must be >= 0, got {self.batch_budget_mib}")
         if self.retry_memory_mib < 1:
             raise ValueError(f"retry_memory_mib must be >= 1, got {self.retry_memory_mib}")
         if self.retry_memory < 0:
@@ -130,6 +173,15 @@ class ServerConfig:
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        if self.allowed_client_identities.strip() and not self.tls_client_ca_file:
+            raise ValueError(
+                "allowed_client_identities needs tls_client_ca_file (mTLS): without client "
+                "certificates no caller has an identity to check"
+            )
+        if self.refusal_log_interval_s < 0:
+            raise ValueError(
+                f"refusal_log_interval_s must be >= 0, got {self.refusal_log_interval_s}"
+            )
         if not -1 <= self.health_port <= 65535:
             raise ValueError(
                 f"health_port must be in 0..65535, or -1 (off), got {self.health_port}"
@@ -138,6 +190,11 @@ class ServerConfig:
             raise ValueError(
                 f"log_format must be one of {', '.join(FORMATS)}, got {self.log_format!r}"
             )
+
+    @property
+    def concurrent_rpcs(self) -> int:
+        """The effective `max_concurrent_rpcs`."""
+        return self.max_concurrent_rpcs or 4 * self.rpc_threads
 
     @property
     def tls(self) -> TlsFiles | None:

@@ -45,7 +45,7 @@ from executor.errors import (
 )
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
-from executor.service.admission import CallLimit, CapacityError, StreamIdleError
+from executor.service.admission import ByteBudget, CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
 from executor.service.auth import TokenCheck, UnauthenticatedError
 from executor.service.codec import (
@@ -111,12 +111,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         token_check: TokenCheck | None = None,
         *,
         call_limit: CallLimit | None = None,
+        byte_budget: ByteBudget | None = None,
         queue_wait_s: float = 0.0,
         stream_idle_timeout_s: float = 0.0,
     ) -> None:
         self.model_spec = model_spec
         self.stream_window = stream_window
         self.call_limit = call_limit
+        self.byte_budget = byte_budget or ByteBudget(0)
         self.queue_wait_s = queue_wait_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self.telemetry = telemetry
@@ -161,20 +163,30 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         if stream is None:
             refuse_on_unary(request)
         worker = self._accepting()
-        with span.child("decode"):
-            batch = batch_from_proto(
-                request.batch, worker.executor.limits, batch_id=request.batch_id
+        budget = self.byte_budget
+        size = request.ByteSize() if budget.limit else 0
+        budget.take(size, request.batch_id)  # given back when the job ends, however it ends
+        try:
+            with span.child("decode"):
+                batch = batch_from_proto(
+                    request.batch, worker.executor.limits, batch_id=request.batch_id
+                )
+            remaining = context.time_remaining()
+            job = worker.submit(
+                batch,
+                request.batch_id,
+                trace_context=span.context,
+                stream=stream,
+                is_active=context.is_active,
+                deadline=None if remaining is None else time.monotonic() + remaining,
+                fingerprint=fingerprint(request.batch) if worker.applied.capacity else b"",
             )
-        remaining = context.time_remaining()
-        return worker.submit(
-            batch,
-            request.batch_id,
-            trace_context=span.context,
-            stream=stream,
-            is_active=context.is_active,
-            deadline=None if remaining is None else time.monotonic() + remaining,
-            fingerprint=fingerprint(request.batch) if worker.applied.capacity else b"",
-        )
+        except BaseException:
+            budget.give(size)
+            raise
+        if size:
+            job.future.add_done_callback(lambda _: budget.give(size))
+        return job
 
     def Forward(
         self, request: pb.ForwardRequest | UndecodableRequest, context: grpc.ServicerContext

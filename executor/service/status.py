@@ -19,6 +19,7 @@ from executor.errors import (
 from executor.observability.telemetry import RpcScope, caller_gone
 from executor.observability.tracing import SpanScope
 from executor.parallel.comm import TpGroupError
+from executor.service.access import PermissionDeniedError
 from executor.service.admission import CapacityError, StreamIdleError
 from executor.service.auth import UnauthenticatedError
 from executor.service.device_worker import (
@@ -47,6 +48,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, NotServingError | WorkerClosedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TpGroupError):  # a rank died or hangs: this server is going away
@@ -86,11 +89,17 @@ def abort(
     ):
         message = f"batch_id {batch_id}: {message}"
     rpc.fail(code, message)
-    ids = (span or rpc).log_ids()
+    ids = {**(span or rpc).log_ids(), **rpc.peer.log_fields()}
     if code is grpc.StatusCode.INTERNAL:
         log.error("request failed", batch_id=batch_id, code=code.name, exc_info=exc, **ids)
     elif isinstance(exc, UndecodableRequestError):  # no stack trace: nothing of ours failed
-        log.warning("undecodable request", code=code.name, reason=message, **ids)
-    else:
-        log.info("request refused", batch_id=batch_id, code=code.name, reason=message, **ids)
+        rpc.refusal_log.warning(
+            f"{rpc.method}:{code.name}:undecodable", "undecodable request",
+            code=code.name, reason=message, **ids,
+        )  # fmt: skip
+    else:  # the caller's doing: one line per reason per interval, however many it sends
+        rpc.refusal_log.info(
+            f"{rpc.method}:{code.name}:{type(exc).__name__}", "request refused",
+            batch_id=batch_id, code=code.name, reason=message, **ids,
+        )  # fmt: skip
     context.abort(code, message)

@@ -1,7 +1,9 @@
 """Start or join the tensor-parallel group around a served executor (`--tp-size N`).
 
-`serve` on its own spawns ranks 1..N-1 (`torch.multiprocessing`, spawn) on a free loopback
-port; under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set) every process runs
+`serve` on its own spawns ranks 1..N-1 (`torch.multiprocessing`, spawn) that meet through a
+FileStore in a private directory (mode 0700), and pins gloo's (and NCCL's bootstrap) sockets to
+the loopback interface: nothing the group listens on is reachable from off the pod, and its
+store (which holds pickled values in torch) is a file only this user can write. Under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set) every process runs
 `serve`, rank 0 serves gRPC and the others run the worker loop instead (`run_torchrun_worker`).
 
 Workers never outlive rank 0: each exits within half a second of its parent's death (a
@@ -11,12 +13,15 @@ tells the workers to stop, then waits for them, then kills what is left: no orph
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +31,7 @@ import torch.multiprocessing as mp
 from executor.config import ExecutorConfig, resolve_device
 from executor.models.loader import prepare_shared_weights
 from executor.parallel.comm import TpComm, TpGroupError
-from executor.parallel.group import TpEndpoint, close_comm, endpoint_from_env, free_port, init_comm
+from executor.parallel.group import TpEndpoint, close_comm, endpoint_from_env, init_comm
 from executor.parallel.nccl_env import set_nccl_error_handling
 
 log = structlog.get_logger(__name__)
@@ -61,14 +66,24 @@ def worker_main(
 
 
 def _with_rank(endpoint: TpEndpoint, rank: int) -> TpEndpoint:
-    return TpEndpoint(
-        rank=rank,
-        size=endpoint.size,
-        master_addr=endpoint.master_addr,
-        master_port=endpoint.master_port,
-        timeout_s=endpoint.timeout_s,
-        local_rank=rank,
-    )
+    return dataclasses.replace(endpoint, rank=rank, local_rank=rank)
+
+
+# The socket interface variables torch reads (gloo's pairs, NCCL's bootstrap); the loopback
+# interface for a group whose ranks share one host. An operator's own setting wins.
+LOOPBACK_INTERFACE = "lo"
+_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def pin_to_loopback(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Set the interface variables (those unset) to loopback in `environ`; what was set. The
+    spawned workers inherit them."""
+    pinned = {}
+    for name in _INTERFACE_VARIABLES:
+        if not environ.get(name):
+            environ[name] = LOOPBACK_INTERFACE
+            pinned[name] = LOOPBACK_INTERFACE
+    return pinned
 
 
 def run_worker_rank(
@@ -112,6 +127,7 @@ class TpGroup:
 
     comm: TpComm
     processes: list[Any] = field(default_factory=list)
+    store_dir: str = ""  # the FileStore's private directory, removed at stop
 
     def alive(self) -> list[int]:
         return [p.pid for p in self.processes if p.is_alive()]
@@ -132,6 +148,8 @@ class TpGroup:
                 p.join(5)
         if self.comm.failed is None:
             close_comm(self.comm)
+        if self.store_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
         return [p.exitcode for p in self.processes]
 
 
@@ -146,15 +164,19 @@ def start_group(
     loopback port. Returns once every rank has joined (at most `tp_timeout_s`)."""
     endpoint = torchrun_endpoint(config, env)
     processes: list[Any] = []
+    store_dir = ""
     if endpoint is None:
         prepare_shared_weights(config)
+        store_dir = tempfile.mkdtemp(prefix="model-executor-tp-")  # mode 0700
         endpoint = TpEndpoint(
             rank=0,
             size=config.tp_size,
             master_addr="127.0.0.1",
-            master_port=free_port(),
+            master_port=0,
             timeout_s=config.tp_timeout_s,
+            store_file=os.path.join(store_dir, "rendezvous"),
         )
+        pinned = pin_to_loopback(os.environ)  # before the spawn: the workers inherit it
         ctx = mp.get_context("spawn")
         for rank in range(1, config.tp_size):
             p = ctx.Process(
@@ -168,11 +190,12 @@ def start_group(
             "tensor-parallel workers started",
             tp_size=config.tp_size,
             pids=[p.pid for p in processes],
-            port=endpoint.master_port,
+            store_file=endpoint.store_file,
+            pinned=pinned,
         )
     elif endpoint.rank != 0:
         raise ValueError("start_group runs on rank 0; other ranks run run_worker_rank")
-    group = TpGroup(TpComm(), processes)
+    group = TpGroup(TpComm(), processes, store_dir)
     try:
         device = resolve_device(config, endpoint.local_rank)
         set_nccl_error_handling(os.environ, device)
@@ -181,5 +204,7 @@ def start_group(
         for p in processes:
             p.kill()
             p.join(5)
+        if store_dir:
+            shutil.rmtree(store_dir, ignore_errors=True)
         raise
     return group

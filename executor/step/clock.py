@@ -71,6 +71,10 @@ class StepClock:
             self._durations[p.name] = round(ms * 1_000_000)
         return self._durations
 
+    # Where the step is now, for a watchdog on another thread: the phase entered last, or
+    # "after <phase>" once it ended ("" before the first).
+    current: str = ""
+
     def phase(self, name: str) -> _Phase:
         on_device = self.events is not None and name in DEVICE_PHASES
         return _Phase(self, name, on_device)
@@ -103,6 +107,7 @@ class _Phase:
         self._on_device = on_device
 
     def __enter__(self) -> None:
+        self._clock.current = self._name
         self._wall = time.time_ns()
         if self._on_device:
             assert self._clock.events is not None
@@ -116,6 +121,7 @@ class _Phase:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._clock.current = f"after {self._name}"
         if exc_type is not None:  # recorded on success only
             return
         if self._on_device:

@@ -42,6 +42,18 @@ app.kubernetes.io/component: model-executor
 {{- end }}
 {{- end }}
 
+{{/*
+The image reference: repository@digest when image.digest is set (the exact bytes that were
+reviewed and scanned; the tag is then ignored), else repository:tag.
+*/}}
+{{- define "model-executor.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end }}
+
 {{- define "model-executor.tokenSecretName" -}}
 {{- default (printf "%s-runtime-config-token" (include "model-executor.fullname" .)) .Values.runtimeConfigToken.existingSecret }}
 {{- end }}
@@ -52,6 +64,15 @@ the model is loaded and warmed up, NOT_SERVING while loading and draining.
 */}}
 {{- define "model-executor.readinessService" -}}
 model_executor.v1.ModelExecutor
+{{- end }}
+
+{{- define "model-executor.callTokenSecretName" -}}
+{{- default (printf "%s-call-token" (include "model-executor.fullname" .)) .Values.callToken.existingSecret }}
+{{- end }}
+
+{{/* Where the call token file is mounted. */}}
+{{- define "model-executor.callTokenDir" -}}
+/var/run/secrets/model-executor-call
 {{- end }}
 
 {{/* Where the runtime-config token file is mounted. */}}
