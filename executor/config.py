@@ -340,22 +340,33 @@ def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
 
 def background_graph_mode(config: ExecutorConfig, device: torch.device) -> str | None:
     """`graph_mode=auto` on a CPU: the mode a server captures in the background once it
-    serves (eager until then), or None. Decode graphs with the `compiled` backend: inductor
-    compiles the layer halves once for every layer and batch size (dynamic shapes), so a cold
-    compile takes tens of seconds, a warm one (inductor's cache in `cache_dir`) seconds; the
-    measured gain is in docs/performance.md. Not under tensor parallelism (ranks capture in
-    step at start-up) nor with another graph backend configured."""
+    serves (eager until then), or None. Whole-step compiled DECODE graphs (`compiled_step`)
+    for batch size 1 only: the one path measured faster than eager on a CPU (one inductor
+    graph a step instead of some forty ops a layer); a larger batch is bound by its matmuls,
+    where the layer-half graphs (`compiled`) measured no faster than eager. Each graph takes
+    minutes to compile cold (docs/performance.md), hence in the background; inductor's cache
+    in `cache_dir` keeps the compiled code for the next start. Not under tensor parallelism
+    (ranks capture in step at start-up) nor with another graph backend configured."""
     if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
         return None
-    if config.graph_backend not in ("auto", "compiled"):
+    if resolve_graph_backend(config, device) != "compiled_step":
         return None
     return "decode"
 
 
+# The DECODE bucket a CPU server compiles in the background (`background_graph_mode`).
+BACKGROUND_DECODE_BUCKETS = "1"
+
+
 def resolve_graph_backend(config: ExecutorConfig, device: torch.device) -> str:
-    """`auto` is `cuda` on CUDA and `compiled` elsewhere; CUDA graphs need a CUDA device."""
+    """`auto` is `cuda` on CUDA; on a CPU `compiled_step` where a server compiles decode graphs
+    in the background (`graph_mode=auto`, one rank), else `compiled`. CUDA graphs need a CUDA
+    device."""
     if config.graph_backend == "auto":
-        return "cuda" if device.type == "cuda" else "compiled"
+        if device.type == "cuda":
+            return "cuda"
+        background = config.graph_mode == "auto" and config.tp_size == 1
+        return "compiled_step" if background else "compiled"
     if config.graph_backend == "cuda" and device.type != "cuda":
         raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got device {device}")
     return config.graph_backend

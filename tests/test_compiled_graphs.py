@@ -27,7 +27,10 @@ LOGIT_TOL = 1e-4  # inductor fuses the elementwise ops: float32 rounding may dif
 
 def test_graph_backend_setting_resolves_and_refuses_what_cannot_run() -> None:
     cpu = torch.device("cpu")
-    assert resolve_graph_backend(ExecutorConfig(), cpu) == "compiled"
+    # graph_mode=auto: a server compiles whole DECODE steps in the background (compiled_step).
+    assert resolve_graph_backend(ExecutorConfig(), cpu) == "compiled_step"
+    assert resolve_graph_backend(ExecutorConfig(graph_mode="none"), cpu) == "compiled"
+    assert resolve_graph_backend(ExecutorConfig(tp_size=2, graph_mode="decode"), cpu) == "compiled"
     assert resolve_graph_backend(ExecutorConfig(graph_backend="standin"), cpu) == "standin"
     with pytest.raises(ValueError, match="graph_backend 'cuda' needs a CUDA device"):
         resolve_graph_backend(ExecutorConfig(graph_backend="cuda"), cpu)

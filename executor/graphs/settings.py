@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.config import ExecutorConfig
+from executor.config import BACKGROUND_DECODE_BUCKETS, ExecutorConfig, background_graph_mode
 from executor.graphs.buckets import (
     CPU_GRAPH_MAX_BS,
     CPU_PIECEWISE_MAX_TOKENS,
@@ -46,7 +46,10 @@ def graph_settings(
     max_bs = config.graph_max_bs or min(
         limits.max_batch_size, CPU_GRAPH_MAX_BS if cpu else GPU_GRAPH_MAX_BS
     )
-    decode = parse_bucket_list(config.graph_batch_sizes) or (
+    decode_list = config.graph_batch_sizes
+    if not decode_list and device is not None and background_graph_mode(config, device):
+        decode_list = BACKGROUND_DECODE_BUCKETS  # the bucket that pays, compiled while serving
+    decode = parse_bucket_list(decode_list) or (
         cpu_decode_buckets(max_bs) if cpu else default_decode_buckets(max_bs)
     )
     max_tokens = config.piecewise_max_tokens or min(

@@ -104,11 +104,20 @@ class GraphControl:
             mode_reason = "auto: graphs on CUDA"
         else:
             mode_reason = f"auto: none on a CPU with graph_backend={cfg.graph_backend}"
-        backend_reason = (
-            "configured"
-            if cfg.graph_backend != "auto"
-            else f"auto: {'CUDA graphs on CUDA' if backend == 'cuda' else 'inductor on a CPU'}"
-        )
+        if cfg.graph_backend != "auto":
+            backend_reason = "configured"
+        elif backend == "cuda":
+            backend_reason = "auto: CUDA graphs on CUDA"
+        elif backend == "compiled_step":
+            buckets = (
+                self.runner.graph_settings.decode_buckets if self.runner.graph_settings else []
+            )
+            backend_reason = (
+                f"auto: whole-step inductor graphs for DECODE batch sizes {buckets}, the CPU "
+                "path measured faster than eager (compiled in the background)"
+            )
+        else:
+            backend_reason = "auto: inductor's layer halves on a CPU"
         return (
             SettingChoice("graph_mode", str(self.toggles.graph_mode), mode_reason),
             SettingChoice("graph_backend", backend, backend_reason),
