@@ -28,8 +28,11 @@ llama-cpp-python that part is skipped with the reason. Results: docs/performance
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +70,14 @@ CONFIGS = {
 def wait_for_graphs(server: Served, timeout: float) -> float | None:
     """Seconds since start until no background capture runs (None if none was running)."""
     client = server.client
-    if client.get_runtime_config().graph_capture != "capturing":
+
+    def capturing() -> bool:  # "capturing graph_mode=decode" while it runs
+        return client.get_runtime_config().graph_capture.startswith("capturing")
+
+    if not capturing():
         return None
     deadline = time.monotonic() + timeout
-    while client.get_runtime_config().graph_capture == "capturing":
+    while capturing():
         if time.monotonic() > deadline:
             raise TimeoutError(f"the background graph capture did not end in {timeout} s")
         time.sleep(0.5)
@@ -117,27 +124,21 @@ def executor_decode(
 
 
 def llama_cpp_decode(
-    path: str, prompt: int, steps: int, threads: int
+    path: str, prompt: int, steps: int, threads: int, python: str
 ) -> tuple[float, float] | None:
-    """(median, min) ms per token of one greedy stream, or None (with the reason printed)."""
-    try:
-        import llama_cpp
-    except ImportError:
-        print(LLAMA_CPP_MISSING)
-        return None
-    llm = llama_cpp.Llama(
-        model_path=path, n_ctx=prompt + steps + 8, n_threads=threads, n_batch=prompt, verbose=False
+    """(median, min) ms per token of one greedy stream (`llamacpp_stream.py` run by `python`),
+    or None with the reason printed."""
+    script = Path(__file__).with_name("llamacpp_stream.py")
+    cmd = [python, str(script), path, "--prompt", str(prompt), "--steps", str(steps)]
+    done = subprocess.run(
+        [*cmd, "--threads", str(threads)], capture_output=True, text=True, check=False
     )
-    tokens = [(17 * j) % 1000 + 100 for j in range(prompt)]
-    times, last = [], time.perf_counter()
-    for n, _tok in enumerate(llm.generate(tokens, top_k=1, temp=0.0, reset=True)):
-        now = time.perf_counter()
-        if n > 0:  # the first token closes the prefill
-            times.append(now - last)
-        last = now
-        if n == steps:
-            break
-    return statistics.median(times[2:]) * 1e3, min(times[2:]) * 1e3
+    if done.returncode != 0:
+        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+        print(f"{LLAMA_CPP_MISSING} ({python}: {reason})")
+        return None
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return float(result["median_ms"]), float(result["min_ms"])
 
 
 def main() -> None:
@@ -157,6 +158,11 @@ def main() -> None:
         "--configs", default="defaults,eager,gguf-torch,float32", help=", ".join(CONFIGS)
     )
     ap.add_argument("--cache-dir", default="", help="the servers' --cache-dir ('' = default)")
+    ap.add_argument(
+        "--llama-python",
+        default=sys.executable,
+        help="the interpreter with llama-cpp-python (it may live in a venv of its own)",
+    )
     ap.add_argument(
         "--transformers",
         action="store_true",
@@ -262,7 +268,7 @@ def measure_llama_cpp(path: Path | None, args: argparse.Namespace) -> tuple[floa
     if path is None:
         print("the model is no local GGUF file: llama.cpp not measured")
         return None
-    return llama_cpp_decode(str(path), args.prompt, args.steps, args.threads)
+    return llama_cpp_decode(str(path), args.prompt, args.steps, args.threads, args.llama_python)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ class ModelExecutor:
             "dtype chosen", dtype=str(self.dtype).removeprefix("torch."), reason=dtype_choice.reason
         )
         quantization, why = resolve_quantization(config)
+        if loaded is not None:
+            why = "the caller's loaded model"
         if loaded is None:
             loaded = load_model(
                 config.model,

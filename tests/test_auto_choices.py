@@ -4,13 +4,14 @@ serves, and how GetInfo reports every choice."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from executor.batch_prep import make_decode_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, background_graph_mode
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor
@@ -116,3 +117,32 @@ def test_the_background_capture_serves_eagerly_then_switches_to_the_compiled_gra
         make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[8], out_cache_loc=[8])
     )
     assert out.stats.path == "full_graph"
+
+
+def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
+    cache_dir: Path,
+) -> None:
+    """`serve` with graph_mode=auto: ready before the compile ends, GetRuntimeConfig says
+    "capturing" until the bs-1 graph is in use, then DECODE runs on it."""
+    from executor.client.grpc_client import ExecutorClient
+    from tests.server_util import running_server, tiny_config
+
+    config = tiny_config(
+        cache_dir, graph_mode="auto", graph_backend="compiled_step", max_context_len=64
+    )
+    with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as c:
+        assert c.get_runtime_config().graph_capture == "capturing graph_mode=decode"
+        deadline = time.monotonic() + 300
+        while c.get_runtime_config().graph_capture != "idle":
+            assert time.monotonic() < deadline, "the background capture did not end"
+            time.sleep(0.2)
+        assert c.get_runtime_config().graph_mode == "decode"
+        c.forward(
+            make_extend_batch(
+                input_ids=[[5, 6, 7]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]]
+            )
+        )
+        out = c.forward(
+            make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[4])
+        )
+        assert out.stats.path == "full_graph"

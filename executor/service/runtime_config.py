@@ -124,6 +124,12 @@ class RuntimeControl:
         on_change(self._current)
         executor.control.graph_mode_listener = self._capture_ended
 
+    def refresh(self) -> None:
+        """Publish the toggles as they are now (after the server started a background capture
+        on its own, outside an update)."""
+        self._current = self._read()
+        self._on_change(self._current)
+
     def _capture_ended(self) -> None:
         """A background graph capture ended (on its thread): publish the new state."""
         self._current = self._read()

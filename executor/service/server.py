@@ -366,6 +366,7 @@ def start_server(
             )
             # graph_mode=auto on a CPU: compile decode graphs while serving eagerly.
             if (upgrade := executor.control.start_background()) is not None:
+                runtime.refresh()  # GetRuntimeConfig's graph_capture says "capturing" now
                 log.info("graph capture started while serving", graph_mode=upgrade)
             worker.start()
             if server_config.step_timeout_s:
