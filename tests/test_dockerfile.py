@@ -218,9 +218,24 @@ def test_the_image_installs_exactly_the_hash_locked_dependencies() -> None:
     assert not any(re.search(r"pip install --no-cache-dir \.(\s|$)", r) for r in runs)
 
 
+def _runtime_runs() -> str:
+    """The RUN arguments of the stages the runtime image is made of (`base`, `runtime`)."""
+    stage, runs = "", []
+    for keyword, args in instructions():
+        if keyword == "FROM":
+            stage = args.split(" AS ")[-1].strip() if " AS " in args else args
+        elif keyword == "RUN" and (stage.startswith("base") or stage == "runtime"):
+            runs.append(args)
+    return " ".join(runs)
+
+
 def test_the_cpu_runtime_has_no_compiler() -> None:
-    """The compilers are installed only for the CUDA variant (Triton's launcher)."""
-    run = " ".join(a for k, a in instructions() if k == "RUN")
+    """The runtime's compilers are installed only for the CUDA variant (Triton's launcher);
+    the build stage's gcc (the portable qmm kernel) stays there."""
+    run = _runtime_runs()
+    assert "apt-get install" in run  # the stages were found
     for compiler in ("gcc", "g++", "clang", "build-essential"):
         unconditional = re.sub(r'if \[ "\$VARIANT" = cuda \]; then [^;]*;', "", run)
         assert compiler not in unconditional, compiler
+    build = " ".join(a for k, a in instructions() if k == "RUN")
+    assert "-march=haswell" in build and "qmm_prebuilt.so" in build

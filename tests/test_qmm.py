@@ -101,3 +101,27 @@ def test_a_compiled_graph_calls_the_kernel_as_an_op(kernel: qmm.QmmKernel) -> No
     x = torch.randn(4, 64)
     compiled = torch.compile(lambda t: torch.relu(layer(t)) * 2, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x), torch.relu(layer(x)) * 2)
+
+
+def test_without_a_compiler_the_portable_prebuilt_kernel_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: qmm.QmmKernel
+) -> None:
+    """The runtime image has no compiler: the build stage's portable library is used instead
+    (only on a CPU with what it was compiled for), and computes what the native build does."""
+    portable = qmm.build(tmp_path / "build", qmm.PORTABLE_CFLAGS)
+    monkeypatch.setattr(qmm.shutil, "which", lambda _: None)
+    monkeypatch.setattr(qmm, "PREBUILT", tmp_path / "missing.so")
+    with pytest.raises(qmm.QmmUnavailable, match="no C compiler"):
+        qmm.load(tmp_path / "cache")
+    monkeypatch.setattr(qmm, "PREBUILT", portable)
+    monkeypatch.setattr(qmm, "_OP_KERNEL", [])
+    loaded = qmm.load(tmp_path / "cache")
+    assert loaded.path == portable and loaded.isa == "avx2"
+    w = quantize_int4(torch.randn(32, 64))
+    args = (qmm.pack_groups(w.q, 4), w.scale, (w.zero - w.offset * w.scale), 4)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(loaded.matmul(x, *args), kernel.matmul(x, *args))
+    monkeypatch.setattr(qmm, "_cpu_signature", lambda: "flags : sse2 avx")
+    monkeypatch.setattr(qmm, "_LOADED", {})
+    with pytest.raises(qmm.QmmUnavailable, match="prebuilt kernel needs avx2"):
+        qmm.load(tmp_path / "cache")
