@@ -27,10 +27,14 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from executor.client.cli_controls import add_control_arguments, json_schema, sampling_controls
+from executor.client.cli_controls import (
+    add_control_arguments,
+    json_schema,
+    sampling_controls,
+    sampling_params,
+)
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
-from executor.forward_batch import SamplingParams
 from executor.observability.logs import configure_logging
 from executor.service import settings
 from executor.service.auth import read_token
@@ -233,13 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     {"role": "user", "content": p}
                 ]
                 texts.append(tok.apply_chat_template(messages))
-        sampling = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.sampling_seed,
-        )
+        sampling = sampling_params(args)
         pipe = None
         if args.overlap:  # one step in flight on a ForwardStream, tokens fed back by reference
             pipe = client.open_stream()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from executor.controls.types import SamplingControls
+from executor.forward_batch import SamplingParams
 
 
 def add_control_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,3 +108,14 @@ def json_schema(path: str | None) -> str | None:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--json-schema {path}: {exc}") from None
     return text
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The per-request sampling of `generate`'s flags (temperature, top-p/k, min-p, seed)."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+    )

@@ -7,7 +7,7 @@ import sys
 from contextlib import ExitStack
 
 from executor.client.cli import _client, _session
-from executor.forward_batch import SamplingParams
+from executor.client.cli_controls import sampling_params
 
 
 def generate_disaggregated(
@@ -40,13 +40,7 @@ def generate_disaggregated(
         scheduler = DisaggregatedScheduler(
             prefill, decode, args.kv_peer_address or args.target, remote.info.eos_token_ids
         )
-        sampling = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.sampling_seed,
-        )
+        sampling = sampling_params(args)
         reqs = [
             scheduler.add_request(
                 tok.encode(t),
