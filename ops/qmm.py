@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 GROUP = 32
-ABI_VERSION = 2
+ABI_VERSION = 4
 SOURCE = Path(__file__).with_name("qmm_kernel.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _LOCK = threading.Lock()
@@ -103,28 +103,20 @@ class QmmKernel:
         mn: torch.Tensor,
         bits: int,
     ) -> torch.Tensor:
-        """x [M, K] float32 (contiguous) -> [M, N] float32."""
-        m, k = int(x.shape[0]), int(x.shape[1])
-        n = int(scale.shape[0])
-        groups = k // GROUP
-        qx = torch.empty((m, k), dtype=torch.int8)
-        dx = torch.empty((m, 2 * groups), dtype=torch.float32)  # one scale per 16 inputs
-        sx = torch.empty((m, groups), dtype=torch.float32)
+        """x [M, K] float32 (contiguous), the weight's scales and mins as float16 [N, K / 32]
+        -> [M, N] float32: one library call (the activations'
+        int8 copy lives in the call's own scratch)."""
+        if x.dtype != torch.float32 or scale.dtype != torch.float16 or mn.dtype != torch.float16:
+            raise TypeError("qmm takes float32 activations and float16 scales and mins")
+        m, k = x.shape
+        n = scale.shape[0]
         y = torch.empty((m, n), dtype=torch.float32)
-        self.lib.qmm_quantize(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
-        self.lib.qmm_matmul(
-            qx.data_ptr(),
-            dx.data_ptr(),
-            sx.data_ptr(),
-            m,
-            k,
-            qweight.data_ptr(),
-            scale.data_ptr(),
-            mn.data_ptr(),
-            n,
-            bits,
+        rc = self.lib.qmm_forward(
+            x.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(), mn.data_ptr(), n, bits,
             y.data_ptr(),
-        )
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError(f"qmm: no scratch for a [{m}, {k}] activation")
         return y
 
 
@@ -180,6 +172,8 @@ def open_library(path: Path) -> QmmKernel:
     lib.qmm_quantize.restype = None
     lib.qmm_matmul.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
     lib.qmm_matmul.restype = None
+    lib.qmm_forward.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
+    lib.qmm_forward.restype = ctypes.c_int
     if lib.qmm_version() != ABI_VERSION:
         raise QmmUnavailable(f"{path} is version {lib.qmm_version()}, not {ABI_VERSION}")
     return QmmKernel(lib, path, lib.qmm_isa().decode())

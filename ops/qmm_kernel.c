@@ -1,6 +1,7 @@
 /* Group-quantized matrix multiply on the CPU: y[M, N] = x[M, K] @ W[N, K]^T.
  *
- * W is stored in groups of 32 inputs per row, each group with its own float scale and min:
+ * W is stored in groups of 32 inputs per row, each group with its own scale and min (IEEE
+ * halves, as GGUF stores them):
  *   4-bit: w = q * scale + min, q in 0..15, 16 bytes a group (low nibbles are the group's
  *          inputs 0..15, high nibbles 16..31: GGUF's Q4_0/Q4_1 byte order);
  *   8-bit: w = q * scale + min, q in -128..127, 32 bytes a group (GGUF's Q8_0).
@@ -17,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -29,7 +31,7 @@
 #define PARALLEL_MIN_PRODUCTS (1 << 17)
 
 /* ABI version: ops/qmm.py refuses a library whose version differs from its own. */
-int qmm_version(void) { return 2; }
+int qmm_version(void) { return 4; }
 
 /* Which code paths this build holds: "avx2", "avx2+vnni" or "scalar". */
 const char *qmm_isa(void) {
@@ -85,23 +87,51 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 #endif
 
+/* An IEEE half (the scales' and mins' storage: GGUF's own fp16) as a float. */
+static inline float half_to_float(uint16_t h) {
+#ifdef QMM_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000 | (man << 13); /* inf, nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13); /* normal */
+    } else if (man == 0) {
+        bits = sign; /* zero */
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 /* sum over groups of mn[g] * sx[g]: the weights' mins times the activations' exact sums. */
-static inline float min_term(const float *mn, const float *sx, int64_t groups) {
+static inline float min_term(const uint16_t *mn, const float *sx, int64_t groups) {
     float extra = 0.0f;
     int64_t g = 0;
 #ifdef QMM_AVX2
     __m256 acc = _mm256_setzero_ps();
     for (; g + 8 <= groups; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(sx + g), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))),
+                              _mm256_loadu_ps(sx + g), acc);
     extra = hsum8(acc);
 #endif
-    for (; g < groups; g++) extra += mn[g] * sx[g];
+    for (; g < groups; g++) extra += half_to_float(mn[g]) * sx[g];
     return extra;
 }
 
 /* One weight row (4- or 8-bit) against NR quantized activation rows (NR <= 4, a constant
  * where it is inlined): the weight group is unpacked once for all of them. */
-static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, const float *mn,
+static inline void rows_dot(int bits, const uint8_t *qw, const uint16_t *scale, const uint16_t *mn,
                             const int8_t *qx, const float *dx, const float *sx, int64_t k,
                             int64_t groups, int nr, float *out, int64_t out_stride) {
 #ifdef QMM_AVX2
@@ -119,6 +149,7 @@ static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, con
             sgn = _mm256_loadu_si256((const __m256i *)(qw + g * GROUP));
             u = _mm256_sign_epi8(sgn, sgn); /* |w|; x takes w's sign below */
         }
+        const __m256 sg = _mm256_set1_ps(half_to_float(scale[g]));
         for (int r = 0; r < nr; r++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * k + g * GROUP));
             if (bits == 8) xv = _mm256_sign_epi8(xv, sgn);
@@ -126,7 +157,7 @@ static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, con
             /* lanes 0-3 hold inputs 0..15 of the group, lanes 4-7 inputs 16..31 */
             const float *d = dx + r * 2 * groups + 2 * g;
             const __m256 ds = _mm256_set_m128(_mm_set1_ps(d[1]), _mm_set1_ps(d[0]));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(scale[g]), ds), p, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sg, ds), p, acc[r]);
         }
     }
     for (int r = 0; r < nr; r++)
@@ -150,7 +181,7 @@ static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, con
                 }
             }
             const float *d = dx + r * 2 * groups + 2 * g;
-            total += scale[g] * (d[0] * (float)lo + d[1] * (float)hi);
+            total += half_to_float(scale[g]) * (d[0] * (float)lo + d[1] * (float)hi);
         }
         out[r * out_stride] = total + min_term(mn, sx + r * groups, groups);
     }
@@ -159,7 +190,7 @@ static inline void rows_dot(int bits, const uint8_t *qw, const float *scale, con
 
 /* y [m, n] = x @ W^T with x given quantized (qmm_quantize); bits 4 or 8. */
 void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m, int64_t k,
-                const void *qw, const float *scale, const float *mn, int64_t n, int bits,
+                const void *qw, const uint16_t *scale, const uint16_t *mn, int64_t n, int bits,
                 float *y) {
     const int64_t groups = k / GROUP;
     const int64_t row_bytes = bits == 4 ? k / 2 : k;
@@ -170,8 +201,8 @@ void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m, i
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *w = (const uint8_t *)qw + j * row_bytes;
-            const float *s = scale + j * groups;
-            const float *mj = mn + j * groups;
+            const uint16_t *s = scale + j * groups;
+            const uint16_t *mj = mn + j * groups;
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4)
                 rows_dot(bits, w, s, mj, qx + r * k, dx + r * 2 * groups, sx + r * groups, k,
@@ -181,4 +212,24 @@ void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m, i
                          groups, 1, y + r * n + j, n);
         }
     }
+}
+
+/* y [m, n] = x [m, k] @ W^T in one call: the activations quantized into scratch that lives for
+ * the call only. Returns 0, or -1 when the scratch cannot be allocated (y is then untouched). */
+int qmm_forward(const float *x, int64_t m, int64_t k, const void *qw, const float *scale,
+                const float *mn, int64_t n, int bits, float *y) {
+    const int64_t halves = k / HALF;
+    int8_t *qx = malloc((size_t)(m * k));
+    float *dx = malloc(sizeof(float) * (size_t)(m * halves));
+    float *sx = malloc(sizeof(float) * (size_t)(m * (halves / 2)));
+    int rc = -1;
+    if (qx && dx && sx) {
+        qmm_quantize(x, m, k, qx, dx, sx);
+        qmm_matmul(qx, dx, sx, m, k, qw, scale, mn, n, bits, y);
+        rc = 0;
+    }
+    free(qx);
+    free(dx);
+    free(sx);
+    return rc;
 }

@@ -35,11 +35,16 @@ def reference(x: torch.Tensor, w: GroupQuant) -> torch.Tensor:
     qx = torch.round(xh * inv[..., None]).double()
     dx = (amax / 127).double()
     q = w.q.double().reshape(w.shape[0], k // 16, 16)
-    mn = (w.zero - w.offset * w.scale).double()
+    scale, mn = (t.double() for t in halves(w))  # what the kernel stores
     dots = torch.einsum("mhi,nhi->mnh", qx, q) * dx[:, None]  # [m, n, halves]
     per_group = dots.reshape(m, w.shape[0], k // 32, 2).sum(-1)
     sums = x.double().reshape(m, k // 32, 32).sum(-1)
-    return (w.scale.double()[None] * per_group).sum(-1) + sums @ mn.T
+    return (scale[None] * per_group).sum(-1) + sums @ mn.T
+
+
+def halves(w: GroupQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales and mins as the kernel takes them: IEEE halves."""
+    return w.scale.half().contiguous(), (w.zero - w.offset * w.scale).half().contiguous()
 
 
 def eight_bit(n: int, k: int) -> GroupQuant:
@@ -57,8 +62,7 @@ def test_the_kernel_computes_the_reference(kernel: qmm.QmmKernel, m: int, bits: 
     w = quantize_int4(torch.randn(n, k)) if bits == 4 else eight_bit(n, k)
     x = torch.randn(m, k)
     x[0, :32] = 0  # an all-zero group: scale 0, no division by zero
-    mn = (w.zero - w.offset * w.scale).contiguous()
-    y = kernel.matmul(x, qmm.pack_groups(w.q, bits), w.scale.contiguous(), mn, bits)
+    y = kernel.matmul(x, qmm.pack_groups(w.q, bits), *halves(w), bits)
     torch.testing.assert_close(y.double(), reference(x, w), rtol=1e-4, atol=1e-4)
 
 
@@ -69,7 +73,7 @@ def test_the_scalar_build_computes_the_same(tmp_path: Path, kernel: qmm.QmmKerne
     assert scalar.isa == "scalar" and kernel.isa.startswith("avx2")
     for bits in (4, 8):
         w = quantize_int4(torch.randn(40, 64)) if bits == 4 else eight_bit(40, 64)
-        args = (qmm.pack_groups(w.q, bits), w.scale, (w.zero - w.offset * w.scale), bits)
+        args = (qmm.pack_groups(w.q, bits), *halves(w), bits)
         x = torch.randn(6, 64)
         torch.testing.assert_close(scalar.matmul(x, *args), kernel.matmul(x, *args))
 
@@ -118,7 +122,7 @@ def test_without_a_compiler_the_portable_prebuilt_kernel_loads(
     loaded = qmm.load(tmp_path / "cache")
     assert loaded.path == portable and loaded.isa == "avx2"
     w = quantize_int4(torch.randn(32, 64))
-    args = (qmm.pack_groups(w.q, 4), w.scale, (w.zero - w.offset * w.scale), 4)
+    args = (qmm.pack_groups(w.q, 4), *halves(w), 4)
     x = torch.randn(3, 64)
     torch.testing.assert_close(loaded.matmul(x, *args), kernel.matmul(x, *args))
     monkeypatch.setattr(qmm, "_cpu_signature", lambda: "flags : sse2 avx")

@@ -27,7 +27,7 @@ from executor.models.quantized import (
     Restorable,
 )
 
-CACHE_FORMAT = 2  # 2: modules nested as self_attn.* / mlp.*
+CACHE_FORMAT = 3  # 2: modules nested as self_attn.* / mlp.*; 3: qmm scales and mins as halves
 _CLASSES: dict[str, type[Restorable]] = {
     cls.__name__: cls for cls in (Int4Linear, Int8Linear, GroupQmmLinear, QuantizedEmbedding)
 }

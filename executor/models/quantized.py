@@ -201,10 +201,9 @@ class GroupQmmLinear(QuantizedLinear):
         self.mn: torch.Tensor
         # w = (q - offset) * scale + zero = q * scale + (zero - offset * scale)
         self.register_buffer("qweight", qmm.pack_groups(weight.q, weight.bits))
-        self.register_buffer("scale", weight.scale.to(torch.float32, copy=True).contiguous())
-        self.register_buffer(
-            "mn", (weight.zero - weight.offset * weight.scale).float().contiguous()
-        )
+        # Halves, as GGUF stores them (Q4_0's d, Q4_1's d and m, Q8_0's d are exact in them).
+        self.register_buffer("scale", weight.scale.to(torch.float16).contiguous())
+        self.register_buffer("mn", (weight.zero - weight.offset * weight.scale).to(torch.float16))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return qmm.qmm(x.float(), self.qweight, self.scale, self.mn, self.bits)
