@@ -29,6 +29,7 @@ from executor.models.decoder_model import DecoderModel
 from executor.models.gguf_blocks import read_blocks
 from executor.models.layers import Linear, PackedLinear
 from executor.models.loader import load_model, read_model_config
+from executor.models.quant_cache import CACHE_FORMAT
 from executor.models.quant_formats import GroupQuant, quantize_int4, quantize_int8
 from executor.models.quantize import check_quantization
 from executor.models.quantized import (
@@ -462,7 +463,10 @@ def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
         ).model
 
     first = load()
-    assert len(list((tmp_path / "cache" / "gguf").glob("*.packed-v2-cpu-float32-*"))) == 1
+    assert (
+        len(list((tmp_path / "cache" / "gguf").glob(f"*.packed-v{CACHE_FORMAT}-cpu-float32-qmm-*")))
+        == 1
+    )
 
     def no_reader(*_: object) -> None:
         raise AssertionError("the cached model must not parse the GGUF's tensors again")
