@@ -20,7 +20,6 @@ from executor.models.quant_kernel import choose_quantization
 from executor.service.info_codec import info_from_proto, info_to_proto
 from executor.validation import BatchLimits
 from ops import qmm
-from tests.test_graphs import _prefill
 
 MakeExecutor = Callable[..., ModelExecutor]
 CPU = torch.device("cpu")
@@ -94,31 +93,6 @@ def test_a_cpu_server_with_auto_graphs_captures_decode_graphs_in_the_background(
     assert background_graph_mode(cfg, torch.device("cuda", 0)) is None
 
 
-def test_the_background_capture_serves_eagerly_then_switches_to_the_compiled_graphs(
-    make_executor: MakeExecutor,
-) -> None:
-    """What the server starts after warm-up: steps run eagerly while inductor compiles, and
-    DECODE runs on the compiled graphs once they are installed."""
-    ex = make_executor(graph_mode="auto", graph_backend="auto", max_context_len=256)
-    assert ex.runner.graph_factory.backend == "compiled_step"
-    assert ex.toggles.graph_mode == "none"  # start-up serves at once
-    assert ex.control.start_background() == "decode"
-    [mode] = [c for c in ex.info.choices if c.setting == "graph_mode"]
-    assert "background" in mode.reason
-    _prefill(ex, rows=[1], lens=[6], first_slot=1)
-    out = ex.forward(
-        make_decode_batch(input_ids=[7], req_pool_indices=[1], seq_lens=[7], out_cache_loc=[7])
-    )
-    assert out.stats.path in ("eager", "full_graph")  # whichever the capture has reached
-    assert ex.control.wait_for_capture(300)
-    assert (ex.toggles.graph_mode, ex.toggles.graph_capture) == ("decode", "idle")
-    assert ex.control.start_background() is None  # graphs in use: nothing more to do
-    out = ex.forward(
-        make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[8], out_cache_loc=[8])
-    )
-    assert out.stats.path == "full_graph"
-
-
 def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
     cache_dir: Path,
 ) -> None:
@@ -132,16 +106,20 @@ def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
     )
     with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as c:
         assert c.get_runtime_config().graph_capture == "capturing graph_mode=decode"
+        [mode] = [x for x in c.info().info.choices if x.setting == "graph_mode"]
+        assert "background" in mode.reason
+        c.forward(  # served eagerly meanwhile
+            make_extend_batch(
+                input_ids=[[5, 6, 7]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]]
+            )
+        )
         deadline = time.monotonic() + 300
         while c.get_runtime_config().graph_capture != "idle":
             assert time.monotonic() < deadline, "the background capture did not end"
             time.sleep(0.2)
         assert c.get_runtime_config().graph_mode == "decode"
-        c.forward(
-            make_extend_batch(
-                input_ids=[[5, 6, 7]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]]
-            )
-        )
+        assert running.executor is not None
+        assert running.executor.control.start_background() is None  # in use: nothing to do
         out = c.forward(
             make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[4])
         )
