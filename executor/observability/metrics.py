@@ -16,7 +16,6 @@ counts (`ops.host_transfer.host_transfers`) are read when scraped, not on the ho
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,18 +27,16 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from executor.config import RUNTIME_GRAPH_MODES
 from executor.controls.types import CONTROL_ROWS
+from executor.observability.scrape_metrics import PREFIX, LiveSources, ScrapeTimeCollector
 from executor.observability.single_writer_metrics import (
     CounterChild,
     HistogramChild,
     SingleWriterCounter,
     SingleWriterHistogram,
 )
-from ops.host_transfer import host_transfers
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -47,7 +44,6 @@ if TYPE_CHECKING:
     from executor.service.runtime_config import RuntimeConfig
     from executor.step.outputs import ExecutorInfo, StepStats
 
-PREFIX = "model_executor_"
 PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")
 MODES = ("decode", "extend", "idle", "verify")
 FILL_REGISTRIES = ("eager_decode", "eager_extend", "graph_decode", "graph_extend")
@@ -77,77 +73,6 @@ class _FillSeries:
     copies: CounterChild
     bytes: CounterChild
     calls: CounterChild
-
-
-@dataclass
-class LiveSources:
-    """State read at scrape time (set once the model is loaded)."""
-
-    queue_depth: Callable[[], int]
-    kv_slots_used: Callable[[], int]
-    req_rows_used: Callable[[], int]
-
-
-class _ScrapeTimeCollector(Collector):
-    """Gauges of current state, and the process-wide device-to-host transfer counts."""
-
-    def __init__(self) -> None:
-        self.sources: LiveSources | None = None
-
-    def describe(self) -> Iterator[Metric]:
-        return self._families(with_values=False)
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(with_values=True)
-
-    def _families(self, *, with_values: bool) -> Iterator[Metric]:
-        src = self.sources if with_values else None
-        for name, doc, read in (
-            ("queue_depth", "Batches waiting for the device (not counting the running one).",
-             src.queue_depth if src else None),
-            ("kv_slots_used", "KV slots referenced by live (unreleased) request rows (sum of "
-             "their resident lengths; a prefix shared by several rows counts once per row).",
-             src.kv_slots_used if src else None),
-            ("req_rows_used", "Request rows holding at least one resident token, not released.",
-             src.req_rows_used if src else None),
-        ):  # fmt: skip
-            gauge = GaugeMetricFamily(PREFIX + name, doc)
-            if with_values:
-                gauge.add_metric([], float(read() if read else 0))
-            yield gauge
-        syncs_doc = "Device-to-host transfers on the serving path, by reason (process-wide)."
-        bytes_doc = "Bytes moved by device-to-host transfers, by reason (process-wide)."
-        syncs = CounterMetricFamily(PREFIX + "d2h_syncs", syncs_doc, labels=["reason"])
-        nbytes = CounterMetricFamily(PREFIX + "d2h_bytes", bytes_doc, labels=["reason"])
-        if with_values:
-            counts, sizes = host_transfers.snapshot()
-            for reason in sorted(counts):
-                syncs.add_metric([reason], counts[reason])
-                nbytes.add_metric([reason], sizes[reason])
-        yield syncs
-        yield nbytes
-        h2d_syncs = CounterMetricFamily(
-            PREFIX + "h2d_syncs",
-            "Host-to-device uploads that synchronize with the device (pageable memory or a "
-            "blocking copy), by reason (process-wide). Expected: none on the serving path.",
-            labels=["reason"],
-        )
-        h2d_copies = CounterMetricFamily(
-            PREFIX + "h2d_copies",
-            "Asynchronous host-to-device copies from pinned memory, by reason (process-wide): "
-            "one staged copy per step.",
-            labels=["reason"],
-        )
-        if with_values:
-            sync_counts, copy_counts = host_transfers.h2d_snapshot()
-            # `row_table` is always there (0 while the row table goes through the staged
-            # copy), so the alert and the dashboard have a series from the first scrape.
-            for reason in sorted({*sync_counts, "row_table"}):
-                h2d_syncs.add_metric([reason], sync_counts.get(reason, 0))
-            for reason in sorted(copy_counts):
-                h2d_copies.add_metric([reason], copy_counts[reason])
-        yield h2d_syncs
-        yield h2d_copies
 
 
 class ExecutorMetrics:
@@ -312,7 +237,7 @@ class ExecutorMetrics:
         self.toggle_graph_mode_info = gauge(
             "toggle_graph_mode_info", "1 for the current graph mode, 0 for the others.", ("mode",)
         )
-        self._scrape_time = _ScrapeTimeCollector()
+        self._scrape_time = ScrapeTimeCollector()
         r.register(self._scrape_time)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 

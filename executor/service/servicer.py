@@ -63,6 +63,7 @@ from executor.service.device_worker import (
     StreamState,
 )
 from executor.service.handlers import UndecodableRequest
+from executor.service.kv_handlers import KVHandlers
 from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl
 from executor.service.status import NotServingError, abort
@@ -102,7 +103,7 @@ class _StreamStep:
     span: SpanScope  # the batch's `step` span under the stream's
 
 
-class ExecutorServicer(pb_grpc.ModelExecutorServicer):
+class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
     def __init__(
         self,
         model_spec: str,
@@ -420,46 +421,3 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
             return runtime_config_to_proto(config)
-
-    def ExportKV(
-        self, request: pb.KvExportRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.KvExportResponse]:
-        with self.telemetry.rpc("ExportKV", context) as rpc:
-            try:
-                self._enter("ExportKV")  # a KV call holds a handler thread like a Forward
-            except CapacityError as exc:
-                abort(context, exc, rpc)
-            try:
-                yield from self.kv.export(request, context.is_active)
-            except GeneratorExit:  # the caller stopped reading: nothing to answer
-                raise
-            except BaseException as exc:
-                abort(context, exc, rpc)
-            finally:
-                self._leave()
-
-    def ImportKV(
-        self, request_iterator: Iterator[pb.KvImportRequest], context: grpc.ServicerContext
-    ) -> pb.KvImportResponse:
-        with self.telemetry.rpc("ImportKV", context) as rpc:
-            try:
-                self._enter("ImportKV")
-                try:
-                    return self.kv.import_(request_iterator, context.is_active)
-                finally:
-                    self._leave()
-            except BaseException as exc:
-                abort(context, exc, rpc)
-                raise  # unreachable: abort raises
-
-    def PushKV(self, request: pb.KvPushRequest, context: grpc.ServicerContext) -> pb.KvPushResponse:
-        with self.telemetry.rpc("PushKV", context) as rpc:
-            try:
-                self._enter("PushKV")
-                try:
-                    return self.kv.push(request)
-                finally:
-                    self._leave()
-            except BaseException as exc:
-                abort(context, exc, rpc)
-                raise  # unreachable: abort raises
