@@ -4,7 +4,7 @@ torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) takes bfloat16 activatio
 CPU without native bfloat16, converts its way through every call. The kernel here does what
 llama.cpp does with a GGUF file: the activations are quantized to int8 and
 multiplied with the 4- or 8-bit weights as integer dot products, so a decode step streams the
-weights as stored (a Q4 weight is a seventh of its float32 bytes) and the matmul's arithmetic is
+weights as stored (a Q4 weight with its half scale and min is about a sixth of float32's bytes) and the matmul's arithmetic is
 32 products an instruction. Each half group of 16 activations has its own scale (finer than
 llama.cpp's 32), which keeps one outlier from coarsening its neighbours.
 
@@ -168,10 +168,6 @@ def open_library(path: Path) -> QmmKernel:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qmm_version.restype = ctypes.c_int
     lib.qmm_isa.restype = ctypes.c_char_p
-    lib.qmm_quantize.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
-    lib.qmm_quantize.restype = None
-    lib.qmm_matmul.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
-    lib.qmm_matmul.restype = None
     lib.qmm_forward.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
     lib.qmm_forward.restype = ctypes.c_int
     if lib.qmm_version() != ABI_VERSION:

@@ -45,7 +45,7 @@ const char *qmm_isa(void) {
 }
 
 /* x [m, k] float -> qx [m, k] int8, dx [m, k / 16] and sx [m, k / 32] float. */
-void qmm_quantize(const float *x, int64_t m, int64_t k, int8_t *qx, float *dx, float *sx) {
+static void qmm_quantize(const float *x, int64_t m, int64_t k, int8_t *qx, float *dx, float *sx) {
     const int64_t halves = k / HALF;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
     for (int64_t r = 0; r < m; r++) {
@@ -189,9 +189,9 @@ static inline void rows_dot(int bits, const uint8_t *qw, const uint16_t *scale, 
 }
 
 /* y [m, n] = x @ W^T with x given quantized (qmm_quantize); bits 4 or 8. */
-void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m, int64_t k,
-                const void *qw, const uint16_t *scale, const uint16_t *mn, int64_t n, int bits,
-                float *y) {
+static void qmm_matmul(const int8_t *qx, const float *dx, const float *sx, int64_t m,
+                       int64_t k, const void *qw, const uint16_t *scale, const uint16_t *mn,
+                       int64_t n, int bits, float *y) {
     const int64_t groups = k / GROUP;
     const int64_t row_bytes = bits == 4 ? k / 2 : k;
     /* A team only where the work pays for its start and its barrier (~1e5 products). */
