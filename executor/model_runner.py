@@ -2,10 +2,9 @@
 
 Dispatch: DECODE takes the full-graph path when graphs are on for it and the batch fits a
 captured bucket; EXTEND takes the piecewise path likewise; everything else runs eagerly.
-Eager runs the model on the batch's own device tensors, the step's one staged upload: on
-the default path they are the eager input registry's buffers (:mod:`executor.eager_inputs`)
-and the output accounts that copy to it; with `eager_input_no_copy` nothing is accounted
-to a registry. When a graph path was wanted but the batch ran eagerly, the output says why
+Eager runs the model on the eager input registry's buffers, filled from the step's staged
+upload (:mod:`executor.eager_inputs`), or with `eager_input_no_copy` on the staged upload
+itself. When a graph path was wanted but the batch ran eagerly, the output says why
 (`graph_fallback`).
 """
 
@@ -35,6 +34,7 @@ from executor.runner_output import RunnerOutput
 from executor.step.paths import GraphMode, Path
 from executor.step.toggles import Toggles
 from ops.future_tokens import resolve_future_tokens
+from registry import FillStats
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +76,9 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = device
         self.toggles = toggles
-        self.eager_inputs = EagerInputs()
+        self.eager_inputs = EagerInputs(
+            device, seq_len_fill_value=attn_backend.graph_seq_len_fill_value()
+        )
         self.graph_settings = graphs
         self.graph_factory = GraphFactory(
             device, graph_backend, cache_dir=cache_dir, compiled=self._compiled_model, stop=stop
@@ -220,9 +222,11 @@ class ModelRunner:
                 (0, self.model.config.vocab_size), dtype=torch.float32, device=fb.seq_lens.device
             )
             return RunnerOutput(logits=logits, path=path, padded_batch_size=0, padded_num_tokens=0)
-        # NOTE: the model reads `fb`'s own tensors (the step's staged views) on both eager
-        # paths; the batch is not mutated: its attention metadata rides on one replace.
-        run = fb.replace(attn_metadata=self.attn_backend.init_forward_metadata(fb))
+        # NOTE: no-copy reads the step's staged views themselves; the registry path reads
+        # its own buffers, filled from them. Neither mutates `fb`.
+        filled = None if no_copy else self.eager_inputs.fill(fb)
+        inputs = fb if filled is None else filled.batch
+        run = inputs.replace(attn_metadata=self.attn_backend.init_forward_metadata(inputs))
         assert run.positions is not None
         input_ids = run.input_ids
         if fb.future_refs and input_ids is not None and self.future_tokens is not None:
@@ -232,18 +236,13 @@ class ModelRunner:
             input_ids, run.positions, run, self.attn_backend, run.input_embeds, keep
         )
         logits = self.model.compute_logits(hidden, run)
-        if no_copy:
-            return RunnerOutput(
-                logits, path, fb.batch_size, fb.num_tokens, hidden=hidden, layers=keep or {}
-            )
-        registry = self.eager_inputs.registry_for(fb)
         return RunnerOutput(
             logits,
             path,
             fb.batch_size,
             fb.num_tokens,
-            fill_registry=registry.name,
-            fill_stats=registry.fill_stats(fb),
+            fill_registry=None if filled is None else filled.registry,
+            fill_stats=FillStats() if filled is None else filled.stats,
             hidden=hidden,
             layers=keep or {},
         )

@@ -140,7 +140,8 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
             raw_num_tokens=raw_num_tokens,
             padded_num_tokens=padded_num_tokens,
         )
-        view = self.registry.extract_buffer(
+        # extract_buffer's view, through ForwardBatch's own (cheaper) replace
+        views = self.registry.buffer_views(
             padded_bs=padded_bs, padded_num_tokens=padded_num_tokens, forward_batch_template=fb
         )
-        return view, stats
+        return fb.replace(batch_size=padded_bs, **views), stats
