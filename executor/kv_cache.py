@@ -412,26 +412,3 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Sizes of the cache, from the executor config and the model."""
-
-    max_reqs: int
-    max_context_len: int
-    kv_slots: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def bytes_per_slot(self) -> int:
-        return (
-            2
-            * self.num_layers
-            * self.num_kv_heads
-            * self.head_dim
-            * torch.finfo(self.dtype).bits
-            // 8
-        )

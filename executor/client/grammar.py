@@ -39,11 +39,6 @@ if TYPE_CHECKING:
     from executor.client.requests import Request
 
 
-def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 [rows, mask_words(vocab_size)] mask that allows every token."""
-    return torch.full((rows, mask_words(vocab_size)), -1, dtype=torch.int32)
-
-
 def _vocab_type(tokenizer: Tokenizer) -> tuple[str, bool]:
     """xgrammar's vocabulary type (how tokens spell bytes) and whether the tokenizer prepends
     a space, from the tokenizer's own description."""
