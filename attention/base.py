@@ -15,7 +15,7 @@ Class flags:
 - `supports_graph_capture`: the backend implements the capture/replay hooks.
 - `graph_kv_bounded`: under capture the backend reads a static number of keys per request
   (the graph's KV-length bound) instead of each request's own length, so DECODE graphs are
-  captured per KV-length bucket as well (`executor.graphs.buckets.kv_buckets`).
+  captured per KV-length bucket as well (`executor.core.buckets.kv_buckets`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from ops.kv_store import store_kv
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 

@@ -31,7 +31,7 @@ from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
 from attention.sdpa import sdpa, soft_cap
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 # Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm

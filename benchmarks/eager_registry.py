@@ -22,7 +22,7 @@ import torch
 
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 
 CONTEXT = 64

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.names import EAGER_DECODE, EAGER_EXTEND
 from registry import BufferRegistry, FillStats, build_decode_registry, build_prefill_registry
-
-EAGER_DECODE = "eager_decode"
-EAGER_EXTEND = "eager_extend"
 
 
 def _next_pow2(n: int) -> int:

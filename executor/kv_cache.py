@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from executor.batch_prep import extend_positions
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 

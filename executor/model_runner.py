@@ -20,9 +20,12 @@ import structlog
 import torch
 
 from attention.base import AttentionBackend
+from executor.core.extras_types import hidden_layers
+from executor.core.forward_batch import ForwardBatch
+from executor.core.names import GraphMode, Path
+from executor.core.runner_output import RunnerOutput
+from executor.core.toggles import Toggles
 from executor.eager_inputs import EagerInputs
-from executor.extras.types import hidden_layers
-from executor.forward_batch import ForwardBatch
 from executor.graphs.capture import CaptureReport
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphFactory
@@ -30,9 +33,6 @@ from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
 from executor.models.blocks import LayerFns, compile_layer_fns
 from executor.models.decoder_model import DecoderModel
-from executor.runner_output import RunnerOutput
-from executor.step.paths import GraphMode, Path
-from executor.step.toggles import Toggles
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats
 

@@ -200,7 +200,7 @@ class BufferRegistry:
     def _plan(self, ctx: FillContext, present: tuple[bool, ...]) -> _FillPlan:
         """The views one fill shape touches: each tail to reset (and its value), each head
         to copy into. Cached per shape (the oldest dropped beyond PLANS_PER_REGISTRY)."""
-        resets = []
+        resets: list[tuple[torch.Tensor, float | int | bool]] = []
         for slot in self._slots.values():
             if not slot.enabled or slot.buffer is None:
                 continue

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from executor.batch_prep import make_idle_batch
+from executor.core.limits import BatchLimits
 from executor.service.codec import batch_to_proto, response_from_proto
 from executor.service.server import RunningServer
-from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 from tests.random_batches import BatchGenerator
 from tests.state_util import state_digest

@@ -20,8 +20,8 @@ from attention import (
 )
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.scheduler import generate
-from executor.forward_batch import ForwardBatch, ForwardMode
-from executor.graphs.buckets import length_bound
+from executor.core.buckets import length_bound
+from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.capture_rules import ForbiddenValue, HostReadGuard
 from executor.model_executor import ModelExecutor
 from tests.attention_cases import Case, make_case, make_layout, random_lengths, run

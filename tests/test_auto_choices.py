@@ -13,12 +13,12 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, background_graph_mode
+from executor.core.limits import BatchLimits
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor
 from executor.models import quant_kernel
 from executor.models.quant_kernel import choose_quantization
 from executor.service.info_codec import info_from_proto, info_to_proto
-from executor.validation import BatchLimits
 from ops import qmm
 
 MakeExecutor = Callable[..., ModelExecutor]

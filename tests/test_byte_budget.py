@@ -17,7 +17,7 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from executor.service.admission import ByteBudget, CapacityError
 from executor.service.codec import batch_to_proto
 from executor.service.wire_limits import batch_budget_bytes

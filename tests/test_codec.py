@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardMode, SamplingParams
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardMode, SamplingParams
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.service.codec import (
     batch_from_proto,
     batch_to_proto,
@@ -20,7 +21,6 @@ from executor.service.codec import (
     tensor_from_proto,
     tensor_to_proto,
 )
-from executor.step.outputs import ForwardOutput, StepStats
 from model_executor.v1 import executor_pb2 as pb
 
 

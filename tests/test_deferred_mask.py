@@ -13,8 +13,8 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient, ForwardSession
-from executor.controls.types import DeferredMask, VocabMask
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import DeferredMask, VocabMask
+from executor.core.forward_batch import ForwardBatch
 from executor.service.codec import batch_to_proto, tensor_to_proto
 from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb

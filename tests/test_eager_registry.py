@@ -21,8 +21,8 @@ from executor.batch_prep import (
     make_extend_batch,
     make_idle_batch,
 )
-from executor.eager_inputs import EAGER_DECODE, EAGER_EXTEND
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.names import EAGER_DECODE, EAGER_EXTEND
 from executor.model_executor import ModelExecutor
 from registry import FillStats
 from tests.random_batches import BatchGenerator

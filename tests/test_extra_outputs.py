@@ -14,9 +14,9 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.config import ExecutorConfig
-from executor.errors import BatchTooLargeError
-from executor.extras.types import HiddenAsk, Pooling, RowOutputs
-from executor.forward_batch import ForwardBatch
+from executor.core.errors import BatchTooLargeError
+from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from tests.server_util import running_server
 from tests.test_model_families import SMALL, _randomize
@@ -254,8 +254,8 @@ def test_oversized_asks_are_refused_and_asking_nothing_costs_nothing(
 
 
 def test_the_retry_memory_is_bounded_in_bytes() -> None:
+    from executor.core.outputs import ForwardOutput
     from executor.service.applied_batches import AppliedBatches, output_bytes
-    from executor.step.outputs import ForwardOutput
 
     memory = AppliedBatches(10, max_bytes=1000)
     big = ForwardOutput(next_token_ids=torch.zeros(100, dtype=torch.int64))  # 800 bytes

@@ -12,11 +12,11 @@ import pytest
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.errors import FaultInjector
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.errors import FaultInjector
+from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
-from executor.step.outputs import ForwardOutput
 from tests.server_util import running_server, tiny_config
 from tests.state_util import state_digest
 

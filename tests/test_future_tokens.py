@@ -18,12 +18,12 @@ from executor.client.allocator import FutureSlotAllocator, OutOfCapacityError
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
-from executor.errors import BatchValidationError, FaultInjector, InjectedFault
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.errors import BatchValidationError, FaultInjector, InjectedFault
+from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.outputs import ForwardOutput
 from executor.graphs.capture_rules import HostReadGuard
 from executor.model_executor import ModelExecutor
 from executor.service.codec import batch_from_proto, batch_to_proto
-from executor.step.outputs import ForwardOutput
 from ops.future_tokens import (
     resolve_future_tokens,
     resolve_future_tokens_reference,

@@ -13,7 +13,7 @@ import pytest
 from executor.batch_prep import make_idle_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
-from executor.errors import BatchValidationError
+from executor.core.errors import BatchValidationError
 from executor.model_executor import ModelExecutor
 from executor.service.codec import tensor_from_proto
 from model_executor.v1 import executor_pb2 as pb

@@ -20,8 +20,8 @@ import torch
 
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
-from executor.errors import ToggleRefusedError
-from executor.forward_batch import SamplingParams
+from executor.core.errors import ToggleRefusedError
+from executor.core.forward_batch import SamplingParams
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
 from executor.kv_cache import ReqToTokenPool

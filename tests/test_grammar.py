@@ -16,7 +16,7 @@ import torch
 from executor.client.grammar import Grammars
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import ReferenceScheduler
-from executor.controls.types import mask_words
+from executor.core.controls_types import mask_words
 from executor.models.tokenizer import Tokenizer, byte_tokenizer
 from executor.service.server import RunningServer
 from ops.logit_controls import unpack_bitmask
@@ -147,7 +147,7 @@ def test_json_schema_generation_through_grpc_parses_and_validates(server: Runnin
 def test_grammar_and_controls_together_in_process(make_executor: Any) -> None:
     """In-process (an `InlinePipe` of the executor's forward): the mask rides in the batch,
     and a request without a schema shares the batch unmasked, with its controls applied."""
-    from executor.controls.types import SamplingControls
+    from executor.core.controls_types import SamplingControls
 
     executor = make_executor()
     tok = byte_tokenizer(executor.info.vocab_size, 1, (2,))
@@ -169,7 +169,7 @@ def test_grammar_and_controls_together_in_process(make_executor: Any) -> None:
 
 def test_generate_flags_parse_into_sampling_controls() -> None:
     from executor.client.cli import build_parser, sampling_controls
-    from executor.controls.types import SamplingControls
+    from executor.core.controls_types import SamplingControls
 
     parser = build_parser()
     args = parser.parse_args(

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.errors import ToggleRefusedError
-from executor.forward_batch import ForwardBatch
+from executor.core.errors import ToggleRefusedError
+from executor.core.forward_batch import ForwardBatch
 from executor.graphs.graph import CpuGraph, GraphCaptureError
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor

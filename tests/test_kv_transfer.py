@@ -21,7 +21,7 @@ from executor.client.disaggregated import DisaggregatedScheduler, TransferFailed
 from executor.client.grpc_client import ExecutorClient
 from executor.client.kv_client import ExportedKV, PushSpec, slot_runs
 from executor.client.scheduler import ReferenceScheduler, generate
-from executor.errors import BatchValidationError, KVChecksumError
+from executor.core.errors import BatchValidationError, KVChecksumError
 from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
 from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.model_executor import ModelExecutor

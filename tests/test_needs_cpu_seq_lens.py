@@ -18,7 +18,7 @@ from executor.batch_prep import (
     make_idle_batch,
 )
 from executor.config import ExecutorConfig
-from executor.graphs.buckets import length_bound
+from executor.core.buckets import length_bound
 from executor.model_executor import ModelExecutor
 from tests.attention_cases import make_case, make_layout
 
@@ -32,7 +32,7 @@ class Policy:
 
 
 def _backends() -> tuple[AttentionBackend, AttentionBackend]:
-    from executor.forward_batch import ForwardMode
+    from executor.core.forward_batch import ForwardMode
 
     case = make_case(ForwardMode.DECODE, [1], [1], make_layout(4, 2, 32))
     args = (case.layout, case.req_to_token_pool, case.kv_pool)

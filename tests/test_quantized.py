@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, resolve_device
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel

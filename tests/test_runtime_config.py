@@ -15,8 +15,8 @@ import executor.observability.logs
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client import cli
 from executor.client.grpc_client import ExecutorClient
-from executor.errors import RuntimeConfigError, ToggleRefusedError
-from executor.forward_batch import ForwardBatch
+from executor.core.errors import RuntimeConfigError, ToggleRefusedError
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.service.auth import TokenCheck, read_token
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate, parse_assignments
@@ -425,9 +425,9 @@ def test_cli_sends_the_token_from_its_file(
 
 
 def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
+    from executor.core.names import GraphMode, Path, SeqLensPolicy
+    from executor.core.toggles import CaptureState, Toggles
     from executor.service import info_codec as codec
-    from executor.step.paths import GraphMode, Path, SeqLensPolicy
-    from executor.step.toggles import CaptureState, Toggles
 
     assert [str(p) for p in Path] == ["eager", "eager_no_copy", "full_graph", "piecewise"]
     assert set(codec._GRAPH_MODE) == set(GraphMode)

@@ -22,11 +22,11 @@ from attention import TorchNativeBackend, TorchPagedBackend, TritonAttnBackend
 from attention.base import AttentionBackend, AttentionLayout, LayerAttention
 from attention.sdpa import soft_cap
 from executor.client.scheduler import generate
-from executor.forward_batch import ForwardBatch, ForwardMode
-from executor.graphs.buckets import kv_bucket
+from executor.core.buckets import kv_bucket
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.outputs import ForwardOutput
 from executor.graphs.capture_rules import HostReadGuard
 from executor.model_executor import ModelExecutor
-from executor.step.outputs import ForwardOutput
 from tests.attention_cases import Case, make_case
 from tests.test_attention_backends import padded_decode_view
 

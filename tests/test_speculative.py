@@ -13,9 +13,9 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.controls.types import RowControl, SamplingControls
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.core.controls_types import RowControl, SamplingControls
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.speculative.ngram import ngram_lookup, ngram_lookup_reference
 from executor.speculative.verify import verify_drafts

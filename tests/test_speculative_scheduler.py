@@ -18,9 +18,9 @@ from executor.client.speculation import (
     SpeculationPolicy,
     fit_draft_lens,
 )
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingParams
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingParams
+from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
-from executor.step.outputs import ForwardOutput
 
 MakeExecutor = Callable[..., ModelExecutor]
 # tiny-random's greedy continuations of these fall into repeats within 30 tokens (a run of

@@ -13,8 +13,8 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.config import ExecutorConfig
-from executor.controls.types import SamplingControls
-from executor.forward_batch import SamplingParams
+from executor.core.controls_types import SamplingControls
+from executor.core.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.hf_loader import lazy_safetensors
@@ -273,7 +273,7 @@ def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
     the replicated hidden states and the gathered logits."""
     import dataclasses
 
-    from executor.extras.types import HiddenAsk, Pooling, RowOutputs
+    from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
 
     fb = make_extend_batch(
         input_ids=[[5, 6, 7, 8], [9, 10]],

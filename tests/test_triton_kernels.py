@@ -22,8 +22,8 @@ from attention import TorchNativeBackend, TritonAttnBackend
 from attention.base import AttentionLayout
 from attention.triton.backend import TritonDecodeMetadata
 from executor.client.scheduler import generate
-from executor.forward_batch import ForwardBatch, ForwardMode
-from executor.graphs.buckets import length_bound
+from executor.core.buckets import length_bound
+from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.model_executor import ModelExecutor
 from ops.device_scope import device_scope
 from tests.attention_cases import Case, make_case, make_layout, run

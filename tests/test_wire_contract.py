@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
 from executor.service.codec import batch_to_proto
 from executor.service.server import DRAIN_MARGIN_S, SERVICE_NAME, RunningServer
-from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import Scrape, running_server, tiny_config
@@ -481,7 +481,7 @@ def test_top_logprobs_num_is_capped_and_the_cap_is_in_get_info(tmp_path: Path) -
 
 
 def test_a_tiny_temperature_is_greedy(tmp_path: Path) -> None:
-    from executor.forward_batch import SamplingParams
+    from executor.core.forward_batch import SamplingParams
     from executor.model_executor import ModelExecutor
 
     ex = ModelExecutor(tiny_config(tmp_path))

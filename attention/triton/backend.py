@@ -30,7 +30,7 @@ from attention.triton import launch
 from ops.device_scope import check_device
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 

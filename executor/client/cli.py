@@ -198,7 +198,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     """One JSON line per text: its pooled embedding."""
-    from executor.extras.types import Pooling
+    from executor.core.extras_types import Pooling
 
     texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with ExitStack() as stack:

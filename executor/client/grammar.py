@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from executor.controls.types import VocabMask, mask_words
+from executor.core.controls_types import VocabMask, mask_words
 from executor.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

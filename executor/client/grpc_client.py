@@ -31,9 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.client.allocator import FutureSlotAllocator
 from executor.client.kv_client import KVClient
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
-from executor.controls.types import VocabMask
-from executor.extras.types import Pooling
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import VocabMask
+from executor.core.extras_types import Pooling
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput
+from executor.info import ExecutorInfo
 from executor.service.codec import (
     batch_to_proto,
     info_from_proto,
@@ -43,7 +45,6 @@ from executor.service.codec import (
     tensor_to_proto,
 )
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.step.outputs import ExecutorInfo, ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

@@ -17,13 +17,13 @@ from typing import Generic, TypeVar
 import torch
 
 from attention.base import AttentionBackend
-from executor.forward_batch import ForwardBatch
-from executor.graphs.buckets import pad_to_bucket
+from executor.core.buckets import pad_to_bucket
+from executor.core.forward_batch import ForwardBatch
+from executor.core.runner_output import RunnerOutput
 from executor.graphs.capture import CaptureReport, capture_buckets
 from executor.graphs.graph import GraphFactory
 from executor.models.decoder_model import DecoderModel
 from executor.parallel.agreement import agree_on_capture
-from executor.runner_output import RunnerOutput
 from registry import BufferRegistry, FillStats
 
 CapturedT = TypeVar("CapturedT")

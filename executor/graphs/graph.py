@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from executor.core.names import GRAPH_BACKENDS
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from ops.device_scope import check_device
 
@@ -243,9 +244,6 @@ class CudaGraph(Graph):
         self._graph.replay()
 
 
-GRAPH_BACKEND_NAMES = ("cuda", "compiled", "compiled_step", "standin")
-
-
 class GraphFactory:
     """Makes graphs of one backend for one device: `cuda` (every graph shares one memory pool
     and one capture stream, captured largest first so smaller graphs reuse the larger ones'
@@ -261,9 +259,9 @@ class GraphFactory:
         compiled: Callable[[], AbstractContextManager[object]] = nullcontext,
         stop: threading.Event | None = None,
     ) -> None:
-        if backend not in GRAPH_BACKEND_NAMES:
+        if backend not in GRAPH_BACKENDS:
             raise ValueError(
-                f"graph backend must be one of {', '.join(GRAPH_BACKEND_NAMES)}, got {backend!r}"
+                f"graph backend must be one of {', '.join(GRAPH_BACKENDS)}, got {backend!r}"
             )
         if backend == "cuda" and device.type != "cuda":
             raise ValueError(f"graph backend 'cuda' needs a CUDA device, got {device}")

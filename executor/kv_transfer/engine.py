@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from executor.controls.slot_tokens import UNKNOWN, SlotTokens
-from executor.errors import BatchValidationError, KVStateError
+from executor.core.errors import BatchValidationError, KVStateError
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.layout import ChunkSpec, KVLayout, KVTransferLimits
 from executor.kv_transfer.staging import ImportHeader, ImportStaging

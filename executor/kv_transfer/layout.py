@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.core.errors import BatchTooLargeError, BatchValidationError
 
 KINDS = ("k", "v")
 DEFAULT_CHUNK_BYTES = 4 << 20  # under every gRPC message limit, large enough to stream fast

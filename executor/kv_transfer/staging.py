@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError, KVChecksumError
+from executor.core.errors import BatchTooLargeError, BatchValidationError, KVChecksumError
 from executor.kv_transfer.layout import (
     KVLayout,
     KVTransferLimits,

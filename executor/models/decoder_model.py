@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.forward_batch import ForwardMode
+from executor.core.forward_batch import ForwardMode
 from executor.models.blocks import DecoderLayer, LayerBuild, LayerFns
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
@@ -41,7 +41,7 @@ from ops.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from attention.base import AttentionBackend
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
 
 
 @dataclass

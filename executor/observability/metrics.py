@@ -29,7 +29,8 @@ from prometheus_client import (
 )
 
 from executor.config import RUNTIME_GRAPH_MODES
-from executor.controls.types import CONTROL_ROWS
+from executor.core.controls_types import CONTROL_ROWS
+from executor.core.names import FILL_REGISTRIES, MODES, Path
 from executor.observability.scrape_metrics import PREFIX, LiveSources, ScrapeTimeCollector
 from executor.observability.single_writer_metrics import (
     CounterChild,
@@ -41,12 +42,11 @@ from executor.observability.single_writer_metrics import (
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from executor.core.outputs import StepStats
+    from executor.info import ExecutorInfo
     from executor.service.runtime_config import RuntimeConfig
-    from executor.step.outputs import ExecutorInfo, StepStats
 
-PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")
-MODES = ("decode", "extend", "idle", "verify")
-FILL_REGISTRIES = ("eager_decode", "eager_extend", "graph_decode", "graph_extend")
+PATHS = tuple(Path)  # the `path` label's values
 # 100 us .. 10 s: a CPU decode step of a tiny model is ~1 ms, a long prefill seconds.
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -78,7 +78,7 @@ class _FillSeries:
 class ExecutorMetrics:
     """One server's metrics: its registry, the recording calls, and its `/metrics` endpoint.
 
-    Implements `executor.observer.ExecutorObserver` (graph captures and fallbacks).
+    Implements `executor.core.observer.ExecutorObserver` (graph captures and fallbacks).
     """
 
     def __init__(self) -> None:

@@ -18,9 +18,9 @@ from collections import OrderedDict
 
 import torch
 
-from executor.errors import BatchValidationError
+from executor.core.errors import BatchValidationError
+from executor.core.outputs import ForwardOutput
 from executor.service.codec import BATCH_TENSOR_FIELDS
-from executor.step.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 
 # The fields that decide what a batch writes into the KV cache and which tokens it feeds

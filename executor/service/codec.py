@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.core.errors import BatchTooLargeError, BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.core.limits import BatchLimits
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.service.controls_codec import (
     add_controls_to_proto,
     check_control_claims,
@@ -37,13 +39,7 @@ from executor.service.info_codec import (  # re-exported: GetInfo and the toggle
     runtime_update_from_proto,
     runtime_update_to_proto,
 )
-from executor.step.outputs import ForwardOutput, StepStats
-from executor.validation import (
-    INPUT_EMBEDS_OFF,
-    BatchLimits,
-    check_request_count,
-    check_token_count,
-)
+from executor.validation import INPUT_EMBEDS_OFF, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
 
 # bytes are immutable; torch.frombuffer warns that its tensor could write into them. The

@@ -27,11 +27,11 @@ from typing import Any
 
 import structlog
 
-from executor.errors import BatchValidationError
+from executor.core.errors import BatchValidationError
+from executor.core.limits import BatchLimits
 from executor.service.codec import tensor_from_proto
 from executor.service.controls_codec import check_mask_claim, mask_from_proto
 from executor.service.device_worker import Job
-from executor.validation import BatchLimits
 
 log = structlog.get_logger(__name__)
 

@@ -39,13 +39,13 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
 from executor.service.watchdog import RunningStep, is_sticky_device_error
 from executor.step.clock import StepClock
-from executor.step.outputs import ForwardOutput, StepStats
 
 log = structlog.get_logger(__name__)
 

@@ -23,7 +23,7 @@ import numpy as np
 import structlog
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.kv_transfer.engine import ImportResult, KVTransfer
 from executor.kv_transfer.layout import ChunkSpec, check_runs, checksum, expand_runs, plan_chunks
 from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
-from executor.errors import StartupCancelled
+from executor.core.errors import StartupCancelled
 from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config

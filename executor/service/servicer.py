@@ -39,10 +39,8 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from executor.errors import (
-    BatchValidationError,
-    FaultInjector,
-)
+from executor.core.errors import BatchValidationError, FaultInjector
+from executor.core.outputs import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
 from executor.service.admission import ByteBudget, CallLimit, CapacityError, StreamIdleError
@@ -67,7 +65,6 @@ from executor.service.kv_handlers import KVHandlers
 from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl
 from executor.service.status import NotServingError, abort
-from executor.step.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 

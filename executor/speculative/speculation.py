@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from executor.controls.slot_tokens import SlotTokens
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.limits import BatchLimits
+from executor.core.outputs import ForwardOutput
 from executor.speculative.ngram import Drafter, NgramDrafter
 from executor.speculative.verify import verify_drafts
-from executor.step.outputs import ForwardOutput
-from executor.validation import BatchLimits
 from ops.future_tokens import resolve_future_tokens
 from ops.host_transfer import to_host
 from ops.sampling import SamplingPlan

@@ -1,6 +1,6 @@
 """`GraphControl`: the runtime toggles and graph capture, changed between two steps.
 
-It is the only writer of :class:`executor.step.toggles.Toggles`. Every change is checked first
+It is the only writer of :class:`executor.core.toggles.Toggles`. Every change is checked first
 and refused with `ToggleRefusedError` (nothing changed) when the executor cannot honour it;
 then it is applied whole. A graph mode that needs a capture captures now, or with
 `background` on a thread of its own, bucket by bucket under the step lock, while steps keep
@@ -21,16 +21,16 @@ import torch
 from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
 from executor.config import ExecutorConfig, background_graph_mode, resolve_graph_mode
-from executor.errors import ToggleRefusedError
+from executor.core.errors import ToggleRefusedError
+from executor.core.names import GraphMode, SeqLensPolicy
+from executor.core.observer import ExecutorObserver
+from executor.core.toggles import CaptureState, SeqLensQuestion, Toggles
 from executor.graphs.capture import CaptureReport
+from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
-from executor.observer import ExecutorObserver
 from executor.parallel import broadcast
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
-from executor.step.outputs import SettingChoice
-from executor.step.paths import GraphMode, SeqLensPolicy
-from executor.step.toggles import CaptureState, SeqLensQuestion, Toggles
 from ops.device_scope import device_scope, on_own_device
 
 log = structlog.get_logger(__name__)

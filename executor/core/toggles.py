@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from executor.step.paths import GraphMode, SeqLensPolicy
+from executor.core.names import GraphMode, SeqLensPolicy
 
 
 class CaptureState(StrEnum):

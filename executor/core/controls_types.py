@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.errors import BatchValidationError
+from executor.core.errors import BatchValidationError
 
 MASK_BITS = 32  # tokens per vocab-mask word
 # What ForwardStats.control_rows counts, by name.

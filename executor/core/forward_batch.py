@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from executor.controls.types import DeferredMask, RowControl, VocabMask
-from executor.errors import BatchValidationError
-from executor.extras.types import RowOutputs
+from executor.core.controls_types import DeferredMask, RowControl, VocabMask
+from executor.core.errors import BatchValidationError
+from executor.core.extras_types import RowOutputs
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
