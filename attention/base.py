@@ -150,7 +150,16 @@ class AttentionBackend(ABC):
         self, md: Any, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None
     ) -> None:
         """Write this step's runtime values into a bucket's bound buffers, in place; from
-        device data only when `needs_cpu_seq_lens` is False."""
+        device data only when `needs_cpu_seq_lens` is False. A DECODE graph's values are
+        its rows and lengths (`fill_decode_metadata`); a backend whose graphs read more
+        overrides this."""
+        self.fill_decode_metadata(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
+
+    def fill_decode_metadata(
+        self, md: Any, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Fill `md` for `bs` DECODE rows from device data only, in place (shared by eager,
+        capture and replay)."""
         raise GraphCaptureUnsupportedError(
             f"attention backend {self.name!r} does not support graph capture"
         )
