@@ -40,7 +40,7 @@ from executor.core.forward_batch import ForwardBatch
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
-from executor.core.toggles import SeqLensQuestion, Toggles
+from executor.core.toggles import Toggles
 from executor.future_tokens import FutureTokenTable
 from executor.graphs.settings import graph_settings
 from executor.info import ExecutorInfo, SettingChoice
@@ -173,7 +173,7 @@ class ModelExecutor:
             seq_lens_policy=policy,
             # Raises ValueError (start-up) if needs_cpu_seq_lens=off contradicts a backend or path.
             needs_cpu_seq_lens=decide_needs_cpu_seq_lens(
-                SeqLensQuestion.of(policy, graph_mode), [self.attn_backend]
+                policy, [self.attn_backend], piecewise_mode=graph_mode.piecewise_mode
             ),
             eager_input_no_copy=config.eager_input_no_copy,
         )

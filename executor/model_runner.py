@@ -23,7 +23,7 @@ from attention.base import AttentionBackend
 from executor.core.extras_types import hidden_layers
 from executor.core.forward_batch import ForwardBatch
 from executor.core.names import GraphMode, Path
-from executor.core.runner_output import RunnerOutput
+from executor.core.runner_output import GraphFallback, RunnerOutput
 from executor.core.toggles import Toggles
 from executor.eager_inputs import EagerInputs
 from executor.graphs.capture import CaptureReport
@@ -173,26 +173,22 @@ class ModelRunner:
         if captured.piecewise is not None:
             self.piecewise = captured.piecewise
 
-    def _graph_path(self, fb: ForwardBatch) -> tuple[RunnerOutput | None, str | None]:
-        """(output, None) if a graph path ran; (None, "kind:reason") if one was wanted but
-        could not run; (None, None) if graphs are off for this batch's mode."""
+    def _graph_path(self, fb: ForwardBatch) -> tuple[RunnerOutput | None, GraphFallback | None]:
+        """(output, None) if a graph path ran; (None, why) if one was wanted but could not
+        run; (None, None) if graphs are off for this batch's mode."""
         mode = self.toggles.graph_mode
         if fb.forward_mode.is_decode() and mode.decode_graphs:
             if self.decode_graphs is None:
-                return None, "decode:backend_unsupported"
+                return None, GraphFallback("decode", "backend_unsupported")
             reason = self.decode_graphs.fallback_reason(fb)
-            return (
-                (self.decode_graphs.replay(fb), None)
-                if reason is None
-                else (None, f"decode:{reason}")
-            )
+            if reason is not None:
+                return None, GraphFallback("decode", reason)
+            return self.decode_graphs.replay(fb), None
         if fb.forward_mode.is_extend() and mode.piecewise and self.piecewise is not None:
             reason = self.piecewise.fallback_reason(fb)
-            return (
-                (self.piecewise.replay(fb), None)
-                if reason is None
-                else (None, f"piecewise:{reason}")
-            )
+            if reason is not None:
+                return None, GraphFallback("piecewise", reason)
+            return self.piecewise.replay(fb), None
         return None, None
 
     # --- one step ------------------------------------------------------------------------
@@ -207,9 +203,9 @@ class ModelRunner:
         if layers:  # named layers' streams are recorded on the eager path only
             mode = self.toggles.graph_mode
             if fb.forward_mode.is_decode() and mode.decode_graphs:
-                fallback = "decode:hidden_layers"
+                fallback = GraphFallback("decode", "hidden_layers")
             elif fb.forward_mode.is_extend() and mode.piecewise:
-                fallback = "piecewise:hidden_layers"
+                fallback = GraphFallback("piecewise", "hidden_layers")
         out = self._eager(fb, layers)
         out.graph_fallback = fallback
         return out

@@ -17,6 +17,7 @@ from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, resolve_graph_backend
 from executor.core.buckets import kv_bucket
+from executor.core.runner_output import GraphFallback
 from executor.graphs.graph import CompiledGraph, GraphFactory, StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
@@ -91,7 +92,10 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         if n <= 16:
             assert b.stats.path == "piecewise", n
         else:
-            assert (b.stats.path, b.stats.graph_fallback) == ("eager", "piecewise:batch_too_large")
+            assert (b.stats.path, b.stats.graph_fallback) == (
+                "eager",
+                GraphFallback("piecewise", "batch_too_large"),
+            )
         assert a.logits is not None and b.logits is not None
         assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, n
         assert torch.equal(a.next_token_ids, b.next_token_ids), n
@@ -113,7 +117,10 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         if bs <= 4:
             assert (b.stats.path, b.stats.padded_batch_size) == ("full_graph", 4 if bs == 3 else bs)
         else:
-            assert (b.stats.path, b.stats.graph_fallback) == ("eager", "decode:batch_too_large")
+            assert (b.stats.path, b.stats.graph_fallback) == (
+                "eager",
+                GraphFallback("decode", "batch_too_large"),
+            )
         assert a.logits is not None and b.logits is not None
         assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, bs
         assert torch.equal(a.next_token_ids, b.next_token_ids), bs

@@ -22,6 +22,7 @@ from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
 from executor.core.errors import ToggleRefusedError
 from executor.core.forward_batch import SamplingParams
+from executor.core.runner_output import GraphFallback
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
 from executor.kv_cache import ReqToTokenPool
@@ -196,7 +197,10 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     out = ex.forward(
         make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[6])
     )
-    assert (out.stats.path, out.stats.graph_fallback) == ("eager", "decode:capture_poisoned")
+    assert (out.stats.path, out.stats.graph_fallback) == (
+        "eager",
+        GraphFallback("decode", "capture_poisoned"),
+    )
     # No later pass captures anything on this factory.
     again = ex.runner.decode_graphs
     assert again is not None

@@ -16,6 +16,7 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.core.errors import ToggleRefusedError
 from executor.core.forward_batch import ForwardBatch
+from executor.core.runner_output import GraphFallback
 from executor.graphs.graph import CpuGraph, GraphCaptureError
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor
@@ -133,7 +134,9 @@ def test_100_random_steps_match_eager_on_graph_paths(make_executor: MakeExecutor
     assert gen.kinds["chunk"] and gen.kinds["shared_prefix"], (
         gen.kinds
     )  # chunked prefill, shared prefixes
-    assert "piecewise:input_embeds" in fallbacks, fallbacks  # embeds batches run eagerly
+    assert GraphFallback("piecewise", "input_embeds") in fallbacks, (
+        fallbacks
+    )  # embeds batches run eagerly
     # Real slots hold the same K/V (slot 0, the padding sink, is written only by graph paths).
     for a_kv, b_kv in ((eager.kv_pool.k, graph.kv_pool.k), (eager.kv_pool.v, graph.kv_pool.v)):
         assert float((a_kv[:, 1:] - b_kv[:, 1:]).abs().max()) <= LOGIT_TOL
@@ -220,8 +223,8 @@ def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
         a = reference.forward(fb, return_logits=True)
         b = ex.forward(fb, return_logits=True)
         assert b.stats.path == "eager" and b.stats.graph_fallback in (
-            "piecewise:capture_poisoned",
-            "decode:capture_poisoned",
+            GraphFallback("piecewise", "capture_poisoned"),
+            GraphFallback("decode", "capture_poisoned"),
         )
         assert torch.equal(a.logits, b.logits)
 
@@ -292,11 +295,11 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
         seq_lens=[3, 3, 3],
         out_cache_loc=[20, 21, 22],
     )
-    assert ex.forward(big).stats.graph_fallback == "decode:batch_too_large"
+    assert ex.forward(big).stats.graph_fallback == GraphFallback("decode", "batch_too_large")
     long = make_extend_batch(
         input_ids=[[1] * 6], req_pool_indices=[4], out_cache_loc=[list(range(30, 36))]
     )
-    assert ex.forward(long).stats.graph_fallback == "piecewise:batch_too_large"
+    assert ex.forward(long).stats.graph_fallback == GraphFallback("piecewise", "batch_too_large")
     native = make_executor(
         attention_backend="torch_native", graph_mode="decode", graph_batch_sizes="1,2"
     )
@@ -305,7 +308,10 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
     out = native.forward(
         make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[9])
     )
-    assert (out.stats.path, out.stats.graph_fallback) == ("eager", "decode:backend_unsupported")
+    assert (out.stats.path, out.stats.graph_fallback) == (
+        "eager",
+        GraphFallback("decode", "backend_unsupported"),
+    )
 
 
 def test_graph_mode_switches_at_runtime_and_refuses_what_it_cannot_honour(

@@ -40,6 +40,12 @@ class GraphMode(StrEnum):
         """EXTEND batches run the piecewise graphs when they fit a bucket."""
         return self in (GraphMode.EXTEND, GraphMode.BOTH)
 
+    @property
+    def piecewise_mode(self) -> str | None:
+        """This mode's name when it enables the piecewise path, else None (for
+        `attention.decide_needs_cpu_seq_lens`)."""
+        return self.value if self.piecewise else None
+
 
 class SeqLensPolicy(StrEnum):
     """The `needs_cpu_seq_lens` toggle as asked: whether batches carry the host lengths."""

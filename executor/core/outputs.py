@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.core.extras_types import ExtraOutputs
+from executor.core.runner_output import GraphFallback
 
 
 @dataclass
@@ -28,8 +29,8 @@ class StepStats:
     fill_tensors: int = 0
     fill_bytes: int = 0
     fill_copy_calls: int = 0
-    # Graph mode wanted a graph path but the step ran eagerly: "<kind>:<reason>".
-    graph_fallback: str | None = None
+    # Graph mode wanted a graph path but the step ran eagerly, and why.
+    graph_fallback: GraphFallback | None = None
     d2h_syncs: int = 0  # device-to-host transfers (ops.host_transfer.to_host) the step made
     # Host-to-device (ops.host_transfer.to_device): synchronizing uploads (pageable memory or
     # blocking), and asynchronous copies from the pinned staging buffer (1 per step).

@@ -24,7 +24,7 @@ from executor.config import ExecutorConfig, background_graph_mode, resolve_graph
 from executor.core.errors import ToggleRefusedError
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
-from executor.core.toggles import CaptureState, SeqLensQuestion, Toggles
+from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
 from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
@@ -131,7 +131,7 @@ class GraphControl:
         mode = self.toggles.graph_mode if graph_mode is None else GraphMode(graph_mode)
         try:
             return decide_needs_cpu_seq_lens(
-                SeqLensQuestion.of(SeqLensPolicy(policy), mode), [self.attn_backend]
+                SeqLensPolicy(policy), [self.attn_backend], piecewise_mode=mode.piecewise_mode
             )
         except ValueError as exc:
             raise ToggleRefusedError(str(exc)) from None

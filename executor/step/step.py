@@ -123,8 +123,7 @@ class Step:
         out.stats.accepted_drafts = sampled.accepted_drafts
         out.stats.accept_lengths = sampled.accept_lengths
         if ran.graph_fallback is not None:
-            kind, reason = ran.graph_fallback.split(":", 1)
-            self.observer.on_graph_fallback(kind, reason)
+            self.observer.on_graph_fallback(ran.graph_fallback.kind, ran.graph_fallback.reason)
         return out
 
     def admit(self, batch: ForwardBatch) -> Admitted:
