@@ -63,7 +63,7 @@ class ExecutorConfig:
 
     model: str = setting(
         "smollm2",
-        "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe|-gemma2], a .gguf file or a HF directory",
+        "model: smollm2, a tiny-random config (tiny-random, tiny-random-<family>: executor/models/tiny_random.py), a .gguf file or a HF directory",
     )
     model_sha256: str = setting(
         "",
