@@ -146,9 +146,15 @@ def _pytest(args: list[str], xml: Path, timeout_s: float) -> tuple[dict[str, int
         *args,
     ]
     print("$ " + " ".join(command[1:]), flush=True)
-    done = subprocess.run(
-        command, cwd=ROOT, timeout=timeout_s, check=False, capture_output=True, text=True
-    )
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, timeout=timeout_s, check=False, capture_output=True, text=True
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        print((out or "")[-6000:], flush=True)
+        counts = {"tests": 0, "failures": 0, "errors": 1, "skipped": 0, "passed": 0}
+        return counts, [f"ERROR: timed out after {timeout_s:.0f} s"]
     print(done.stdout[-6000:] + done.stderr[-2000:], flush=True)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     if xml.exists():
@@ -170,7 +176,11 @@ def gpu_tests(ctx: Context, out: Path) -> StageResult:
     parts, failed, lines = [], [], []
     t0 = time.perf_counter()
     for label, args, xml in runs:
-        counts, tail = _pytest(args, xml, budget - (time.perf_counter() - t0))
+        left = budget - (time.perf_counter() - t0)
+        if left < 10:
+            parts.append(f"{label}: not run (no time left)")
+            continue
+        counts, tail = _pytest(args, xml, left)
         parts.append(
             f"{label}: {counts['passed']} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
         )

@@ -55,7 +55,7 @@ def compile_isolated(
     skip_guards = getattr(torch.compiler, "skip_all_guards_unsafe", None)
     if skip_guards is not None:
         kwargs["options"] = {"guard_filter_fn": skip_guards}
-    return torch.compile(fn, **kwargs)  # type: ignore[no-any-return]
+    return torch.compile(fn, **kwargs)
 
 
 def raise_recompile_limits(per_code: int, accumulated: int) -> None:
