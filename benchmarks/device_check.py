@@ -123,9 +123,9 @@ def preflight(ctx: Context) -> StageResult:
     if ctx.cuda:
         p = torch.cuda.get_device_properties(ctx.device)
         device += f", {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
-    lines += [f"- device: {device}", f"- {n}^3 {str(dtype)[6:]} matmul: {gflops:,.0f} GFLOP/s"]
+    lines += [f"- device: {device}", f"- {n}^3 {str(dtype)[6:]} matmul: {gflops:,.3g} GFLOP/s"]
     lines += [f"- {f}" for f in failures]
-    figures = f"{device}; triton {versions['triton']}; {n}^3 matmul {gflops:,.0f} GFLOP/s"
+    figures = f"{device}; triton {versions['triton']}; {n}^3 matmul {gflops:,.3g} GFLOP/s"
     if failures:
         figures += f"; {failures[0]}"
     return StageResult("FAIL" if failures else "PASS", figures, lines, versions)
