@@ -50,10 +50,11 @@ test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # On a CUDA machine that has torch (and triton): every CUDA path checked against eager, the
-# kernels against float64, latencies, graph memory; one table (docs/gpu.md). No venv, no
-# network: it uses that machine's python3, plus the wheels of `.whl/` where they are there.
+# kernels against float64, latencies, graph memory; one table (docs/gpu.md). Nothing is
+# installed and nothing downloaded: it runs this checkout's .venv where one exists, else the
+# machine's python3, plus the wheels of `.whl/` where they are there.
 gpu-check:
-	bash benchmarks/device_check.sh
+	PYTHON="$${PYTHON:-$$(test -x $(PY) && echo $(PY) || echo $(PYTHON))}" bash benchmarks/device_check.sh
 
 # The wheels the GPU check needs beyond a GPU machine's preinstalled stack, into .whl/
 # (git-ignored; the device tool carries it). Fails if they and the tracked tree pass 60 MiB.
