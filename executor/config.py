@@ -314,7 +314,15 @@ def resolve_device(config: ExecutorConfig, local_rank: int = 0) -> torch.device:
         )
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+        build = f"torch {torch.__version__}" + (
+            f" (CUDA {torch.version.cuda}) sees no GPU: check the pod's GPU limit, its runtime "
+            "class and CUDA_VISIBLE_DEVICES"
+            if torch.version.cuda
+            else " is a CPU-only build"
+        )
+        raise ValueError(
+            f"device {config.device!r} was asked for but CUDA is not available: {build}"
+        )
     if device.type == "cuda":
         count = torch.cuda.device_count()
         index = (0 if device.index is None else device.index) + local_rank

@@ -99,25 +99,6 @@ def test_extra_outputs_benchmark_times_every_ask_and_builds_plain_steps(cache_di
     assert ex.req_to_token_pool.rows_in_use() == 0
 
 
-def test_gpu_check_reports_each_step_and_refuses_to_pretend_without_a_gpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import sys
-
-    import torch
-
-    from benchmarks import gpu_check
-
-    ok = gpu_check.run_step("echo", [sys.executable, "-c", "print('fine')"], timeout_s=30)
-    bad = gpu_check.run_step("fail", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30)
-    text = gpu_check.report([ok, bad], "test device")
-    assert "| echo | pass |" in text and "| fail | FAIL (3) |" in text and "fine" in text
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["gpu_check", "--report", str(tmp_path / "r.md")])
-    assert gpu_check.main() == 2
-    assert "No CUDA device" in (tmp_path / "r.md").read_text()
-
-
 def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path) -> None:
     """One prompt whose continuation repeats (drafts accepted), through gRPC: both modes ran,
     gave the same tokens (the benchmark checks), and the row has every figure."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -567,3 +568,21 @@ def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
     assert ex.control.wait_for_capture(30)
     assert (control.current().graph_mode, control.current().graph_capture) == ("extend", "idle")
     assert published[-1] == ("extend", "idle")  # the gauges follow when the capture ends
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_server_asked_for_cuda_without_a_gpu_refuses_to_start_and_says_why(
+    cache_dir: Path,
+) -> None:
+    """The chart's GPU pods name `cuda` (not `auto`): a pod that cannot see its GPU does not
+    start (`serve` prints the reason and exits; readiness never says SERVING) instead of
+    serving on the CPU."""
+    from executor.service.server import start_server
+    from executor.service.server_config import ServerConfig
+    from tests.server_util import tiny_config
+
+    with pytest.raises(ValueError, match="device 'cuda' was asked for but CUDA is not available"):
+        start_server(
+            tiny_config(cache_dir, device="cuda"),
+            ServerConfig(host="127.0.0.1", port=0, metrics_port=0),
+        )

@@ -231,7 +231,9 @@ def test_rendered_environment_is_the_configuration_the_executor_reads(everything
 def test_default_environment_keeps_the_executors_defaults(default: Rendered) -> None:
     env = _environment(default)
     cfg = settings.build(ExecutorConfig, env=env)
-    assert cfg.replace(model="smollm2", cache_dir="") == ExecutorConfig()
+    # but the device: a GPU pod (gpu.count 1) runs on cuda, never `auto`'s CPU fallback
+    assert cfg.device == "cuda"
+    assert cfg.replace(model="smollm2", cache_dir="", device="auto") == ExecutorConfig()
     assert settings.build(ServerConfig, env=env).drain_grace_s == 30.0
 
 
@@ -381,9 +383,22 @@ def test_host_path_model_an_existing_token_secret_and_a_cpu_pod() -> None:
     assert volumes["runtime-config-token"]["secret"]["secretName"] == "executor-token"
     assert not r.all("Secret")  # the existing one is used
     assert "nvidia.com/gpu" not in _container(r)["resources"]["limits"]
+    assert "MODEL_EXECUTOR_DEVICE" not in _environment(r)  # a CPU pod keeps `auto`
     assert "tolerations" not in pod
     for obj in r.objects:
         validate(obj, KUBE_VERSIONS[0])
+
+
+def test_a_gpu_pod_runs_on_cuda_or_fails_start_up(default: Rendered, everything: Rendered) -> None:
+    """`auto` would serve on the CPU where the pod cannot see its GPU: a GPU pod names cuda,
+    and the executor refuses to start (never ready) without one."""
+    env = _environment(default)
+    assert env["MODEL_EXECUTOR_DEVICE"] == "cuda"
+    assert settings.build(ExecutorConfig, env=env).device == "cuda"
+    assert _environment(everything)["MODEL_EXECUTOR_DEVICE"] == "cuda:0"  # the configured one
+    for device in ("auto", "cpu"):
+        with pytest.raises(Exception, match=f'config.device "{device}" with gpu.count 1'):
+            render({"config": {"device": device}})
 
 
 def test_service_and_service_monitor_agree(default: Rendered, everything: Rendered) -> None:

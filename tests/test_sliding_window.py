@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.core.outputs import ForwardOutput
 from executor.graphs.capture_rules import HostReadGuard
 from executor.model_executor import ModelExecutor
+from ops.device_scope import device_scope
 from tests.attention_cases import Case, make_case
 from tests.test_attention_backends import padded_decode_view
 
@@ -41,6 +42,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and (
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 Factory = Callable[[Case], AttentionBackend]
+
+
+@pytest.fixture(autouse=True)
+def _in_device_scope() -> Iterator[None]:
+    """The Triton backend checks that its CUDA device is current on the calling thread (as
+    the executor's device thread makes it); these tests drive backends directly, inside that
+    scope. (Executors make their own scope; the CPU backends check nothing.)"""
+    with device_scope(torch.device(TRITON_DEVICE)):
+        yield
 
 
 def _native(case: Case) -> AttentionBackend:

@@ -26,6 +26,7 @@ import torch
 
 from executor.core.names import GRAPH_BACKENDS
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
+from executor.graphs.compile_compat import compile_isolated, raise_recompile_limits
 from ops.device_scope import check_device
 
 WARMUP_RUNS = 2
@@ -166,15 +167,8 @@ class StepCompiledGraph(Graph):
 
     def capture(self, fn: Callable[[], None]) -> None:
         check_capture_rules(fn)  # eagerly, as the stand-in does
-        # The overload stubs of torch.compile lack `isolate_recompiles` (it exists in 2.13).
-        compiled = torch.compile(  # type: ignore[call-overload]
-            fn,
-            fullgraph=True,
-            dynamic=False,
-            isolate_recompiles=True,
-            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
-        )
         try:
+            compiled = compile_isolated(fn)
             compiled()  # compiles (or loads inductor's cached code)
         except torch.OutOfMemoryError as e:
             raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
@@ -304,11 +298,7 @@ class GraphFactory:
         instead of compiling it again."""
         if self.backend not in ("compiled", "compiled_step"):
             return
-        import torch._dynamo
-
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = cfg.recompile_limit + 2 * graphs
-        cfg.accumulated_recompile_limit = cfg.accumulated_recompile_limit + 4 * graphs
+        raise_recompile_limits(2 * graphs, 4 * graphs)
         if self.cache_dir is not None:
             # NOTE: process-wide; inductor reads it whenever it looks for a cached artifact.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir / "inductor")
