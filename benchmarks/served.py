@@ -69,7 +69,14 @@ def served(
         "--log-level", "warning", *flags,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(root), str(root / "proto"), os.getenv("PYTHONPATH")]))
-    environ = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    # Loopback: the benchmarks change runtime toggles without a token (an older tree's
+    # server, run side by side, ignores the variable).
+    environ = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "MODEL_EXECUTOR_OPERATOR_CALLS_OPEN": "1",
+        **(env or {}),
+    }
     t0 = time.perf_counter()
     process = subprocess.Popen(cmd, env=environ, cwd=root)
     client = ExecutorClient(f"127.0.0.1:{port}")
