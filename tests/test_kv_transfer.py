@@ -527,6 +527,59 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
 
 
+def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every credential on at once: mTLS, a call token and the KV plane's own token. The CLI
+    sends each where it belongs, A's push presents A's certificate and the KV token, and the
+    row B imports is the scheduler's (its decode steps are not another caller's)."""
+    from executor.client.cli import main
+
+    ca = TestCA(tmp_path, "fleet")
+    cert_a, cert_b = ca.issue("a", peer=True), ca.issue("b", peer=True)
+    sched = ca.issue("scheduler", client=True)
+    (tmp_path / "call").write_text("call-token-of-the-fleet\n")
+    (tmp_path / "kv").write_text("kv-token-of-the-fleet\n")
+    guarded = {
+        "tls_client_ca_file": str(ca.cert_file),
+        "call_token_file": str(tmp_path / "call"),
+        "kv_transfer": True,
+        "kv_token_file": str(tmp_path / "kv"),
+    }
+    cache = tmp_path / "cache"
+
+    def tls(cert: Issued) -> dict[str, str]:
+        return {"tls_cert_file": str(cert.cert_file), "tls_key_file": str(cert.key_file)}
+
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    with (
+        running_server(tiny_config(cache), **guarded, **tls(cert_b)) as b,  # type: ignore[arg-type]
+        running_server(
+            tiny_config(cache),
+            kv_peers=f"localhost:{b.port}",
+            **guarded,
+            **tls(cert_a),  # type: ignore[arg-type]
+        ) as a,
+    ):
+        args = ["generate", "hi", "there", "--max-new-tokens", "6", "--ignore-eos"]
+        args += ["--cache-dir", str(tmp_path), "--tls-ca-file", str(ca.cert_file)]
+        args += ["--tls-cert-file", str(sched.cert_file), "--tls-key-file", str(sched.key_file)]
+        args += ["--token-file", str(tmp_path / "call")]
+
+        def printed() -> str:
+            lines = capsys.readouterr().out.splitlines(keepends=True)
+            return "".join(line for line in lines if not re.match(r"\d{4}-\d\d-\d\d ", line))
+
+        assert main([*args, "--target", f"localhost:{a.port}"]) == 0
+        alone = printed()
+        split = ["--prefill-target", f"localhost:{a.port}", "--target", f"localhost:{b.port}"]
+        assert main([*args, *split]) == 1  # without the KV token the push is refused
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert main([*args, *split, "--kv-token-file", str(tmp_path / "kv")]) == 0
+        assert printed() == alone and "--- [1] length" in alone
+        assert b.executor is not None and b.executor.req_to_token_pool.rows_in_use() == 0
+
+
 def test_a_push_between_mtls_executors_uses_the_servers_own_identity(tmp_path: Path) -> None:
 
     ca, other = TestCA(tmp_path, "fleet"), TestCA(tmp_path, "other")

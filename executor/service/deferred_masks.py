@@ -19,16 +19,18 @@ Unary `Forward` refuses both halves (`refuse_on_unary`): a mask can only follow 
 the stream that carries it.
 
 While a batch waits for its mask it holds the device: every other caller's batches wait too.
-So each stream has a budget of device time it may spend waiting (`MaskWaitBudget`, a token
-bucket of `deferred_mask_budget_s` refilled at that much per 10 s: at most a tenth of the
-device): a wait is cut when the budget runs out (DEADLINE_EXCEEDED, nothing applied), and
-every wait is counted (`model_executor_deferred_mask_wait_seconds`).
+So each caller has a budget of device time its streams may spend waiting (`MaskWaitBudget`,
+a token bucket of `deferred_mask_budget_s` refilled at that much per 10 s: at most a tenth of
+the device; shared by the caller's streams, so a new stream brings no new budget): a wait is
+cut when the budget runs out (DEADLINE_EXCEEDED, nothing applied), and every wait is counted
+(`model_executor_deferred_mask_wait_seconds`, `..._waits_cut_total`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +126,35 @@ class MaskWaitBudget:
             self._refill()
             self._left = max(0.0, self._left - seconds)
         self._on_wait(seconds, cut)
+
+
+class MaskBudgets:
+    """Each caller identity's `MaskWaitBudget` (its streams share it), the most recently used
+    `capacity` kept; `budget_s` 0: none (only deferred_mask_timeout_s bounds a wait)."""
+
+    def __init__(
+        self,
+        budget_s: float,
+        on_wait: Callable[[float, bool], None] = _not_observed,
+        capacity: int = 1024,
+    ) -> None:
+        self.budget_s = budget_s
+        self._on_wait = on_wait
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._budgets: OrderedDict[str, MaskWaitBudget] = OrderedDict()
+
+    def get(self, caller: str) -> MaskWaitBudget | None:
+        if not self.budget_s:
+            return None
+        with self._lock:
+            budget = self._budgets.get(caller)
+            if budget is None:
+                budget = self._budgets[caller] = MaskWaitBudget(self.budget_s, self._on_wait)
+                while len(self._budgets) > self._capacity:
+                    self._budgets.popitem(last=False)
+            self._budgets.move_to_end(caller)
+            return budget
 
 
 class StreamMasks:

@@ -70,11 +70,11 @@ class PeerList:
                     raise ValueError(f"kv_peers: {entry!r} is not '*.domain:port'")
                 suffixes.add(("." + hp[0], hp[1]))
                 continue
+            if "*" in entry:
+                raise ValueError(f"kv_peers: {entry!r}: a wildcard is only '*.domain:port'")
             hp = _host_port(entry)
             if hp is not None:
                 exact.add(hp)
-            elif "*" in entry:
-                raise ValueError(f"kv_peers: {entry!r}: a wildcard is only '*.domain:port'")
             else:
                 verbatim.add(entry)
         return cls(frozenset(exact), frozenset(suffixes), frozenset(verbatim))

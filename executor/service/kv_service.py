@@ -63,6 +63,7 @@ log = structlog.get_logger(__name__)
 
 READ_AHEAD = 2  # chunk reads queued ahead of the one being sent
 DEFAULT_PUSH_TIMEOUT_S = 60.0
+PUSH_MARGIN_S = 0.25  # a transfer ends this long before its call's deadline, to answer
 PEER_SLOTS = 2**31 - 1  # a push's target slots: the peer checks them against its own cache
 
 
@@ -273,8 +274,8 @@ class KVService:
         t0 = time.perf_counter()
         progress = _PushProgress()
         timeout = t.timeout_s or DEFAULT_PUSH_TIMEOUT_S
-        if deadline is not None:
-            timeout = min(timeout, deadline.remaining())
+        if deadline is not None:  # ends before the call's own deadline cancels the call
+            timeout = max(0.0, min(timeout, deadline.remaining() - PUSH_MARGIN_S))
         tenants = worker.tenants
         try:
             tokens = worker.run_on_device(

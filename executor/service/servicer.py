@@ -55,7 +55,7 @@ from executor.service.codec import (
     runtime_update_from_proto,
 )
 from executor.service.deferred_masks import (
-    MaskWaitBudget,
+    MaskBudgets,
     StreamMasks,
     mask_never_came,
     refuse_on_unary,
@@ -107,7 +107,11 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         self.byte_budget = byte_budget or ByteBudget(0)
         self.queue_wait_s = queue_wait_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
-        self.deferred_mask_budget_s = deferred_mask_budget_s
+        # Each caller's device time for waiting on deferred masks, shared by its streams (a
+        # new stream does not bring a new budget).
+        self._mask_budgets = MaskBudgets(
+            deferred_mask_budget_s, telemetry.metrics.observe_deferred_mask_wait
+        )
         self.kv_calls = kv_calls or CallLimit(2, "KV data-plane calls", "max_kv_calls")
         self.kv_call_timeout_s = kv_call_timeout_s
         self.kv_chunk_timeout_s = kv_chunk_timeout_s
@@ -276,15 +280,9 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         # Jobs submitted but not yet answered (at most the window): a stream may live for
         # millions of steps, so answered jobs must not be kept.
         in_flight: deque[Job] = deque()
-        # Batches waiting for their deferred vocab mask, and the stream's wait budget.
-        masks = StreamMasks(
-            MaskWaitBudget(
-                self.deferred_mask_budget_s, self.telemetry.metrics.observe_deferred_mask_wait
-            )
-            if self.deferred_mask_budget_s
-            else None
-        )
         caller = self.access.identity(context)
+        # Batches waiting for their deferred vocab mask, and the caller's wait budget.
+        masks = StreamMasks(self._mask_budgets.get(caller))
 
         def cancel_pending() -> None:
             failed.set()
