@@ -320,16 +320,22 @@ def test_a_push_dials_only_its_kv_peers(
 
 
 def test_peer_lists_parse_and_match_exactly() -> None:
-    peers = PeerList.parse("exec-0.exec.llm.svc:50051, *.exec.llm.svc:50052, [::1]:7, unix:/run/p")
+    peers = PeerList.parse(
+        "exec-0.exec.llm.svc:50051, *.exec.llm.svc:50052, [::1]:7, unix:/run/p, "
+        "10.244.0.0/16:50051, [fd00::/8]:50051"
+    )
     field = "transfers[0].target"
     assert peers.admit("exec-0.exec.llm.svc:50051", field) == "exec-0.exec.llm.svc:50051"
     assert peers.admit("dns:///EXEC-0.exec.llm.svc:50051", field) == "exec-0.exec.llm.svc:50051"
     assert peers.admit("exec-9.exec.llm.svc:50052", field) == "exec-9.exec.llm.svc:50052"
     assert peers.admit("[::1]:7", field) == "[::1]:7" and peers.admit("unix:/run/p", field)
+    assert peers.admit("10.244.3.7:50051", field) == "10.244.3.7:50051"
+    assert peers.admit("[fd00::3]:50051", field) == "[fd00::3]:50051"
     for refused in (
         "exec-0.exec.llm.svc:50053", "exec.llm.svc:50052", "evil.svc:50052", "exec.llm.svc.evil:50052",
         "dns://8.8.8.8/exec-0.exec.llm.svc:50051", "unix:/run/other", "ipv4:127.0.0.1:7",
-        "exec-0.exec.llm.svc:50051/x",
+        "exec-0.exec.llm.svc:50051/x", "10.245.0.1:50051", "10.244.3.7:50052",
+        "10-244-3-7.pod:50051",
     ):  # fmt: skip
         with pytest.raises(PermissionError):
             peers.admit(refused, field)

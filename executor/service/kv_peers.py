@@ -5,6 +5,8 @@ channel exists (PERMISSION_DENIED), so the answer never tells what listens at a 
 address. Entries:
 - `host:port` (a DNS name or an IP literal, `[::1]:port` for IPv6): exactly that peer;
 - `*.domain:port`: any name under `domain` on that port (the pods of a headless Service);
+- `CIDR:port` (`10.244.0.0/16:50051`, `[fd00::/8]:50051`): any IP literal in that network on
+  that port (the pod network, where executors are dialed by pod IP);
 - `unix:PATH` (or any other target gRPC understands): exactly that string, only if listed.
 A target is compared after `dns:///` is dropped and the host lower-cased; a target with a
 resolver authority (`dns://8.8.8.8/...`) or another scheme matches only a verbatim entry.
@@ -17,6 +19,7 @@ closed first; a channel made before the TLS files changed (a renewal) is made ag
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 from collections import OrderedDict
@@ -52,17 +55,44 @@ def _host_port(target: str) -> tuple[str, int] | None:
     return host.lower(), int(port)
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _network(entry: str) -> tuple[Network, int] | None:
+    """(network, port) of `CIDR:port` / `[CIDR]:port`; None when `entry` is not one."""
+    host, _, port = entry.rpartition(":")
+    if "/" not in host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    try:
+        return ipaddress.ip_network(host.strip("[]"), strict=False), int(port)
+    except ValueError:
+        return None
+
+
+def _in_networks(host: str, port: int, networks: frozenset[tuple[Network, int]]) -> bool:
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return any(address in net and port == p for net, p in networks)
+
+
 @dataclass(frozen=True)
 class PeerList:
     exact: frozenset[tuple[str, int]]
     suffixes: frozenset[tuple[str, int]]  # (".domain", port)
     verbatim: frozenset[str]  # unix: and other targets, matched as written
+    networks: frozenset[tuple[Network, int]] = frozenset()
 
     @classmethod
     def parse(cls, text: str) -> PeerList:
-        exact, suffixes, verbatim = set(), set(), set()
+        exact, suffixes, verbatim, networks = set(), set(), set(), set()
         for entry in (e.strip() for e in text.split(",")):
             if not entry:
+                continue
+            net = _network(entry)
+            if net is not None:
+                networks.add(net)
                 continue
             if entry.startswith("*."):
                 hp = _host_port(entry[1:].lstrip("."))
@@ -77,10 +107,10 @@ class PeerList:
                 exact.add(hp)
             else:
                 verbatim.add(entry)
-        return cls(frozenset(exact), frozenset(suffixes), frozenset(verbatim))
+        return cls(frozenset(exact), frozenset(suffixes), frozenset(verbatim), frozenset(networks))
 
     def __len__(self) -> int:
-        return len(self.exact) + len(self.suffixes) + len(self.verbatim)
+        return len(self.exact) + len(self.suffixes) + len(self.verbatim) + len(self.networks)
 
     def admit(self, target: str, field: str) -> str:
         """The target to dial; PermissionDeniedError (nothing dialed) when no entry names it."""
@@ -93,8 +123,10 @@ class PeerList:
         hp = _host_port(target)
         if hp is not None:
             host, port = hp
-            if hp in self.exact or any(
-                host.endswith(suffix) and port == p for suffix, p in self.suffixes
+            if (
+                hp in self.exact
+                or any(host.endswith(suffix) and port == p for suffix, p in self.suffixes)
+                or _in_networks(host, port, self.networks)
             ):
                 return f"{host}:{port}"
         raise PermissionDeniedError(

@@ -140,9 +140,10 @@ class ServerConfig:
     kv_peers: str = setting(
         "",
         "comma-separated executors PushKV may dial: 'host:port' (a DNS name or IP), "
-        "'*.domain:port' (any name under domain), or a listed 'unix:PATH'; any other target is "
-        "refused before dialing (PERMISSION_DENIED); under TLS the peer's certificate must "
-        "name the host it is dialed by; '' = PushKV off",
+        "'*.domain:port' (any name under domain), 'CIDR:port' (any IP in the network, e.g. "
+        "the pod network), or a listed 'unix:PATH'; any other target is refused before "
+        "dialing (PERMISSION_DENIED); under TLS the peer's certificate must name the host it "
+        "is dialed by; '' = PushKV off",
     )
     max_kv_calls: int = setting(
         2,
