@@ -59,6 +59,7 @@ def served(
     env: Mapping[str, str] | None = None,
     ready_timeout: float = 1800,
     root: Path = ROOT,
+    token: str | None = None,
 ) -> Iterator[Served]:
     """Start `serve` with `flags` (plus a free port, no metrics port, warning-level logs),
     wait for readiness, yield it with a connected client; stop it on the way out. `root`:
@@ -79,7 +80,7 @@ def served(
     }
     t0 = time.perf_counter()
     process = subprocess.Popen(cmd, env=environ, cwd=root)
-    client = ExecutorClient(f"127.0.0.1:{port}")
+    client = ExecutorClient(f"127.0.0.1:{port}", token=token)  # `token`: the call token
     try:
         deadline = time.monotonic() + ready_timeout
         while True:  # in short waits, so a server that died is reported at once

@@ -48,40 +48,39 @@ EXTREMES = {
 _TENSOR_INTS = {pb.INT32: ("<i4", _I32), pb.INT64: ("<i8", _I64)}
 
 
-def _integers(msg: Message) -> list[tuple[Message, F, int | None]]:
-    """Every integer of `msg` and the messages it holds: (message, field, index or None)."""
-    found: list[tuple[Message, F, int | None]] = []
-    for field in msg.DESCRIPTOR.fields:
-        repeated = field.is_repeated
-        if field.type in EXTREMES:
-            if repeated:
-                found += [(msg, field, i) for i in range(len(getattr(msg, field.name)))]
-            else:
-                found.append((msg, field, None))
-        elif field.type == F.TYPE_MESSAGE:
-            if repeated:
-                for item in getattr(msg, field.name):
-                    if isinstance(item, Message):
-                        found += _integers(item)
-            elif msg.HasField(field.name):
-                found += _integers(getattr(msg, field.name))
-    return found
-
-
-def _int_tensors(msg: Message) -> list[pb.Tensor]:
-    out: list[pb.Tensor] = []
-    if isinstance(msg, pb.Tensor):
-        return [msg] if msg.dtype in _TENSOR_INTS and msg.data else []
+def _messages(msg: Message) -> list[Message]:
+    """`msg` and every message it holds, depth first."""
+    out = [msg]
     for field in msg.DESCRIPTOR.fields:
         if field.type != F.TYPE_MESSAGE:
             continue
         if field.is_repeated:
             for item in getattr(msg, field.name):
                 if isinstance(item, Message):
-                    out += _int_tensors(item)
+                    out += _messages(item)
         elif msg.HasField(field.name):
-            out += _int_tensors(getattr(msg, field.name))
+            out += _messages(getattr(msg, field.name))
     return out
+
+
+def _integers(msg: Message) -> list[tuple[Message, F, int | None]]:
+    """Every integer of `msg` and the messages it holds: (message, field, index or None)."""
+    found: list[tuple[Message, F, int | None]] = []
+    for holder in _messages(msg):
+        for field in holder.DESCRIPTOR.fields:
+            if field.type not in EXTREMES:
+                continue
+            if field.is_repeated:
+                found += [(holder, field, i) for i in range(len(getattr(holder, field.name)))]
+            else:
+                found.append((holder, field, None))
+    return found
+
+
+def _int_tensors(msg: Message) -> list[pb.Tensor]:
+    return [
+        m for m in _messages(msg) if isinstance(m, pb.Tensor) and m.dtype in _TENSOR_INTS and m.data
+    ]
 
 
 def extreme_int(msg: Message, rng: random.Random) -> None:

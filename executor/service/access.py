@@ -262,9 +262,9 @@ def _guarded(
         if getattr(unary_stream, "experimental_non_blocking", False):
             # health Watch: gRPC hands it a send callback and holds no thread while it
             # waits; the wrapper keeps that (the body comes first: the token was checked).
-            def watch(data: bytes, context: grpc.ServicerContext, **callback: Any) -> Any:
+            def watch(data: bytes, context: grpc.ServicerContext, send: Any = None) -> Any:
                 admit(method, context)
-                return unary_stream(_decode(deserialize, data, context), context, **callback)
+                return unary_stream(_decode(deserialize, data, context), context, send)
 
             watch.experimental_non_blocking = True  # type: ignore[attr-defined]
             watch.experimental_thread_pool = getattr(  # type: ignore[attr-defined]
