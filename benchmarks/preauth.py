@@ -10,7 +10,7 @@ tiny-random with a call token:
 - `health`: the slowest of `--calls` Checks on the health-only port while `--stalled`
   Checks that never send their body are open there;
 - `forward`: the median round trip of a bs-1 DECODE `Forward` with the token (the access
-  check's cost on the hot path).
+  check's cost on the hot path), the servers taking the steps in turn.
 
     python benchmarks/preauth.py --before ../main [--stalled 200] [--calls 50]
 """
@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,57 +69,65 @@ def _close(channels: list[grpc.Channel], calls: list[object]) -> None:
         ch.close()
 
 
-def measure(root: Path, stalled: int, calls: int, token_file: Path) -> Figures:
-    health_port = free_port()
+def _flags(token_file: Path, health_port: int) -> list[str]:
     flags = ["--model", "tiny-random", "--dtype", "float32", "--graph-mode", "none"]
     flags += ["--call-token-file", str(token_file), "--health-port", str(health_port)]
-    flags += ["--kv-slots", "4096", "--max-reqs", "8", "--max-context-len", "1024"]
-    with served(flags, root=root, token=TOKEN) as server:
-        target = f"127.0.0.1:{server.port}"
-        legit = ExecutorClient(target, token=TOKEN)
-        held: list[object] = []
-        channels: list[grpc.Channel] = []
-        for method in ("GetInfo", "Forward"):
-            ch, c = _stalled(target, f"/model_executor.v1.ModelExecutor/{method}", stalled // 2)
-            channels += ch
-            held += c
-        time.sleep(1.0)
-        still = sum(1 for _, f in held if not f.done())  # type: ignore[misc]
-        getinfo = []
+    return [*flags, "--kv-slots", "4096", "--max-reqs", "8", "--max-context-len", "1024"]
+
+
+def measure_stalled(port: int, health_port: int, stalled: int, calls: int) -> Figures:
+    target = f"127.0.0.1:{port}"
+    legit = ExecutorClient(target, token=TOKEN)
+    held: list[object] = []
+    channels: list[grpc.Channel] = []
+    for method in ("GetInfo", "Forward"):
+        ch, c = _stalled(target, f"/model_executor.v1.ModelExecutor/{method}", stalled // 2)
+        channels += ch
+        held += c
+    time.sleep(1.0)
+    still = sum(1 for _, f in held if not f.done())  # type: ignore[misc]
+    getinfo = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        try:
+            legit.info(timeout=3)
+            getinfo.append((time.perf_counter() - t0) * 1e3)
+        except grpc.RpcError:
+            getinfo.append(3000.0)
+    _close(channels, held)
+    legit.close()
+    hch, hcalls = _stalled(f"127.0.0.1:{health_port}", "/grpc.health.v1.Health/Check", stalled)
+    time.sleep(1.0)
+    health = []
+    with grpc.insecure_channel(f"127.0.0.1:{health_port}") as probe:
+        stub = health_pb2_grpc.HealthStub(probe)
         for _ in range(calls):
             t0 = time.perf_counter()
             try:
-                legit.info(timeout=3)
-                getinfo.append((time.perf_counter() - t0) * 1e3)
+                stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+                health.append((time.perf_counter() - t0) * 1e3)
             except grpc.RpcError:
-                getinfo.append(3000.0)
-        _close(channels, held)
-        hch, hcalls = _stalled(f"127.0.0.1:{health_port}", "/grpc.health.v1.Health/Check", stalled)
-        time.sleep(1.0)
-        health = []
-        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as probe:
-            stub = health_pb2_grpc.HealthStub(probe)
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                try:
-                    stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
-                    health.append((time.perf_counter() - t0) * 1e3)
-                except grpc.RpcError:
-                    health.append(3000.0)
-        _close(hch, hcalls)
-        legit.forward(
+                health.append(3000.0)
+    _close(hch, hcalls)
+    return Figures(getinfo, still, health, [])
+
+
+def measure_forward(clients: list[ExecutorClient], steps: int = 500) -> list[list[float]]:
+    """bs-1 DECODE round trips (us), the servers taking them in turn."""
+    for c in clients:
+        c.forward(
             make_extend_batch(input_ids=[[5, 6]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
         )
-        forward = []
-        for i in range(500):
-            batch = make_decode_batch(
-                input_ids=[7], req_pool_indices=[1], seq_lens=[3 + i], out_cache_loc=[3 + i]
-            )
+    times: list[list[float]] = [[] for _ in clients]
+    for i in range(steps):
+        batch = make_decode_batch(
+            input_ids=[7], req_pool_indices=[1], seq_lens=[3 + i], out_cache_loc=[3 + i]
+        )
+        for which, c in enumerate(clients):
             t0 = time.perf_counter_ns()
-            legit.forward(batch)
-            forward.append((time.perf_counter_ns() - t0) / 1e3)
-        legit.close()
-    return Figures(getinfo, still, health, forward)
+            c.forward(batch)
+            times[which].append((time.perf_counter_ns() - t0) / 1e3)
+    return times
 
 
 def row(name: str, f: Figures, stalled: int) -> str:
@@ -135,14 +144,27 @@ def main() -> int:
     parser.add_argument("--stalled", type=int, default=200)
     parser.add_argument("--calls", type=int, default=50)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    roots = [("this tree", ROOT)]
+    if args.before is not None:
+        roots.append(("before", args.before.resolve()))
+    results: list[tuple[str, Figures]] = []
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         token = Path(tmp) / "token"
         token.write_text(TOKEN + "\n")
-        results = [("this tree", measure(ROOT, args.stalled, args.calls, token))]
-        if args.before is not None:
-            results.append(
-                ("before", measure(args.before.resolve(), args.stalled, args.calls, token))
-            )
+        servers = []
+        for name, root in roots:
+            health_port = free_port()
+            flags = _flags(token, health_port)
+            server = stack.enter_context(served(flags, root=root, token=TOKEN))
+            servers.append((name, server, health_port))
+        for name, server, health_port in servers:
+            figures = measure_stalled(server.port, health_port, args.stalled, args.calls)
+            results.append((name, figures))
+        forward = measure_forward(
+            [ExecutorClient(f"127.0.0.1:{s.port}", token=TOKEN) for _, s, _ in servers]
+        )
+        for (_, figures), times in zip(results, forward, strict=True):
+            figures.forward_us = times
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; load {os.getloadavg()}"
     )
