@@ -20,7 +20,7 @@ the stream that carries it.
 
 While a batch waits for its mask it holds the device: every other caller's batches wait too.
 So each caller has a budget of device time its streams may spend waiting (`MaskWaitBudget`,
-a token bucket of `deferred_mask_budget_s` refilled at that much per 10 s: at most a tenth of
+a token bucket of `deferred_mask_budget_s` refilled at that much per 5 s: at most a fifth of
 the device; shared by the caller's streams, so a new stream brings no new budget): a wait is
 cut when the budget runs out (DEADLINE_EXCEEDED, nothing applied), and every wait is counted
 (`model_executor_deferred_mask_wait_seconds`, `..._waits_cut_total`).
@@ -84,7 +84,7 @@ def mask_never_came(failed: bool, refused: BaseException | None) -> Callable[[in
     )
 
 
-REFILL_WINDOW_S = 10.0  # a stream's mask-wait budget refills in full over this long
+REFILL_WINDOW_S = 5.0  # a stream's mask-wait budget refills in full over this long
 
 
 def _not_observed(seconds: float, cut: bool) -> None:

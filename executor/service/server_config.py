@@ -62,7 +62,7 @@ class ServerConfig:
     deferred_mask_budget_s: float = setting(
         1.0,
         "device seconds one ForwardStream may spend waiting for its deferred vocab masks, "
-        "refilled at that much per 10 s (so at most a tenth of the device); a wait beyond it "
+        "refilled at that much per 5 s (so at most a fifth of the device); a wait beyond it "
         "ends DEADLINE_EXCEEDED (nothing applied); 0 = only deferred_mask_timeout_s bounds a "
         "wait",
     )
