@@ -161,8 +161,8 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
 
     config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, kv_slots=128)
     with (
-        running_server(config) as a,
-        running_server(config) as b,
+        running_server(config, kv_transfer=True) as b,
+        running_server(config, kv_transfer=True, kv_peers=f"127.0.0.1:{b.port}") as a,
         ExecutorClient(f"127.0.0.1:{a.port}") as ca,
         ExecutorClient(f"127.0.0.1:{b.port}") as cb,
     ):

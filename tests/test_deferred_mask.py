@@ -31,7 +31,9 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     config = tiny_config(tmp_path_factory.mktemp("cache"), deferred_mask_timeout_s=TIMEOUT_S)
-    with running_server(config) as running:
+    # No mask-wait budget: these tests time the timeout itself (tests/test_call_security.py
+    # tests the budget).
+    with running_server(config, deferred_mask_budget_s=0) as running:
         yield running
 
 

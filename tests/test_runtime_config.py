@@ -18,7 +18,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.core.errors import RuntimeConfigError, ToggleRefusedError
 from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
-from executor.service.auth import TokenCheck, read_token
+from executor.service.auth import TokenCheck, TokenFile, read_token
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate, parse_assignments
 from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
@@ -330,7 +330,7 @@ def test_read_token(tmp_path: Path) -> None:
         read_token(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="runtime_config_token_file"):
         read_token(str(tmp_path / "missing"))
-    check = TokenCheck(b"s3cret")
+    check = TokenCheck(TokenFile(str(tmp_path / "t"), "runtime_config_token_file"))
     check.check([("authorization", "Bearer s3cret")])
     check.check([("Authorization", "bearer  s3cret ")])
 

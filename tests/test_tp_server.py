@@ -61,7 +61,7 @@ def _alive(pid: int) -> bool:
 
 
 class Served:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *flags: str) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         cmd = serve_command(
@@ -79,6 +79,7 @@ class Served:
             "1024",
             "--max-context-len",
             "256",
+            *flags,
         )
         self.proc = subprocess.Popen(
             cmd,
@@ -102,8 +103,8 @@ class Served:
 
 
 @contextlib.contextmanager
-def _served(tmp_path: Path) -> Iterator[tuple[Served, ExecutorClient, set[int]]]:
-    served = Served(tmp_path)
+def _served(tmp_path: Path, *flags: str) -> Iterator[tuple[Served, ExecutorClient, set[int]]]:
+    served = Served(tmp_path, *flags)
     children: set[int] = set()
     try:
         with ExecutorClient(f"127.0.0.1:{served.port}") as client:

@@ -54,7 +54,9 @@ def _batch(row: int) -> object:
 
 def test_a_stuck_step_turns_the_server_not_serving_within_the_bound(tmp_path: Path) -> None:
     hang = _Hang()
-    with running_server(tiny_config(tmp_path), step_timeout_s=BOUND_S, health_port=0) as srv:
+    # A deferred-mask wait counts as step time: its timeout must stay below the bound.
+    config = tiny_config(tmp_path, deferred_mask_timeout_s=BOUND_S / 2)
+    with running_server(config, step_timeout_s=BOUND_S, health_port=0) as srv:
         assert srv.executor is not None and srv.health_port is not None
         srv.executor.hooks.faults = hang  # type: ignore[assignment]
         answers: list[BaseException | object] = []

@@ -70,7 +70,8 @@ class RemoteInfo:
 
 class ExecutorClient:
     """`token`: the server's bearer token (call_token_file, or the runtime-config secret, which
-    passes both checks); sent on every call, health checks included.
+    passes both checks); sent on every call, health checks included. `kv_token`: the KV data
+    plane's (kv_token_file), sent on KV calls in place of `token` (None: `token`).
     `credentials`: TLS for a server with tls_cert_file (`executor.service.tls.channel_credentials`);
     None = plaintext."""
 
@@ -80,10 +81,12 @@ class ExecutorClient:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
+        kv_token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
         self._auth = [("authorization", f"Bearer {token}")] if token else []
+        self._kv_auth = [("authorization", f"Bearer {kv_token}")] if kv_token else self._auth
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -226,7 +229,7 @@ class ExecutorClient:
     @property
     def kv(self) -> KVClient:
         """The KV data plane: export, import and push KV (`executor.client.kv_client`)."""
-        return KVClient(self.stub)
+        return KVClient(self.stub, self._kv_auth)
 
     def close(self) -> None:
         self.channel.close()

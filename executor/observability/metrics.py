@@ -178,6 +178,18 @@ class ExecutorMetrics:
             "Retried batches answered from the retry memory (their batch_id was already "
             "applied), not applied again.",
         )
+        # Deferred vocab masks (the device thread, while a batch waits for its mask).
+        self.deferred_mask_wait_seconds = histogram(
+            "deferred_mask_wait_seconds",
+            "Time the device waited for one batch's deferred vocab mask (every other batch "
+            "waits meanwhile).",
+            (), LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.deferred_mask_waits_cut = counter(
+            "deferred_mask_waits_cut",
+            "Waits for a deferred vocab mask cut short by the stream's mask-wait budget "
+            "(deferred_mask_budget_s); the batch failed DEADLINE_EXCEEDED.",
+        )
         # The KV data plane (recorded by the handler threads of ExportKV/ImportKV/PushKV).
         self.kv_transfer_bytes = counter(
             "kv_transfer_bytes",
@@ -302,6 +314,12 @@ class ExecutorMetrics:
     def count_replay(self) -> None:
         """A retried batch answered from the retry memory."""
         self.batches_replayed.inc()
+
+    def observe_deferred_mask_wait(self, seconds: float, cut: bool) -> None:
+        """The device waited `seconds` for a deferred mask; `cut`: the stream's budget ended it."""
+        self.deferred_mask_wait_seconds.observe(seconds)
+        if cut:
+            self.deferred_mask_waits_cut.inc()
 
     def observe_kv_transfer(self, direction: str, nbytes: int, seconds: float, ok: bool) -> None:
         """One KV transfer ended (`executor.service.kv_service`)."""

@@ -94,8 +94,14 @@ def check_not_verify(fb: ForwardBatch) -> None:
 
 
 class Speculation:
-    def __init__(self, slot_tokens: SlotTokens, drafter: Drafter | None = None) -> None:
+    """`vocab_size`: a drafted id outside the vocabulary (an unknown slot's -1, an imported
+    id) becomes the input token, as an unmatched lookup does; the embedding never sees it."""
+
+    def __init__(
+        self, slot_tokens: SlotTokens, vocab_size: int, drafter: Drafter | None = None
+    ) -> None:
         self.slot_tokens = slot_tokens
+        self.vocab_size = vocab_size
         self.drafter: Drafter = drafter or NgramDrafter()
 
     def prepare(
@@ -139,7 +145,8 @@ class Speculation:
         )
         j = torch.arange(num_tokens, device=ids.device) - start[row]
         drafted = drafts[row, (j - 1).clamp(min=0)]
-        use = (j >= 1) & (fb.ngram_draft[row] > 0)
+        in_vocab = (drafted >= 0) & (drafted < self.vocab_size)
+        use = (j >= 1) & (fb.ngram_draft[row] > 0) & in_vocab
         return torch.where(use, drafted.to(ids.dtype), ids)
 
     def sample(

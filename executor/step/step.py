@@ -93,7 +93,7 @@ class Step:
         self.sampler = sampler
         self.staging = staging
         self.controls = controls
-        self.speculation = Speculation(controls.slot_tokens)
+        self.speculation = Speculation(controls.slot_tokens, limits.vocab_size)
         config = runner.model.config
         self.pooled = PooledSums(limits.max_reqs, config.hidden_size, controls.device)
         self.toggles = toggles
