@@ -18,7 +18,6 @@ import torch
 
 from executor.core.errors import BatchTooLargeError, BatchValidationError
 
-KINDS = ("k", "v")
 DEFAULT_CHUNK_BYTES = 4 << 20  # under every gRPC message limit, large enough to stream fast
 
 

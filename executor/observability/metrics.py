@@ -1,4 +1,6 @@
-"""Every Prometheus metric the executor exports, defined here and nowhere else.
+"""The Prometheus metrics the executor records, defined here; the families read only when
+scraped (live-state gauges, process-wide transfer counts) are defined in
+:mod:`executor.observability.scrape_metrics`. Together the two are every metric it exports.
 
 Names are an API (dashboards and alerts use them; `docs/metrics.md` lists each one): prefix
 `model_executor_`, base units, `_total` counters. Each server owns one `ExecutorMetrics` with
