@@ -35,13 +35,17 @@ from executor.config import (
     resolve_max_context_len,
 )
 from executor.controls.step_controls import CONTROL_NAMES, StepControls
+from executor.core.clock import StepClock
 from executor.core.errors import TestHooks
+from executor.core.features import StepFeature
 from executor.core.forward_batch import ForwardBatch
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
 from executor.core.toggles import Toggles
-from executor.future_tokens import FutureTokenTable
+from executor.extras.compute import PooledSums
+from executor.extras.feature import Extras
+from executor.future_tokens import FutureTokens, FutureTokenTable
 from executor.graphs.settings import graph_settings
 from executor.info import ExecutorInfo, SettingChoice
 from executor.kv_cache import KVPool, ReqToTokenPool
@@ -52,8 +56,9 @@ from executor.models.loader import LoadedModel, load_model, resolve_quantization
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
+from executor.row_table import RowTable
 from executor.sampling import Sampler
-from executor.step.clock import StepClock
+from executor.speculative.speculation import Speculation
 from executor.step.graph_control import GraphControl
 from executor.step.step import Step
 from ops.device_scope import device_scope, on_own_device
@@ -199,20 +204,47 @@ class ModelExecutor:
         )
         self.control.start()  # on every rank, in the same order (captures run collectives)
         self.hooks = TestHooks()
+        sampler = Sampler(self.device, config.seed)
+        self.controls = StepControls(
+            self.limits,
+            mcfg.eos_token_ids,
+            self.device,
+            deferred_mask_timeout_s=config.deferred_mask_timeout_s,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            future_table=self.future.tokens,
+        )
+        row_table = RowTable(self.req_to_token_pool)
+        # The step's features, in hook order (`executor.core.features`): a new feature is one
+        # more entry here; `Step` names none of them.
+        self.features: list[StepFeature] = [
+            Speculation(
+                self.controls.slot_tokens,
+                self.limits,
+                pool=self.req_to_token_pool,
+                future_table=self.future.tokens,
+                tp_size=self.comm.size,
+                generator=sampler.generator,
+            ),
+            row_table,
+            FutureTokens(self.future),
+            Extras(
+                self.limits,
+                self.model,
+                PooledSums(self.limits.max_reqs, mcfg.hidden_size, self.device),
+                future_table=self.future.tokens,
+                tp_size=self.comm.size,
+            ),
+            self.controls,
+        ]
         self.step = Step(
             limits=self.limits,
             allow_custom_positions=config.allow_custom_positions,
-            pool=self.req_to_token_pool,
+            row_table=row_table,
             future=self.future,
+            features=self.features,
             runner=self.runner,
-            sampler=Sampler(self.device, config.seed),
+            sampler=sampler,
             staging=H2DStaging(self.device),
-            controls=StepControls(
-                self.limits,
-                mcfg.eos_token_ids,
-                self.device,
-                deferred_mask_timeout_s=config.deferred_mask_timeout_s,
-            ),
             toggles=self.toggles,
             hooks=self.hooks,
             comm=self.comm,
@@ -223,7 +255,7 @@ class ModelExecutor:
         self.kv_transfer = KVTransfer(
             self.req_to_token_pool,
             self.kv_pool,
-            self.step.controls.slot_tokens,
+            self.controls.slot_tokens,
             KVLayout(
                 num_layers=mcfg.num_layers,
                 kv_heads=plan.num_kv_heads,
@@ -310,9 +342,7 @@ class ModelExecutor:
                 input_ids=[0], req_pool_indices=[0], seq_lens=[n + 1], out_cache_loc=[0]
             ),
         ):
-            with self.control.step_lock:
-                admitted = self.step.complete(batch)
-                self.step.run(admitted, StepClock(), return_logits=False, keep_rows=False)
+            self.step.warm(batch)
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""

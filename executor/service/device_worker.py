@@ -39,6 +39,7 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
+from executor.core.clock import StepClock
 from executor.core.forward_batch import ForwardBatch
 from executor.core.outputs import ForwardOutput, StepStats
 from executor.model_executor import ModelExecutor
@@ -46,7 +47,6 @@ from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
 from executor.service.tenancy import RowTenants
 from executor.service.watchdog import RunningStep, is_sticky_device_error
-from executor.step.clock import StepClock
 
 log = structlog.get_logger(__name__)
 
