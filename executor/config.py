@@ -17,6 +17,7 @@ import torch
 from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.core import names
 from executor.core.limits import BatchLimits
+from executor.core.lora_types import parse_lora_setting
 from executor.core.names import GraphMode, SeqLensPolicy
 
 if TYPE_CHECKING:
@@ -48,9 +49,10 @@ def check_digest_setting(value: str) -> None:
         raise ValueError(f"model_sha256 must be 64 lowercase hex digits (sha256), got {value!r}")
 
 
-def setting(default: Any, help: str) -> Any:
-    """A config field with its help text (shown by --help and in docs/configuration.md)."""
-    return field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, *, repeat: bool = False) -> Any:
+    """A config field with its help text (shown by --help and in docs/configuration.md);
+    `repeat`: a list setting, its flag repeatable (the values joined by commas)."""
+    return field(default=default, metadata={"help": help, "repeat": repeat})
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,22 @@ class ExecutorConfig:
         "tp_size - 1 worker processes, or joins the group torchrun set up (RANK, WORLD_SIZE, "
         "MASTER_ADDR, MASTER_PORT)",
     )
+    lora: str = setting(
+        "",
+        "LoRA adapters loaded at start-up, NAME=PATH (a PEFT adapter directory), repeatable "
+        "(env and file: comma-separated); reported by GetInfo",
+        repeat=True,
+    )
+    max_loras: int = setting(
+        0,
+        "LoRA adapter slots (adapters loaded at once; a batch may mix them all); 0 = one per "
+        "--lora adapter (none: LoRA off, LoadLora refused); reported by GetInfo",
+    )
+    max_lora_rank: int = setting(
+        16,
+        "the largest LoRA rank a slot holds (a larger adapter is refused); a batch with "
+        "adapter rows costs about max_loras x max_lora_rank columns per linear layer",
+    )
     tp_timeout_s: int = setting(
         60,
         "tensor parallel: a collective waits this long for a rank before the group is declared "
@@ -215,7 +233,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"deferred_mask_timeout_s must be > 0, got {self.deferred_mask_timeout_s}"
             )
-        for name in ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s"):
+        positive = ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s")
+        for name in (*positive, "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -225,6 +244,7 @@ class ExecutorConfig:
             "piecewise_max_tokens",
             "max_top_logprobs",
             "future_slots",
+            "max_loras",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derived), got {getattr(self, name)}")
@@ -253,6 +273,11 @@ class ExecutorConfig:
                 "graph_backend 'compiled_step' needs tp_size 1 (a whole step would hold the "
                 "all-reduces, which run eagerly between compiled functions): use 'compiled', "
                 f"got tp_size={self.tp_size}"
+            )
+        adapters = parse_lora_setting(self.lora)  # ValueError naming the entry
+        if self.max_loras and len(adapters) > self.max_loras:
+            raise ValueError(
+                f"lora names {len(adapters)} adapters, more than max_loras={self.max_loras}"
             )
         if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
             raise ValueError(
@@ -297,6 +322,11 @@ def batch_limits(
         future_slots=resolve_future_slots(config),
         allow_input_embeds=config.allow_input_embeds,
     )
+
+
+def resolve_max_loras(config: ExecutorConfig) -> int:
+    """LoRA adapter slots: the configured number, or one per start-up adapter (0: off)."""
+    return config.max_loras or len(parse_lora_setting(config.lora))
 
 
 def resolve_future_slots(config: ExecutorConfig) -> int:

@@ -33,12 +33,14 @@ from executor.config import (
     resolve_graph_backend,
     resolve_graph_mode,
     resolve_max_context_len,
+    resolve_max_loras,
 )
 from executor.controls.step_controls import CONTROL_NAMES, StepControls
 from executor.core.clock import StepClock
-from executor.core.errors import TestHooks
+from executor.core.errors import LoraStateError, TestHooks
 from executor.core.features import StepFeature
 from executor.core.forward_batch import ForwardBatch
+from executor.core.lora_types import LoadedAdapter, LoraInfo, parse_lora_setting
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
@@ -51,6 +53,7 @@ from executor.info import ExecutorInfo, SettingChoice
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.lora.adapters import LoraAdapters
 from executor.model_runner import ModelRunner
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
 from executor.models.tokenizer import Tokenizer, load_tokenizer
@@ -170,6 +173,18 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
+        # LoRA: the adapter slots, beside the model's linears before any graph is captured.
+        slots = resolve_max_loras(config)
+        self.lora: LoraAdapters | None = None
+        if slots:
+            self.lora = LoraAdapters(
+                self.model,
+                slots=slots,
+                max_rank=config.max_lora_rank,
+                max_reqs=config.max_reqs,
+                comm=self.comm,
+                lock=threading.Lock(),  # the step lock, once `control` exists
+            )
         # The runtime toggles start from the config; `control` changes them between steps.
         graph_mode = GraphMode(resolve_graph_mode(config, self.device))
         policy = SeqLensPolicy(config.needs_cpu_seq_lens)
@@ -202,6 +217,10 @@ class ModelExecutor:
             observer=self.observer,
             comm=self.comm,
         )
+        if self.lora is not None:
+            self.lora.lock = self.control.step_lock
+            for name, path in parse_lora_setting(config.lora):  # every rank reads its own cut
+                self.lora.load(name, path)
         self.control.start()  # on every rank, in the same order (captures run collectives)
         self.hooks = TestHooks()
         sampler = Sampler(self.device, config.seed)
@@ -227,6 +246,7 @@ class ModelExecutor:
             ),
             row_table,
             FutureTokens(self.future),
+            *([self.lora.rows] if self.lora is not None else []),
             Extras(
                 self.limits,
                 self.model,
@@ -274,6 +294,8 @@ class ModelExecutor:
             # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
             self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
             self.control.leader = self.step.leader = self.kv_transfer.leader = self.leader
+            if self.lora is not None:
+                self.lora.leader = self.leader
             self.future.keep_host_mirror()
         log.info(
             "executor ready",
@@ -323,6 +345,7 @@ class ModelExecutor:
             deferred_mask_timeout_ms=round(self.config.deferred_mask_timeout_s * 1000),
             kv_layout=self.kv_transfer.layout,
             kv_transfer_limits=self.kv_transfer.limits,
+            lora=self.lora.info() if self.lora is not None else LoraInfo(),
             choices=(*self.choices, *self.control.choices()),
         )
 
@@ -343,6 +366,23 @@ class ModelExecutor:
             ),
         ):
             self.step.warm(batch)
+
+    @on_own_device
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        """Load the PEFT adapter at `path` as `name` into a free slot (between two steps; the
+        server reads the files on its RPC thread first). Refused with nothing changed:
+        LoraAdapterError (it does not fit), LoraStateError (LoRA off, the name, the slots)."""
+        return self._adapters().load(name, path)
+
+    @on_own_device
+    def unload_lora(self, name: str) -> LoadedAdapter:
+        """Free adapter `name`'s slot; refused (LoraStateError) while live rows use it."""
+        return self._adapters().unload(name)
+
+    def _adapters(self) -> LoraAdapters:
+        if self.lora is None:
+            raise LoraStateError("LoRA is off on this executor (start it with max_loras > 0)")
+        return self.lora
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from executor.client.grammar import RequestGrammar
 from executor.client.speculation import DraftState
-from executor.core.controls_types import SamplingControls
+from executor.core.controls_types import RowControl, SamplingControls
 from executor.core.forward_batch import SamplingParams
 from executor.core.limits import BatchLimits
+from executor.core.lora_types import RowAdapter
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Request:
     on_token: Callable[[Request, int], None] | None = None
     controls: SamplingControls | None = None  # sent with the batch that starts the request
     grammar: RequestGrammar | None = None  # constrains every token it generates
+    lora: str = ""  # its LoRA adapter's name ("" = the base model), set when it starts
     output_ids: list[int] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
@@ -67,3 +70,22 @@ def check_request(prompt_ids: Sequence[int], max_new_tokens: int, limits: BatchL
         )
     if budget > limits.kv_slots:
         raise ValueError(f"request needs {budget} KV slots, the executor has {limits.kv_slots}")
+
+
+def starting_row_state(members: Sequence[Request], prefix: Sequence[int]) -> dict[str, Any]:
+    """The row state an EXTEND batch sets for the requests it starts (prefix 0): their
+    sampling controls and LoRA adapter, sent once (they stay with the row until released);
+    as `ForwardBatch` fields, none when there is nothing to set."""
+    starting = [r for r, start in zip(members, prefix, strict=True) if start == 0]
+    controls = tuple(
+        RowControl(r.row, r.controls)
+        for r in starting
+        if r.controls is not None and not r.controls.neutral
+    )
+    adapters = tuple(RowAdapter(r.row, r.lora) for r in starting if r.lora)
+    state: dict[str, Any] = {}
+    if controls:
+        state["row_controls"] = controls
+    if adapters:
+        state["row_adapters"] = adapters
+    return state

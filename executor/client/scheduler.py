@@ -43,7 +43,7 @@ from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
 from executor.client.grammar import Grammars, masked_positions, step_mask
 from executor.client.pipes import ForwardFn, InlinePipe, MaskPipe, StepPipe, StepResult
-from executor.client.requests import Request, _Flight, check_request
+from executor.client.requests import Request, _Flight, check_request, starting_row_state
 from executor.client.speculation import (
     DEFAULT_NGRAM,
     DraftState,
@@ -52,7 +52,7 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
-from executor.core.controls_types import DeferredMask, RowControl, SamplingControls, VocabMask
+from executor.core.controls_types import DeferredMask, SamplingControls, VocabMask
 from executor.core.forward_batch import ForwardBatch, SamplingParams
 from executor.core.limits import BatchLimits
 
@@ -116,11 +116,13 @@ class ReferenceScheduler:
         ngram: int = DEFAULT_NGRAM,
         controls: SamplingControls | None = None,
         json_schema: str | dict[str, Any] | None = None,
+        lora: str = "",
     ) -> Request:
         """`speculate=K`: VERIFY steps of K prompt-lookup drafts (n-gram `ngram`) while they
         pay. `controls`: for the request's life (`prompt_len` set here; min_tokens also
         suppresses its stop ids). `json_schema`: JSON output (needs `grammars`). Controls and
-        schemas do not combine with `speculate` yet (VERIFY takes no controls)."""
+        schemas do not combine with `speculate` yet (VERIFY takes no controls). `lora`: a
+        loaded adapter's name ("" = the base model), set with the batch that starts it."""
         check_speculate(speculate, ngram, self.limits, self.overlap)
         if speculate and (controls is not None or json_schema is not None):
             raise ValueError("speculate does not combine with controls or json_schema yet")
@@ -149,6 +151,7 @@ class ReferenceScheduler:
             draft=DraftState(speculate, ngram, self.speculation) if speculate else None,
             controls=controls,
             grammar=grammar,
+            lora=lora,
         )
         self.waiting.append(req)
         return req
@@ -294,14 +297,8 @@ class ReferenceScheduler:
             prefix_lens=prefix,
             sampling=[r.sampling for r in members],
         )
-        starting = [
-            RowControl(r.row, r.controls)
-            for r, start in zip(members, prefix, strict=True)
-            if start == 0 and r.controls is not None and not r.controls.neutral
-        ]
-        if starting:  # the request's controls, once: they stay with its row
-            batch = dataclasses.replace(batch, row_controls=tuple(starting))
-        return batch, members, ends
+        state = starting_row_state(members, prefix)  # controls and adapters, once
+        return (dataclasses.replace(batch, **state) if state else batch), members, ends
 
     # --- overlap ---------------------------------------------------------------------------
     def _step_overlap(self) -> list[Request]:
@@ -448,10 +445,15 @@ def generate(
     speculate: int = 0,
     ngram: int = DEFAULT_NGRAM,
     speculation: SpeculationPolicy | None = None,
+    lora: str | Sequence[str] = "",
 ) -> list[list[int]]:
     """Generate for every prompt concurrently; the new token ids of each, in prompt order.
     `overlap`: one step in flight, tokens fed back by future-token reference. `speculate`:
-    K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on."""
+    K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on. `lora`:
+    one adapter name for every prompt, or one per prompt ("" = the base model)."""
+    loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
+    if len(loras) != len(prompts):
+        raise ValueError(f"lora: {len(loras)} names for {len(prompts)} prompts")
     scheduler = ReferenceScheduler(
         forward, limits, eos_token_ids, overlap=overlap, pipe=pipe, speculation=speculation
     )
@@ -463,8 +465,9 @@ def generate(
             ignore_eos=ignore_eos,
             speculate=speculate,
             ngram=ngram,
+            lora=name,
         )
-        for p in prompts
+        for p, name in zip(prompts, loras, strict=True)
     ]
     scheduler.run()
     return [r.output_ids for r in reqs]

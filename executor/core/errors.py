@@ -119,3 +119,22 @@ class KVStateError(RuntimeError):
 class KVChecksumError(ValueError):
     """A KV chunk whose bytes do not match its checksum or its declared size: the data was
     damaged on the way; nothing was changed. Maps to DATA_LOSS."""
+
+
+class LoraAdapterError(ValueError):
+    """An adapter that does not fit the model (wrong shapes, an unknown target module, a rank
+    over the cap, a PEFT option it cannot apply) or files that are not a PEFT LoRA adapter;
+    nothing was changed. Maps to INVALID_ARGUMENT."""
+
+
+class LoraStateError(RuntimeError):
+    """A load or unload the adapters' state forbids (LoRA off, a name already loaded, an
+    adapter live rows use); nothing was changed. Maps to FAILED_PRECONDITION."""
+
+
+class LoraNotFoundError(LoraStateError):
+    """An unload of a name no loaded adapter has. Maps to NOT_FOUND."""
+
+
+class LoraSlotsFullError(LoraStateError):
+    """A load with every adapter slot taken. Maps to RESOURCE_EXHAUSTED."""

@@ -18,6 +18,7 @@ import torch
 from executor.core.controls_types import DeferredMask, RowControl, VocabMask
 from executor.core.errors import BatchValidationError
 from executor.core.extras_types import RowOutputs
+from executor.core.lora_types import RowAdapter
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
@@ -178,6 +179,11 @@ class ForwardBatch:
     # and the top-k alternatives per scored prompt position.
     row_outputs: tuple[RowOutputs, ...] = ()
     prompt_top_logprobs_num: int = 0
+    # LoRA (executor.lora), host only: the adapter each named row uses from now on. Derived
+    # at admission (the LoRA feature): [T] int32, the adapter slot of every token (0: the base
+    # model); None when no row of the batch has an adapter (the step runs no LoRA work).
+    row_adapters: tuple[RowAdapter, ...] = ()
+    lora_slots: torch.Tensor | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # Set by the graph runners' registries: [1] int32, the real token count of a padded batch
@@ -277,6 +283,7 @@ TENSOR_FIELDS = (
     TensorField("future_token_slots", wire=True, device=True),
     TensorField("released_future_slots", wire=True, device=False),
     TensorField("ngram_draft", wire=True, device=True),
+    TensorField("lora_slots", wire=False, device=True),  # derived (the LoRA feature's admit)
 )
 WIRE_TENSOR_FIELDS = tuple(f.name for f in TENSOR_FIELDS if f.wire)
 _DEVICE_FIELDS = tuple(f.name for f in TENSOR_FIELDS if f.device)

@@ -47,6 +47,7 @@ class StepStats:
     control_rows: dict[str, int] = field(default_factory=dict)
     draft_tokens: int = 0  # VERIFY: drafts scored (sum of k_i)
     accepted_drafts: int = 0  # VERIFY: drafts accepted (sum of a_i)
+    lora_rows: int = 0  # rows of the step that ran a LoRA adapter
     accept_lengths: tuple[int, ...] = ()  # VERIFY: tokens each row gained (a_i + 1); not sent
     # The device's idle time before this step while the step was queued: the host's part
     # (admission, staging, the answer before it).

@@ -6,6 +6,10 @@ replay of a batch of the bucket's size gives it.
 A batch is padded up to its bucket: padded requests read row 0 (all slot 0) with
 `seq_len_fill_value` tokens and write their one token to the reserved slot 0. The LM head
 runs outside the graph on the real rows only.
+
+With LoRA on (the model has adapter sites), every bucket is captured twice: without LoRA
+(a batch of base rows replays it and runs no adapter work) and with it (the graph reads the
+adapter slots' buffers and the registry's per-token `lora_slots`, padded with 0, the base).
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ class _Captured:
     attn_metadata: object  # the backend's metadata bound to its graph buffers for this bucket
 
 
-class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
-    """One graph per (batch-size bucket, KV-length bucket); a backend that is not
+class DecodeGraphRunner(BucketGraphRunner[dict[tuple[bool, int], _Captured]]):
+    """One graph per (batch-size bucket, LoRA or not, KV-length bucket); a backend that is not
     `graph_kv_bounded` has the one KV bucket 0 (its kernels follow each request's length)."""
 
     kind = "decode"
@@ -57,6 +61,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         self.max_context_len = attn_backend.req_to_token_pool.max_context_len
         self.kv_buckets = kv_buckets(self.max_context_len) if attn_backend.graph_kv_bounded else [0]
         self.fill_value = attn_backend.graph_seq_len_fill_value()
+        self.lora_variants = (False, True) if model.lora is not None else (False,)
         self.registry = build_decode_registry(
             device=device,
             max_bs=self.max_bs,
@@ -64,6 +69,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
             seq_len_fill_value=self.fill_value,
             enable_num_token_non_padded=True,
             needs_cpu_seq_lens=needs_cpu_seq_lens,
+            register_lora_slots=model.lora is not None,
         )
         # NOTE: one output buffer for every bucket; a replay overwrites it.
         self.hidden = torch.zeros(
@@ -76,8 +82,9 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
     def bucket_size(self, fb: ForwardBatch) -> int:
         return fb.batch_size
 
-    def _synthetic_batch(self, bs: int) -> ForwardBatch:
-        """A batch of `bs` padded requests: what capture stages through `fill_from`."""
+    def _synthetic_batch(self, bs: int, lora: bool) -> ForwardBatch:
+        """A batch of `bs` padded requests: what capture stages through `fill_from` (`lora`:
+        with base-model adapter slots, so the graph holds the adapters' work)."""
         zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
         seq_lens = torch.full((bs,), self.fill_value, dtype=torch.int64, device=self.device)
         return ForwardBatch(
@@ -89,6 +96,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
             out_cache_loc=zeros,
             positions=zeros,
             seq_lens_cpu=seq_lens.cpu() if self.registry.has_slot("seq_lens_cpu") else None,
+            lora_slots=zeros.to(torch.int32) if lora else None,
         )
 
     def _stage_decode(
@@ -104,16 +112,17 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         bucket, whose batches then run eagerly). Largest first, so on CUDA the smaller graphs
         reuse its memory; where twins are free (compiled) smallest first, and the larger KV
         buckets are captured as its twins (no run at up to max_context_len keys)."""
-        graphs: dict[int, _Captured] = {}
+        graphs: dict[tuple[bool, int], _Captured] = {}
         twins = self.factory.shares_twin_captures
-        first: Graph | None = None
-        for kv in sorted(self.kv_buckets, reverse=not twins):
-            graphs[kv] = self._capture_kv(bs, kv, twin=first if twins else None)
-            first = first or graphs[kv].graph
+        for lora in self.lora_variants:
+            first: Graph | None = None
+            for kv in sorted(self.kv_buckets, reverse=not twins):
+                graphs[lora, kv] = self._capture_kv(bs, kv, lora, twin=first if twins else None)
+                first = first or graphs[lora, kv].graph
         self.captured[bs] = graphs
 
-    def _capture_kv(self, bs: int, kv: int, twin: Graph | None = None) -> _Captured:
-        view, _ = self._stage_decode(self._synthetic_batch(bs), bs, bs)
+    def _capture_kv(self, bs: int, kv: int, lora: bool, twin: Graph | None = None) -> _Captured:
+        view, _ = self._stage_decode(self._synthetic_batch(bs, lora), bs, bs)
         self.check_decode_bucket(bs, view)
         md = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
         view.attn_metadata = md
@@ -145,7 +154,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
             raise ValueError(f"bucket bs={bs} exceeds max_bs={self.max_bs}")
 
     def graphs_per_bucket(self) -> int:
-        return len(self.kv_buckets)
+        return len(self.kv_buckets) * len(self.lora_variants)
 
     def fallback_reason(self, fb: ForwardBatch) -> str | None:
         if self.attn_backend.graph_capture_refusal() is not None:
@@ -158,7 +167,7 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
         assert padded is not None and padded in self.captured
         bounded = self.attn_backend.graph_kv_bounded
         kv = kv_bucket(fb.seq_len_bound, self.max_context_len) if bounded else 0
-        captured = self.captured[padded][kv]
+        captured = self.captured[padded][fb.lora_slots is not None, kv]
         view, stats = self._stage_decode(fb, bs, padded)
         self.attn_backend.init_forward_metadata_replay(
             captured.attn_metadata, padded, view, seq_lens_cpu=view.seq_lens_cpu
