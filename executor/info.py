@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from executor.core.limits import BatchLimits
 from executor.core.lora_types import LoraInfo
@@ -43,6 +43,6 @@ class ExecutorInfo:
     deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
     kv_layout: KVLayout | None = None  # the KV cache as a transfer sees it (this rank's heads)
     kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
-    lora: LoraInfo = LoraInfo()  # the loaded adapters, the slots and the rank cap
+    lora: LoraInfo = field(default_factory=LoraInfo)  # adapters loaded, slots, rank cap
     # What each performance setting became here and why (the start-up log says the same).
     choices: tuple[SettingChoice, ...] = ()

@@ -39,9 +39,7 @@ SPECS = (AdapterSpec("attn8", ATTN_R8, 1), AdapterSpec("mlp16", MLP_R16, 2))
 def base_model(model_dir: Path) -> torch.nn.Module:
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32
-    ).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def make_adapter(
@@ -70,15 +68,17 @@ def peft_model(model_dir: Path, adapter: Path) -> torch.nn.Module:
 
 
 def reference_tokens(
-    model_dir: Path, adapters: dict[str, Path], prompts: Sequence[list[int]], loras: Sequence[str], n: int
+    model_dir: Path,
+    adapters: dict[str, Path],
+    prompts: Sequence[list[int]],
+    loras: Sequence[str],
+    n: int,
 ) -> list[list[int]]:
     """transformers (+ peft for a named adapter) greedy tokens of each prompt."""
     models: dict[str, torch.nn.Module] = {}
     out = []
     for prompt, name in zip(prompts, loras, strict=True):
         if name not in models:
-            models[name] = (
-                peft_model(model_dir, adapters[name]) if name else base_model(model_dir)
-            )
+            models[name] = peft_model(model_dir, adapters[name]) if name else base_model(model_dir)
         out.append(hf_greedy(models[name], prompt, n)[0])
     return out

@@ -143,7 +143,7 @@ def read_adapter(
     with safe_open(str(weights), framework="pt") as handle:
         for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
             m = _TENSOR.fullmatch(name)
-            key = (int(m.group(1)), m.group(2)) if m else None
+            key = (int(m.group(1)), str(m.group(2))) if m else (-1, "")
             if m is None or key not in projections:
                 layers = 1 + max((k[0] for k in projections), default=-1)
                 raise _refuse(

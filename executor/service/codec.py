@@ -45,6 +45,11 @@ from executor.service.info_codec import (  # re-exported: GetInfo and the toggle
     runtime_update_from_proto,
     runtime_update_to_proto,
 )
+from executor.service.lora_codec import (
+    adapters_from_proto,
+    add_adapters_to_proto,
+    check_lora_claims,
+)
 from executor.validation import INPUT_EMBEDS_OFF, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
 
@@ -175,6 +180,7 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
         if msg.HasField(name):
             check_token_count(name, _element_count(getattr(msg, name)), limits)
     check_control_claims(msg, limits)
+    check_lora_claims(msg, limits)
     if msg.row_outputs:
         tokens = _element_count(msg.input_ids) if msg.HasField("input_ids") else 0
         check_output_claims(msg, limits, tokens)
@@ -226,6 +232,7 @@ def batch_from_proto(
         sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
+        row_adapters=adapters_from_proto(msg),
         **controls_fields(msg, batch_id, tensor_from_proto),
         **outputs_from_proto(msg),
     )
@@ -260,6 +267,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
             if has_seed:
                 p.seed = seed % (1 << 64)
     add_controls_to_proto(fb, msg, tensor_to_proto)
+    add_adapters_to_proto(fb, msg)
     add_outputs_to_proto(fb, msg)
     return msg
 
@@ -287,6 +295,7 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             control_rows=st.control_rows,
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
+            lora_rows=st.lora_rows,
         ),
     )
     if out.extras is not None:
@@ -331,6 +340,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             control_rows=dict(st.control_rows),
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
+            lora_rows=st.lora_rows,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),

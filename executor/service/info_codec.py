@@ -11,6 +11,7 @@ from executor.core.errors import BatchValidationError, RuntimeConfigError
 from executor.core.limits import BatchLimits
 from executor.info import ExecutorInfo, SettingChoice
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.service.lora_codec import add_lora_info_to_proto, lora_info_from_proto
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 
@@ -108,6 +109,7 @@ def info_to_proto(
     )
     if info.kv_layout is not None and info.kv_transfer_limits is not None:
         msg.kv_layout.CopyFrom(layout_to_proto(info.kv_layout, info.kv_transfer_limits))
+    add_lora_info_to_proto(info.lora, msg)
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     if runtime_config is not None:
@@ -159,6 +161,7 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         kv_layout=layout_from_proto(msg.kv_layout, "kv_layout") if has_kv else None,
         kv_transfer_limits=limits_from_proto(msg.kv_layout) if has_kv else None,
         choices=tuple(SettingChoice(c.setting, c.value, c.reason) for c in msg.setting_choices),
+        lora=lora_info_from_proto(msg),
     )
     return info, msg.model_spec
 

@@ -106,7 +106,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred", "ngram_draft", "row_outputs", "prompt_top_logprobs_num")
+    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred", "ngram_draft", "row_outputs", "prompt_top_logprobs_num", "row_adapters")
     FORWARD_MODE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class ForwardBatch(_message.Message):
     NGRAM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     ROW_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
+    ROW_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     forward_mode: ForwardMode
     input_ids: Tensor
     req_pool_indices: Tensor
@@ -153,7 +154,58 @@ class ForwardBatch(_message.Message):
     ngram_draft: Tensor
     row_outputs: _containers.RepeatedCompositeFieldContainer[RowOutputs]
     prompt_top_logprobs_num: int
-    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ..., ngram_draft: _Optional[_Union[Tensor, _Mapping]] = ..., row_outputs: _Optional[_Iterable[_Union[RowOutputs, _Mapping]]] = ..., prompt_top_logprobs_num: _Optional[int] = ...) -> None: ...
+    row_adapters: _containers.RepeatedCompositeFieldContainer[RowAdapter]
+    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ..., ngram_draft: _Optional[_Union[Tensor, _Mapping]] = ..., row_outputs: _Optional[_Iterable[_Union[RowOutputs, _Mapping]]] = ..., prompt_top_logprobs_num: _Optional[int] = ..., row_adapters: _Optional[_Iterable[_Union[RowAdapter, _Mapping]]] = ...) -> None: ...
+
+class RowAdapter(_message.Message):
+    __slots__ = ("req_pool_index", "adapter")
+    REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    req_pool_index: int
+    adapter: str
+    def __init__(self, req_pool_index: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "slot", "rank", "target_modules", "load_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    slot: int
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    load_seconds: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., slot: _Optional[int] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class HiddenOutput(_message.Message):
     __slots__ = ("pooling", "layer", "dtype")
@@ -239,7 +291,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ..., deferred_mask: _Optional[_Union[DeferredMask, _Mapping]] = ...) -> None: ...
 
 class ForwardStats(_message.Message):
-    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts")
+    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts", "lora_rows")
     class TimingsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +323,7 @@ class ForwardStats(_message.Message):
     CONTROL_ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ROWS_FIELD_NUMBER: _ClassVar[int]
     path: str
     batch_size: int
     padded_batch_size: int
@@ -288,7 +341,8 @@ class ForwardStats(_message.Message):
     control_rows: _containers.ScalarMap[str, int]
     draft_tokens: int
     accepted_drafts: int
-    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
+    lora_rows: int
+    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., lora_rows: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states")
@@ -325,7 +379,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices", "loras", "max_loras", "max_lora_rank", "max_lora_name_bytes", "lora_target_modules")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +418,11 @@ class GetInfoResponse(_message.Message):
     ALLOW_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SETTING_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_NAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -402,7 +461,12 @@ class GetInfoResponse(_message.Message):
     allow_input_embeds: bool
     kv_layout: KvLayout
     setting_choices: _containers.RepeatedCompositeFieldContainer[SettingChoice]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_loras: int
+    max_lora_rank: int
+    max_lora_name_bytes: int
+    lora_target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_name_bytes: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SettingChoice(_message.Message):
     __slots__ = ("setting", "value", "reason")

@@ -89,6 +89,16 @@ class ModelExecutorStub:
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.KvPushRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.KvPushResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/LoadLora',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/UnloadLora',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -211,6 +221,31 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters (GetInfoResponse.loras: the loaded ones, the slots and the caps). Both are
+        operator calls (the runtime-config token or an allowed operator identity, as
+        UpdateRuntimeConfig) and change the model between two batches, all or nothing.
+        LoadLora reads a PEFT LoRA adapter directory on the executor's filesystem
+        (adapter_config.json + adapter_model.safetensors) into a free slot under `name`. Refused,
+        nothing changed: an adapter that does not fit the model (wrong shapes, an unknown target
+        module, a rank over max_lora_rank, a PEFT option or alpha/rank it cannot apply, files
+        that are not an adapter) INVALID_ARGUMENT; a name already loaded, or LoRA off
+        (max_loras 0) FAILED_PRECONDITION; every slot taken RESOURCE_EXHAUSTED. The files are
+        read while batches keep running; only the slot's write waits for a step boundary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """UnloadLora frees an adapter's slot. Refused, nothing changed: a name not loaded
+        NOT_FOUND; an adapter that live rows use (set by RowAdapter, not yet released)
+        FAILED_PRECONDITION, naming the rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +288,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.KvPushRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.KvPushResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +531,60 @@ class ModelExecutor:
             '/model_executor.v1.ModelExecutor/PushKV',
             model__executor_dot_v1_dot_executor__pb2.KvPushRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.KvPushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/LoadLora',
+            model__executor_dot_v1_dot_executor__pb2.LoadLoraRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/UnloadLora',
+            model__executor_dot_v1_dot_executor__pb2.UnloadLoraRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,
