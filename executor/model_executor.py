@@ -372,14 +372,14 @@ class ModelExecutor:
         """Load the PEFT adapter at `path` as `name` into a free slot (between two steps; the
         server reads the files on its RPC thread first). Refused with nothing changed:
         LoraAdapterError (it does not fit), LoraStateError (LoRA off, the name, the slots)."""
-        return self._adapters().load(name, path)
+        return self.lora_adapters().load(name, path)
 
     @on_own_device
     def unload_lora(self, name: str) -> LoadedAdapter:
         """Free adapter `name`'s slot; refused (LoraStateError) while live rows use it."""
-        return self._adapters().unload(name)
+        return self.lora_adapters().unload(name)
 
-    def _adapters(self) -> LoraAdapters:
+    def lora_adapters(self) -> LoraAdapters:
         if self.lora is None:
             raise LoraStateError("LoRA is off on this executor (start it with max_loras > 0)")
         return self.lora

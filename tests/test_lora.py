@@ -13,10 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
 from executor.batch_prep import make_extend_batch
+from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.core.errors import (
@@ -30,6 +32,7 @@ from executor.core.lora_types import RowAdapter
 from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
 from tests.lora_util import MLP_R16, SPECS, make_adapter, reference_tokens
+from tests.server_util import running_server
 from tests.test_model_families import SMALL, _randomize
 
 transformers = pytest.importorskip("transformers")
@@ -56,6 +59,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _executor(setup: dict[str, Any], cache_dir: Path, **changes: object) -> ModelExecutor:
+    return ModelExecutor(_executor_config(setup, cache_dir, **changes))
+
+
+def _executor_config(setup: dict[str, Any], cache_dir: Path, **changes: object) -> ExecutorConfig:
     values: dict[str, object] = {
         "model": str(setup["root"] / "base"),
         "device": "cpu",
@@ -72,7 +79,7 @@ def _executor(setup: dict[str, Any], cache_dir: Path, **changes: object) -> Mode
         "max_lora_rank": 16,
     }
     values.update(changes)
-    return ModelExecutor(ExecutorConfig(**values))  # type: ignore[arg-type]
+    return ExecutorConfig(**values)  # type: ignore[arg-type]
 
 
 def _recording(ex: ModelExecutor, seen: list[ForwardOutput]) -> Callable[..., ForwardOutput]:
@@ -158,3 +165,44 @@ def test_load_unload_and_refusals_change_nothing_else(
     loras = [n.replace("attn8", "attn8b") for n in ROW_LORAS]
     got = generate(ex.forward, ex.limits, PROMPTS, max_new_tokens=NEW_TOKENS, lora=loras)
     assert got == setup["ref"]
+
+
+def test_served_adapters_are_operator_calls_and_rows_get_their_tokens(
+    setup: dict[str, Any], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Over gRPC: LoadLora / UnloadLora need the runtime-config token (a call without it is
+    refused, nothing loaded); GetInfo lists the adapters and caps; a batch's row adapters
+    give peft's tokens; the refusals map to their status codes."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    adapters = setup["adapters"]
+    config = _executor_config(setup, cache_dir, graph_mode="decode", lora="", max_loras=2)
+    with running_server(config, runtime_config_token_file=str(token_file)) as srv:
+        target = f"127.0.0.1:{srv.port}"
+        with ExecutorClient(target) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                c.load_lora("attn8", str(adapters["attn8"]))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert c.info().info.lora.adapters == ()
+        with ExecutorClient(target, token="s3cret") as c:
+            for s in SPECS:
+                assert c.load_lora(s.name, str(adapters[s.name])).name == s.name
+            info = c.info().info
+            assert [a.name for a in info.lora.adapters] == ["attn8", "mlp16"]
+            assert (info.lora.max_loras, info.lora.max_lora_rank) == (2, 16)
+            for call, code in (
+                (lambda: c.load_lora("x", str(adapters["attn8"])), "RESOURCE_EXHAUSTED"),
+                (lambda: c.unload_lora("nope"), "NOT_FOUND"),
+                (lambda: c.load_lora("attn8", "/nonexistent"), "FAILED_PRECONDITION"),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code().name == code, err.value.details()
+            got = generate(
+                c.forward, info.limits, PROMPTS, max_new_tokens=NEW_TOKENS, lora=ROW_LORAS
+            )
+            assert got == setup["ref"]
+            assert c.unload_lora("attn8").slot == 1
+            with pytest.raises(grpc.RpcError) as err:
+                c.load_lora("bad", str(tmp_path))  # not an adapter directory
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

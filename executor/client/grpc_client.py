@@ -34,6 +34,7 @@ from executor.client.scoring import TextScore, embed_tokens, score_tokens
 from executor.core.controls_types import VocabMask
 from executor.core.extras_types import Pooling
 from executor.core.forward_batch import ForwardBatch
+from executor.core.lora_types import LoadedAdapter
 from executor.core.outputs import ForwardOutput
 from executor.info import ExecutorInfo
 from executor.service.codec import (
@@ -44,6 +45,7 @@ from executor.service.codec import (
     runtime_update_to_proto,
     tensor_to_proto,
 )
+from executor.service.lora_codec import adapter_from_proto
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -144,6 +146,21 @@ class ExecutorClient:
             pb.GetRuntimeConfigRequest(), timeout=timeout, metadata=self._auth
         )
         return runtime_config_from_proto(msg)
+
+    def load_lora(self, name: str, path: str, timeout: float | None = 300.0) -> LoadedAdapter:
+        """Load the PEFT adapter directory `path` (on the executor's filesystem) as `name`; an
+        operator call (the runtime-config token). A refusal raises grpc.RpcError."""
+        msg = self.stub.LoadLora(
+            pb.LoadLoraRequest(name=name, path=path), timeout=timeout, metadata=self._auth
+        )
+        return adapter_from_proto(msg.adapter)
+
+    def unload_lora(self, name: str, timeout: float | None = 60.0) -> LoadedAdapter:
+        """Unload adapter `name` (refused while live rows use it); an operator call."""
+        msg = self.stub.UnloadLora(
+            pb.UnloadLoraRequest(name=name), timeout=timeout, metadata=self._auth
+        )
+        return adapter_from_proto(msg.adapter)
 
     def update_runtime_config(
         self, update: RuntimeConfigUpdate, timeout: float | None = 60.0

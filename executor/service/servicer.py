@@ -6,7 +6,9 @@
 | StreamIdleError, DeferredMaskTimeout   | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
-| ToggleRefusedError, KVStateError      | FAILED_PRECONDITION |
+| ToggleRefusedError, KVStateError, LoraStateError | FAILED_PRECONDITION |
+| LoraAdapterError (an adapter that does not fit) | INVALID_ARGUMENT |
+| LoraNotFoundError / LoraSlotsFullError | NOT_FOUND / RESOURCE_EXHAUSTED |
 | KVChecksumError (a damaged KV chunk)   | DATA_LOSS           |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining, WorkerClosedError | UNAVAILABLE        |
@@ -43,6 +45,7 @@ from executor.core.errors import FaultInjector
 from executor.core.outputs import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
+from executor.service import lora_calls
 from executor.service.access import AccessRules, Rule
 from executor.service.admission import ByteBudget, CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
@@ -424,3 +427,13 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
             return runtime_config_to_proto(config)
+
+    def LoadLora(
+        self, request: pb.LoadLoraRequest, context: grpc.ServicerContext
+    ) -> pb.LoadLoraResponse:
+        return lora_calls.load_lora(self, request, context)
+
+    def UnloadLora(
+        self, request: pb.UnloadLoraRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadLoraResponse:
+        return lora_calls.unload_lora(self, request, context)

@@ -13,6 +13,10 @@ from executor.core.errors import (
     BatchValidationError,
     KVChecksumError,
     KVStateError,
+    LoraAdapterError,
+    LoraNotFoundError,
+    LoraSlotsFullError,
+    LoraStateError,
     RuntimeConfigError,
     ToggleRefusedError,
 )
@@ -38,6 +42,14 @@ class NotServingError(RuntimeError):
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, LoraNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, LoraSlotsFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, LoraAdapterError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LoraStateError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, BatchTooLargeError | QueueFullError | CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
