@@ -9,6 +9,7 @@ unloading and refusals leave every other row and adapter as they were.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ import pytest
 import torch
 
 from executor.batch_prep import make_extend_batch
+from executor.client import cli
+from executor.client.cli_lora import prompt_loras
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
@@ -168,7 +171,7 @@ def test_load_unload_and_refusals_change_nothing_else(
 
 
 def test_served_adapters_are_operator_calls_and_rows_get_their_tokens(
-    setup: dict[str, Any], cache_dir: Path, tmp_path: Path
+    setup: dict[str, Any], cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Over gRPC: LoadLora / UnloadLora need the runtime-config token (a call without it is
     refused, nothing loaded); GetInfo lists the adapters and caps; a batch's row adapters
@@ -206,3 +209,19 @@ def test_served_adapters_are_operator_calls_and_rows_get_their_tokens(
             with pytest.raises(grpc.RpcError) as err:
                 c.load_lora("bad", str(tmp_path))  # not an adapter directory
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The CLI: load-lora / unload-lora send the token from --token-file.
+        auth = ["--target", target, "--token-file", str(token_file)]
+        assert cli.main(["load-lora", "attn8", str(adapters["attn8"]), *auth]) == 0
+        printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+        assert json.loads(printed[-1])["slot"] == 1  # (the server's log lines share stdout)
+        assert cli.main(["unload-lora", "nope", *auth]) == 1
+        assert "NOT_FOUND" in capsys.readouterr().err
+        assert cli.main(["unload-lora", "mlp16", *auth]) == 0
+
+
+def test_generate_lora_names_one_adapter_or_one_per_prompt() -> None:
+    assert prompt_loras("", 2) == ["", ""]
+    assert prompt_loras("a", 3) == ["a", "a", "a"]
+    assert prompt_loras("a,,b", 3) == ["a", "", "b"]
+    with pytest.raises(ValueError, match="2 adapters for 3 prompts"):
+        prompt_loras("a,b", 3)

@@ -33,6 +33,7 @@ from executor.client.cli_controls import (
     sampling_controls,
     sampling_params,
 )
+from executor.client.cli_lora import add_generate_lora, add_lora_commands, prompt_loras
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.observability.logs import configure_logging
@@ -236,6 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
         return 2
+    loras = prompt_loras(args.lora_names, len(prompts))
     if args.prefill_target is not None:
         from executor.client.cli_disaggregated import generate_disaggregated
 
@@ -291,8 +293,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 ngram=args.ngram,
                 controls=controls,
                 json_schema=schema,
+                lora=lora,
             )
-            for t in texts
+            for t, lora in zip(texts, loras, strict=True)
         ]
         scheduler.run()
         if streaming:
@@ -388,8 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--config", help="TOML file for the embedded server")
     # --seed above is the requests' sampling seed (dest sampling_seed); the executor's own seed
     # keeps its default here.
-    settings.add_arguments(gen, ExecutorConfig, exclude=frozenset({"seed"}))
+    settings.add_arguments(gen, ExecutorConfig, exclude=frozenset({"seed", "lora"}))
     _add_tls_arguments(gen)
+    add_generate_lora(gen)
     gen.set_defaults(func=cmd_generate)
 
     score = sub.add_parser(
@@ -436,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--target", default=DEFAULT_TARGET)
     _add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
+    add_lora_commands(sub, _add_tls_arguments)
     return parser
 
 

@@ -22,10 +22,16 @@ def generate_disaggregated(
     if args.target is None:
         print("generate: --prefill-target needs --target (the decode executor)", file=sys.stderr)
         return 2
-    if args.overlap or args.speculate or controls is not None or schema is not None:
+    if (
+        args.overlap
+        or args.speculate
+        or controls is not None
+        or schema is not None
+        or args.lora_names
+    ):
         print(
             "generate: --prefill-target does not combine with --overlap, --speculate, "
-            "sampling controls or --json-schema",
+            "sampling controls, --json-schema or --lora",
             file=sys.stderr,
         )
         return 2
