@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,12 @@ def test_served_adapters_are_operator_calls_and_rows_get_their_tokens(
                 c.forward, info.limits, PROMPTS, max_new_tokens=NEW_TOKENS, lora=ROW_LORAS
             )
             assert got == setup["ref"]
+            # Metrics: live rows per adapter (every request was released) and the operations.
+            url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            assert 'model_executor_lora_running_rows{adapter="attn8"} 0.0' in text
+            assert 'model_executor_lora_operations_total{operation="loaded"} 2.0' in text
+            assert 'model_executor_lora_operations_total{operation="load_refused"} 2.0' in text
             assert c.unload_lora("attn8").slot == 1
             with pytest.raises(grpc.RpcError) as err:
                 c.load_lora("bad", str(tmp_path))  # not an adapter directory

@@ -366,13 +366,15 @@ def start_server(
                 set_trace_sample_ratio=tracing.set_sample_ratio,
                 on_change=metrics.set_runtime_config,
             )
-            pool = executor.req_to_token_pool
+            pool, lora = executor.req_to_token_pool, executor.lora
             metrics.set_executor(
                 executor.info,
                 LiveSources(
                     queue_depth=lambda: worker.depth,
                     kv_slots_used=pool.slots_in_use,
                     req_rows_used=pool.rows_in_use,
+                    lora_running_rows=lora.running_rows if lora is not None else None,
+                    lora_operations=(lambda: dict(lora.counts)) if lora is not None else None,
                 ),
             )
             # graph_mode=auto on a CPU: compile decode graphs while serving eagerly.
