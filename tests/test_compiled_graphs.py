@@ -141,7 +141,7 @@ def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     assert kv_bucket(300, 1024) == 1024 and kv_bucket(None, 1024) == 1024
     # One graph per (batch size, KV bucket), its gather as wide as its KV bucket.
     for bs, by_kv in decode.captured.items():
-        for kv, captured in by_kv.items():
+        for (_, kv), captured in by_kv.items():  # keyed (with LoRA, KV bucket)
             assert tuple(captured.view.attn_metadata.kv_slots.shape) == (bs, kv)
 
     replayed: list[int] = []
@@ -202,7 +202,7 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     )
     decode = graph.runner.decode_graphs
     assert decode is not None and set(decode.captured) == {1, 2}
-    assert all(set(by_kv) == {256, 1024} for by_kv in decode.captured.values())
+    assert all(set(by_kv) == {(False, 256), (False, 1024)} for by_kv in decode.captured.values())
     assert seen and set(seen) == {256}, seen  # no capture run at 1024 keys
 
     for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
