@@ -38,6 +38,7 @@ from executor.controls.step_controls import CONTROL_NAMES, StepControls
 from executor.errors import TestHooks
 from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
+from executor.graphs.compile_cache import use_compile_caches
 from executor.graphs.settings import graph_settings
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
@@ -74,10 +75,13 @@ class ModelExecutor:
         stop: threading.Event | None = None,
         comm: TpComm | None = None,
         local_rank: int = 0,
+        compile_only: bool = False,
     ) -> None:
         """`stop`, when set by the host (a shutdown during start-up), ends graph capture at
         the next bucket with StartupCancelled. `comm`: this rank's tensor-parallel group
-        (required when `config.tp_size` > 1; `executor.parallel.group.init_comm`)."""
+        (required when `config.tp_size` > 1; `executor.parallel.group.init_comm`).
+        `compile_only`: an executor that only compiles graphs for another process (the
+        compile worker): its KV cache is allocated, never written; it captures nothing."""
         self.config = config
         self.comm = comm or TpComm()
         if self.comm.size != config.tp_size:
@@ -91,11 +95,18 @@ class ModelExecutor:
         # Every entry point makes the device current on the calling thread (loader, device
         # worker, runtime captures): CUDA launches and streams follow the current device.
         with device_scope(self.device):
-            self._init_on_device(config, loaded, stop)
+            self._init_on_device(config, loaded, stop, compile_only)
 
     def _init_on_device(
-        self, config: ExecutorConfig, loaded: LoadedModel | None, stop: threading.Event | None
+        self,
+        config: ExecutorConfig,
+        loaded: LoadedModel | None,
+        stop: threading.Event | None,
+        compile_only: bool,
     ) -> None:
+        # Inductor's, Triton's and the kernels' compiled code live under the cache dir, set
+        # before anything here can compile (the qmm kernel at load, graphs at capture).
+        use_compile_caches(resolve_cache_dir(config))
         dtype_choice = choose_dtype(config, self.device)
         self.dtype = dtype_choice.dtype
         log.info(
@@ -162,6 +173,7 @@ class ModelExecutor:
             mcfg.head_dim,
             self.dtype,
             self.device,
+            zeroed=not compile_only,
         )
         layout = mcfg.attention_layout(plan.num_heads, plan.num_kv_heads)
         self.attn_backend = create_backend(
@@ -203,7 +215,8 @@ class ModelExecutor:
             observer=self.observer,
             comm=self.comm,
         )
-        self.control.start()  # on every rank, in the same order (captures run collectives)
+        if not compile_only:  # on every rank, in the same order (captures run collectives)
+            self.control.start()
         self.hooks = TestHooks()
         self.step = Step(
             limits=self.limits,

@@ -23,7 +23,8 @@ from executor.batch_prep import complete_batch, make_decode_batch, make_extend_b
 from executor.errors import ToggleRefusedError
 from executor.forward_batch import SamplingParams
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
-from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import CpuGraph, GraphCapturePoisoned
 from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
 from executor.models.blocks import DecoderLayer
@@ -209,11 +210,11 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
 def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from executor.graphs import graph as graph_module
+    from executor.graphs import factory as factory_module
     from executor.graphs.capture import capture_buckets
 
     # The poisoning is process-wide on CUDA: keep it to this test.
-    monkeypatch.setattr(graph_module, "_cuda_poisoned", [])
+    monkeypatch.setattr(factory_module, "_cuda_poisoned", [])
 
     device = torch.device("cuda", torch.cuda.current_device())
     with ds.device_scope(device):

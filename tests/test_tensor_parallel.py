@@ -356,7 +356,7 @@ def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
     (`drop`) and reported, and a poisoned capture elsewhere poisons this factory and ends
     the pass (no later bucket is tried, as on the poisoned rank)."""
     from executor.graphs.capture import capture_buckets
-    from executor.graphs.graph import GraphFactory
+    from executor.graphs.factory import GraphFactory
     from executor.parallel.agreement import CaptureOutcome, GroupOutcome
 
     group = {

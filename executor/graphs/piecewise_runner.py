@@ -23,7 +23,8 @@ import torch
 from attention.base import AttentionBackend
 from executor.forward_batch import ForwardBatch, ForwardMode
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.graph import Graph, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import Graph
 from executor.models.decoder_model import DecoderModel, PieceBuffers
 from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens

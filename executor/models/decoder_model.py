@@ -139,6 +139,22 @@ class DecoderModel(nn.Module, ABC):
             for layer, old in zip(self.decoder_layers, previous, strict=True):
                 layer.compiled_fns = old
 
+    def compile_halves(self, fns: LayerFns, tokens: int, device: torch.device) -> None:
+        """Call every layer's halves through `fns` once, as `forward` and `pieces` call them,
+        on private zero activations of `tokens` rows: compiled functions compile (or load
+        their caches) for that shape without reading or writing any buffer a step uses (the
+        KV cache, the static graph buffers). The model's own functions stay as they are."""
+        bufs = self.piece_buffers(tokens, device)
+        positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        residual: torch.Tensor | None = None
+        for layer in self.decoder_layers:
+            _, _, _, residual = fns.pre(layer, positions, bufs.hidden, residual, self.rotary)
+            if self.comm.enabled:  # the two pieces around the all-reduces
+                fns.attn_proj(layer, bufs.attn_out)
+                fns.mlp(layer, bufs.hidden, bufs.residual)
+            else:
+                fns.post(layer, bufs.attn_out, bufs.residual)
+
     # --- the body -------------------------------------------------------------------------
     def embed(
         self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None

@@ -3,8 +3,10 @@
 It is the only writer of :class:`executor.step.toggles.Toggles`. Every change is checked first
 and refused with `ToggleRefusedError` (nothing changed) when the executor cannot honour it;
 then it is applied whole. A graph mode that needs a capture captures now, or with
-`background` on a thread of its own, bucket by bucket under the step lock, while steps keep
-running on the current path; the new mode is installed between two steps.
+`background` on a thread of its own while steps keep running on the current path: the
+compiles first, in a compile worker process (`executor.graphs.compile_worker`) when the graph
+backend compiles, then each bucket's load and compile phase without the step lock, and only
+its capture runs (warm-up, checks) under it; the new mode is installed between two steps.
 
 Under tensor parallelism rank 0 broadcasts each change (every rank captures in step, since
 a capture runs collectives) and the workers apply it through the same `apply_toggles`.
@@ -23,6 +25,7 @@ from attention.base import AttentionBackend
 from executor.config import ExecutorConfig, background_graph_mode, resolve_graph_mode
 from executor.errors import ToggleRefusedError
 from executor.graphs.capture import CaptureReport
+from executor.graphs.compile_worker import CompileJob, compile_in_worker
 from executor.model_runner import ModelRunner
 from executor.observer import ExecutorObserver
 from executor.parallel import broadcast
@@ -217,6 +220,7 @@ class GraphControl:
         def body() -> None:
             with device_scope(self.device):
                 try:
+                    self._compile_in_worker(mode)
                     captured = self.runner.capture_for(mode, progress=False, lock=self.step_lock)
                 except BaseException as e:  # a shutdown (StartupCancelled) or a bug
                     self.toggles.capture_error = f"{type(e).__name__}: {e}"
@@ -232,6 +236,28 @@ class GraphControl:
 
         self._capture_thread = threading.Thread(target=body, name="graph-capture", daemon=True)
         self._capture_thread.start()
+
+    def _compile_in_worker(self, mode: GraphMode) -> None:
+        """A compiling graph backend: compile `mode`'s buckets in a worker process into the
+        caches, which the capture then loads. If the worker fails, the capture compiles in
+        this process (off the step lock still, but sharing this process's CPU and GIL)."""
+        factory = self.runner.graph_factory
+        settings = self.runner.graph_settings
+        if not factory.compiles or settings is None:
+            return
+        job = CompileJob(
+            self.config.replace(
+                graph_mode="none",
+                graph_backend=factory.backend,
+                graph_batch_sizes=",".join(map(str, settings.decode_buckets)),
+                piecewise_token_sizes=",".join(map(str, settings.piecewise_buckets)),
+            ),
+            self.runner.missing_runners(mode),
+            self.toggles.needs_cpu_seq_lens,
+        )
+        reason = compile_in_worker(job, factory.stop)
+        if reason is not None:
+            log.warning("compile worker failed: the capture compiles here", reason=reason)
 
     def wait_for_capture(self, timeout: float | None = None) -> bool:
         """Wait for a background capture to end; False if it is still running. Any thread."""

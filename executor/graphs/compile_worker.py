@@ -1,0 +1,147 @@
+"""The compile worker: compiles a graph mode's buckets into the caches, in a process of its
+own at the lowest CPU priority, while the server that started it keeps serving.
+
+Compiling a whole-step graph is minutes of Python (dynamo's trace, inductor's lowering and
+code generation) and C++ compiles. In the server's process that Python holds the GIL, and
+every eager step then waits for it once per op (measured: several times slower). Here it
+holds another process's GIL, scheduled `SCHED_IDLE` (or at nice 19): it runs on what the
+server's steps leave of the CPU.
+
+The worker builds its own executor from the server's settings (its KV cache is allocated,
+never written), runs every bucket's compile phase (`ModelRunner.compile_only`: nothing runs on
+the device) and exits. What it leaves behind is in the cache dir: the whole compiled steps
+(`<cache_dir>/graphs`) and inductor's caches (the layer halves' compiled code). The server's
+own capture then loads them: its compile phase is a load, its capture (under the step lock)
+the warm-up runs.
+
+    python -m executor.graphs.compile_worker JOB.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from executor.config import ExecutorConfig
+
+log = structlog.get_logger(__name__)
+
+POLL_S = 0.2  # how often the server looks at the worker and at its stop event
+LOG_TAIL_BYTES = 4000  # of the worker's output, in the reason of a failure
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """What to compile: the server's settings with its resolved graph choices (backend,
+    bucket lists), the runners it will capture, and the host-lengths decision its capture
+    uses (the decode runner's buffers depend on it)."""
+
+    config: ExecutorConfig
+    runners: tuple[str, ...]  # decode | piecewise: the runners the server will capture
+    needs_cpu_seq_lens: bool
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "config": dataclasses.asdict(self.config),
+                "runners": list(self.runners),
+                "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> CompileJob:
+        data = json.loads(text)
+        return cls(
+            ExecutorConfig(**data["config"]), tuple(data["runners"]), data["needs_cpu_seq_lens"]
+        )
+
+
+def lower_priority() -> str:
+    """Run this process only on CPU time others leave: SCHED_IDLE where Linux offers it,
+    else nice 19. Inherited by the C++ compiler processes it starts. What it became."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        os.nice(19 - os.nice(0))
+        return "nice 19"
+
+
+def run_job(job: CompileJob) -> dict[str, dict[int, str]]:
+    """Build the executor and compile every bucket of the job's mode: the failed buckets."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from executor.model_executor import ModelExecutor
+
+    torch.set_num_threads(1)  # nothing runs on the device here
+    inductor_config.compile_threads = 1  # no pool of compile processes: one C++ compile at a time
+    executor = ModelExecutor(job.config, compile_only=True)
+    executor.runner.graph_factory.store_only = True  # a saved step is not loaded, only kept
+    return executor.runner.compile_only(job.runners, needs_cpu_seq_lens=job.needs_cpu_seq_lens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m executor.graphs.compile_worker JOB.json RESULT.json")
+        return 2
+    priority = lower_priority()
+    job = CompileJob.from_json(Path(args[0]).read_text())
+    t0 = time.perf_counter()
+    log.info("compile worker started", runners=job.runners, priority=priority)
+    failed = run_job(job)
+    seconds = round(time.perf_counter() - t0, 3)
+    Path(args[1]).write_text(json.dumps({"failed": failed, "seconds": seconds}))
+    log.info("compile worker done", seconds=seconds, failed=failed)
+    return 0
+
+
+def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
+    """Run the worker for `job` and wait for it (the calling thread only); None when it
+    compiled every bucket, else why not (the server's capture then compiles what is
+    missing itself). Killed when `stop` is set (a shutdown)."""
+    root = str(Path(__file__).resolve().parents[2])  # where the `executor` package lives
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="compile-worker-") as tmp:
+        job_file, result_file, out_file = (Path(tmp) / n for n in ("job", "result", "out"))
+        job_file.write_text(job.to_json())
+        t0 = time.perf_counter()
+        with out_file.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(job_file), str(result_file)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            log.info("compile worker started", pid=proc.pid, runners=job.runners)
+            while proc.poll() is None:
+                if stop.wait(POLL_S):
+                    proc.kill()
+                    proc.wait()
+                    return "stopped: the server is shutting down"
+        seconds = round(time.perf_counter() - t0, 3)
+        if proc.returncode != 0 or not result_file.is_file():
+            tail = out_file.read_bytes()[-LOG_TAIL_BYTES:].decode(errors="replace")
+            return f"the compile worker exited with {proc.returncode} after {seconds} s: {tail}"
+        result = json.loads(result_file.read_text())
+    failed = {kind: buckets for kind, buckets in result["failed"].items() if buckets}
+    log.info("compile worker done", seconds=seconds, failed=failed)
+    return f"buckets failed to compile: {failed}" if failed else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
