@@ -23,7 +23,13 @@ from executor.models.registry import shard_plan
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.broadcast import STEP, Command, receive, send
 from executor.parallel.comm import TpComm
-from tests.tp_util import PickleUsedError, generate_tp, pickle_forbidden, run_generations
+from tests.tp_util import (
+    PickleUsedError,
+    generate_tp,
+    leave_group_tp,
+    pickle_forbidden,
+    run_generations,
+)
 
 TINY = TINY_CONFIGS["tiny-random"]
 PROMPTS = [[5, 17, 33, 2, 400, 12], [9], list(range(100, 140)), [7, 7, 7]]
@@ -185,6 +191,14 @@ def test_tiny_random_tp2_matches_tp1() -> None:
     assert [paths for _, paths in got][:3] == [["eager"], ["eager"], []]
     for _, paths in got[3:]:
         assert {"full_graph", "piecewise"} <= set(paths), paths
+
+
+def test_every_rank_leaves_with_its_group_and_its_threads_gone() -> None:
+    """torch._dynamo imported after the group exists (the model's load imports it) bound the
+    group as a default argument (`torch.distributed.nn.functional`), so leaving freed
+    nothing: gloo's and the TCPStore's threads met the interpreter's teardown and a rank
+    exited -6 now and then. Leaving now frees the group and joins its threads on every rank."""
+    assert leave_group_tp() == [(0, True, []), (1, True, [])]
 
 
 @pytest.mark.slow
