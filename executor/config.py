@@ -330,26 +330,47 @@ def resolve_max_context_len(config: ExecutorConfig, model: ModelConfig) -> int:
     return config.max_context_len or min(model.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
 
 
-def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
+def resolve_graph_mode(
+    config: ExecutorConfig, device: torch.device, capture_refusal: str | None = None
+) -> str:
     """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
-    where a server then captures `background_graph_mode` while it serves."""
-    if config.graph_mode == "auto":
-        return "both" if device.type == "cuda" else "none"
-    return config.graph_mode
+    where a server then captures `background_graph_mode` while it serves; `none` wherever the
+    attention backend cannot be captured (`capture_refusal`: its reason)."""
+    if config.graph_mode != "auto":
+        return config.graph_mode
+    if capture_refusal is not None:
+        return "none"
+    return "both" if device.type == "cuda" else "none"
 
 
-def background_graph_mode(config: ExecutorConfig, device: torch.device) -> str | None:
+def check_graph_mode(
+    config: ExecutorConfig, attention_backend: str, capture_refusal: str | None
+) -> None:
+    """Refuse at start-up (ValueError naming both settings) a configured graph mode with
+    DECODE graphs that the attention backend cannot be captured in."""
+    if config.graph_mode in ("decode", "both") and capture_refusal is not None:
+        raise ValueError(
+            f"graph_mode={config.graph_mode} and attention_backend={attention_backend} do not "
+            f"go together: DECODE graphs cannot capture this backend ({capture_refusal}); use "
+            "graph_mode=extend, none or auto, or another attention_backend"
+        )
+
+
+def background_graph_mode(
+    config: ExecutorConfig, device: torch.device, capture_refusal: str | None = None
+) -> str | None:
     """`graph_mode=auto` on a CPU: the mode a server captures in the background once it
     serves (eager until then), or None. Whole-step compiled DECODE graphs (`compiled_step`)
     for batch size 1 only: the one path measured faster than eager on a CPU (one inductor
     graph a step instead of some forty ops a layer); a larger batch is bound by its matmuls,
     where the layer-half graphs (`compiled`) measured no faster than eager. Each graph takes
-    minutes to compile cold (docs/performance.md), hence in the background; inductor's cache
-    in `cache_dir` keeps the compiled code for the next start. Not under tensor parallelism
-    (ranks capture in step at start-up) nor with another graph backend configured."""
+    minutes to compile cold (docs/performance.md), hence in the background, in a compile
+    worker; `cache_dir` keeps the compiled code for the next start. Not under tensor
+    parallelism (ranks capture in step at start-up), nor with another graph backend
+    configured, nor with an attention backend that cannot be captured (`capture_refusal`)."""
     if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
         return None
-    if resolve_graph_backend(config, device) != "compiled_step":
+    if capture_refusal is not None or resolve_graph_backend(config, device) != "compiled_step":
         return None
     return "decode"
 

@@ -26,6 +26,7 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     ExecutorConfig,
+    check_graph_mode,
     choose_dtype,
     resolve_cache_dir,
     resolve_device,
@@ -184,7 +185,9 @@ class ModelExecutor:
             device=self.device,
         )
         # The runtime toggles start from the config; `control` changes them between steps.
-        graph_mode = GraphMode(resolve_graph_mode(config, self.device))
+        refusal = self.attn_backend.graph_capture_refusal()
+        check_graph_mode(config, self.attn_backend.name, refusal)
+        graph_mode = GraphMode(resolve_graph_mode(config, self.device, refusal))
         policy = SeqLensPolicy(config.needs_cpu_seq_lens)
         self.toggles = Toggles(
             graph_mode=graph_mode,

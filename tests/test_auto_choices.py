@@ -120,6 +120,11 @@ def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
         assert c.get_runtime_config().graph_mode == "decode"
         assert running.executor is not None
         assert running.executor.control.start_background() is None  # in use: nothing to do
+        # Compiled by the compile worker (its own process), loaded here from the cache dir.
+        decode = running.executor.runner.decode_graphs
+        assert decode is not None
+        assert all(c.graph.loaded for kv in decode.captured.values() for c in kv.values())
+        assert any((cache_dir / "graphs").glob("decode-bs1-*.aot"))
         out = c.forward(
             make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[4])
         )

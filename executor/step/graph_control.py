@@ -73,18 +73,17 @@ class GraphControl:
         mode = self.toggles.graph_mode
         if mode is not GraphMode.NONE:
             self._record_captures(self.runner.enable_graphs(mode))
-        if mode.decode_graphs and (refusal := self.attn_backend.graph_capture_refusal()):
-            log.warning(
-                "decode graphs refused: DECODE runs eagerly",
-                attention_backend=self.attn_backend.name,
-                reason=refusal,
-            )
+
+    def _background_mode(self) -> str | None:
+        return background_graph_mode(
+            self.config, self.device, self.attn_backend.graph_capture_refusal()
+        )
 
     def start_background(self) -> str | None:
         """`graph_mode=auto` on a CPU: capture `background_graph_mode` on a thread of its own
         while steps run eagerly; installed between two steps once every bucket is compiled.
         Returns the mode it captures, or None (nothing to do)."""
-        target = background_graph_mode(self.config, self.device)
+        target = self._background_mode()
         if target is None or self.toggles.graph_mode is not GraphMode.NONE:
             return None
         self.apply_toggles(graph_mode=target, background_capture=True)
@@ -94,9 +93,15 @@ class GraphControl:
         """What graph_mode and graph_backend became here, and why (GetInfo)."""
         cfg = self.config
         backend = self.runner.graph_factory.backend
-        background = background_graph_mode(cfg, self.device)
+        background = self._background_mode()
+        refusal = self.attn_backend.graph_capture_refusal()
         if cfg.graph_mode != "auto":
             mode_reason = "configured"
+        elif refusal is not None:
+            mode_reason = (
+                f"auto: none, attention_backend={self.attn_backend.name} cannot be captured in "
+                f"a graph ({refusal}): every step runs eagerly"
+            )
         elif background is not None:
             mode_reason = (
                 f"auto: on a CPU, none at start-up, then {background} captured in the "
@@ -115,9 +120,14 @@ class GraphControl:
             buckets = (
                 self.runner.graph_settings.decode_buckets if self.runner.graph_settings else []
             )
+            when = (
+                "compiled in the background"
+                if background is not None
+                else "when a runtime graph_mode turns DECODE graphs on"
+            )
             backend_reason = (
                 f"auto: whole-step inductor graphs for DECODE batch sizes {buckets}, the CPU "
-                "path measured faster than eager (compiled in the background)"
+                f"path measured faster than eager ({when})"
             )
         else:
             backend_reason = "auto: inductor's layer halves on a CPU"
@@ -197,7 +207,11 @@ class GraphControl:
 
     def _resolve_graph_mode(self, mode: str) -> GraphMode:
         if mode == "auto":
-            mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
+            mode = resolve_graph_mode(
+                self.config.replace(graph_mode="auto"),
+                self.device,
+                self.attn_backend.graph_capture_refusal(),
+            )
         try:
             return GraphMode(mode)
         except ValueError:
