@@ -77,8 +77,9 @@ class ExecutorConfig:
     )
     graph_mode: str = setting(
         "auto",
-        "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both; "
-        "a runtime toggle too",
+        "auto (both on CUDA, none on CPU, where a server compiles bs-1 DECODE graphs in the "
+        "background; none with an attention backend that cannot be captured) | none | decode "
+        "(full graphs) | extend (piecewise) | both; a runtime toggle too",
     )
     graph_backend: str = setting(
         "auto",
@@ -115,7 +116,10 @@ class ExecutorConfig:
         "(refused when something needs it); a runtime toggle too",
     )
     cache_dir: str = setting(
-        "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
+        "",
+        "where dequantized weights, tokenizers and compiled code are cached (inductor's and "
+        "Triton's compile caches, the qmm kernel, whole compiled DECODE steps): a restart on "
+        "the same directory loads instead of compiling; '' = ~/.cache/model-executor",
     )
     seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
     max_top_logprobs: int = setting(
