@@ -9,8 +9,8 @@ its own process.
    are dropped). `serve` and `generate --target` start together; the first token is the
    generate process's answer (`--max-new-tokens 1`, its own start-up included). Then bs-1
    DECODE steps, each timed at the client, until the background capture is idle (the
-   compiled path in use): back to back for `--busy-s` (the compile worker, at the lowest CPU
-   priority, then gets only what the steps leave), then one every `--pace-s` (a server that
+   compiled path in use): back to back for `--busy-s` (the compile worker, at a low CPU
+   priority, then gets mostly what the steps leave), then one every `--pace-s` (a server that
    is not saturated). Every step during the compile, and the time from launch to the
    compiled path.
 2. eager: the same cache dir with `--graph-mode none`: the eager step's median.

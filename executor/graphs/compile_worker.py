@@ -1,10 +1,10 @@
 """The compile worker: compiles a graph mode's buckets into the caches, in a process of its
-own at the lowest CPU priority, while the server that started it keeps serving.
+own at a low CPU priority (nice 10), while the server that started it keeps serving.
 
 Compiling a whole-step graph is minutes of Python (dynamo's trace, inductor's lowering and
 code generation) and C++ compiles. In the server's process that Python holds the GIL, and
 every eager step then waits for it once per op (measured: several times slower). Here it
-holds another process's GIL, scheduled `SCHED_IDLE` (or at nice 19): it runs on what the
+holds another process's GIL, at a low CPU priority (`WORKER_NICE`): it runs mostly on what the
 server's steps leave of the CPU.
 
 The worker builds its own executor from the server's settings (its KV cache is allocated,
@@ -37,6 +37,11 @@ from executor.config import ExecutorConfig
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.2  # how often the server looks at the worker and at its stop event
+# The worker's niceness: CFS then gives it about a tenth of a core that a step's thread also
+# wants (weights 110 against 1024), and all of a core nobody wants. Lower priorities
+# (nice 19, SCHED_IDLE) starved it on a busy machine: a tiny model's compile made no
+# progress in minutes beside other processes.
+WORKER_NICE = 10
 LOG_TAIL_BYTES = 4000  # of the worker's output, in the reason of a failure
 
 
@@ -67,15 +72,10 @@ class CompileJob:
         )
 
 
-def lower_priority() -> str:
-    """Run this process only on CPU time others leave: SCHED_IDLE where Linux offers it,
-    else nice 19. Inherited by the C++ compiler processes it starts. What it became."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "SCHED_IDLE"
-    except (AttributeError, OSError):
-        os.nice(19 - os.nice(0))
-        return "nice 19"
+def lower_priority() -> int:
+    """Run this process at `WORKER_NICE` (inherited by the C++ compiler processes it
+    starts); its niceness."""
+    return os.nice(max(0, WORKER_NICE - os.nice(0)))
 
 
 def run_job(job: CompileJob) -> dict[str, dict[int, str]]:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     priority = lower_priority()
     job = CompileJob.from_json(Path(args[0]).read_text())
     t0 = time.perf_counter()
-    log.info("compile worker started", runners=job.runners, priority=priority)
+    log.info("compile worker started", runners=job.runners, nice=priority)
     failed = run_job(job)
     seconds = round(time.perf_counter() - t0, 3)
     Path(args[1]).write_text(json.dumps({"failed": failed, "seconds": seconds}))
