@@ -191,6 +191,16 @@ class ModelRunner:
         """The runners (decode, piecewise) switching to `mode` captures."""
         return tuple(self._missing(mode))
 
+    def all_saved(self, runners: tuple[str, ...], lock: AbstractContextManager[object]) -> bool:
+        """Whether what capturing `runners` compiles is all saved whole steps already (then
+        no compile worker is needed). Builds a throwaway decode runner holding `lock` (its
+        registry writes pooled buffers a step reads)."""
+        if runners != ("decode",) or not self.graph_factory.whole_steps:
+            return False
+        with lock:
+            decode = self._decode_runner(self.toggles.needs_cpu_seq_lens)
+        return decode.all_saved()
+
     def compile_only(
         self, runners: tuple[str, ...], *, needs_cpu_seq_lens: bool
     ) -> dict[str, dict[int, str]]:

@@ -9,6 +9,7 @@ The compile worker's failures come back as a reason (the capture then compiles i
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
-from executor.graphs import step_graph
+from executor.graphs import compile_worker, step_graph
 from executor.graphs.artifacts import ArtifactStore, fingerprint
 from executor.graphs.compile_worker import CompileJob, compile_in_worker
 from executor.graphs.decode_runner import DecodeGraphRunner
@@ -27,6 +28,7 @@ from executor.graphs.graph import GraphCaptureError
 from executor.graphs.step_graph import StepCall, StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from executor.service.runtime_config import RuntimeConfigUpdate, RuntimeControl
+from executor.step import graph_control
 from tests.test_graphs import _prefill
 
 MakeExecutor = Callable[..., ModelExecutor]
@@ -109,6 +111,20 @@ def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
     assert torch.equal(outs[0].next_token_ids, outs[2].next_token_ids)
     assert torch.equal(outs[1].next_token_ids, outs[2].next_token_ids)
     assert saved.exists()
+    # A server's background capture finds them saved: no compile worker, a load.
+    monkeypatch.setattr(graph_control, "compile_in_worker", no_worker)
+    third = make_executor(**{**settings, "graph_mode": "auto"})
+    assert third.control.start_background() == "decode"
+    assert third.control.wait_for_capture(120) and third.toggles.graph_mode == "decode"
+    assert third.runner.decode_graphs is not None
+    [[graph]] = [
+        [c.graph for c in kv.values()] for kv in third.runner.decode_graphs.captured.values()
+    ]
+    assert isinstance(graph, StepCompiledGraph) and graph.loaded
+
+
+def no_worker(job: CompileJob, stop: threading.Event) -> str | None:
+    raise AssertionError("a compile worker started for saved graphs")
 
 
 def _call(out: torch.Tensor, scale: float) -> StepCall:
@@ -164,14 +180,22 @@ def test_the_key_follows_the_structure_not_the_state(make_executor: MakeExecutor
     assert fingerprint((torch.zeros(2, 3),)) != fingerprint((torch.zeros(3, 2),))
 
 
-def test_a_failed_compile_worker_says_why(tmp_path: Path) -> None:
+def test_a_failed_compile_worker_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's exit code and the end of its output come back as the reason (the capture
+    then compiles in the server); a shutdown kills it."""
     job = CompileJob(
-        ExecutorConfig(model=str(tmp_path / "missing.gguf"), device="cpu", cache_dir=str(tmp_path)),
+        ExecutorConfig(model="tiny-random", device="cpu", cache_dir=str(tmp_path)),
         ("decode",),
         needs_cpu_seq_lens=False,
     )
+    job_back = CompileJob.from_json(job.to_json())
+    assert job_back == job
+    failing = [sys.executable, "-c", "import sys; print('no compiler here'); sys.exit(3)"]
+    monkeypatch.setattr(compile_worker, "worker_command", lambda job, result: failing)
     reason = compile_in_worker(job, threading.Event())
-    assert reason is not None and "exited with 1" in reason and "missing.gguf" in reason
+    assert reason is not None and "exited with 3" in reason and "no compiler here" in reason
+    sleeping = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(compile_worker, "worker_command", lambda job, result: sleeping)
     stop = threading.Event()
-    stop.set()
+    threading.Timer(0.5, stop.set).start()
     assert compile_in_worker(job, stop) == "stopped: the server is shutting down"

@@ -66,15 +66,16 @@ def environment_digest() -> str:
 def fingerprint(value: object) -> str:
     """A digest of the structure of `value` that a trace depends on (see `_describe`)."""
     h = hashlib.sha256()
-    for token in _describe(value, full=True, seen=set()):
+    for token in _describe(value, full=True, seen={}):
         h.update(token.encode())
         h.update(b"\x00")
     return h.hexdigest()
 
 
-def _describe(value: object, *, full: bool, seen: set[int]) -> Iterator[str]:
+def _describe(value: object, *, full: bool, seen: dict[int, object]) -> Iterator[str]:
     """Tokens for `value`. `full`: settings (numbers, strings, enums, functions) count; off,
     only tensors and types do (inside objects that also hold changing state, e.g. counters).
+    An object met again is a reference ("ref"): `seen` holds every object met, by id.
 
     Modules and frozen dataclasses (configurations) are described in full wherever they
     are; other objects by their tensors only, except an attention backend, which says
@@ -94,7 +95,7 @@ def _describe(value: object, *, full: bool, seen: set[int]) -> Iterator[str]:
     if id(value) in seen:
         yield "ref"
         return
-    seen.add(id(value))
+    seen[id(value)] = value  # kept alive: a temporary's id must not be reused in this walk
     fingerprint_of = getattr(value, "compile_fingerprint", None)
     if callable(fingerprint_of):
         yield type(value).__qualname__

@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def worker_command(job_file: Path, result_file: Path) -> list[str]:
+    return [sys.executable, "-m", __name__, str(job_file), str(result_file)]
+
+
 def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
     """Run the worker for `job` and wait for it (the calling thread only); None when it
     compiled every bucket, else why not (the server's capture then compiles what is
@@ -121,7 +125,7 @@ def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
         t0 = time.perf_counter()
         with out_file.open("wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(job_file), str(result_file)],
+                worker_command(job_file, result_file),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -136,6 +136,19 @@ class DecodeGraphRunner(BucketGraphRunner[dict[int, _Captured]]):
                 self._compiled.pop((bs, kv), None)
             raise
 
+    def all_saved(self) -> bool:
+        """Whether every whole step this runner compiles is saved already (a restart: the
+        capture only loads them). Sets up the backend's graph buffers (as a capture does)."""
+        store = self.factory.store
+        if store is None or not self.factory.whole_steps:
+            return False
+        self._prepare_capture()
+        return all(
+            store.has(call.tag, call.key())
+            for bs in self.buckets
+            for call in (self._bucket_call(bs, kv, stage=False) for kv in self.kv_buckets)
+        )
+
     def _capture_one(self, bs: int) -> None:
         """Every KV bucket of batch size `bs`; all or none (a failure fails the batch-size
         bucket, whose batches then run eagerly). Largest first, so on CUDA the smaller graphs

@@ -257,7 +257,11 @@ class GraphControl:
         this process (off the step lock still, but sharing this process's CPU and GIL)."""
         factory = self.runner.graph_factory
         settings = self.runner.graph_settings
-        if not factory.compiles or settings is None:
+        runners = self.runner.missing_runners(mode)
+        if not factory.compiles or settings is None or not runners:
+            return
+        if self.runner.all_saved(runners, self.step_lock):
+            log.info("compiled graphs saved in the cache dir: loading them", runners=runners)
             return
         job = CompileJob(
             self.config.replace(
@@ -266,7 +270,7 @@ class GraphControl:
                 graph_batch_sizes=",".join(map(str, settings.decode_buckets)),
                 piecewise_token_sizes=",".join(map(str, settings.piecewise_buckets)),
             ),
-            self.runner.missing_runners(mode),
+            runners,
             self.toggles.needs_cpu_seq_lens,
         )
         reason = compile_in_worker(job, factory.stop)
