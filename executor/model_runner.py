@@ -105,11 +105,15 @@ class ModelRunner:
         with self.model.using_compiled_fns(self._layer_fns()):
             yield
 
-    def _compile_halves(self, tokens: int) -> None:
-        """Compile the layer functions for `tokens` rows on private inputs (a capture's
-        compile phase: off the step lock, nothing shared is read or written)."""
+    def _compile_halves(self, tokens: int, kind: str) -> None:
+        """Compile the layer functions for `tokens` rows on private inputs, as the `kind`
+        runner (decode | piecewise) calls them (a capture's compile phase: off the step
+        lock, nothing shared is read or written)."""
+        positions = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        bufs = self.model.piece_buffers(tokens, self.device)
+        fns = self._layer_fns()
         with torch.inference_mode():  # as captures and replays run them
-            self.model.compile_halves(self._layer_fns(), tokens, self.device)
+            self.model.compile_halves(fns, positions, bufs, pieces=kind == "piecewise")
 
     def enable_graphs(self, mode: GraphMode, *, progress: bool = True) -> list[CaptureReport]:
         """Capture and install the runners `mode` needs that were not captured yet (the

@@ -114,7 +114,7 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
         """The compile phase of bucket `size`, without the step lock: it must not run the
         model on shared buffers nor write any. By default the compiled layer halves for
         `size` rows (nothing for the backends that do not compile)."""
-        self.factory.compile_halves(size)
+        self.factory.compile_halves(size, self.kind)
 
     @abstractmethod
     def _capture_one(self, size: int) -> None:

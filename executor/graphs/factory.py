@@ -38,12 +38,12 @@ class GraphFactory:
         *,
         cache_dir: Path | None = None,
         compiled: Callable[[], AbstractContextManager[object]] = nullcontext,
-        compile_halves: Callable[[int], None] | None = None,
+        compile_halves: Callable[[int, str], None] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         """`compiled`: the context in which the model runs its compiled layer halves;
-        `compile_halves(tokens)`: compiles those halves for `tokens` rows without touching
-        device state (a capture's compile phase)."""
+        `compile_halves(tokens, kind)`: compiles those halves for `tokens` rows as the `kind`
+        runner calls them, without touching device state (a capture's compile phase)."""
         if backend not in GRAPH_BACKEND_NAMES:
             raise ValueError(
                 f"graph backend must be one of {', '.join(GRAPH_BACKEND_NAMES)}, got {backend!r}"
@@ -55,7 +55,8 @@ class GraphFactory:
         self.cache_dir = cache_dir
         self.compiled = compiled
         self._compile_halves = compile_halves
-        self._halves_compiled: set[int] = set()  # row-count classes: 1, and 2 or more
+        # (runner kind, row-count class: 1, or 2 and more) compiled so far.
+        self._halves_compiled: set[tuple[str, int]] = set()
         # Where whole compiled steps are saved and loaded from (compiled_step with a cache).
         self.store = (
             ArtifactStore(cache_dir / "graphs")
@@ -96,16 +97,17 @@ class GraphFactory:
         compile worker first (`executor.graphs.compile_worker`)."""
         return self.backend in ("compiled", "compiled_step")
 
-    def compile_halves(self, tokens: int) -> None:
+    def compile_halves(self, tokens: int, kind: str) -> None:
         """The capture's compile phase for graphs that run the compiled layer halves: compile
-        them for `tokens` rows on private inputs (no device state), so that the capture that
-        follows finds them compiled. Nothing for the other backends. The halves are compiled
-        with dynamic shapes: one compile serves every row count from 2 up (1 is its own)."""
-        shape_class = min(tokens, 2)
+        them for `tokens` rows, as the `kind` runner calls them, on private inputs (no
+        device state), so that the capture that follows finds them compiled. Nothing for
+        the other backends. The halves are compiled with dynamic shapes: one compile serves
+        every row count from 2 up (1 is its own)."""
+        shape_class = (kind, min(tokens, 2))
         if self._compile_halves is None or not self.compiles:
             return
         if shape_class not in self._halves_compiled:
-            self._compile_halves(tokens)
+            self._compile_halves(tokens, kind)
             self._halves_compiled.add(shape_class)
 
     @property

@@ -130,6 +130,7 @@ class StepCompiledGraph(Graph):
                 f"the compiled step's output differs from the eager step's (relative error "
                 f"{error:.3g} > {MATCH_TOLERANCE}): not used, and not kept in the cache"
             )
+        log.info("compiled step checked", tag=call.tag, loaded=self.loaded, error=round(error, 5))
         self._call = call
 
     def _forget(self, call: StepCall) -> None:

@@ -139,21 +139,29 @@ class DecoderModel(nn.Module, ABC):
             for layer, old in zip(self.decoder_layers, previous, strict=True):
                 layer.compiled_fns = old
 
-    def compile_halves(self, fns: LayerFns, tokens: int, device: torch.device) -> None:
-        """Call every layer's halves through `fns` once, as `forward` and `pieces` call them,
-        on private zero activations of `tokens` rows: compiled functions compile (or load
-        their caches) for that shape without reading or writing any buffer a step uses (the
-        KV cache, the static graph buffers). The model's own functions stay as they are."""
-        bufs = self.piece_buffers(tokens, device)
-        positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+    def compile_halves(
+        self, fns: LayerFns, positions: torch.Tensor, bufs: PieceBuffers, *, pieces: bool
+    ) -> None:
+        """Call every layer's halves through `fns` once, as `forward` (`pieces` off) or
+        `pieces` calls them, on private activations of `positions`' length: compiled
+        functions compile (or load their caches) for that shape without reading or writing
+        any buffer a step uses (the KV cache, the static graph buffers). Call it inside
+        inference mode with `positions` and `bufs` made outside it, as the registry's and
+        the pieces' buffers are: dynamo's guards tell the two kinds of tensor apart. The
+        model's own functions stay as they are."""
+        hidden = torch.zeros_like(bufs.hidden)  # as an embedding's output
         residual: torch.Tensor | None = None
         for layer in self.decoder_layers:
-            _, _, _, residual = fns.pre(layer, positions, bufs.hidden, residual, self.rotary)
+            _, _, _, residual = fns.pre(layer, positions, hidden, residual, self.rotary)
+            attn_out, res = (
+                (bufs.attn_out, bufs.residual)
+                if pieces
+                else (torch.zeros_like(bufs.attn_out), residual)
+            )
             if self.comm.enabled:  # the two pieces around the all-reduces
-                fns.attn_proj(layer, bufs.attn_out)
-                fns.mlp(layer, bufs.hidden, bufs.residual)
+                fns.mlp(layer, fns.attn_proj(layer, attn_out), res)
             else:
-                fns.post(layer, bufs.attn_out, bufs.residual)
+                fns.post(layer, attn_out, res)
 
     # --- the body -------------------------------------------------------------------------
     def embed(
