@@ -26,7 +26,10 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG CPU_IMAGE=ubuntu:24.04
 
 FROM ${CUDA_IMAGE} AS base-cuda
-ENV NVIDIA_VISIBLE_DEVICES=all \
+# No GPU unless one is handed out: the CUDA base image's NVIDIA_VISIBLE_DEVICES=all would show
+# every GPU of the node to a container that asked for none (the NVIDIA runtime reads it).
+# The Kubernetes device plugin and `docker run --gpus` set it to the GPUs they allocate.
+ENV NVIDIA_VISIBLE_DEVICES=void \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 FROM ${CPU_IMAGE} AS base-cpu

@@ -16,10 +16,10 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
 
-# The CUDA build of torch for `make gpu-check` (a CUDA torch brings its own Triton).
-CUDA_TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+# The Python of the GPU machine `make device-wheels` downloads for (3.11: a dry run here).
+DEVICE_PYTHON ?= 3.12
 
-.PHONY: install serve test lint typecheck clean gpu-check
+.PHONY: install serve test test-fast lint typecheck clean gpu-check device-wheels
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
@@ -45,15 +45,26 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/model-executor serve --host $(HOST) --port $(PORT)
 
-# Lint and type checks run first: they take seconds and fail fast.
+# Lint and type checks run first: they take seconds and fail fast. `test` is the whole gate
+# (CI runs it); `test-fast` is the developer's loop after each change: the unit tests, without
+# the `slow` ones (model loads, servers, subprocesses, compiles).
 test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# On a CUDA machine: the CUDA torch, then the gpu tests and the GPU benchmarks, one report
-# (gpu-check.md). Without a GPU it says so and fails.
+test-fast: install
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
+
+# On a CUDA machine that has torch (and triton): every CUDA path checked against eager, the
+# kernels against float64, latencies, graph memory; one table (docs/gpu.md). Nothing is
+# installed and nothing downloaded: it runs this checkout's .venv where one exists, else the
+# machine's python3, plus the wheels of `.whl/` where they are there.
 gpu-check:
-	$(MAKE) install TORCH_SPEC="$(CUDA_TORCH_SPEC)"
-	$(PY) benchmarks/gpu_check.py --report gpu-check.md
+	PYTHON="$${PYTHON:-$$(test -x $(PY) && echo $(PY) || echo $(PYTHON))}" bash benchmarks/device_check.sh
+
+# The wheels the GPU check needs beyond a GPU machine's preinstalled stack, into .whl/
+# (git-ignored; the device tool carries it). Fails if they and the tracked tree pass 60 MiB.
+device-wheels:
+	$(PYTHON) tools/device_wheels.py --python-version $(DEVICE_PYTHON)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -6,7 +6,6 @@ from attention.base import AttentionBackend, AttentionLayout, GraphCaptureUnsupp
 from attention.selection import (
     BACKEND_NAMES,
     BACKENDS,
-    PIECEWISE_GRAPH_MODES,
     backend_class,
     create_backend,
     decide_needs_cpu_seq_lens,
@@ -18,7 +17,6 @@ from attention.triton.backend import TritonAttnBackend
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
-    "PIECEWISE_GRAPH_MODES",
     "AttentionBackend",
     "AttentionLayout",
     "GraphCaptureUnsupportedError",

@@ -15,7 +15,7 @@ Class flags:
 - `supports_graph_capture`: the backend implements the capture/replay hooks.
 - `graph_kv_bounded`: under capture the backend reads a static number of keys per request
   (the graph's KV-length bound) instead of each request's own length, so DECODE graphs are
-  captured per KV-length bucket as well (`executor.graphs.buckets.kv_buckets`).
+  captured per KV-length bucket as well (`executor.core.buckets.kv_buckets`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from ops.kv_store import store_kv
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 
@@ -163,7 +163,16 @@ class AttentionBackend(ABC):
         self, md: Any, bs: int, fb_view: ForwardBatch, seq_lens_cpu: torch.Tensor | None
     ) -> None:
         """Write this step's runtime values into a bucket's bound buffers, in place; from
-        device data only when `needs_cpu_seq_lens` is False."""
+        device data only when `needs_cpu_seq_lens` is False. A DECODE graph's values are
+        its rows and lengths (`fill_decode_metadata`); a backend whose graphs read more
+        overrides this."""
+        self.fill_decode_metadata(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
+
+    def fill_decode_metadata(
+        self, md: Any, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Fill `md` for `bs` DECODE rows from device data only, in place (shared by eager,
+        capture and replay)."""
         raise GraphCaptureUnsupportedError(
             f"attention backend {self.name!r} does not support graph capture"
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +22,6 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 # Every value `attention_backend` accepts (the config validates against it).
 BACKEND_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
-# Graph modes that enable the piecewise (EXTEND) path.
-PIECEWISE_GRAPH_MODES = ("extend", "both")
 
 
 def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
@@ -51,20 +49,14 @@ def create_backend(
     return backend_class(name, device)(layout, req_to_token_pool, kv_pool)
 
 
-class SeqLensPolicy(Protocol):
-    """The part of the executor config that decides the host `seq_lens` mirror."""
-
-    @property
-    def needs_cpu_seq_lens(self) -> str: ...  # auto | on | off
-
-    @property
-    def graph_mode(self) -> str: ...  # none | decode | extend | both
-
-
 def decide_needs_cpu_seq_lens(
-    config: SeqLensPolicy, backends: Iterable[AttentionBackend | None]
+    policy: str,
+    backends: Iterable[AttentionBackend | None],
+    *,
+    piecewise_mode: str | None = None,
 ) -> bool:
-    """Whether batches must carry `seq_lens_cpu` / `seq_lens_sum`.
+    """Whether batches must carry `seq_lens_cpu` / `seq_lens_sum` under `policy` (auto | on |
+    off); `piecewise_mode` is the graph mode when it enables the piecewise path, else None.
 
     `auto`: True if any backend in use reads them (a backend that does not say defaults to
     True), or if the piecewise path is enabled (it plans attention on real shapes from host
@@ -72,10 +64,10 @@ def decide_needs_cpu_seq_lens(
     at start-up) where something in use needs the mirror.
     """
     readers = [b.name for b in backends if b is not None and getattr(b, "needs_cpu_seq_lens", True)]
-    piecewise = config.graph_mode in PIECEWISE_GRAPH_MODES
-    if config.needs_cpu_seq_lens == "on":
+    piecewise = piecewise_mode is not None
+    if policy == "on":
         return True
-    if config.needs_cpu_seq_lens == "off":
+    if policy == "off":
         if readers:
             raise ValueError(
                 "needs_cpu_seq_lens=off, but attention backend "
@@ -85,7 +77,7 @@ def decide_needs_cpu_seq_lens(
             )
         if piecewise:
             raise ValueError(
-                f"needs_cpu_seq_lens=off, but graph_mode={config.graph_mode!r} enables the "
+                f"needs_cpu_seq_lens=off, but graph_mode={piecewise_mode!r} enables the "
                 "piecewise path, which plans attention from host sequence lengths; use "
                 "needs_cpu_seq_lens=auto, or graph_mode=none|decode"
             )

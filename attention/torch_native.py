@@ -19,7 +19,7 @@ from ops.host_reads import host_mirror_read
 from ops.host_transfer import to_host
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
 from attention.sdpa import sdpa, soft_cap
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 # Gathered K+V per chunk of requests on CPU: about what a core's share of L2/L3 keeps warm
@@ -135,7 +135,7 @@ class TorchPagedBackend(AttentionBackend):
             return md
         md = self._empty(bs, 1, kv_bound)
         md.windows = {w: self._empty(bs, 1, min(w, kv_bound)) for w in self.layout.sliding_windows}
-        self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+        self.fill_decode_metadata(md, bs, fb.req_pool_indices, fb.seq_lens)
         return md
 
     def _empty(self, bs: int, q_bound: int, kv_bound: int) -> TorchPagedMetadata:
@@ -190,17 +190,8 @@ class TorchPagedBackend(AttentionBackend):
             windows=windows,
         )
 
-    def fill_graph_metadata(
-        self,
-        md: TorchPagedMetadata,
-        bs: int,
-        fb_view: ForwardBatch,
-        seq_lens_cpu: torch.Tensor | None,
-    ) -> None:
-        self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
-
     # --- metadata fills (device-only, in place; shared by eager, capture and replay) ---
-    def _fill_decode(
+    def fill_decode_metadata(
         self,
         md: TorchPagedMetadata,
         bs: int,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import BACKENDS, AttentionBackend, AttentionLayout
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from executor.kv_cache import KVPool, ReqToTokenPool
 from ops.device_scope import device_scope
 

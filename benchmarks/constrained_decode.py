@@ -43,11 +43,11 @@ from served import cpu_description, served
 from executor.client.grammar import Grammars
 from executor.client.grpc_client import ExecutorClient, ForwardSession
 from executor.client.scheduler import ReferenceScheduler, Request
-from executor.controls.types import VocabMask
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import VocabMask
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput
 from executor.models.loader import resolve_model_spec
 from executor.models.tokenizer import Tokenizer, load_tokenizer
-from executor.step.outputs import ForwardOutput
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

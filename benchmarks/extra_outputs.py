@@ -32,8 +32,8 @@ from served import cpu_description, served
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.config import ExecutorConfig
-from executor.extras.types import HiddenAsk, Pooling, RowOutputs
-from executor.forward_batch import ForwardBatch
+from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 
 VARIANTS = ("none", "prompt_logprobs", "prompt_top5", "scores16", "hidden_last", "hidden_mean")

@@ -1,10 +1,12 @@
-"""The long fuzz run: `--messages` structured-fuzzed Forward messages (tests/fuzzer.py) against
-an in-process tiny-random server, then the greedy-token check against the in-process executor.
+"""The long fuzz run: `--messages` structured-fuzzed Forward and KV-plane messages, extreme
+integers included (tests/fuzzer.py), against an in-process tiny-random server, then the
+greedy-token check against the in-process executor.
 
     PYTHONPATH=.:proto .venv/bin/python benchmarks/fuzz.py --messages 100000 --seed 1
 
 Exits 1 on any property violation (a status other than OK / INVALID_ARGUMENT /
-RESOURCE_EXHAUSTED, a refused message that changed the state, a wrong token afterwards).
+RESOURCE_EXHAUSTED, for KV also FAILED_PRECONDITION / PERMISSION_DENIED / DATA_LOSS; a
+refused message that changed the state; a wrong token afterwards; a crash ends the run).
 Result recorded in docs/reliability.md.
 """
 
@@ -23,7 +25,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.model_executor import ModelExecutor
 from tests.fuzzer import Fuzzer
-from tests.server_util import running_server, tiny_config
+from tests.server_util import free_port, running_server, tiny_config
 
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 77, 250, 12, 9, 31]]
 
@@ -38,8 +40,9 @@ def main() -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     config = tiny_config(Path(tempfile.mkdtemp(prefix="fuzz-")))
     t0 = time.perf_counter()
-    with running_server(config, queue_size=4) as server:
-        fuzzer = Fuzzer(server, seed=args.seed)
+    dead = f"127.0.0.1:{free_port()}"  # a listed peer where nothing listens
+    with running_server(config, queue_size=4, kv_transfer=True, kv_peers=dead) as server:
+        fuzzer = Fuzzer(server, seed=args.seed, kv_peer=dead)
         done = 0
         while done < args.messages:
             n = min(args.chunk, args.messages - done)

@@ -156,7 +156,8 @@ def main() -> None:
     flags += ["--kv-slots", str(2 * args.tokens + 2 * args.page + 1), "--graph-mode", "none"]
     flags += ["--max-context-len", str(args.tokens + 1)]
     model, simd = cpu_description()
-    with served(flags) as a, served(flags) as b:
+    flags += ["--kv-transfer"]
+    with served(flags) as b, served([*flags, "--kv-peers", f"127.0.0.1:{b.port}"]) as a:
         layout = a.client.info().info.kv_layout
         assert layout is not None
         print(f"# {model} ({simd}); {args.model} {args.dtype}, {layout.bytes_per_slot} B/slot")

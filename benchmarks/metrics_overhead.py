@@ -37,12 +37,12 @@ from opentelemetry import context as otel_context
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
+from executor.core.outputs import StepStats
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import debug_enabled
 from executor.observability.metrics import ExecutorMetrics
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import SpanScope, Tracing
-from executor.step.outputs import StepStats
 from ops.host_transfer import host_transfers
 
 PROMPT_LEN = 8

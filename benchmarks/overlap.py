@@ -30,8 +30,8 @@ from served import cpu_description, served  # benchmarks/served.py (the script's
 
 from executor.client.grpc_client import ExecutorClient, ForwardSession
 from executor.client.scheduler import ReferenceScheduler
-from executor.forward_batch import ForwardBatch
-from executor.step.outputs import ForwardOutput
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput
 
 PROMPT_LEN = 16
 

@@ -22,7 +22,7 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.config import ExecutorConfig
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 from executor.service.codec import batch_from_proto, batch_to_proto
 from executor.service.server import start_server

@@ -28,8 +28,8 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.config import ExecutorConfig
-from executor.controls.types import RowControl, SamplingControls, VocabMask, mask_words
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import RowControl, SamplingControls, VocabMask, mask_words
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 
 VARIANTS = ("none", "penalties", "logit_bias", "token_ids", "vocab_mask", "all")

@@ -59,6 +59,7 @@ def served(
     env: Mapping[str, str] | None = None,
     ready_timeout: float = 1800,
     root: Path = ROOT,
+    token: str | None = None,
 ) -> Iterator[Served]:
     """Start `serve` with `flags` (plus a free port, no metrics port, warning-level logs),
     wait for readiness, yield it with a connected client; stop it on the way out. `root`:
@@ -69,10 +70,17 @@ def served(
         "--log-level", "warning", *flags,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(root), str(root / "proto"), os.getenv("PYTHONPATH")]))
-    environ = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    # Loopback: the benchmarks change runtime toggles without a token (an older tree's
+    # server, run side by side, ignores the variable).
+    environ = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "MODEL_EXECUTOR_OPERATOR_CALLS_OPEN": "1",
+        **(env or {}),
+    }
     t0 = time.perf_counter()
     process = subprocess.Popen(cmd, env=environ, cwd=root)
-    client = ExecutorClient(f"127.0.0.1:{port}")
+    client = ExecutorClient(f"127.0.0.1:{port}", token=token)  # `token`: the call token
     try:
         deadline = time.monotonic() + ready_timeout
         while True:  # in short waits, so a server that died is reported at once

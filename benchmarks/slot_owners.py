@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from executor.kv_cache import ReqToTokenPool
 from executor.service.applied_batches import fingerprint
 from executor.service.codec import batch_to_proto

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import ReferenceScheduler
 from executor.client.speculation import DEFAULT_NGRAM, SpeculationPolicy
-from executor.forward_batch import ForwardBatch, ForwardMode
-from executor.step.outputs import ForwardOutput
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.outputs import ForwardOutput
 
 TEXT = (
     "The town of Aldermere sits on the eastern shore of Lake Corran, about forty kilometres "

@@ -34,7 +34,7 @@ import structlog
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.forward_batch import ForwardBatch, SamplingParams
 from executor.model_executor import ModelExecutor
 from ops.host_transfer import host_transfers, to_device
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
-from executor.graphs.buckets import length_bound
+from executor.core.buckets import length_bound
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 
 
 def _i64(values: Sequence[int]) -> torch.Tensor:

@@ -7,16 +7,20 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
-from executor.models.config import ModelConfig
-from executor.models.model_digest import check_digest_setting
-from executor.step.paths import GraphMode, SeqLensPolicy
+from executor.core import names
+from executor.core.limits import BatchLimits
+from executor.core.names import GraphMode, SeqLensPolicy
+
+if TYPE_CHECKING:
+    from executor.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The graph modes a running executor is in; `auto` is a start-up value only, resolved before
@@ -26,13 +30,22 @@ GRAPH_MODES = ("auto", *RUNTIME_GRAPH_MODES)
 NEEDS_CPU_SEQ_LENS_VALUES = tuple(p.value for p in SeqLensPolicy)  # auto | on | off
 # What a captured graph is: a CUDA graph, an inductor-compiled callable (CPU), or the CPU
 # stand-in that only checks CUDA's capture rules; `auto` = cuda on CUDA, compiled elsewhere.
-GRAPH_BACKENDS = ("auto", "cuda", "compiled", "compiled_step", "standin")
+GRAPH_BACKENDS = ("auto", *names.GRAPH_BACKENDS)
 QUANTIZATION_MODES = ("auto", "none", "gguf", "int8", "int4")
 # What `auto` resolves to and what a model is loaded with (executor.models.quant_kernel).
 LOADED_QUANTIZATIONS = QUANTIZATION_MODES[1:]
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 QUANT_KERNELS = ("auto", "qmm", "torch")
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_digest_setting(value: str) -> None:
+    """ValueError unless `value` is \"\" or 64 lowercase hex digits."""
+    if value and not _HEX64.match(value):
+        raise ValueError(f"model_sha256 must be 64 lowercase hex digits (sha256), got {value!r}")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -50,7 +63,7 @@ class ExecutorConfig:
 
     model: str = setting(
         "smollm2",
-        "model: smollm2, tiny-random[-qwen2|-qwen3|-qwen3-moe|-gemma2], a .gguf file or a HF directory",
+        "model: smollm2, a tiny-random config (tiny-random, tiny-random-<family>: executor/models/tiny_random.py), a .gguf file or a HF directory",
     )
     model_sha256: str = setting(
         "",
@@ -272,6 +285,24 @@ class ExecutorConfig:
         return ExecutorConfig(**values)
 
 
+def batch_limits(
+    config: ExecutorConfig, *, vocab_size: int, hidden_size: int, max_context_len: int
+) -> BatchLimits:
+    """The caps batches are checked against (and the wire's byte limits sized from)."""
+    return BatchLimits(
+        max_reqs=config.max_reqs,
+        kv_slots=config.kv_slots,
+        max_context_len=max_context_len,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        max_batch_size=config.max_batch_size or config.max_reqs,
+        max_tokens_per_batch=config.max_tokens_per_batch,
+        max_top_logprobs=config.max_top_logprobs,
+        future_slots=resolve_future_slots(config),
+        allow_input_embeds=config.allow_input_embeds,
+    )
+
+
 def resolve_future_slots(config: ExecutorConfig) -> int:
     """The future-token table's size: the configured one, or 4 slots per request row."""
     return config.future_slots or 4 * config.max_reqs
@@ -287,7 +318,15 @@ def resolve_device(config: ExecutorConfig, local_rank: int = 0) -> torch.device:
         )
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+        build = f"torch {torch.__version__}" + (
+            f" (CUDA {torch.version.cuda}) sees no GPU: check the pod's GPU limit, its runtime "
+            "class and CUDA_VISIBLE_DEVICES"
+            if torch.version.cuda
+            else " is a CPU-only build"
+        )
+        raise ValueError(
+            f"device {config.device!r} was asked for but CUDA is not available: {build}"
+        )
     if device.type == "cuda":
         count = torch.cuda.device_count()
         index = (0 if device.index is None else device.index) + local_rank

@@ -1,12 +1,18 @@
-"""The eager path's input registries: which inputs the model reads, and their one copy.
+"""The eager path's input-buffer registries: persistent buffers the eager model reads.
 
-Eager never pads (`padded == raw`), so it needs no buffers of its own: the model reads the
-step's staged device views (:mod:`ops.h2d_staging`), and those views are the eager
-registry's buffers. Each input reaches the device once, in the step's one staged upload.
-The registries (`eager_decode`, bs axis, for DECODE; `eager_extend`, token axis, for
-EXTEND) are the graph runners' slot tables (:mod:`registry.factories`); here they declare
-which of the batch's device fields the model reads, and the step's fill statistics report
-what the staged upload carried for them (one copy call).
+Eager never pads (`padded == raw`). With `eager_input_no_copy` off (the registry path), the
+step's staged device views are filled into two lazily built registries - `eager_decode`
+(bs axis, for DECODE) and `eager_extend` (token axis, for EXTEND) - by the registry's own
+`fill_from` (one grouped device-to-device copy), and the model reads `extract_buffer`'s
+view: the registry's buffers, computed slots (`num_token_non_padded`) exposed, `None`
+carried for a registered field the batch does not have (`input_ids` under input
+embeddings), every unregistered field carried from the batch as it is. Each registry
+grows to the next power of two when a batch exceeds it, and keeps its buffers otherwise,
+so a step allocates nothing. With the toggle on, the model reads the staged views
+themselves and nothing is copied or counted.
+
+The buffers are private (`share_pool=False`): a background graph capture fills the graph
+runners' pooled buffers while eager steps run.
 """
 
 from __future__ import annotations
@@ -15,64 +21,90 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.names import EAGER_DECODE, EAGER_EXTEND
 from registry import BufferRegistry, FillStats, build_decode_registry, build_prefill_registry
 
-EAGER_DECODE = "eager_decode"
-EAGER_EXTEND = "eager_extend"
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
+class EagerFill:
+    """One eager step's inputs through a registry: the batch the model reads and the fill."""
+
+    batch: ForwardBatch
+    registry: str
+    stats: FillStats
+
+
 class EagerRegistry:
-    """One mode's eager inputs: the device slots of its registry."""
+    """One mode's registry, built on first use and rebuilt at the next power of two when a
+    batch does not fit (`capacity` says what the buffers hold now)."""
 
-    name: str
-    fields: tuple[str, ...]
+    def __init__(self, name: str, device: torch.device, seq_len_fill_value: int) -> None:
+        self.name = name
+        self.device = device
+        self.seq_len_fill_value = seq_len_fill_value
+        self.registry: BufferRegistry | None = None
 
-    def fill_stats(self, fb: ForwardBatch) -> FillStats:
-        """What the staged upload carried for this registry: its fields present on `fb`,
-        their bytes, and the one copy that brought them."""
-        present = [t for name in self.fields if (t := getattr(fb, name)) is not None]
-        if not present:
-            return FillStats()
-        return FillStats(
-            tensors_copied=len(present),
-            bytes_copied=sum(t.numel() * t.element_size() for t in present),
-            copy_calls=1,
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(requests, tokens) the buffers hold; (0, 0) before the first batch."""
+        r = self.registry
+        return (0, 0) if r is None else (r.max_bs, r.max_num_tokens)
+
+    def _ensure(self, bs: int, num_tokens: int) -> BufferRegistry:
+        r = self.registry
+        if r is not None and bs <= r.max_bs and num_tokens <= r.max_num_tokens:
+            return r
+        cap_bs, cap_tokens = self.capacity
+        max_bs, max_tokens = _next_pow2(max(bs, cap_bs)), _next_pow2(max(num_tokens, cap_tokens))
+        if self.name == EAGER_DECODE:
+            r = build_decode_registry(
+                device=self.device,
+                max_bs=max_bs,
+                max_num_tokens=max_tokens,
+                seq_len_fill_value=self.seq_len_fill_value,
+                needs_cpu_seq_lens=False,  # the host mirror is carried from the batch
+                enable_num_token_non_padded=True,
+                share_pool=False,
+            )
+        else:
+            r = build_prefill_registry(
+                device=self.device,
+                max_bs=max_bs,
+                max_num_tokens=max_tokens,
+                enable_num_token_non_padded=True,
+                share_pool=False,
+            )
+        self.registry = r
+        return r
+
+    def fill(self, fb: ForwardBatch) -> EagerFill:
+        """Copy `fb`'s inputs into the buffers; the batch of buffer views the model reads."""
+        bs, tokens = fb.batch_size, fb.num_tokens
+        registry = self._ensure(bs, tokens)
+        stats = registry.fill_from(
+            fb, raw_bs=bs, padded_bs=bs, raw_num_tokens=tokens, padded_num_tokens=tokens
         )
-
-
-def _device_slots(name: str, registry: BufferRegistry) -> EagerRegistry:
-    """The slots that live on the registry's device (host mirrors are carried, not copied)."""
-    fields = tuple(
-        slot
-        for slot in registry.slot_names()
-        if registry.slot_device(registry.get_slot(slot)) == registry.device
-    )
-    return EagerRegistry(name, fields)
+        # extract_buffer's view, through ForwardBatch's own (cheaper) replace
+        views = registry.buffer_views(
+            padded_bs=bs, padded_num_tokens=tokens, forward_batch_template=fb
+        )
+        return EagerFill(fb.replace(**views), self.name, stats)
 
 
 class EagerInputs:
-    """The two eager registries, read from the slot tables once (on the meta device: no
-    memory, since the eager path stages nothing into them)."""
+    """The two eager registries of a runner."""
 
-    def __init__(self) -> None:
-        meta = torch.device("meta")
-        self.decode = _device_slots(
-            EAGER_DECODE,
-            build_decode_registry(
-                device=meta,
-                max_bs=0,
-                max_num_tokens=0,
-                seq_len_fill_value=0,
-                needs_cpu_seq_lens=False,
-                share_pool=False,
-            ),
-        )
-        self.extend = _device_slots(
-            EAGER_EXTEND,
-            build_prefill_registry(device=meta, max_bs=0, max_num_tokens=0, share_pool=False),
-        )
+    def __init__(self, device: torch.device, *, seq_len_fill_value: int) -> None:
+        self.decode = EagerRegistry(EAGER_DECODE, device, seq_len_fill_value)
+        self.extend = EagerRegistry(EAGER_EXTEND, device, seq_len_fill_value)
 
     def registry_for(self, fb: ForwardBatch) -> EagerRegistry:
         return self.extend if fb.forward_mode.is_extend() else self.decode
+
+    def fill(self, fb: ForwardBatch) -> EagerFill:
+        return self.registry_for(fb).fill(fb)

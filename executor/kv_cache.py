@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from executor.batch_prep import extend_positions
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
@@ -417,26 +417,3 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Sizes of the cache, from the executor config and the model."""
-
-    max_reqs: int
-    max_context_len: int
-    kv_slots: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def bytes_per_slot(self) -> int:
-        return (
-            2
-            * self.num_layers
-            * self.num_kv_heads
-            * self.head_dim
-            * torch.finfo(self.dtype).bits
-            // 8
-        )

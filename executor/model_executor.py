@@ -2,14 +2,14 @@
 
 `ModelExecutor` builds the pieces once (model, limits, row table and KV pool, future-token
 table, attention backend, runner) and hands batches to :class:`executor.step.Step`.
-Runtime toggles live in `toggles` (:class:`executor.step.toggles.Toggles`) and change only
+Runtime toggles live in `toggles` (:class:`executor.core.toggles.Toggles`) and change only
 through `control` (:class:`executor.step.graph_control.GraphControl`), on the thread that runs
 the steps, between two of them. Not thread-safe: one thread owns the device (the gRPC
 server's worker).
 
 Tensor parallel (`comm` of size > 1, `executor.parallel`): every rank builds its own
 `ModelExecutor` over its shard. Rank 0 admits each batch, broadcasts it (`TpLeader`) and
-runs it; the other ranks run `run_shard` on what they receive (`executor.parallel.worker`),
+runs it; the other ranks run `run_shard` on what they receive (`executor.tp_worker`),
 so every rank runs the same path, row table included. Rank 0 samples from the gathered
 logits. Runtime toggles are broadcast the same way.
 """
@@ -26,38 +26,38 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     ExecutorConfig,
+    batch_limits,
     check_graph_mode,
     choose_dtype,
     resolve_cache_dir,
     resolve_device,
-    resolve_future_slots,
     resolve_graph_backend,
     resolve_graph_mode,
     resolve_max_context_len,
 )
 from executor.controls.step_controls import CONTROL_NAMES, StepControls
-from executor.errors import TestHooks
-from executor.forward_batch import ForwardBatch
+from executor.core.errors import TestHooks
+from executor.core.forward_batch import ForwardBatch
+from executor.core.names import GraphMode, SeqLensPolicy
+from executor.core.observer import ExecutorObserver, NullObserver
+from executor.core.outputs import ForwardOutput
+from executor.core.toggles import Toggles
 from executor.future_tokens import FutureTokenTable
 from executor.graphs.compile_cache import use_compile_caches
 from executor.graphs.settings import graph_settings
+from executor.info import ExecutorInfo, SettingChoice
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.model_runner import ModelRunner
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
 from executor.models.tokenizer import Tokenizer, load_tokenizer
-from executor.observer import ExecutorObserver, NullObserver
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
 from executor.sampling import Sampler
 from executor.step.clock import StepClock
 from executor.step.graph_control import GraphControl
-from executor.step.outputs import ExecutorInfo, ForwardOutput, SettingChoice
-from executor.step.paths import GraphMode, SeqLensPolicy
 from executor.step.step import Step
-from executor.step.toggles import SeqLensQuestion, Toggles
-from executor.validation import BatchLimits
 from ops.device_scope import device_scope, on_own_device
 from ops.h2d_staging import H2DStaging
 
@@ -146,17 +146,11 @@ class ModelExecutor:
             raise ValueError(
                 f"max_context_len ({max_context_len}) exceeds the model's rotary table ({self.model.max_positions})"
             )
-        self.limits = BatchLimits(
-            max_reqs=config.max_reqs,
-            kv_slots=config.kv_slots,
-            max_context_len=max_context_len,
+        self.limits = batch_limits(
+            config,
             vocab_size=mcfg.vocab_size,
             hidden_size=mcfg.hidden_size,
-            max_batch_size=config.max_batch_size or config.max_reqs,
-            max_tokens_per_batch=config.max_tokens_per_batch,
-            max_top_logprobs=config.max_top_logprobs,
-            future_slots=resolve_future_slots(config),
-            allow_input_embeds=config.allow_input_embeds,
+            max_context_len=max_context_len,
         )
         self.req_to_token_pool = ReqToTokenPool(
             config.max_reqs,
@@ -194,7 +188,7 @@ class ModelExecutor:
             seq_lens_policy=policy,
             # Raises ValueError (start-up) if needs_cpu_seq_lens=off contradicts a backend or path.
             needs_cpu_seq_lens=decide_needs_cpu_seq_lens(
-                SeqLensQuestion.of(policy, graph_mode), [self.attn_backend]
+                policy, [self.attn_backend], piecewise_mode=graph_mode.piecewise_mode
             ),
             eager_input_no_copy=config.eager_input_no_copy,
         )

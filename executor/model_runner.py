@@ -2,10 +2,9 @@
 
 Dispatch: DECODE takes the full-graph path when graphs are on for it and the batch fits a
 captured bucket; EXTEND takes the piecewise path likewise; everything else runs eagerly.
-Eager runs the model on the batch's own device tensors, the step's one staged upload: on
-the default path they are the eager input registry's buffers (:mod:`executor.eager_inputs`)
-and the output accounts that copy to it; with `eager_input_no_copy` nothing is accounted
-to a registry. When a graph path was wanted but the batch ran eagerly, the output says why
+Eager runs the model on the eager input registry's buffers, filled from the step's staged
+upload (:mod:`executor.eager_inputs`), or with `eager_input_no_copy` on the staged upload
+itself. When a graph path was wanted but the batch ran eagerly, the output says why
 (`graph_fallback`).
 """
 
@@ -21,9 +20,12 @@ import structlog
 import torch
 
 from attention.base import AttentionBackend
+from executor.core.extras_types import hidden_layers
+from executor.core.forward_batch import ForwardBatch
+from executor.core.names import GraphMode, Path
+from executor.core.runner_output import GraphFallback, RunnerOutput
+from executor.core.toggles import Toggles
 from executor.eager_inputs import EagerInputs
-from executor.extras.types import hidden_layers
-from executor.forward_batch import ForwardBatch
 from executor.graphs.capture import CaptureReport
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.factory import GraphFactory
@@ -31,10 +33,8 @@ from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
 from executor.models.blocks import LayerFns, compile_layer_fns
 from executor.models.decoder_model import DecoderModel
-from executor.runner_output import RunnerOutput
-from executor.step.paths import GraphMode, Path
-from executor.step.toggles import Toggles
 from ops.future_tokens import resolve_future_tokens
+from registry import FillStats
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +76,9 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = device
         self.toggles = toggles
-        self.eager_inputs = EagerInputs()
+        self.eager_inputs = EagerInputs(
+            device, seq_len_fill_value=attn_backend.graph_seq_len_fill_value()
+        )
         self.graph_settings = graphs
         self.graph_factory = GraphFactory(
             device,
@@ -225,26 +227,22 @@ class ModelRunner:
         if captured.piecewise is not None:
             self.piecewise = captured.piecewise
 
-    def _graph_path(self, fb: ForwardBatch) -> tuple[RunnerOutput | None, str | None]:
-        """(output, None) if a graph path ran; (None, "kind:reason") if one was wanted but
-        could not run; (None, None) if graphs are off for this batch's mode."""
+    def _graph_path(self, fb: ForwardBatch) -> tuple[RunnerOutput | None, GraphFallback | None]:
+        """(output, None) if a graph path ran; (None, why) if one was wanted but could not
+        run; (None, None) if graphs are off for this batch's mode."""
         mode = self.toggles.graph_mode
         if fb.forward_mode.is_decode() and mode.decode_graphs:
             if self.decode_graphs is None:
-                return None, "decode:backend_unsupported"
+                return None, GraphFallback("decode", "backend_unsupported")
             reason = self.decode_graphs.fallback_reason(fb)
-            return (
-                (self.decode_graphs.replay(fb), None)
-                if reason is None
-                else (None, f"decode:{reason}")
-            )
+            if reason is not None:
+                return None, GraphFallback("decode", reason)
+            return self.decode_graphs.replay(fb), None
         if fb.forward_mode.is_extend() and mode.piecewise and self.piecewise is not None:
             reason = self.piecewise.fallback_reason(fb)
-            return (
-                (self.piecewise.replay(fb), None)
-                if reason is None
-                else (None, f"piecewise:{reason}")
-            )
+            if reason is not None:
+                return None, GraphFallback("piecewise", reason)
+            return self.piecewise.replay(fb), None
         return None, None
 
     # --- one step ------------------------------------------------------------------------
@@ -259,9 +257,9 @@ class ModelRunner:
         if layers:  # named layers' streams are recorded on the eager path only
             mode = self.toggles.graph_mode
             if fb.forward_mode.is_decode() and mode.decode_graphs:
-                fallback = "decode:hidden_layers"
+                fallback = GraphFallback("decode", "hidden_layers")
             elif fb.forward_mode.is_extend() and mode.piecewise:
-                fallback = "piecewise:hidden_layers"
+                fallback = GraphFallback("piecewise", "hidden_layers")
         out = self._eager(fb, layers)
         out.graph_fallback = fallback
         return out
@@ -274,9 +272,11 @@ class ModelRunner:
                 (0, self.model.config.vocab_size), dtype=torch.float32, device=fb.seq_lens.device
             )
             return RunnerOutput(logits=logits, path=path, padded_batch_size=0, padded_num_tokens=0)
-        # NOTE: the model reads `fb`'s own tensors (the step's staged views) on both eager
-        # paths; the batch is not mutated: its attention metadata rides on one replace.
-        run = fb.replace(attn_metadata=self.attn_backend.init_forward_metadata(fb))
+        # NOTE: no-copy reads the step's staged views themselves; the registry path reads
+        # its own buffers, filled from them. Neither mutates `fb`.
+        filled = None if no_copy else self.eager_inputs.fill(fb)
+        inputs = fb if filled is None else filled.batch
+        run = inputs.replace(attn_metadata=self.attn_backend.init_forward_metadata(inputs))
         assert run.positions is not None
         input_ids = run.input_ids
         if fb.future_refs and input_ids is not None and self.future_tokens is not None:
@@ -286,18 +286,13 @@ class ModelRunner:
             input_ids, run.positions, run, self.attn_backend, run.input_embeds, keep
         )
         logits = self.model.compute_logits(hidden, run)
-        if no_copy:
-            return RunnerOutput(
-                logits, path, fb.batch_size, fb.num_tokens, hidden=hidden, layers=keep or {}
-            )
-        registry = self.eager_inputs.registry_for(fb)
         return RunnerOutput(
             logits,
             path,
             fb.batch_size,
             fb.num_tokens,
-            fill_registry=registry.name,
-            fill_stats=registry.fill_stats(fb),
+            fill_registry=None if filled is None else filled.registry,
+            fill_stats=FillStats() if filled is None else filled.stats,
             hidden=hidden,
             layers=keep or {},
         )

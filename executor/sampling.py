@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from executor.forward_batch import SamplingBatch
-from executor.step.outputs import ForwardOutput
+from executor.core.forward_batch import SamplingBatch
+from executor.core.outputs import ForwardOutput
 from ops.host_transfer import to_host_packed
 from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
 

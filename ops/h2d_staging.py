@@ -149,7 +149,3 @@ class H2DStaging:
             pair = _Pair(_capacity(total), self.device)
             self._pairs[i] = pair
         return pair
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize

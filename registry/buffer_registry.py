@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -13,6 +14,16 @@ from registry.pool import share_input_buffer
 from registry.slot import FillContext, GraphSlot
 
 BatchT = TypeVar("BatchT")
+PLANS_PER_REGISTRY = 64  # fill shapes planned per registry (buckets x modes); oldest dropped
+
+
+@dataclass(frozen=True)
+class _FillPlan:
+    """What a fill of one shape touches, as ready-made views."""
+
+    ctx: FillContext
+    resets: tuple[tuple[torch.Tensor, float | int | bool], ...]  # (tail, value to fill)
+    heads: tuple[tuple[str, torch.Tensor, bool], ...]  # (field, head view, off the device)
 
 
 class BufferRegistry:
@@ -42,6 +53,12 @@ class BufferRegistry:
         self._slots: dict[str, GraphSlot] = {}
         # Slots whose buffer lives off `device` (e.g. a host mirror): copied one by one.
         self._off_device: set[str] = set()
+        # What a fill walks, by kind, in registration order (rebuilt at each registration):
+        self._plain: tuple[str, ...] = ()  # heads copied from the batch's same-named field
+        self._sourced: tuple[GraphSlot, ...] = ()  # heads copied from a source_fn
+        self._hooks: tuple[GraphSlot, ...] = ()  # post_fill hooks
+        self._exposed: tuple[GraphSlot, ...] = ()  # what extract_buffer may put on the batch
+        self._plans: dict[tuple[tuple[int, int, int, int], tuple[bool, ...]], _FillPlan] = {}
 
     # --- registration ------------------------------------------------------------------
     def register_slot(self, slot: GraphSlot, bind: torch.Tensor | None = None) -> GraphSlot:
@@ -59,7 +76,16 @@ class BufferRegistry:
             if not _same_device(slot.buffer.device, self.device):
                 self._off_device.add(slot.name)
         self._slots[slot.name] = slot
+        self._index()
         return slot
+
+    def _index(self) -> None:
+        live = [s for s in self._slots.values() if s.enabled]
+        self._plain = tuple(s.name for s in live if s.copy_from_fb and s.source_fn is None)
+        self._sourced = tuple(s for s in live if s.copy_from_fb and s.source_fn is not None)
+        self._hooks = tuple(s for s in live if s.post_fill is not None)
+        self._exposed = tuple(s for s in live if s.buffer is not None and not s.is_nested)
+        self._plans.clear()
 
     def _allocate(self, slot: GraphSlot, bind: torch.Tensor | None) -> torch.Tensor:
         device = self.slot_device(slot)
@@ -131,52 +157,104 @@ class BufferRegistry:
 
         Three phases: every tail gets its padding policy; every head is copied (grouped by
         dtype pair on the registry's device, one by one elsewhere); `post_fill` hooks run.
-        A field that is None on `fb` (or a `source_fn` returning None) is not copied.
+        A field that is None on `fb` (or a `source_fn` returning None) is not copied. What
+        a fill of one shape touches (tail and head views) is planned once and reused.
         """
-        ctx = FillContext(raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
         if padded_bs > self.max_bs or padded_num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"a batch padded to bs={padded_bs}, tokens={padded_num_tokens} does not fit "
                 f"this registry (max_bs={self.max_bs}, max_num_tokens={self.max_num_tokens})"
             )
-        slots = [s for s in self._slots.values() if s.enabled]
-        for slot in slots:
-            slot.reset_padding(ctx)
+        shape = (raw_bs, padded_bs, raw_num_tokens, padded_num_tokens)
+        sources = [getattr(fb, name, None) for name in self._plain]
+        present = tuple(src is not None for src in sources)
+        plan = self._plans.get((shape, present))
+        if plan is None:
+            plan = self._plan(FillContext(*shape), present)
+        for tail, value in plan.resets:
+            tail.fill_(value)
         on_device: list[CopyPair] = []
         elsewhere: list[CopyPair] = []
-        for slot in slots:
-            pair = self._copy_pair(slot, fb, ctx) if slot.copy_from_fb else None
-            if pair is None:
-                continue
-            (elsewhere if slot.name in self._off_device else on_device).append(pair)
+        for (name, dst, off), src in zip(
+            plan.heads, [s for s in sources if s is not None], strict=True
+        ):
+            if not isinstance(src, torch.Tensor):
+                _check_tensor(self._slots[name], src)
+            # NOTE: copy_ would broadcast a mismatched source silently; refuse it instead.
+            if dst.shape != src.shape:
+                raise ValueError(
+                    f"slot {name!r}: source shape {list(src.shape)} does not match "
+                    f"the staged head {list(dst.shape)}"
+                )
+            (elsewhere if off else on_device).append((dst, src))
+        for slot in self._sourced:
+            pair = self._sourced_pair(slot, fb, plan.ctx)
+            if pair is not None:
+                (elsewhere if slot.name in self._off_device else on_device).append(pair)
         stats = grouped_copy_(on_device) + per_tensor_copy_(elsewhere)
-        for slot in slots:
-            if slot.post_fill is not None:
-                slot.post_fill(slot.require_buffer(), fb, ctx)
+        for slot in self._hooks:
+            assert slot.post_fill is not None
+            slot.post_fill(slot.require_buffer(), fb, plan.ctx)
         return stats
 
-    def _copy_pair(self, slot: GraphSlot, fb: Any, ctx: FillContext) -> CopyPair | None:
-        if slot.source_fn is not None:
-            src = slot.source_fn(fb, ctx)
-            if src is None:
-                return None
-            _check_tensor(slot, src)
-            if src.dim() == 0:
-                raise ValueError(f"slot {slot.name!r}: source_fn returned a 0-d tensor")
-            dst = slot.head(int(src.shape[-1] if slot.slice_fn is not None else src.shape[0]))
-        else:
-            src = getattr(fb, slot.name, None)
-            if src is None:
-                return None
-            _check_tensor(slot, src)
-            dst = slot.head(slot.lanes(ctx.raw_bs, ctx.raw_num_tokens))
-        # NOTE: copy_ would broadcast a mismatched source silently; refuse it instead.
+    def _plan(self, ctx: FillContext, present: tuple[bool, ...]) -> _FillPlan:
+        """The views one fill shape touches: each tail to reset (and its value), each head
+        to copy into. Cached per shape (the oldest dropped beyond PLANS_PER_REGISTRY)."""
+        resets: list[tuple[torch.Tensor, float | int | bool]] = []
+        for slot in self._slots.values():
+            if not slot.enabled or slot.buffer is None:
+                continue
+            tail = slot.padding_tail(ctx)
+            if tail is None:
+                continue
+            if slot.padding_policy is PaddingPolicy.ZERO:
+                resets.append((tail, 0))
+            elif slot.padding_policy is PaddingPolicy.FILL_SENTINEL:
+                assert slot.pad_value is not None  # GraphSlot checks it
+                resets.append((tail, slot.pad_value))
+        heads = tuple(
+            (name, slot.head(slot.lanes(ctx.raw_bs, ctx.raw_num_tokens)), name in self._off_device)
+            for name, slot, here in zip(
+                self._plain, (self._slots[n] for n in self._plain), present, strict=True
+            )
+            if here
+        )
+        plan = _FillPlan(ctx, tuple(resets), heads)
+        if len(self._plans) >= PLANS_PER_REGISTRY:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[
+            ((ctx.raw_bs, ctx.padded_bs, ctx.raw_num_tokens, ctx.padded_num_tokens), present)
+        ] = plan
+        return plan
+
+    def _sourced_pair(self, slot: GraphSlot, fb: Any, ctx: FillContext) -> CopyPair | None:
+        assert slot.source_fn is not None
+        src = slot.source_fn(fb, ctx)
+        if src is None:
+            return None
+        _check_tensor(slot, src)
+        if src.dim() == 0:
+            raise ValueError(f"slot {slot.name!r}: source_fn returned a 0-d tensor")
+        dst = slot.head(int(src.shape[-1] if slot.slice_fn is not None else src.shape[0]))
         if dst.shape != src.shape:
             raise ValueError(
                 f"slot {slot.name!r}: source shape {list(src.shape)} does not match "
                 f"the staged head {list(dst.shape)}"
             )
         return dst, src
+
+    def buffer_views(
+        self, *, padded_bs: int, padded_num_tokens: int, forward_batch_template: Any
+    ) -> dict[str, torch.Tensor]:
+        """The fields `extract_buffer` puts on the batch (without `batch_size`): for a caller
+        whose batch type has a cheaper replace than `dataclasses.replace`."""
+        changes: dict[str, torch.Tensor] = {}
+        for slot in self._exposed:
+            plain = not slot.is_computed and slot.source_fn is None
+            if plain and getattr(forward_batch_template, slot.name, None) is None:
+                continue
+            changes[slot.name] = slot.slice_for(padded_bs, padded_num_tokens)
+        return changes
 
     def extract_buffer(
         self, *, padded_bs: int, padded_num_tokens: int, forward_batch_template: BatchT
@@ -187,14 +265,12 @@ class BufferRegistry:
         carries None (never a stale buffer); computed slots are always exposed; nested
         (dotted) slots are never put on the batch. The template is not mutated.
         """
-        changes: dict[str, Any] = {"batch_size": padded_bs}
-        for slot in self._slots.values():
-            if not slot.enabled or slot.buffer is None or slot.is_nested:
-                continue
-            plain = not slot.is_computed and slot.source_fn is None
-            if plain and getattr(forward_batch_template, slot.name, None) is None:
-                continue
-            changes[slot.name] = slot.slice_for(padded_bs, padded_num_tokens)
+        changes: dict[str, Any] = self.buffer_views(
+            padded_bs=padded_bs,
+            padded_num_tokens=padded_num_tokens,
+            forward_batch_template=forward_batch_template,
+        )
+        changes["batch_size"] = padded_bs
         return cast(BatchT, dataclasses.replace(cast(Any, forward_batch_template), **changes))
 
 

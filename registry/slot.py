@@ -129,15 +129,21 @@ class GraphSlot:
             return buf
         return self.head(self.lanes(padded_bs, padded_num_tokens))
 
-    def reset_padding(self, ctx: FillContext) -> None:
-        """Apply the padding policy to the tail `[raw:padded]` (nothing if there is none)."""
+    def padding_tail(self, ctx: FillContext) -> torch.Tensor | None:
+        """The tail `[raw:padded]` a fill of `ctx`'s shape pads, or None if there is none."""
         if self.buffer is None or self.axis == "none":
-            return
+            return None
         raw = self.lanes(ctx.raw_bs, ctx.raw_num_tokens)
         padded = self.lanes(ctx.padded_bs, ctx.padded_num_tokens)
         if raw >= padded:
+            return None
+        return self.head(padded)[..., raw:padded] if self.slice_fn else self.buffer[raw:padded]
+
+    def reset_padding(self, ctx: FillContext) -> None:
+        """Apply the padding policy to the tail `[raw:padded]` (nothing if there is none)."""
+        tail = self.padding_tail(ctx)
+        if tail is None:
             return
-        tail = self.head(padded)[..., raw:padded] if self.slice_fn else self.buffer[raw:padded]
         if self.padding_policy is PaddingPolicy.ZERO:
             tail.zero_()
         elif self.padding_policy is PaddingPolicy.FILL_SENTINEL:

@@ -16,7 +16,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayout
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.kv_cache import KVPool, ReqToTokenPool
 
 

@@ -5,6 +5,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # This checkout's generated stubs (`model_executor.v1` lives under proto/), not those of the
 # checkout an editable install points at: a git worktree shares another checkout's venv.
@@ -16,13 +17,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PROTO, os.environ.get("P
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from executor.config import ExecutorConfig  # noqa: E402
-from executor.model_executor import ModelExecutor  # noqa: E402
-from tests.prometheus_tools import (  # noqa: E402
-    PrometheusBinaries,
-    PrometheusUnavailable,
-    ensure_prometheus,
-)
+# Imported where used: collecting the `gpu` tests needs pytest and torch here and nothing of
+# the dev extras (the GPU machine has only the runtime's; benchmarks/device_check.sh).
+if TYPE_CHECKING:
+    from executor.model_executor import ModelExecutor
+    from tests.prometheus_tools import PrometheusBinaries
 
 # Without CUDA, Triton kernels run only under triton's interpreter (numpy on CPU tensors).
 # Triton reads TRITON_INTERPRET when a kernel is decorated and again when it launches, so
@@ -49,6 +48,9 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
+    from executor.config import ExecutorConfig
+    from executor.model_executor import ModelExecutor
+
     def make(**overrides: object) -> ModelExecutor:
         values: dict[str, object] = {
             "model": "tiny-random",
@@ -74,6 +76,8 @@ def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
 @pytest.fixture(scope="session")
 def prometheus_binaries() -> PrometheusBinaries:
     """promtool and prometheus, installed from Debian's package when missing (never a skip)."""
+    from tests.prometheus_tools import PrometheusUnavailable, ensure_prometheus
+
     try:
         return ensure_prometheus()
     except PrometheusUnavailable as exc:

@@ -1,13 +1,16 @@
-"""A seeded structured fuzzer for `Forward`: valid EXTEND / DECODE / IDLE batches from a
-scheduler-like generator (tests/random_batches.py), most of them mutated before they are sent
-(wrong dtype / shape / byte length, out-of-range and negative indices, NaN / inf
-embeddings, absurd sampling values, huge `top_logprobs_num`, released rows, wrong modes, bit
-flips and truncations of the serialized message).
+"""A seeded structured fuzzer for `Forward` and the KV plane: valid EXTEND / DECODE / IDLE
+batches from a scheduler-like generator (tests/random_batches.py), most of them mutated before
+they are sent (wrong dtype / shape / byte length, out-of-range and negative indices, NaN / inf
+embeddings, absurd sampling values, huge `top_logprobs_num`, released rows, wrong modes, an
+extreme int64/int32/uint64 value in any integer field or tensor, bit flips and truncations of
+the serialized message); with `kv_peer`, a share of ExportKV / ImportKV / PushKV messages
+(tests/kv_fuzzer.py).
 
 Properties, checked for every message against an in-process server:
-- the answer is OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED (never INTERNAL, never a crash);
+- a batch is answered OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a KV message also
+  FAILED_PRECONDITION, PERMISSION_DENIED or DATA_LOSS (never INTERNAL, never a crash);
 - a refused message changes nothing: the row table, resident lengths and K/V of live rows
-  (tests/state_util.py) are the same before and after;
+  (tests/state_util.py) are the same before and after; a KV message never changes them;
 - the server stays SERVING.
 `tests/test_fuzz.py` runs a few thousand messages; `benchmarks/fuzz.py` the long run.
 """
@@ -26,10 +29,11 @@ import numpy as np
 import torch
 
 from executor.batch_prep import make_idle_batch
+from executor.core.limits import BatchLimits
 from executor.service.codec import batch_to_proto, response_from_proto
 from executor.service.server import RunningServer
-from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
+from tests.kv_fuzzer import KV_ALLOWED, KVFuzz, extreme_int
 from tests.random_batches import BatchGenerator
 from tests.state_util import state_digest
 
@@ -56,7 +60,12 @@ class FuzzReport:
 
 
 class Fuzzer:
-    def __init__(self, server: RunningServer, seed: int) -> None:
+    """`kv_peer`: a peer the server's kv_peers lists where nothing listens; with it, a
+    `kv_ratio` share of the messages are KV-plane calls (the server needs kv_transfer)."""
+
+    def __init__(
+        self, server: RunningServer, seed: int, kv_peer: str | None = None, kv_ratio: float = 0.1
+    ) -> None:
         assert server.worker is not None
         self.server = server
         self.executor = server.worker.executor
@@ -83,7 +92,12 @@ class Fuzzer:
             "released_rows": self._m_released,
             "mode": self._m_mode,
             "drop_field": self._m_drop,
+            "extreme_int": lambda msg: extreme_int(msg, self.rng),
         }
+        self.kv_ratio = kv_ratio if kv_peer else 0.0
+        self.kv = (
+            KVFuzz(self.channel, self.limits, kv_peer, self.rng) if kv_peer is not None else None
+        )
 
     def _fresh_generator(self) -> BatchGenerator:
         self.generations += 1
@@ -104,6 +118,9 @@ class Fuzzer:
         return self.report
 
     def one(self, mutate_ratio: float) -> None:
+        if self.kv is not None and self.rng.random() < self.kv_ratio:
+            self.one_kv()
+            return
         saved = copy.deepcopy(self.gen)  # the generator's view if this batch is not applied
         fb = self.gen.next_batch(self.step)
         self.step += 1
@@ -145,6 +162,33 @@ class Fuzzer:
         # A mutation the executor accepted: legal, but its effect on rows is unknown here.
         self.report.accepted_mutations[kind] += 1
         self.resync()
+
+    def one_kv(self) -> None:
+        """One KV-plane message: whatever it answers, the state is unchanged."""
+        assert self.kv is not None
+        if self.kv.layout is None:
+            info = pb.GetInfoResponse.FromString(
+                self.channel.unary_unary("/model_executor.v1.ModelExecutor/GetInfo")(
+                    pb.GetInfoRequest().SerializeToString(), timeout=60
+                )
+            )
+            self.kv.layout = info.kv_layout
+        live = [s for r in self.gen.reqs.values() for s in r.slots]
+        kind, call = self.kv.message(live)
+        self.step += 1
+        self.report.messages += 1
+        self.report.mutations[f"kv_{kind}"] += 1
+        before = state_digest(self.executor)
+        try:
+            call()
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            code, details = exc.code(), str(exc.details())
+        self.report.codes[code.name] += 1
+        if code not in KV_ALLOWED:
+            self.report.violations.append(f"message {self.step} (kv_{kind}): {code.name} {details}")
+        if state_digest(self.executor) != before:
+            self.report.violations.append(f"message {self.step} (kv_{kind}): state changed")
 
     def _call(self, data: bytes) -> tuple[bytes | None, grpc.StatusCode, str]:
         try:

@@ -14,9 +14,9 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.client.scheduler import generate
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
-from executor.step.outputs import ForwardOutput
 
 NEW_TOKENS = 32
 LOGIT_TOL = 1e-3

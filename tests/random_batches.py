@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
-from executor.forward_batch import ForwardBatch, SamplingParams
-from executor.validation import BatchLimits
+from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.limits import BatchLimits
 
 
 @dataclass

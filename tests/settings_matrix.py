@@ -18,8 +18,8 @@ from pathlib import Path
 
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
+from executor.core.toggles import CaptureState
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
-from executor.step.toggles import CaptureState
 
 AXES: dict[str, tuple[str, ...]] = {
     "attention_backend": ("auto", "torch_native", "torch_paged", "triton"),

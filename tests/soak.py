@@ -28,9 +28,9 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.grpc_client import ExecutorClient, ForwardSession
 from executor.config import ExecutorConfig
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
-from executor.step.outputs import ForwardOutput
 from tests.server_util import Scrape, running_server
 
 ROWS_PER_SCHEDULER = 2

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from structlog.testing import capture_logs
 
@@ -92,6 +93,7 @@ def _batch(row: int) -> object:
     )
 
 
+@pytest.mark.slow
 def test_an_allowed_identity_with_the_token_is_served(
     pki: dict[str, object], guarded: RunningServer
 ) -> None:
@@ -155,6 +157,26 @@ def test_every_call_needs_the_token(pki: dict[str, object], guarded: RunningServ
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert "call_token_file" in (err.value.details() or "")
             assert _raw_forward(c, GARBAGE, token).code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_watch_streams_of_an_allowed_identity_hold_no_thread(
+    pki: dict[str, object], guarded: RunningServer
+) -> None:
+    """With the identity check wrapping every method, health Watch keeps gRPC's non-blocking
+    form: 24 Watch streams (more than the 16 handler threads) leave GetInfo answered."""
+    with _client(pki, guarded, "scheduler", "call-s3cret") as c:
+        stub = health_pb2_grpc.HealthStub(c.channel)
+        watches = [
+            stub.Watch(health_pb2.HealthCheckRequest(), metadata=c._auth, timeout=30)
+            for _ in range(24)
+        ]
+        try:
+            for w in watches:
+                assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+            assert c.info(timeout=3).info.vocab_size == 512
+        finally:
+            for w in watches:
+                w.cancel()
 
 
 def test_the_health_port_needs_no_credentials(guarded: RunningServer) -> None:
@@ -243,6 +265,7 @@ def test_peer_book_forgets_the_oldest() -> None:
     assert book.first("a") and not book.first("c")
 
 
+@pytest.mark.slow
 def test_the_cli_sends_the_call_token_from_its_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,12 +13,12 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, background_graph_mode
+from executor.core.limits import BatchLimits
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor
 from executor.models import quant_kernel
 from executor.models.quant_kernel import choose_quantization
 from executor.service.info_codec import info_from_proto, info_to_proto
-from executor.validation import BatchLimits
 from ops import qmm
 
 MakeExecutor = Callable[..., ModelExecutor]
@@ -93,6 +93,7 @@ def test_a_cpu_server_with_auto_graphs_captures_decode_graphs_in_the_background(
     assert background_graph_mode(cfg, torch.device("cuda", 0)) is None
 
 
+@pytest.mark.slow
 def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
     cache_dir: Path,
 ) -> None:

@@ -20,9 +20,9 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
-from executor.graphs import compile_worker, step_graph
+from executor.graphs import compile_job, step_graph
 from executor.graphs.artifacts import ArtifactStore, fingerprint
-from executor.graphs.compile_worker import CompileJob, compile_in_worker
+from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphCaptureError
 from executor.graphs.step_graph import StepCall, StepCompiledGraph
@@ -191,11 +191,11 @@ def test_a_failed_compile_worker_says_why(tmp_path: Path, monkeypatch: pytest.Mo
     job_back = CompileJob.from_json(job.to_json())
     assert job_back == job
     failing = [sys.executable, "-c", "import sys; print('no compiler here'); sys.exit(3)"]
-    monkeypatch.setattr(compile_worker, "worker_command", lambda job, result: failing)
+    monkeypatch.setattr(compile_job, "worker_command", lambda job, result: failing)
     reason = compile_in_worker(job, threading.Event())
     assert reason is not None and "exited with 3" in reason and "no compiler here" in reason
     sleeping = [sys.executable, "-c", "import time; time.sleep(60)"]
-    monkeypatch.setattr(compile_worker, "worker_command", lambda job, result: sleeping)
+    monkeypatch.setattr(compile_job, "worker_command", lambda job, result: sleeping)
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     assert compile_in_worker(job, stop) == "stopped: the server is shutting down"

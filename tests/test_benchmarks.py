@@ -46,6 +46,7 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
     assert table[2].startswith("| 1 | ") and "| 1.5x |" in table[2]
 
 
+@pytest.mark.slow
 def test_constrained_decode_pairs_runs_of_the_same_shapes(cache_dir: Path) -> None:
     """One constrained/unconstrained pair at bs 2: the unconstrained run steps the lengths the
     constrained one had, every step of the constrained run carried a mask, and the table has
@@ -99,25 +100,6 @@ def test_extra_outputs_benchmark_times_every_ask_and_builds_plain_steps(cache_di
     assert ex.req_to_token_pool.rows_in_use() == 0
 
 
-def test_gpu_check_reports_each_step_and_refuses_to_pretend_without_a_gpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import sys
-
-    import torch
-
-    from benchmarks import gpu_check
-
-    ok = gpu_check.run_step("echo", [sys.executable, "-c", "print('fine')"], timeout_s=30)
-    bad = gpu_check.run_step("fail", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30)
-    text = gpu_check.report([ok, bad], "test device")
-    assert "| echo | pass |" in text and "| fail | FAIL (3) |" in text and "fine" in text
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["gpu_check", "--report", str(tmp_path / "r.md")])
-    assert gpu_check.main() == 2
-    assert "No CUDA device" in (tmp_path / "r.md").read_text()
-
-
 def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path) -> None:
     """One prompt whose continuation repeats (drafts accepted), through gRPC: both modes ran,
     gave the same tokens (the benchmark checks), and the row has every figure."""
@@ -145,6 +127,7 @@ def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path)
     assert row.startswith("| looping | ") and row.count("|") == speculative.HEADER.count("|") // 2
 
 
+@pytest.mark.slow
 def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     cache_dir: Path,
 ) -> None:
@@ -173,6 +156,7 @@ def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     assert rows[2].startswith("| 1 | ") and "%)" in rows[2]
 
 
+@pytest.mark.slow
 def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     """A 40-token request moved twice each way between two loopback executors: contiguous
     slots go as one run, pages of 8 as one run per page, and every figure is a rate."""
@@ -180,8 +164,8 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
 
     config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, kv_slots=128)
     with (
-        running_server(config) as a,
-        running_server(config) as b,
+        running_server(config, kv_transfer=True) as b,
+        running_server(config, kv_transfer=True, kv_peers=f"127.0.0.1:{b.port}") as a,
         ExecutorClient(f"127.0.0.1:{a.port}") as ca,
         ExecutorClient(f"127.0.0.1:{b.port}") as cb,
     ):
@@ -205,6 +189,7 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     assert lines[2].startswith("| contiguous | 40 |") and lines[3].startswith("| pages of 8 | 40 |")
 
 
+@pytest.mark.slow
 def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     """One middle layer of a bs-1 DECODE step on the tiny model, the Triton kernels under
     the interpreter: the torch ops launch about three times what the fused path does, which
@@ -227,6 +212,7 @@ def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     assert table[3].startswith(f"| fused | {fused.total} |")
 
 
+@pytest.mark.slow
 def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     """A few DECODE steps of a served configuration: both batch sizes timed (median >= min),
     readiness timed, the setting choices read, and no background capture waited for."""
@@ -244,6 +230,7 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+@pytest.mark.slow
 def test_hardening_benchmark_measures_access_health_and_headers(
     cache_dir: Path, tmp_path: Path
 ) -> None:

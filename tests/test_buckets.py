@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from executor.graphs.buckets import (
+from executor.core.buckets import (
     cpu_decode_buckets,
     cpu_piecewise_buckets,
     default_decode_buckets,

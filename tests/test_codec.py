@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardMode, SamplingParams
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import (
+    TENSOR_FIELDS,
+    WIRE_TENSOR_FIELDS,
+    ForwardBatch,
+    ForwardMode,
+    SamplingParams,
+)
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.service.codec import (
     batch_from_proto,
     batch_to_proto,
@@ -20,7 +27,6 @@ from executor.service.codec import (
     tensor_from_proto,
     tensor_to_proto,
 )
-from executor.step.outputs import ForwardOutput, StepStats
 from model_executor.v1 import executor_pb2 as pb
 
 
@@ -135,3 +141,26 @@ def test_response_round_trip() -> None:
     assert torch.equal(back.next_token_ids, out.next_token_ids)
     assert torch.equal(back.top_logprob_ids, out.top_logprob_ids)
     assert back.stats == out.stats
+
+
+def test_the_field_table_names_every_tensor_field_of_the_wire_batch() -> None:
+    """`TENSOR_FIELDS` is the codec's list: every Tensor field of the message but the vocab
+    mask's (decoded into a `VocabMask` by the controls' codec), and only them; every
+    `ForwardBatch` tensor field the step uploads is a row too."""
+    wire = {
+        f.name
+        for f in pb.ForwardBatch.DESCRIPTOR.fields
+        if f.message_type is not None and f.message_type.name == "Tensor"
+    }
+    assert set(WIRE_TENSOR_FIELDS) == wire - {"vocab_mask", "vocab_mask_rows"}
+    names = {f.name for f in TENSOR_FIELDS}
+    batch_fields = {f.name for f in dataclasses.fields(ForwardBatch)}
+    assert names <= batch_fields
+    device = {f.name for f in TENSOR_FIELDS if f.device}
+    staged = {
+        s.name
+        for s in make_extend_batch(
+            input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]]
+        ).staged_fields()
+    }
+    assert {n for n in staged if "." not in n} <= device

@@ -16,7 +16,8 @@ import torch
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, resolve_graph_backend
-from executor.graphs.buckets import kv_bucket
+from executor.core.buckets import kv_bucket
+from executor.core.runner_output import GraphFallback
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import CompiledGraph
 from executor.graphs.step_graph import StepCompiledGraph
@@ -57,6 +58,7 @@ def test_compiled_step_compiles_whole_decode_steps_and_regional_pieces() -> None
     )
 
 
+@pytest.mark.slow
 def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside(
     make_executor: MakeExecutor, tmp_path: Path
 ) -> None:
@@ -93,7 +95,10 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         if n <= 16:
             assert b.stats.path == "piecewise", n
         else:
-            assert (b.stats.path, b.stats.graph_fallback) == ("eager", "piecewise:batch_too_large")
+            assert (b.stats.path, b.stats.graph_fallback) == (
+                "eager",
+                GraphFallback("piecewise", "batch_too_large"),
+            )
         assert a.logits is not None and b.logits is not None
         assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, n
         assert torch.equal(a.next_token_ids, b.next_token_ids), n
@@ -115,12 +120,16 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         if bs <= 4:
             assert (b.stats.path, b.stats.padded_batch_size) == ("full_graph", 4 if bs == 3 else bs)
         else:
-            assert (b.stats.path, b.stats.graph_fallback) == ("eager", "decode:batch_too_large")
+            assert (b.stats.path, b.stats.graph_fallback) == (
+                "eager",
+                GraphFallback("decode", "batch_too_large"),
+            )
         assert a.logits is not None and b.logits is not None
         assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, bs
         assert torch.equal(a.next_token_ids, b.next_token_ids), bs
 
 
+@pytest.mark.slow
 def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,6 +180,7 @@ def _decode_matches_eager(
     assert torch.equal(a.next_token_ids, b.next_token_ids)
 
 
+@pytest.mark.slow
 def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -202,6 +212,7 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
         assert seen[-1] == (256 if context < 256 else 1024)  # the graph's step ran last
 
 
+@pytest.mark.slow
 def test_compiled_step_graphs_give_eager_tokens_and_write_the_kv_cache_in_place(
     make_executor: MakeExecutor, tmp_path: Path
 ) -> None:

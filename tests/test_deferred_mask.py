@@ -13,8 +13,8 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient, ForwardSession
-from executor.controls.types import DeferredMask, VocabMask
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import DeferredMask, VocabMask
+from executor.core.forward_batch import ForwardBatch
 from executor.service.codec import batch_to_proto, tensor_to_proto
 from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
@@ -31,7 +31,9 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     config = tiny_config(tmp_path_factory.mktemp("cache"), deferred_mask_timeout_s=TIMEOUT_S)
-    with running_server(config) as running:
+    # No mask-wait budget: these tests time the timeout itself (tests/test_call_security.py
+    # tests the budget).
+    with running_server(config, deferred_mask_budget_s=0) as running:
         yield running
 
 
@@ -83,6 +85,7 @@ def test_a_late_mask_gives_the_tokens_of_the_same_mask_inline(client: ExecutorCl
     assert late.stats.control_rows.get("vocab_mask") == 1
 
 
+@pytest.mark.slow
 def test_a_mask_that_never_comes_fails_the_batch_and_applies_nothing(
     server: RunningServer, client: ExecutorClient
 ) -> None:
@@ -210,6 +213,7 @@ def test_a_mask_behind_a_full_window_of_batches_is_routed_when_read(
     session.close()
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_releases_the_device_waiting_for_a_mask(
     server: RunningServer, client: ExecutorClient
 ) -> None:

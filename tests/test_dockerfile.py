@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
@@ -106,6 +107,10 @@ def test_cuda_and_cpu_variants() -> None:
     args = {a.split("=")[0]: a for k, a in reversed(steps) if k == "ARG" and "=" in a}
     assert args["VARIANT"] == "VARIANT=cuda"
     assert "runtime" in args["CUDA_IMAGE"]
+    # The CUDA base image sets NVIDIA_VISIBLE_DEVICES=all; ours hides every GPU unless the
+    # device plugin (or `docker run --gpus`) hands some out.
+    env = " ".join(a for k, a in steps if k == "ENV")
+    assert "NVIDIA_VISIBLE_DEVICES=void" in env and "NVIDIA_VISIBLE_DEVICES=all" not in env
     run = " ".join(a for k, a in steps if k == "RUN")
     assert "index=cu128" in run and "index=cpu" in run
     assert 'if [ "$VARIANT" = cuda ]; then triton_needs="gcc libc6-dev python3-dev"' in run
@@ -148,6 +153,7 @@ def _healthcheck_command() -> list[str]:
     return [sys.executable, *command[1:]]
 
 
+@pytest.mark.slow
 def test_healthcheck_asks_a_live_servers_readiness(tmp_path: Path) -> None:
     command = _healthcheck_command()
 

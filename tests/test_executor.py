@@ -10,8 +10,8 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.scheduler import ReferenceScheduler, generate
-from executor.errors import BatchValidationError
-from executor.forward_batch import SamplingParams
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
 from ops.host_transfer import host_transfers
 

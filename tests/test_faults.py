@@ -12,11 +12,11 @@ import pytest
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.errors import FaultInjector
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.errors import FaultInjector
+from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
-from executor.step.outputs import ForwardOutput
 from tests.server_util import running_server, tiny_config
 from tests.state_util import state_digest
 
@@ -79,6 +79,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 CASES = [("forward", 0), ("forward", 3), ("sampler", 0), ("sampler", 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "site", "fault_step"), [(i, *c) for i, c in enumerate(CASES)])
 def test_a_fault_inside_the_step_is_internal_and_leaves_nothing_behind(
     server: RunningServer, expected: list[list[int]], case: int, site: str, fault_step: int

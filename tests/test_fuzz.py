@@ -13,21 +13,24 @@ import pytest
 from executor.batch_prep import make_idle_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
-from executor.errors import BatchValidationError
+from executor.core.errors import BatchValidationError
 from executor.model_executor import ModelExecutor
 from executor.service.codec import tensor_from_proto
 from model_executor.v1 import executor_pb2 as pb
 from tests.fuzzer import Fuzzer
-from tests.server_util import running_server, tiny_config
+from tests.server_util import free_port, running_server, tiny_config
 
 MESSAGES = 2500
+KV_KINDS = {"kv_export", "kv_import", "kv_import_chunks", "kv_push"}
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 77, 250, 12, 9, 31]]
 
 
+@pytest.mark.slow
 def test_fuzzed_batches_are_refused_cleanly_and_leave_the_server_correct(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
-    with running_server(config, queue_size=4) as server:
-        fuzzer = Fuzzer(server, seed=14)
+    dead = f"127.0.0.1:{free_port()}"  # a listed peer where nothing listens
+    with running_server(config, queue_size=4, kv_transfer=True, kv_peers=dead) as server:
+        fuzzer = Fuzzer(server, seed=14, kv_peer=dead)
         try:
             report = fuzzer.run(MESSAGES)
         finally:
@@ -35,7 +38,8 @@ def test_fuzzed_batches_are_refused_cleanly_and_leave_the_server_correct(tmp_pat
         assert report.violations == [], report.violations[:10]
         assert report.messages == MESSAGES
         # The run exercised every mutation, and both refusals and accepted work.
-        assert set(fuzzer.mutators) | {"bit_flip", "truncate", "valid"} == set(report.mutations)
+        kinds = set(fuzzer.mutators) | {"bit_flip", "truncate", "valid"} | KV_KINDS
+        assert kinds == set(report.mutations)
         assert report.codes["OK"] > MESSAGES // 5
         assert report.codes["INVALID_ARGUMENT"] > MESSAGES // 3
         with ExecutorClient(f"127.0.0.1:{server.port}") as client:

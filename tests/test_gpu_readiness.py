@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +21,9 @@ import torch
 
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import complete_batch, make_decode_batch, make_extend_batch
-from executor.errors import ToggleRefusedError
-from executor.forward_batch import SamplingParams
+from executor.core.errors import ToggleRefusedError
+from executor.core.forward_batch import SamplingParams
+from executor.core.runner_output import GraphFallback
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import CpuGraph, GraphCapturePoisoned
@@ -56,6 +58,7 @@ def _in_thread(fn: Callable[[], Any], name: str) -> Any:
 
 
 # --- the device is current on every thread ------------------------------------------------
+@pytest.mark.slow
 def test_every_thread_runs_device_work_inside_the_executors_device_scope(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,6 +135,7 @@ def test_device_scope_makes_cuda_n_current_and_launch_checks_refuse_without_it(
 
 
 # --- capture failures: poisoned (stop for good) vs a clean out-of-memory (skip one) --------
+@pytest.mark.slow
 def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,6 +174,7 @@ def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     )
 
 
+@pytest.mark.slow
 def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -197,7 +202,10 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     out = ex.forward(
         make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[6])
     )
-    assert (out.stats.path, out.stats.graph_fallback) == ("eager", "decode:capture_poisoned")
+    assert (out.stats.path, out.stats.graph_fallback) == (
+        "eager",
+        GraphFallback("decode", "capture_poisoned"),
+    )
     # No later pass captures anything on this factory.
     again = ex.runner.decode_graphs
     assert again is not None
@@ -459,6 +467,7 @@ def _gated_executor(make_executor: MakeExecutor) -> tuple[ModelExecutor, _Betwee
     return ex, gate
 
 
+@pytest.mark.slow
 def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     make_executor: MakeExecutor,
 ) -> None:
@@ -493,6 +502,7 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     assert out.stats.path == "piecewise"
 
 
+@pytest.mark.slow
 def test_a_background_capture_builds_its_registries_holding_the_step_lock(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -519,6 +529,7 @@ def test_a_background_capture_builds_its_registries_holding_the_step_lock(
     assert held == [("build_decode_registry", True), ("build_prefill_registry", True)]
 
 
+@pytest.mark.slow
 def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8,16")
     [report] = ex.control.capture_reports
@@ -527,6 +538,7 @@ def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor
 
 
 # --- torch_paged refuses DECODE graphs on CUDA ----------------------------------------------
+@pytest.mark.slow
 def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -545,6 +557,7 @@ def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     assert ex.runner.decode_graphs is None
 
 
+@pytest.mark.slow
 def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
     make_executor: MakeExecutor,
 ) -> None:
@@ -564,3 +577,21 @@ def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
     assert ex.control.wait_for_capture(30)
     assert (control.current().graph_mode, control.current().graph_capture) == ("extend", "idle")
     assert published[-1] == ("extend", "idle")  # the gauges follow when the capture ends
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_server_asked_for_cuda_without_a_gpu_refuses_to_start_and_says_why(
+    cache_dir: Path,
+) -> None:
+    """The chart's GPU pods name `cuda` (not `auto`): a pod that cannot see its GPU does not
+    start (`serve` prints the reason and exits; readiness never says SERVING) instead of
+    serving on the CPU."""
+    from executor.service.server import start_server
+    from executor.service.server_config import ServerConfig
+    from tests.server_util import tiny_config
+
+    with pytest.raises(ValueError, match="device 'cuda' was asked for but CUDA is not available"):
+        start_server(
+            tiny_config(cache_dir, device="cuda"),
+            ServerConfig(host="127.0.0.1", port=0, metrics_port=0),
+        )

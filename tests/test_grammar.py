@@ -16,7 +16,7 @@ import torch
 from executor.client.grammar import Grammars
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import ReferenceScheduler
-from executor.controls.types import mask_words
+from executor.core.controls_types import mask_words
 from executor.models.tokenizer import Tokenizer, byte_tokenizer
 from executor.service.server import RunningServer
 from ops.logit_controls import unpack_bitmask
@@ -133,6 +133,7 @@ def _generate(server: RunningServer, *, stream: bool) -> list[tuple[dict[str, An
     return [(schema, str(r.finish_reason), tok.decode(r.output_ids)) for schema, r in reqs]
 
 
+@pytest.mark.slow
 def test_json_schema_generation_through_grpc_parses_and_validates(server: RunningServer) -> None:
     """Unary batches carry their masks inline; on a stream with overlap each mask follows its
     batch (deferred) while the step runs. Both give JSON the schema accepts, the same tokens."""
@@ -147,7 +148,7 @@ def test_json_schema_generation_through_grpc_parses_and_validates(server: Runnin
 def test_grammar_and_controls_together_in_process(make_executor: Any) -> None:
     """In-process (an `InlinePipe` of the executor's forward): the mask rides in the batch,
     and a request without a schema shares the batch unmasked, with its controls applied."""
-    from executor.controls.types import SamplingControls
+    from executor.core.controls_types import SamplingControls
 
     executor = make_executor()
     tok = byte_tokenizer(executor.info.vocab_size, 1, (2,))
@@ -169,7 +170,7 @@ def test_grammar_and_controls_together_in_process(make_executor: Any) -> None:
 
 def test_generate_flags_parse_into_sampling_controls() -> None:
     from executor.client.cli import build_parser, sampling_controls
-    from executor.controls.types import SamplingControls
+    from executor.core.controls_types import SamplingControls
 
     parser = build_parser()
     args = parser.parse_args(
@@ -196,6 +197,7 @@ def test_generate_flags_parse_into_sampling_controls() -> None:
             sampling_controls(parser.parse_args(["generate", "hi", *bad]))
 
 
+@pytest.mark.slow
 def test_cli_generate_with_a_json_schema_and_controls(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.errors import ToggleRefusedError
-from executor.forward_batch import ForwardBatch
+from executor.core.errors import ToggleRefusedError
+from executor.core.forward_batch import ForwardBatch
+from executor.core.runner_output import GraphFallback
 from executor.graphs.graph import CpuGraph, GraphCaptureError
 from executor.graphs.settings import graph_settings
 from executor.model_executor import ModelExecutor
@@ -81,6 +82,7 @@ def test_replay_reads_the_static_buffers_of_the_moment() -> None:
 
 
 # --- equality with eager -----------------------------------------------------------------
+@pytest.mark.slow
 def test_every_decode_batch_size_equals_eager(make_executor: MakeExecutor) -> None:
     eager = make_executor(graph_mode="none")
     graph = make_executor(graph_mode="decode", **GRAPHS)
@@ -109,6 +111,7 @@ def test_every_decode_batch_size_equals_eager(make_executor: MakeExecutor) -> No
         assert torch.equal(a.next_token_ids, b.next_token_ids), f"bs={bs}"
 
 
+@pytest.mark.slow
 def test_100_random_steps_match_eager_on_graph_paths(make_executor: MakeExecutor) -> None:
     eager = make_executor(graph_mode="none", kv_slots=4096)
     graph = make_executor(graph_mode="both", kv_slots=4096, **GRAPHS)
@@ -133,7 +136,9 @@ def test_100_random_steps_match_eager_on_graph_paths(make_executor: MakeExecutor
     assert gen.kinds["chunk"] and gen.kinds["shared_prefix"], (
         gen.kinds
     )  # chunked prefill, shared prefixes
-    assert "piecewise:input_embeds" in fallbacks, fallbacks  # embeds batches run eagerly
+    assert GraphFallback("piecewise", "input_embeds") in fallbacks, (
+        fallbacks
+    )  # embeds batches run eagerly
     # Real slots hold the same K/V (slot 0, the padding sink, is written only by graph paths).
     for a_kv, b_kv in ((eager.kv_pool.k, graph.kv_pool.k), (eager.kv_pool.v, graph.kv_pool.v)):
         assert float((a_kv[:, 1:] - b_kv[:, 1:]).abs().max()) <= LOGIT_TOL
@@ -149,6 +154,7 @@ def _changed_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
     return set(diff.nonzero().flatten().tolist())
 
 
+@pytest.mark.slow
 def test_padded_decode_rows_write_only_slot_zero(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="decode", graph_batch_sizes="4")
     locs = _prefill(ex, [1, 2, 3], [5, 6, 7], first_slot=10)
@@ -169,6 +175,7 @@ def test_padded_decode_rows_write_only_slot_zero(make_executor: MakeExecutor) ->
     assert locs  # the prefill's slots are untouched (not in the changed set above)
 
 
+@pytest.mark.slow
 def test_padded_piecewise_tokens_never_write_kv(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8")
     ex.kv_pool.k[:, 0] = 99.0
@@ -185,6 +192,7 @@ def test_padded_piecewise_tokens_never_write_kv(make_executor: MakeExecutor) -> 
 
 
 # --- capture failures fall back to eager ---------------------------------------------------
+@pytest.mark.slow
 def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,13 +228,14 @@ def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
         a = reference.forward(fb, return_logits=True)
         b = ex.forward(fb, return_logits=True)
         assert b.stats.path == "eager" and b.stats.graph_fallback in (
-            "piecewise:capture_poisoned",
-            "decode:capture_poisoned",
+            GraphFallback("piecewise", "capture_poisoned"),
+            GraphFallback("decode", "capture_poisoned"),
         )
         assert torch.equal(a.logits, b.logits)
 
 
 # --- capture and replay agree on num_token_non_padded ------------------------------------
+@pytest.mark.slow
 def test_capture_and_replay_agree_on_num_token_non_padded(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,6 +292,7 @@ def test_capture_and_replay_agree_on_num_token_non_padded(
 
 
 # --- dispatch, fallbacks and the runtime switch --------------------------------------------
+@pytest.mark.slow
 def test_fallback_reasons(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="both", graph_batch_sizes="1,2", piecewise_token_sizes="4")
     _prefill(ex, [1, 2, 3], [2, 2, 2], first_slot=1)
@@ -292,11 +302,11 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
         seq_lens=[3, 3, 3],
         out_cache_loc=[20, 21, 22],
     )
-    assert ex.forward(big).stats.graph_fallback == "decode:batch_too_large"
+    assert ex.forward(big).stats.graph_fallback == GraphFallback("decode", "batch_too_large")
     long = make_extend_batch(
         input_ids=[[1] * 6], req_pool_indices=[4], out_cache_loc=[list(range(30, 36))]
     )
-    assert ex.forward(long).stats.graph_fallback == "piecewise:batch_too_large"
+    assert ex.forward(long).stats.graph_fallback == GraphFallback("piecewise", "batch_too_large")
     # DECODE graphs with a backend that cannot be captured: refused at start-up, naming both.
     for mode in ("decode", "both"):
         with pytest.raises(ValueError, match=f"graph_mode={mode} and attention_backend=torch_n"):
@@ -307,6 +317,7 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
     assert "torch_native cannot be captured" in reason
 
 
+@pytest.mark.slow
 def test_graph_mode_switches_at_runtime_and_refuses_what_it_cannot_honour(
     make_executor: MakeExecutor,
 ) -> None:

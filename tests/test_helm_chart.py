@@ -4,6 +4,7 @@ values, and the rendered configuration being what the executor reads."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import importlib.util
 import json
@@ -53,6 +54,12 @@ CHART_OWNED = {
     "health_port",
     "call_token_file",  # callToken
     "allowed_client_identities",  # tls.allowedClientIdentities
+    "allowed_kv_identities",  # tls.allowedKvIdentities
+    "allowed_operator_identities",  # tls.allowedOperatorIdentities
+    "kv_transfer",  # kvTransfer.enabled
+    "kv_token_file",  # kvTransfer's Secret
+    "kv_peers",  # kvTransfer.peers
+    "operator_calls_open",  # never: loopback only, and the chart listens on 0.0.0.0
 }
 
 
@@ -84,6 +91,7 @@ def test_default_values_render_the_always_on_objects(default: Rendered) -> None:
         ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "PrometheusRule"]
         + ["Service", "ServiceAccount", "ServiceMonitor"]
         + ["ConfigMap", "ConfigMap"]  # the two dashboards
+        + ["Secret"]  # the generated call token
     )
     assert "model_executor.v1.ModelExecutor" in default.notes
 
@@ -104,6 +112,8 @@ def test_optional_objects_are_behind_their_flags() -> None:
             "dashboards": {"enabled": False},
             "podDisruptionBudget": {"enabled": False},
             "networkPolicy": {"enabled": False},
+            "callToken": {"enabled": False},
+            "allowInsecure": True,
         }
     )
     assert off.kinds() == ["ConfigMap", "Deployment", "Service"]
@@ -128,6 +138,7 @@ def test_every_rendered_object_validates(
             validate(obj, kube_version)
 
 
+@pytest.mark.slow
 def test_validation_is_strict(default: Rendered) -> None:
     """The validator is not vacuous: an unknown or mistyped field fails."""
     deployment = json.loads(json.dumps(default.one("Deployment")))
@@ -160,7 +171,8 @@ def test_validation_is_strict(default: Rendered) -> None:
             {"model": {"spec": "x", "volume": {"enabled": True, "type": "pvc"}}},
             "/model/volume/claimName",
         ),
-        ({"runtimeConfigToken": {"enabled": True}}, "/runtimeConfigToken/token"),
+        ({"runtimeConfigToken": {"token": 5}}, "/runtimeConfigToken/token"),
+        ({"kvTransfer": {"peers": "a:1"}}, "/kvTransfer/peers"),
         ({"tls": {"enabled": True}}, "/tls/secretName"),
         ({"cache": {"mountPath": "cache"}}, "/cache/mountPath"),
         ({"drain": {"graceSeconds": "30s"}}, "/drain/graceSeconds"),
@@ -231,7 +243,9 @@ def test_rendered_environment_is_the_configuration_the_executor_reads(everything
 def test_default_environment_keeps_the_executors_defaults(default: Rendered) -> None:
     env = _environment(default)
     cfg = settings.build(ExecutorConfig, env=env)
-    assert cfg.replace(model="smollm2", cache_dir="") == ExecutorConfig()
+    # but the device: a GPU pod (gpu.count 1) runs on cuda, never `auto`'s CPU fallback
+    assert cfg.device == "cuda"
+    assert cfg.replace(model="smollm2", cache_dir="", device="auto") == ExecutorConfig()
     assert settings.build(ServerConfig, env=env).drain_grace_s == 30.0
 
 
@@ -356,7 +370,8 @@ def test_identity_settings_reach_the_executor(default: Rendered, everything: Ren
     assert cfg.allowed_client_identities.split(",") == values["tls"]["allowedClientIdentities"]
     assert cfg.refusal_log_interval_s == values["config"]["refusal_log_interval_s"]
     default_cfg = settings.build(ServerConfig, env=_environment(default))
-    assert default_cfg.call_token_file == "" and default_cfg.allowed_client_identities == ""
+    assert default_cfg.call_token_file.endswith("/token")  # a generated one, see below
+    assert default_cfg.allowed_client_identities == ""
     assert default.all("NetworkPolicy")
     # An allowlist without mTLS would check nothing: the chart refuses to render it.
     with pytest.raises(Exception, match="allowedClientIdentities needs mTLS"):
@@ -371,6 +386,7 @@ def test_host_path_model_an_existing_token_secret_and_a_cpu_pod() -> None:
                 "volume": {"enabled": True, "type": "hostPath", "hostPath": "/srv/models"},
             },
             "runtimeConfigToken": {"enabled": True, "existingSecret": "executor-token"},
+            "callToken": {"enabled": True, "existingSecret": "scheduler-token"},
             "gpu": {"count": 0, "resourceName": "nvidia.com/gpu"},
             "tolerations": [],
         }
@@ -381,9 +397,22 @@ def test_host_path_model_an_existing_token_secret_and_a_cpu_pod() -> None:
     assert volumes["runtime-config-token"]["secret"]["secretName"] == "executor-token"
     assert not r.all("Secret")  # the existing one is used
     assert "nvidia.com/gpu" not in _container(r)["resources"]["limits"]
+    assert "MODEL_EXECUTOR_DEVICE" not in _environment(r)  # a CPU pod keeps `auto`
     assert "tolerations" not in pod
     for obj in r.objects:
         validate(obj, KUBE_VERSIONS[0])
+
+
+def test_a_gpu_pod_runs_on_cuda_or_fails_start_up(default: Rendered, everything: Rendered) -> None:
+    """`auto` would serve on the CPU where the pod cannot see its GPU: a GPU pod names cuda,
+    and the executor refuses to start (never ready) without one."""
+    env = _environment(default)
+    assert env["MODEL_EXECUTOR_DEVICE"] == "cuda"
+    assert settings.build(ExecutorConfig, env=env).device == "cuda"
+    assert _environment(everything)["MODEL_EXECUTOR_DEVICE"] == "cuda:0"  # the configured one
+    for device in ("auto", "cpu"):
+        with pytest.raises(Exception, match=f'config.device "{device}" with gpu.count 1'):
+            render({"config": {"device": device}})
 
 
 def test_service_and_service_monitor_agree(default: Rendered, everything: Rendered) -> None:
@@ -407,20 +436,108 @@ def test_service_and_service_monitor_agree(default: Rendered, everything: Render
     assert "clusterIP" not in default.one("Service")["spec"]
 
 
-def test_network_policy_lets_only_the_scheduler_and_prometheus_in(everything: Rendered) -> None:
-    values = all_options_values()["networkPolicy"]
+def test_network_policy_lets_only_the_scheduler_peers_and_prometheus_in(
+    default: Rendered, everything: Rendered
+) -> None:
+    with helm.Chart.load(CHART) as chart:  # the default label stays unless set to null
+        values = chart.merge_values(all_options_values())["networkPolicy"]
+    assert values["scheduler"]["podSelector"]["matchLabels"]["model-executor.io/client"] == "true"
     policy = everything.one("NetworkPolicy")["spec"]
-    assert policy["policyTypes"] == ["Ingress"]
-    by_port = {rule["ports"][0]["port"]: rule for rule in policy["ingress"]}
-    assert set(by_port) == {"grpc", "metrics"}
-    for port, who in (("grpc", "scheduler"), ("metrics", "prometheus")):
-        assert len(by_port[port]["ports"]) == 1
-        assert by_port[port]["from"] == [
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    scheduler, peers, prometheus = policy["ingress"]
+    for rule, port in ((scheduler, "grpc"), (peers, "grpc"), (prometheus, "metrics")):
+        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+    for rule, who in ((scheduler, "scheduler"), (prometheus, "prometheus")):
+        assert rule["from"] == [
             {
                 "namespaceSelector": values[who]["namespaceSelector"],
                 "podSelector": values[who]["podSelector"],
             }
         ]
+    # peer executors: this release's pods, and the listed other executors
+    own = {"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}
+    assert peers["from"] == [own, *values["kvPeers"]]
+    dns, pushes, otlp = policy["egress"]
+    assert dns["to"] == [values["egress"]["dns"]] and {p["port"] for p in dns["ports"]} == {53}
+    assert pushes["to"] == [own, *values["kvPeers"]]
+    assert pushes["ports"] == [{"port": 6000, "protocol": "TCP"}]
+    assert otlp == values["egress"]["extraTo"][0]
+    # by default: a labelled scheduler pod (not every pod of its namespace), DNS out, no peers
+    spec = default.one("NetworkPolicy")["spec"]
+    assert spec["ingress"][0]["from"][0]["podSelector"] == {
+        "matchLabels": {"model-executor.io/client": "true"}
+    }
+    assert len(spec["ingress"]) == 2 and len(spec["egress"]) == 1
+
+
+def test_the_default_install_has_a_generated_call_token_and_refuses_none(
+    default: Rendered,
+) -> None:
+    """Safe by default: a call token the chart generates (kept on upgrades: the Secret it
+    finds), mounted for the executor; a render with no token and no TLS fails."""
+    [secret] = default.all("Secret")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    assert render().one("Secret")["data"]["token"] != secret["data"]["token"]  # random
+    cfg = settings.build(ServerConfig, env=_environment(default))
+    mounts = {m["name"]: m for m in _container(default)["volumeMounts"]}
+    assert cfg.call_token_file == mounts["call-token"]["mountPath"] + "/token"
+    assert not cfg.kv_transfer and cfg.kv_token_file == ""  # the KV plane stays off
+    with pytest.raises(Exception, match="neither callToken nor tls"):
+        render({"callToken": {"enabled": False}})
+    assert render({"callToken": {"enabled": False}, "tls": {"enabled": True, "secretName": "t"}})
+    assert "Secret" not in render({"callToken": {"enabled": False}, "allowInsecure": True}).kinds()
+
+
+def test_a_changed_token_rolls_the_pods() -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        annotations = render(values).one("Deployment")["spec"]["template"]["metadata"]
+        return str(annotations["annotations"]["checksum/secrets"])
+
+    base = checksum({})
+    assert checksum({}) == base  # a generated token is not in it: no roll on every upgrade
+    assert checksum({"callToken": {"token": "a-token-set-in-the-values"}}) != base
+    assert checksum({"callToken": {"existingSecret": "another"}}) != base
+    assert checksum({"kvTransfer": {"enabled": True}}) != base
+
+
+def test_the_kv_plane_with_its_own_token_and_peers(everything: Rendered) -> None:
+    values = all_options_values()
+    cfg = settings.build(ServerConfig, env=_environment(everything))
+    mounts = {m["name"]: m for m in _container(everything)["volumeMounts"]}
+    pod = everything.one("Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [secret] = [s for s in everything.all("Secret") if s["metadata"]["name"].endswith("kv-token")]
+    assert base64.b64decode(secret["data"]["kv"]).decode() == values["kvTransfer"]["token"]
+    assert volumes["kv-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert cfg.kv_transfer and cfg.kv_token_file == mounts["kv-token"]["mountPath"] + "/kv"
+    assert cfg.kv_peers.split(",") == values["kvTransfer"]["peers"]
+    assert cfg.allowed_kv_identities.split(",") == values["tls"]["allowedKvIdentities"]
+    assert cfg.allowed_operator_identities.split(",") == values["tls"]["allowedOperatorIdentities"]
+    with pytest.raises(Exception, match="clientCASecret"):
+        render(
+            {
+                "tls": {"enabled": True, "secretName": "t"},
+                "kvTransfer": {"enabled": True, "peers": ["a:1"]},
+            }
+        )
+
+
+def test_gpu_visibility_is_only_what_the_gpu_request_grants(default: Rendered) -> None:
+    """No GPU asked for: NVIDIA_VISIBLE_DEVICES=void (the image says all) and no GPU
+    toleration; asked for: the device plugin's grant, which extraEnv may not override."""
+    cpu = render({"gpu": {"count": 0, "resourceName": "nvidia.com/gpu"}})
+    pod = cpu.one("Deployment")["spec"]["template"]["spec"]
+    assert _environment(cpu)["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert "tolerations" not in pod
+    gpu_pod = default.one("Deployment")["spec"]["template"]["spec"]
+    assert "NVIDIA_VISIBLE_DEVICES" not in _environment(default)
+    assert gpu_pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    other = {"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}
+    kept = render({"gpu": {"count": 0, "resourceName": "nvidia.com/gpu"}, "tolerations": [other]})
+    assert kept.one("Deployment")["spec"]["template"]["spec"]["tolerations"] == [other]
+    with pytest.raises(Exception, match="NVIDIA_VISIBLE_DEVICES"):
+        render({"extraEnv": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]})
 
 
 def test_dashboards_ship_as_labelled_configmaps(default: Rendered, everything: Rendered) -> None:

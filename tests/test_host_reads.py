@@ -11,7 +11,7 @@ import torch
 import executor.step.step as step_module
 from attention import TorchNativeBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.forward_batch import ForwardBatch, SamplingParams
 from executor.graphs.capture_rules import ForbiddenValue, HostReadError, HostReadGuard
 from executor.model_executor import ModelExecutor
 from ops.host_reads import host_mirror_read

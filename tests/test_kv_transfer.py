@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import queue
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ from executor.client.disaggregated import DisaggregatedScheduler, TransferFailed
 from executor.client.grpc_client import ExecutorClient
 from executor.client.kv_client import ExportedKV, PushSpec, slot_runs
 from executor.client.scheduler import ReferenceScheduler, generate
-from executor.errors import BatchValidationError, KVChecksumError
+from executor.core.errors import BatchValidationError, KVChecksumError
 from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
 from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.model_executor import ModelExecutor
@@ -39,14 +41,18 @@ PROMPTS = [
 NEW_TOKENS = 8
 
 
+DEAD = free_port()  # a peer A may push to (listed in its kv_peers) where nothing listens
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, RunningServer]]:
     cache = tmp_path_factory.mktemp("cache")
-    with (
-        running_server(tiny_config(cache, kv_slots=1024)) as a,
-        running_server(tiny_config(cache, kv_slots=512)) as b,
-    ):
-        yield a, b
+    with running_server(tiny_config(cache, kv_slots=512), kv_transfer=True) as b:
+        peers = f"127.0.0.1:{b.port},127.0.0.1:{DEAD}"
+        with running_server(
+            tiny_config(cache, kv_slots=1024), kv_transfer=True, kv_peers=peers
+        ) as a:
+            yield a, b
 
 
 def _client(server: RunningServer) -> ExecutorClient:
@@ -278,7 +284,7 @@ def test_an_import_into_a_held_slot_or_row_is_refused_and_changes_nothing(
         with pytest.raises(grpc.RpcError) as err:
             cb.kv.import_(exported, 6, [68, 69, 70, 71, 72, 73])
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "slot 70" in (err.value.details() or "")
+        assert "position 2" in (err.value.details() or "")  # its own list: no slot map
         with pytest.raises(grpc.RpcError) as err:
             cb.kv.import_(exported, 8, list(range(50, 50 + n)))
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -295,7 +301,7 @@ def test_a_push_to_an_unreachable_peer_fails_per_transfer_and_changes_nothing(
         _prefill(ca, PROMPTS[0], 2, list(range(100, 109)))
         before = cache_digest(a.executor), cache_digest(b.executor)
         scrape = Scrape(a)
-        dead = f"127.0.0.1:{free_port()}"
+        dead = f"127.0.0.1:{DEAD}"
         peer = f"127.0.0.1:{b.port}"
         results = ca.kv.push(
             [
@@ -315,7 +321,7 @@ def test_a_push_to_an_unreachable_peer_fails_per_transfer_and_changes_nothing(
         assert not results[0].ok and results[0].code == "UNAVAILABLE", results[0]
         assert dead in results[0].message
         assert not results[1].ok and results[1].code == "FAILED_PRECONDITION"
-        assert "slot 500" in results[1].message
+        assert "transfer slot 0" in results[1].message
         assert cache_digest(a.executor) == before[0]  # a push never changes its source
         with _client(b) as cb:
             _release(cb, 8)
@@ -489,7 +495,7 @@ def test_a_failed_migration_keeps_the_request_where_it_was(
         src.step()
         free_before = dst.allocator.free_slots
         with pytest.raises(TransferFailed, match="UNAVAILABLE"):
-            migrate(req, src, ca.kv, dst, f"127.0.0.1:{free_port()}")
+            migrate(req, src, ca.kv, dst, f"127.0.0.1:{DEAD}")
         assert req in src.running and dst.allocator.free_slots == free_before
         src.run()
     assert req.output_ids == want[0]
@@ -521,6 +527,61 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
 
 
+@pytest.mark.slow
+def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every credential on at once: mTLS, a call token and the KV plane's own token. The CLI
+    sends each where it belongs, A's push presents A's certificate and the KV token, and the
+    row B imports is the scheduler's (its decode steps are not another caller's)."""
+    from executor.client.cli import main
+
+    ca = TestCA(tmp_path, "fleet")
+    cert_a, cert_b = ca.issue("a", peer=True), ca.issue("b", peer=True)
+    sched = ca.issue("scheduler", client=True)
+    (tmp_path / "call").write_text("call-token-of-the-fleet\n")
+    (tmp_path / "kv").write_text("kv-token-of-the-fleet\n")
+    guarded = {
+        "tls_client_ca_file": str(ca.cert_file),
+        "call_token_file": str(tmp_path / "call"),
+        "kv_transfer": True,
+        "kv_token_file": str(tmp_path / "kv"),
+    }
+    cache = tmp_path / "cache"
+
+    def tls(cert: Issued) -> dict[str, str]:
+        return {"tls_cert_file": str(cert.cert_file), "tls_key_file": str(cert.key_file)}
+
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    with (
+        running_server(tiny_config(cache), **guarded, **tls(cert_b)) as b,  # type: ignore[arg-type]
+        running_server(
+            tiny_config(cache),
+            kv_peers=f"localhost:{b.port}",
+            **guarded,
+            **tls(cert_a),  # type: ignore[arg-type]
+        ) as a,
+    ):
+        args = ["generate", "hi", "there", "--max-new-tokens", "6", "--ignore-eos"]
+        args += ["--cache-dir", str(tmp_path), "--tls-ca-file", str(ca.cert_file)]
+        args += ["--tls-cert-file", str(sched.cert_file), "--tls-key-file", str(sched.key_file)]
+        args += ["--token-file", str(tmp_path / "call")]
+
+        def printed() -> str:
+            lines = capsys.readouterr().out.splitlines(keepends=True)
+            return "".join(line for line in lines if not re.match(r"\d{4}-\d\d-\d\d ", line))
+
+        assert main([*args, "--target", f"localhost:{a.port}"]) == 0
+        alone = printed()
+        split = ["--prefill-target", f"localhost:{a.port}", "--target", f"localhost:{b.port}"]
+        assert main([*args, *split]) == 1  # without the KV token the push is refused
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert main([*args, *split, "--kv-token-file", str(tmp_path / "kv")]) == 0
+        assert printed() == alone and "--- [1] length" in alone
+        assert b.executor is not None and b.executor.req_to_token_pool.rows_in_use() == 0
+
+
+@pytest.mark.slow
 def test_a_push_between_mtls_executors_uses_the_servers_own_identity(tmp_path: Path) -> None:
 
     ca, other = TestCA(tmp_path, "fleet"), TestCA(tmp_path, "other")
@@ -537,9 +598,16 @@ def test_a_push_between_mtls_executors_uses_the_servers_own_identity(tmp_path: P
 
     cache = tmp_path / "cache"
     with (
-        running_server(tiny_config(cache), **mtls(cert_a, ca.cert_file)) as a,
-        running_server(tiny_config(cache), **mtls(cert_b, ca.cert_file)) as b,
-        running_server(tiny_config(cache), **mtls(stranger, other.cert_file)) as c,
+        running_server(tiny_config(cache), kv_transfer=True, **mtls(cert_b, ca.cert_file)) as b,
+        running_server(
+            tiny_config(cache), kv_transfer=True, **mtls(stranger, other.cert_file)
+        ) as c,
+        running_server(
+            tiny_config(cache),
+            kv_transfer=True,
+            kv_peers=f"localhost:{b.port},localhost:{c.port}",
+            **mtls(cert_a, ca.cert_file),
+        ) as a,
     ):
         creds = channel_credentials(str(ca.cert_file), str(client.cert_file), str(client.key_file))
         with ExecutorClient(f"localhost:{a.port}", credentials=creds) as ca_client:
@@ -670,7 +738,10 @@ def test_smollm2_prefilled_on_a_and_decoded_on_b_equals_one_executor(cache_dir: 
     """SmolLM2-135M, float32, held-out prompts: disaggregated and migrated generation give
     one executor's greedy tokens."""
     config = tiny_config(cache_dir, model="smollm2", graph_mode="none", kv_slots=2048, max_reqs=8)
-    with running_server(config) as a, running_server(config) as b:
+    with (
+        running_server(config, kv_transfer=True) as b,
+        running_server(config, kv_transfer=True, kv_peers=f"127.0.0.1:{b.port}") as a,
+    ):
         tok = a.executor.load_tokenizer()
         texts = ["The tallest mountain in Africa is", "def reverse(s):\n", "Water boils at"]
         prompts = [tok.encode(t) for t in texts]
@@ -722,27 +793,59 @@ def test_a_push_whose_source_read_fails_mid_stream_writes_nothing_on_the_peer(
     assert cache_digest(b.executor) == before
 
 
-def test_kv_calls_share_the_forward_call_limit(tmp_path: Path) -> None:
-    """A KV call holds a handler thread as a Forward does: with every place taken by open
-    streams, ExportKV, ImportKV and PushKV are refused at once and health still answers."""
+@pytest.mark.slow
+def test_kv_calls_have_their_own_limit_apart_from_forward(tmp_path: Path) -> None:
+    """KV calls take their own places (max_kv_calls): with every Forward place held by open
+    streams a KV call still runs, and with every KV place held by stalled imports a KV call
+    is refused at once while Forward and health answer."""
     with (
-        running_server(tiny_config(tmp_path), rpc_threads=4, max_forward_calls=2) as srv,
+        running_server(
+            tiny_config(tmp_path), rpc_threads=6, max_forward_calls=2, kv_transfer=True
+        ) as srv,
         ExecutorClient(f"127.0.0.1:{srv.port}") as c,
     ):
+        _prefill(c, [5, 6, 7], 3, [40, 41, 42])
         sessions = [c.open_stream() for _ in range(2)]
         for s in sessions:  # each stream has taken its place once it answered a step
             s.send(make_idle_batch())
             s.recv()
+        assert c.kv.export([40, 41, 42], timeout=10).header.num_slots == 3
+        for s in sessions:
+            s.close()
+        layout = c.stub.GetInfo(pb.GetInfoRequest(), timeout=10).kv_layout
+        stalled = []
+        for i in range(2):  # max_kv_calls: a header, then nothing
+            outbox: queue.Queue[pb.KvImportRequest | None] = queue.Queue()
+            outbox.put(
+                pb.KvImportRequest(
+                    header=pb.KvImportHeader(
+                        transfer_id=777 + i, req_pool_index=10 + i, slots=slot_runs([200 + i]),
+                        layout=layout,
+                    )
+                )
+            )  # fmt: skip
+            stalled.append((outbox, c.stub.ImportKV.future(iter(outbox.get, None), timeout=30)))
+        _wait_for(lambda: srv.servicer.kv_calls._taken == 2)
         calls = {
-            "ExportKV": lambda: c.kv.export([1], timeout=5),
-            "PushKV": lambda: c.kv.push([PushSpec([1], "127.0.0.1:1", 1, [1])], timeout=5),
+            "ExportKV": lambda: c.kv.export([40], timeout=5),
+            "PushKV": lambda: c.kv.push([PushSpec([40], "127.0.0.1:1", 1, [1])], timeout=5),
             "ImportKV": lambda: c.kv.import_(ExportedKV(pb.KvTransferHeader()), 1, [1], timeout=5),
         }
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, name
-            assert "max_forward_calls" in (err.value.details() or ""), name
+            assert "max_kv_calls" in (err.value.details() or ""), name
+        assert c.forward(make_idle_batch(), timeout=10).next_token_ids.numel() == 0
         assert c.health(timeout=2) == "SERVING"
-        for s in sessions:
-            s.close()
+        for outbox, future in stalled:
+            future.cancel()
+            outbox.put(None)
+        _release(c, 3)
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)

@@ -1,10 +1,12 @@
 """The package layout's import rules, checked on the source with `ast` (nothing is imported).
 
-The step engine (`executor/*.py`, `executor/graphs/`, `executor/models/`) never reaches the
-gRPC service, the observability adapters, the client side, gRPC, prometheus-client,
-OpenTelemetry or the generated wire stubs: it reports through `executor.observer` and the
-service adapts. The rule is transitive (an engine module that imports a helper that imports
-grpc breaks it too) and counts every import statement, lazy ones inside functions and
+Floors: `executor/core/` (the vocabulary) imports nothing of the executor above it; the
+folders of `executor/` (and the modules directly in it) form no import cycle at run time;
+`executor/step/` is the roof of the engine, imported only by the executor that builds it and
+by the service side. The step engine (everything in `executor/` but `service/`,
+`observability/` and `client/`) never reaches gRPC, prometheus-client, OpenTelemetry or the
+generated wire stubs: it reports through `executor.core.observer` and the service adapts. That
+rule is transitive and counts every import statement, lazy ones inside functions and
 `TYPE_CHECKING` blocks included. Below the engine, `ops` <- `registry` / `attention` <-
 `executor` holds as the architecture says; above it, observability never imports the service
 or the client, and the service never imports the client. Those layer rules are about what
@@ -146,16 +148,103 @@ def _modules_under(folder: Path, *, recursive: bool) -> list[str]:
     return sorted(_module_name(p) for p in files)
 
 
+SERVICE_SIDE = ("executor.service", "executor.observability", "executor.client")
+
+
 def engine_modules() -> list[str]:
-    """The engine's modules. `executor/__main__.py` is not one: it is the `python -m executor`
-    entry, a one-line shim that runs the client side's CLI."""
-    executor = ROOT / "executor"
+    """The engine's modules: everything in `executor/` but the service side. `__main__.py` is
+    not one: it is the `python -m executor` entry, a one-line shim that runs the CLI."""
     return [
-        *(m for m in _modules_under(executor, recursive=False) if m != "executor.__main__"),
-        *_modules_under(executor / "graphs", recursive=True),
-        *_modules_under(executor / "models", recursive=True),
-        *_modules_under(executor / "step", recursive=True),
+        m
+        for m in _modules_under(ROOT / "executor", recursive=True)
+        if m != "executor.__main__" and not m.startswith(SERVICE_SIDE)
     ]
+
+
+def unit(module: str) -> str:
+    """The unit the floors are drawn between: a subpackage of `executor/` (`executor.step`),
+    or a module directly in `executor/` (`executor.config`)."""
+    parts = module.split(".")
+    if parts[0] != "executor" or len(parts) == 1:
+        return parts[0]
+    return ".".join(parts[:2])
+
+
+def unit_graph() -> dict[str, set[str]]:
+    """unit -> the units its modules import at run time (type-only imports left out)."""
+    graph: dict[str, set[str]] = {}
+    for module in _modules_under(ROOT / "executor", recursive=True):
+        src = unit(module)
+        for target in direct_imports(module, runtime_only=True):
+            dst = unit(target)
+            if target.startswith("executor.") and dst != src:
+                graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one unit (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_folders_of_the_executor_form_no_import_cycle() -> None:
+    """The floors: at run time no folder of `executor/` (nor a module directly in it) reaches
+    back to itself through another."""
+    assert cycles(unit_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_core_imports_nothing_of_the_executor_above_it() -> None:
+    for module in _modules_under(ROOT / "executor" / "core", recursive=True):
+        above = sorted(
+            t
+            for t in direct_imports(module)
+            if t.startswith("executor.") and not t.startswith("executor.core")
+        )
+        assert above == [], f"{module} imports {above}"
+
+
+# `step/` is the engine's roof: only the executor that builds it (and the service side) use it.
+STEP_USERS = ("executor.model_executor", "executor.tp_worker", "executor.step", *SERVICE_SIDE)
+
+
+def test_nothing_below_the_step_imports_it() -> None:
+    for module in engine_modules():
+        if module.startswith(STEP_USERS):
+            continue
+        reached = sorted(t for t in direct_imports(module) if unit(t) == "executor.step")
+        assert reached == [], f"{module} (below step/) imports {reached}"
 
 
 def test_the_engine_is_what_the_layout_says() -> None:
@@ -163,11 +252,13 @@ def test_the_engine_is_what_the_layout_says() -> None:
     assert "executor.model_executor" in names
     assert "executor.graphs.decode_runner" in names
     assert "executor.models.llama" in names
-    assert not any(n.startswith(("executor.service", "executor.client")) for n in names)
+    assert "executor.core.forward_batch" in names and "executor.controls.state" in names
+    assert not any(n.startswith(SERVICE_SIDE) for n in names)
     top_level = [n for n in names if n.count(".") == 1 and not _is_package(n)]
     assert len(top_level) <= 12, f"executor/ holds {len(top_level)} modules: {top_level}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", engine_modules())
 def test_engine_module_never_reaches_the_service_side(module: str) -> None:
     chain = _reaches(module, ENGINE_FORBIDDEN)
@@ -193,7 +284,7 @@ def test_the_walker_sees_lazy_type_only_and_transitive_imports() -> None:
     chain = _reaches("executor.client.cli", ("prometheus_client",))
     assert chain is not None and len(chain) > 2
     # a type-only import counts for the engine rule, not for the runtime layer rules
-    assert "executor.forward_batch" in direct_imports("attention.torch_paged")
-    assert "executor.forward_batch" not in direct_imports(
+    assert "executor.core.forward_batch" in direct_imports("attention.torch_paged")
+    assert "executor.core.forward_batch" not in direct_imports(
         "attention.torch_paged", runtime_only=True
     )

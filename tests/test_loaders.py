@@ -16,7 +16,7 @@ from executor.models import gguf_loader
 from executor.models.gguf_loader import load_gguf, unpermute_qk
 from executor.models.hf_loader import load_hf_directory, save_hf_directory
 from executor.models.loader import load_model, packaged_smollm2_path, resolve_model_spec
-from executor.models.registry import create_model
+from executor.models.registry import create_model, hf_config
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.models.weights import load_hf_weights
 from tests.gguf_writer import permute_qk, write_gguf
@@ -94,7 +94,7 @@ def test_sharded_hf_directory_loads(tmp_path: Path) -> None:
         "model-00001-of-00002.safetensors": names[: len(names) // 2],
         "model-00002-of-00002.safetensors": names[len(names) // 2 :],
     }
-    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(config)))
     for shard, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, str(tmp_path / shard))
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}

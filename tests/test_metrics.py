@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.observability.metrics import ExecutorMetrics
 from executor.observability.single_writer_metrics import SingleWriterCounter, SingleWriterHistogram
 from executor.service.codec import batch_to_proto
 from executor.service.runtime_config import RuntimeConfigUpdate
 from executor.service.server import RunningServer
-from executor.step.outputs import ForwardOutput, StepStats
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import Scrape, running_server, tiny_config

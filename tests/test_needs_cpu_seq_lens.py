@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
@@ -18,21 +17,24 @@ from executor.batch_prep import (
     make_idle_batch,
 )
 from executor.config import ExecutorConfig
-from executor.graphs.buckets import length_bound
+from executor.core.buckets import length_bound
+from executor.core.names import GraphMode
 from executor.model_executor import ModelExecutor
 from tests.attention_cases import make_case, make_layout
 
 MakeExecutor = Callable[..., ModelExecutor]
 
 
-@dataclass(frozen=True)
-class Policy:
-    needs_cpu_seq_lens: str = "auto"
-    graph_mode: str = "none"
+def decide(
+    backends: list[AttentionBackend | None], policy: str = "auto", graph_mode: str = "none"
+) -> bool:
+    return decide_needs_cpu_seq_lens(
+        policy, backends, piecewise_mode=GraphMode(graph_mode).piecewise_mode
+    )
 
 
 def _backends() -> tuple[AttentionBackend, AttentionBackend]:
-    from executor.forward_batch import ForwardMode
+    from executor.core.forward_batch import ForwardMode
 
     case = make_case(ForwardMode.DECODE, [1], [1], make_layout(4, 2, 32))
     args = (case.layout, case.req_to_token_pool, case.kv_pool)
@@ -47,19 +49,19 @@ class Undeclared:
 
 def test_auto_is_false_when_no_backend_needs_the_mirror() -> None:
     paged, _ = _backends()
-    assert decide_needs_cpu_seq_lens(Policy(), [paged]) is False
-    assert decide_needs_cpu_seq_lens(Policy(), [paged, None]) is False  # absent ones ignored
+    assert decide([paged]) is False
+    assert decide([paged, None]) is False  # absent ones ignored
 
 
 def test_auto_is_true_when_any_backend_needs_it() -> None:
     paged, native = _backends()
-    assert decide_needs_cpu_seq_lens(Policy(), [native]) is True
-    assert decide_needs_cpu_seq_lens(Policy(), [paged, native]) is True
+    assert decide([native]) is True
+    assert decide([paged, native]) is True
 
 
 def test_a_backend_that_does_not_declare_the_flag_counts_as_needing_it() -> None:
     paged, _ = _backends()
-    assert decide_needs_cpu_seq_lens(Policy(), [paged, Undeclared()]) is True  # type: ignore[list-item]
+    assert decide([paged, Undeclared()]) is True  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize(
@@ -68,17 +70,17 @@ def test_a_backend_that_does_not_declare_the_flag_counts_as_needing_it() -> None
 )
 def test_auto_is_true_when_the_piecewise_path_is_enabled(graph_mode: str, expected: bool) -> None:
     paged, _ = _backends()
-    assert decide_needs_cpu_seq_lens(Policy(graph_mode=graph_mode), [paged]) is expected
+    assert decide([paged], graph_mode=graph_mode) is expected
 
 
 def test_on_forces_the_mirror() -> None:
     paged, _ = _backends()
-    assert decide_needs_cpu_seq_lens(Policy(needs_cpu_seq_lens="on"), [paged]) is True
+    assert decide([paged], "on") is True
 
 
 def test_off_drops_the_mirror_where_nothing_needs_it() -> None:
     paged, _ = _backends()
-    assert decide_needs_cpu_seq_lens(Policy(needs_cpu_seq_lens="off"), [paged]) is False
+    assert decide([paged], "off") is False
 
 
 def test_off_is_refused_with_a_backend_that_needs_it() -> None:
@@ -87,13 +89,13 @@ def test_off_is_refused_with_a_backend_that_needs_it() -> None:
         ValueError,
         match="needs_cpu_seq_lens=off, but attention backend 'torch_native' reads seq_lens_cpu",
     ):
-        decide_needs_cpu_seq_lens(Policy(needs_cpu_seq_lens="off"), [paged, native])
+        decide([paged, native], "off")
 
 
 def test_off_is_refused_with_the_piecewise_path() -> None:
     paged, _ = _backends()
     with pytest.raises(ValueError, match="graph_mode='both' enables the piecewise path"):
-        decide_needs_cpu_seq_lens(Policy(needs_cpu_seq_lens="off", graph_mode="both"), [paged])
+        decide([paged], "off", "both")
 
 
 def test_the_executor_decides_at_start_up(make_executor: MakeExecutor) -> None:

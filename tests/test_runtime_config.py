@@ -15,10 +15,10 @@ import executor.observability.logs
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client import cli
 from executor.client.grpc_client import ExecutorClient
-from executor.errors import RuntimeConfigError, ToggleRefusedError
-from executor.forward_batch import ForwardBatch
+from executor.core.errors import RuntimeConfigError, ToggleRefusedError
+from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
-from executor.service.auth import TokenCheck, read_token
+from executor.service.auth import TokenCheck, TokenFile, read_token
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate, parse_assignments
 from executor.service.server import RunningServer
 from model_executor.v1 import executor_pb2 as pb
@@ -82,6 +82,7 @@ def test_off_is_refused_where_a_backend_reads_host_lengths(make_executor: MakeEx
     assert ex.runner.toggles.needs_cpu_seq_lens is True
 
 
+@pytest.mark.slow
 def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_paged", graph_mode="extend")
     assert ex.toggles.needs_cpu_seq_lens is True
@@ -90,6 +91,7 @@ def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> 
     assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
 
 
+@pytest.mark.slow
 def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: MakeExecutor) -> None:
     captures: list[tuple[str, bool]] = []
 
@@ -330,7 +332,7 @@ def test_read_token(tmp_path: Path) -> None:
         read_token(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="runtime_config_token_file"):
         read_token(str(tmp_path / "missing"))
-    check = TokenCheck(b"s3cret")
+    check = TokenCheck(TokenFile(str(tmp_path / "t"), "runtime_config_token_file"))
     check.check([("authorization", "Bearer s3cret")])
     check.check([("Authorization", "bearer  s3cret ")])
 
@@ -425,9 +427,9 @@ def test_cli_sends_the_token_from_its_file(
 
 
 def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
+    from executor.core.names import GraphMode, Path, SeqLensPolicy
+    from executor.core.toggles import CaptureState, Toggles
     from executor.service import info_codec as codec
-    from executor.step.paths import GraphMode, Path, SeqLensPolicy
-    from executor.step.toggles import CaptureState, Toggles
 
     assert [str(p) for p in Path] == ["eager", "eager_no_copy", "full_graph", "piecewise"]
     assert set(codec._GRAPH_MODE) == set(GraphMode)

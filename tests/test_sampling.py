@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.forward_batch import SamplingBatch, SamplingParams
+from executor.core.forward_batch import SamplingBatch, SamplingParams
 from executor.sampling import Sampler
 from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
 

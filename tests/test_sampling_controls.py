@@ -16,15 +16,15 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.grpc_client import ExecutorClient
-from executor.controls.types import (
+from executor.core.controls_types import (
     DeferredMask,
     DeferredMaskTimeout,
     RowControl,
     SamplingControls,
     VocabMask,
 )
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch, SamplingParams
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch, SamplingParams
 from executor.model_executor import ModelExecutor
 from model_executor.v1 import executor_pb2 as pb
 from ops.logit_controls import pack_bitmask, unpack_bitmask
@@ -313,6 +313,7 @@ def test_vocab_mask_rows_and_empty_mask_refusal(make_executor: MakeExecutor) -> 
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["decode", "extend"])
 def test_controls_apply_on_the_graph_paths(make_executor: MakeExecutor, graph_mode: str) -> None:
     c = CONTROLS["all_penalties"]
@@ -332,7 +333,7 @@ def test_controls_apply_on_the_graph_paths(make_executor: MakeExecutor, graph_mo
 def test_seeded_draws_with_controls_stay_batch_independent(make_executor: MakeExecutor) -> None:
     c = CONTROLS["freq_pres"]
     p = SamplingParams(temperature=1.0, seed=99)
-    from executor.forward_batch import SamplingBatch
+    from executor.core.forward_batch import SamplingBatch
 
     alone = Driver(make_executor())
     _, _, t_alone = alone.prefill({4: PROMPT}, {4: c}, sampling=SamplingBatch.from_params([p], 1))
@@ -436,6 +437,7 @@ def test_a_deferred_mask_is_awaited_at_sampling_and_a_late_one_undoes_the_step(
 # --- over gRPC -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_controls_over_grpc_getinfo_caps_retries_and_metrics(tmp_path: Path) -> None:
     with (
         running_server(tiny_config(tmp_path)) as srv,

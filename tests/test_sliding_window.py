@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -22,11 +22,12 @@ from attention import TorchNativeBackend, TorchPagedBackend, TritonAttnBackend
 from attention.base import AttentionBackend, AttentionLayout, LayerAttention
 from attention.sdpa import soft_cap
 from executor.client.scheduler import generate
-from executor.forward_batch import ForwardBatch, ForwardMode
-from executor.graphs.buckets import kv_bucket
+from executor.core.buckets import kv_bucket
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.outputs import ForwardOutput
 from executor.graphs.capture_rules import HostReadGuard
 from executor.model_executor import ModelExecutor
-from executor.step.outputs import ForwardOutput
+from ops.device_scope import device_scope
 from tests.attention_cases import Case, make_case
 from tests.test_attention_backends import padded_decode_view
 
@@ -41,6 +42,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and (
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 Factory = Callable[[Case], AttentionBackend]
+
+
+@pytest.fixture(autouse=True)
+def _in_device_scope() -> Iterator[None]:
+    """The Triton backend checks that its CUDA device is current on the calling thread (as
+    the executor's device thread makes it); these tests drive backends directly, inside that
+    scope. (Executors make their own scope; the CPU backends check nothing.)"""
+    with device_scope(torch.device(TRITON_DEVICE)):
+        yield
 
 
 def _native(case: Case) -> AttentionBackend:
@@ -175,6 +185,7 @@ CASES = [
 WINDOWS = [4, 16, 1000]  # smaller than every context, in between, larger than all
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize(("mode", "prefix", "extend"), CASES)
 @pytest.mark.parametrize("window", WINDOWS)
@@ -196,6 +207,7 @@ def test_eager_matches_the_float32_reference(
         torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch_native"])
 @pytest.mark.parametrize("window", [4, 1000])
 def test_captured_decode_matches_the_reference(backend: str, window: int) -> None:
@@ -208,6 +220,7 @@ def test_captured_decode_matches_the_reference(backend: str, window: int) -> Non
         torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize(("mode", "prefix", "extend"), [CASES[0], CASES[2]])  # cached prefixes
 def test_a_windowed_layer_never_reads_keys_outside_its_window(
@@ -236,6 +249,7 @@ def test_plain_layouts_build_no_window_metadata() -> None:
     assert paged.init_forward_metadata_capture(2, 2, view, 256).windows == {}
 
 
+@pytest.mark.slow
 def test_the_compiled_step_decode_path_matches_the_reference() -> None:
     """`compiled_step` traces torch_paged's DECODE as indexing, products and sums."""
     case = _case(ForwardMode.DECODE, [0, 30, 199], [1, 1, 1], _layout(8, CAP))
@@ -252,6 +266,7 @@ def test_the_compiled_step_decode_path_matches_the_reference() -> None:
         torch.testing.assert_close(step(layer_id), refs[layer_id], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_backend", ["compiled", "compiled_step"])
 def test_windowed_model_decodes_alike_on_the_compiled_graph_backends(
     make_executor: Callable[..., ModelExecutor], graph_backend: str

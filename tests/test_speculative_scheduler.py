@@ -18,9 +18,9 @@ from executor.client.speculation import (
     SpeculationPolicy,
     fit_draft_lens,
 )
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingParams
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingParams
+from executor.core.outputs import ForwardOutput
 from executor.model_executor import ModelExecutor
-from executor.step.outputs import ForwardOutput
 
 MakeExecutor = Callable[..., ModelExecutor]
 # tiny-random's greedy continuations of these fall into repeats within 30 tokens (a run of
@@ -70,6 +70,7 @@ class Counting:
         return self.ex.forward(batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "extend"])
 def test_greedy_speculation_equals_plain_greedy_and_releases_everything(
     make_executor: MakeExecutor, graph_mode: str

@@ -13,8 +13,8 @@ import torch
 
 from executor.batch_prep import make_extend_batch
 from executor.config import ExecutorConfig
-from executor.controls.types import SamplingControls
-from executor.forward_batch import SamplingParams
+from executor.core.controls_types import SamplingControls
+from executor.core.forward_batch import SamplingParams
 from executor.model_executor import ModelExecutor
 from executor.models.config import ModelConfig
 from executor.models.hf_loader import lazy_safetensors
@@ -171,6 +171,7 @@ def _tiny(**changes: object) -> ExecutorConfig:
     return ExecutorConfig(**values)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_tiny_random_tp2_matches_tp1() -> None:
     """Greedy and seeded sampling at tp 2 give tp 1's tokens, eagerly; a refused batch changes
     nothing on any rank; and, after a runtime toggle (broadcast to the worker, which captures
@@ -266,6 +267,7 @@ def test_an_executor_of_tp_size_2_needs_its_process_group() -> None:
         ModelExecutor(_tiny(tp_size=2))
 
 
+@pytest.mark.slow
 def test_sampling_controls_at_tp2_match_tp1() -> None:
     """Rank 0 keeps the controls and samples; the workers run the same steps without them."""
     from tests.test_sampling_controls import overlap_batches
@@ -282,12 +284,13 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
     assert all(t[1] in (3, 40, 41) for t in want[0][0])
 
 
+@pytest.mark.slow
 def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
     """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
     the replicated hidden states and the gathered logits."""
     import dataclasses
 
-    from executor.extras.types import HiddenAsk, Pooling, RowOutputs
+    from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
 
     fb = make_extend_batch(
         input_ids=[[5, 6, 7, 8], [9, 10]],
@@ -309,6 +312,7 @@ def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
         )
 
 
+@pytest.mark.slow
 def test_tp_steps_run_with_pickle_forbidden_on_every_rank() -> None:
     """Every way into pickle raises on both ranks while steps, refusals and a toggle are
     broadcast: the generation still matches tp 1, so nothing on the path pickles."""
@@ -346,6 +350,7 @@ def test_nothing_on_the_tp_broadcast_path_unpickles() -> None:
     assert not hasattr(TpComm, "broadcast_object")
 
 
+@pytest.mark.slow
 def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
     """Rank 1 loses decode bucket 2 and piecewise bucket 16 (an injected out-of-memory
     capture); after start-up both ranks keep the intersection (rank 0 drops them too), so
@@ -365,6 +370,7 @@ def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
     assert {"full_graph", "piecewise"} <= set(paths), paths
 
 
+@pytest.mark.slow
 def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
     """The capture loop follows the group: a bucket another rank failed is dropped here
     (`drop`) and reported, and a poisoned capture elsewhere poisons this factory and ends

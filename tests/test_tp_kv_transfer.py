@@ -33,8 +33,9 @@ def test_push_and_migration_between_tp2_executors_equal_tp1(tmp_path: Path) -> N
     )
     want = generate(ref.forward, ref.limits, PROMPTS, max_new_tokens=8, ignore_eos=True)
     with ExitStack() as stack:
-        _, ca, _ = stack.enter_context(_served(tmp_path / "a"))
-        served_b, cb, _ = stack.enter_context(_served(tmp_path / "b"))
+        served_b, cb, _ = stack.enter_context(_served(tmp_path / "b", "--kv-transfer"))
+        peers = ["--kv-transfer", "--kv-peers", f"127.0.0.1:{served_b.port}"]
+        _, ca, _ = stack.enter_context(_served(tmp_path / "a", *peers))
         layout = ca.info().info.kv_layout
         assert layout is not None and layout.tp_size == 2
         assert (

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.errors import BatchTooLargeError, BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.core.errors import BatchTooLargeError, BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.model_executor import ModelExecutor
 
 PROMPT = [11, 22, 33, 44, 55]

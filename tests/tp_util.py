@@ -52,7 +52,7 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
     `{"batches": [...]}` runs prebuilt batches: the tokens of each."""
     from executor.client.scheduler import generate
-    from executor.errors import BatchValidationError
+    from executor.core.errors import BatchValidationError
 
     results: list[Any] = []
     for kw in runs:
@@ -130,7 +130,7 @@ def _rank_main(
     from executor.model_executor import ModelExecutor
     from executor.parallel.group import close_comm, init_comm
     from executor.parallel.nccl_env import set_nccl_error_handling
-    from executor.parallel.worker import run_worker
+    from executor.tp_worker import run_worker
 
     comm = None
     if faults and rank in faults:

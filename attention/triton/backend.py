@@ -30,7 +30,7 @@ from attention.triton import launch
 from ops.device_scope import check_device
 
 if TYPE_CHECKING:
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
     from executor.kv_cache import KVPool, ReqToTokenPool
 
 
@@ -162,7 +162,7 @@ class TritonAttnBackend(AttentionBackend):
                 num_kv_splits=torch.empty(bs, dtype=torch.int32, device=self.device),
                 windows={},
             )
-        self._fill_decode(md, bs, fb.req_pool_indices, fb.seq_lens)
+        self.fill_decode_metadata(md, bs, fb.req_pool_indices, fb.seq_lens)
         return md
 
     def _extend_metadata(self, fb: ForwardBatch, capacity: int) -> TritonExtendMetadata:
@@ -269,16 +269,7 @@ class TritonAttnBackend(AttentionBackend):
             )
         return md
 
-    def fill_graph_metadata(
-        self,
-        md: TritonDecodeMetadata,
-        bs: int,
-        fb_view: ForwardBatch,
-        seq_lens_cpu: torch.Tensor | None,
-    ) -> None:
-        self._fill_decode(md, bs, fb_view.req_pool_indices, fb_view.seq_lens)
-
-    def _fill_decode(
+    def fill_decode_metadata(
         self,
         md: TritonDecodeMetadata,
         bs: int,

@@ -93,6 +93,13 @@ def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
         help="PEM key of --tls-cert-file",
     )
     group.add_argument(
+        "--kv-token-file",
+        dest="client_kv_token_file",
+        default="",
+        help="file with the KV data plane's bearer token (the server's kv_token_file), sent "
+        "on KV calls in place of --token-file's (generate --prefill-target's pushes)",
+    )
+    group.add_argument(
         "--token-file",
         default=os.environ.get("MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE", ""),
         help="file with a bearer token sent on every call: the server's call_token_file, or "
@@ -112,7 +119,13 @@ def _client(args: argparse.Namespace, target: str, token: str | None = None) -> 
     if token is None:
         secret = read_token(args.token_file, "--token-file")
         token = secret.decode() if secret else None
-    return ExecutorClient(target, token=token, credentials=credentials)
+    kv_secret = read_token(getattr(args, "client_kv_token_file", ""), "--kv-token-file")
+    return ExecutorClient(
+        target,
+        token=token,
+        kv_token=kv_secret.decode() if kv_secret else None,
+        credentials=credentials,
+    )
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -198,7 +211,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     """One JSON line per text: its pooled embedding."""
-    from executor.extras.types import Pooling
+    from executor.core.extras_types import Pooling
 
     texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with ExitStack() as stack:

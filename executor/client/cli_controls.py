@@ -8,8 +8,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from executor.controls.types import SamplingControls
-from executor.forward_batch import SamplingParams
+from executor.core.controls_types import SamplingControls
+from executor.core.forward_batch import SamplingParams
 
 
 def add_control_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from contextlib import ExitStack
 
+import grpc
+
 from executor.client.cli import _client, _session
 from executor.client.cli_controls import sampling_params
 
@@ -54,6 +56,9 @@ def generate_disaggregated(
             scheduler.run()
         except TransferFailed as exc:
             print(f"model-executor: {exc}", file=sys.stderr)
+            return 1
+        except grpc.RpcError as exc:  # a refused push call (a missing KV credential, ...)
+            print(f"model-executor: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         for i, req in enumerate(reqs):
             if len(reqs) > 1:

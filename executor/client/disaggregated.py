@@ -21,7 +21,7 @@ from executor.client.grpc_client import ExecutorClient
 from executor.client.kv_client import KVClient, PushSpec, TransferResult
 from executor.client.requests import Request, check_request
 from executor.client.scheduler import ReferenceScheduler
-from executor.forward_batch import SamplingParams
+from executor.core.forward_batch import SamplingParams
 
 
 def reserve(sched: ReferenceScheduler, num_slots: int) -> tuple[int, list[int]] | None:

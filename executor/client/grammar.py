@@ -30,18 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from executor.controls.types import VocabMask, mask_words
+from executor.core.controls_types import VocabMask, mask_words
 from executor.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
 
     from executor.client.requests import Request
-
-
-def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 [rows, mask_words(vocab_size)] mask that allows every token."""
-    return torch.full((rows, mask_words(vocab_size)), -1, dtype=torch.int32)
 
 
 def _vocab_type(tokenizer: Tokenizer) -> tuple[str, bool]:

@@ -31,9 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.client.allocator import FutureSlotAllocator
 from executor.client.kv_client import KVClient
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
-from executor.controls.types import VocabMask
-from executor.extras.types import Pooling
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import VocabMask
+from executor.core.extras_types import Pooling
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput
+from executor.info import ExecutorInfo
 from executor.service.codec import (
     batch_to_proto,
     info_from_proto,
@@ -43,7 +45,6 @@ from executor.service.codec import (
     tensor_to_proto,
 )
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.step.outputs import ExecutorInfo, ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -69,7 +70,8 @@ class RemoteInfo:
 
 class ExecutorClient:
     """`token`: the server's bearer token (call_token_file, or the runtime-config secret, which
-    passes both checks); sent on every call, health checks included.
+    passes both checks); sent on every call, health checks included. `kv_token`: the KV data
+    plane's (kv_token_file), sent on KV calls in place of `token` (None: `token`).
     `credentials`: TLS for a server with tls_cert_file (`executor.service.tls.channel_credentials`);
     None = plaintext."""
 
@@ -79,10 +81,12 @@ class ExecutorClient:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
+        kv_token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
         self._auth = [("authorization", f"Bearer {token}")] if token else []
+        self._kv_auth = [("authorization", f"Bearer {kv_token}")] if kv_token else self._auth
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -225,7 +229,7 @@ class ExecutorClient:
     @property
     def kv(self) -> KVClient:
         """The KV data plane: export, import and push KV (`executor.client.kv_client`)."""
-        return KVClient(self.stub)
+        return KVClient(self.stub, self._kv_auth)
 
     def close(self) -> None:
         self.channel.close()

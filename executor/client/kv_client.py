@@ -84,12 +84,17 @@ class PushSpec:
 
 
 class KVClient:
-    def __init__(self, stub: pb_grpc.ModelExecutorStub) -> None:
+    """`metadata`: sent on every call (`authorization: Bearer <kv token>`)."""
+
+    def __init__(
+        self, stub: pb_grpc.ModelExecutorStub, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
         self.stub = stub
+        self.metadata = list(metadata)
 
     def export(self, slots: Sequence[int], *, timeout: float | None = 60.0) -> ExportedKV:
         request = pb.KvExportRequest(slots=slot_runs(slots), transfer_id=next_transfer_id())
-        responses = iter(self.stub.ExportKV(request, timeout=timeout))
+        responses = iter(self.stub.ExportKV(request, timeout=timeout, metadata=self.metadata))
         first = next(responses)
         out = ExportedKV(first.header)
         out.chunks.extend(r.chunk for r in responses)
@@ -118,7 +123,9 @@ class KVClient:
             for chunk in exported.chunks:
                 yield pb.KvImportRequest(chunk=chunk)
 
-        response: pb.KvImportResponse = self.stub.ImportKV(requests(), timeout=timeout)
+        response: pb.KvImportResponse = self.stub.ImportKV(
+            requests(), timeout=timeout, metadata=self.metadata
+        )
         return response
 
     def push(
@@ -147,7 +154,9 @@ class KVClient:
         results: dict[int, TransferResult] = {}
         for attempt in range(attempts):
             try:
-                answer = self.stub.PushKV(pb.KvPushRequest(transfers=pending), timeout=timeout)
+                answer = self.stub.PushKV(
+                    pb.KvPushRequest(transfers=pending), timeout=timeout, metadata=self.metadata
+                )
             except grpc.RpcError as exc:
                 if attempt + 1 == attempts or exc.code() not in _RETRY_CALL:
                     raise

@@ -10,8 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from executor.controls.types import VocabMask
-from executor.forward_batch import ForwardBatch
+from executor.core.controls_types import VocabMask
+from executor.core.forward_batch import ForwardBatch
 
 
 class StepResult(Protocol):

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from executor.client.grammar import RequestGrammar
 from executor.client.speculation import DraftState
-from executor.controls.types import SamplingControls
-from executor.forward_batch import SamplingParams
-from executor.validation import BatchLimits
+from executor.core.controls_types import SamplingControls
+from executor.core.forward_batch import SamplingParams
+from executor.core.limits import BatchLimits
 
 
 @dataclass

@@ -52,9 +52,9 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
-from executor.controls.types import DeferredMask, RowControl, SamplingControls, VocabMask
-from executor.forward_batch import ForwardBatch, SamplingParams
-from executor.validation import BatchLimits
+from executor.core.controls_types import DeferredMask, RowControl, SamplingControls, VocabMask
+from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.limits import BatchLimits
 
 # The flag a batch is sent with when its mask follows (`vocab_mask_deferred` on the wire).
 _DEFERRED = DeferredMask(0)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from executor.batch_prep import make_extend_batch, make_idle_batch
-from executor.extras.types import HiddenAsk, Pooling, RowOutputs
-from executor.forward_batch import ForwardBatch
-from executor.step.outputs import ForwardOutput
-from executor.validation import BatchLimits
+from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
+from executor.core.outputs import ForwardOutput
 
 ForwardFn = Callable[[ForwardBatch], ForwardOutput]
 ROW = 1

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor.batch_prep import make_extend_batch
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingParams
-from executor.validation import BatchLimits
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingParams
+from executor.core.limits import BatchLimits
 
 if TYPE_CHECKING:
     from executor.client.requests import Request

@@ -15,16 +15,16 @@ import numpy as np
 import torch
 
 from executor.controls.state import PREFIX, RowControlState, RowValues
-from executor.controls.types import (
+from executor.core.controls_types import (
     CONTROL_ROWS,
     MASK_BITS,
     SamplingControls,
     VocabMask,
     check_id_list,
 )
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch
-from executor.validation import BatchLimits
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
 from ops.h2d_staging import StagedField
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.controls.types import mask_words
+from executor.core.controls_types import mask_words
 from ops.h2d_staging import StagedField
 
 PREFIX = "controls."

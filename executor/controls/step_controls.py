@@ -16,8 +16,8 @@ from executor.controls.admission import ControlsStep, admit_controls, with_defer
 from executor.controls.rules import controlled_logits
 from executor.controls.slot_tokens import SlotTokens
 from executor.controls.state import PREFIX, RowControlState, StateUndo
-from executor.forward_batch import ForwardBatch
-from executor.validation import BatchLimits
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 

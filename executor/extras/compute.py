@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor.core.extras_types import ExtraOutputs, Ragged
+from executor.core.runner_output import RunnerOutput
 from executor.extras.plan import PREFIX, OutputsPlan
-from executor.extras.types import ExtraOutputs, Ragged
 from executor.models.decoder_model import DecoderModel
-from executor.runner_output import RunnerOutput
 
 
 class PooledSums:

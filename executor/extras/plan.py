@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
-from executor.extras.types import Pooling, RowOutputs
-from executor.forward_batch import ForwardBatch
-from executor.validation import BatchLimits
+from executor.core.errors import BatchTooLargeError, BatchValidationError
+from executor.core.extras_types import Pooling, RowOutputs
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
 from ops.h2d_staging import StagedField
 
 PREFIX = "extras."

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
 from ops.future_tokens import store_future_tokens
 
 _NONE = np.zeros(0, dtype=np.int64)

@@ -4,7 +4,7 @@ A `compiled_step` graph is compiled ahead of time (`torch.compile(...).aot_compi
 from the shapes of its inputs, nothing run) into a function of its inputs, which is saved
 here and loaded by the next process that needs the same graph instead of compiling it
 again. A process other than the one that compiled it may load it (the compile worker of
-:mod:`executor.graphs.compile_worker` compiles, the server loads).
+:mod:`executor.compile_worker` compiles, the server loads).
 
 The key is a digest of everything the trace depends on: the torch and Python versions, the
 CPU's vector capability, this package's source, the step function, and the structure of

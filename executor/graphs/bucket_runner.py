@@ -18,13 +18,13 @@ from typing import Generic, TypeVar
 import torch
 
 from attention.base import AttentionBackend
-from executor.forward_batch import ForwardBatch
-from executor.graphs.buckets import pad_to_bucket
+from executor.core.buckets import pad_to_bucket
+from executor.core.forward_batch import ForwardBatch
+from executor.core.runner_output import RunnerOutput
 from executor.graphs.capture import CaptureReport, capture_buckets
 from executor.graphs.factory import GraphFactory
 from executor.models.decoder_model import DecoderModel
 from executor.parallel.agreement import agree_on_capture
-from executor.runner_output import RunnerOutput
 from registry import BufferRegistry, FillStats
 
 CapturedT = TypeVar("CapturedT")
@@ -164,7 +164,8 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
             raw_num_tokens=raw_num_tokens,
             padded_num_tokens=padded_num_tokens,
         )
-        view = self.registry.extract_buffer(
+        # extract_buffer's view, through ForwardBatch's own (cheaper) replace
+        views = self.registry.buffer_views(
             padded_bs=padded_bs, padded_num_tokens=padded_num_tokens, forward_batch_template=fb
         )
-        return view, stats
+        return fb.replace(batch_size=padded_bs, **views), stats

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 from tqdm import tqdm
 
-from executor.errors import StartupCancelled
+from executor.core.errors import StartupCancelled
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import GraphCapturePoisoned
 from executor.parallel.agreement import CaptureOutcome, GroupOutcome

@@ -15,18 +15,17 @@ from dataclasses import dataclass
 import torch
 
 from attention.base import AttentionBackend, GraphCaptureUnsupportedError
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.buckets import kv_bucket, kv_buckets
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.names import GRAPH_DECODE
+from executor.core.runner_output import RunnerOutput
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.buckets import kv_bucket, kv_buckets
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import Graph
 from executor.graphs.step_graph import StepCall
 from executor.models.decoder_model import DecoderModel
-from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
-
-GRAPH_DECODE = "graph_decode"  # the registry's name in fill metrics
 
 
 def decode_step(

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from executor.core.names import GRAPH_BACKENDS
 from executor.graphs.artifacts import ArtifactStore
+from executor.graphs.compile_compat import raise_recompile_limits
 from executor.graphs.graph import CompiledGraph, CpuGraph, CudaGraph, Graph
 from executor.graphs.step_graph import StepCompiledGraph
-
-GRAPH_BACKEND_NAMES = ("cuda", "compiled", "compiled_step", "standin")
 
 # CUDA's caching allocator and capture state are process-wide: once one CUDA capture is
 # poisoned, no factory in the process captures or replays again. Set once, never cleared.
@@ -44,9 +44,9 @@ class GraphFactory:
         """`compiled`: the context in which the model runs its compiled layer halves;
         `compile_halves(tokens, kind)`: compiles those halves for `tokens` rows as the `kind`
         runner calls them, without touching device state (a capture's compile phase)."""
-        if backend not in GRAPH_BACKEND_NAMES:
+        if backend not in GRAPH_BACKENDS:
             raise ValueError(
-                f"graph backend must be one of {', '.join(GRAPH_BACKEND_NAMES)}, got {backend!r}"
+                f"graph backend must be one of {', '.join(GRAPH_BACKENDS)}, got {backend!r}"
             )
         if backend == "cuda" and device.type != "cuda":
             raise ValueError(f"graph backend 'cuda' needs a CUDA device, got {device}")
@@ -94,7 +94,7 @@ class GraphFactory:
     @property
     def compiles(self) -> bool:
         """Whether capturing compiles code (inductor), which a background capture does in a
-        compile worker first (`executor.graphs.compile_worker`)."""
+        compile worker first (`executor.compile_worker`)."""
         return self.backend in ("compiled", "compiled_step")
 
     def compile_halves(self, tokens: int, kind: str) -> None:
@@ -123,11 +123,7 @@ class GraphFactory:
         cache dir (`executor.graphs.compile_cache`)."""
         if not self.compiles:
             return
-        import torch._dynamo
-
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = cfg.recompile_limit + 2 * graphs
-        cfg.accumulated_recompile_limit = cfg.accumulated_recompile_limit + 4 * graphs
+        raise_recompile_limits(2 * graphs, 4 * graphs)
 
     @contextmanager
     def capturing(self) -> Iterator[None]:

@@ -21,16 +21,15 @@ from collections.abc import Callable
 import torch
 
 from attention.base import AttentionBackend
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.names import GRAPH_EXTEND
+from executor.core.runner_output import RunnerOutput
 from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import Graph
 from executor.models.decoder_model import DecoderModel, PieceBuffers
-from executor.runner_output import RunnerOutput
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_prefill_registry
-
-GRAPH_EXTEND = "graph_extend"  # the registry's name in fill metrics
 
 
 class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):

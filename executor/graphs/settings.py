@@ -1,6 +1,6 @@
 """`GraphSettings`: the bucket lists of the two graph runners, from the config and the limits.
 
-The lists themselves come from :mod:`executor.graphs.buckets`; this module only picks the
+The lists themselves come from :mod:`executor.core.buckets`; this module only picks the
 ladder (GPU or CPU), applies the config's explicit lists and caps, and never lets a bucket
 exceed what a batch may carry.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.config import BACKGROUND_DECODE_BUCKETS, ExecutorConfig, background_graph_mode
-from executor.graphs.buckets import (
+from executor.core.buckets import (
     CPU_GRAPH_MAX_BS,
     CPU_PIECEWISE_MAX_TOKENS,
     cpu_decode_buckets,
@@ -21,7 +21,7 @@ from executor.graphs.buckets import (
     default_piecewise_buckets,
     parse_bucket_list,
 )
-from executor.validation import BatchLimits
+from executor.core.limits import BatchLimits
 
 # The default caps on a GPU (sglang's defaults); the CPU caps live with the CPU ladders.
 GPU_GRAPH_MAX_BS = 160

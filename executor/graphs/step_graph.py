@@ -29,6 +29,7 @@ import structlog
 import torch
 
 from executor.graphs.artifacts import ArtifactStore, environment_digest, fingerprint
+from executor.graphs.compile_compat import compile_isolated
 from executor.graphs.graph import Graph, GraphCaptureError, GraphCaptureOOM, check_capture_rules
 
 log = structlog.get_logger(__name__)
@@ -61,17 +62,30 @@ class StepCall:
 
 def compile_step(call: StepCall) -> Any:
     """`call.fn` compiled ahead of time for `call.args`' shapes (an aot-compiled function
-    taking the same arguments); nothing runs. Raises what dynamo or inductor raise."""
+    taking the same arguments); nothing runs. Raises what dynamo or inductor raise. A torch
+    without `aot_compile` (older releases, `executor.graphs.compile_compat`) gets None: its
+    step compiles at its first call, in `capture`, and is not saved."""
+    skip_guards = getattr(torch.compiler, "skip_all_guards_unsafe", None)
     compiled = torch.compile(
         call.fn,
         fullgraph=True,
         dynamic=False,
-        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        options={"guard_filter_fn": skip_guards} if skip_guards is not None else None,
     )
+    aot_compile = getattr(compiled, "aot_compile", None)
+    if aot_compile is None:
+        return None
     with torch.inference_mode():  # as the step runs
-        result = compiled.aot_compile((call.args, {}))  # type: ignore[attr-defined]
+        result = aot_compile((call.args, {}))
     result.disable_guard_check()
     return result
+
+
+def _compiled_at_first_call(call: StepCall) -> Callable[..., None]:
+    """The step compiled by plain torch.compile (its own cache entry), called with the
+    step's arguments as an aot-compiled one is (they are the closure's)."""
+    compiled = compile_isolated(lambda: call.fn(*call.args))
+    return lambda *_args: compiled()
 
 
 class StepCompiledGraph(Graph):
@@ -105,6 +119,9 @@ class StepCompiledGraph(Graph):
             raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
         except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
             raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
+        if self._compiled is None:  # no ahead-of-time compile in this torch
+            self._compiled = _compiled_at_first_call(call)
+            return
         if self._store is not None:
             self._store.save(call.tag, self._key, self._compiled)
 

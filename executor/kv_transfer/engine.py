@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from executor.controls.slot_tokens import UNKNOWN, SlotTokens
-from executor.errors import BatchValidationError, KVStateError
+from executor.core.errors import BatchValidationError, KVStateError
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.layout import ChunkSpec, KVLayout, KVTransferLimits
 from executor.kv_transfer.staging import ImportHeader, ImportStaging
@@ -92,8 +92,8 @@ class KVTransfer:
         if free.any():
             i = int(np.flatnonzero(free)[0])
             raise KVStateError(
-                f"runs: slot {int(slots[i])} (transfer slot {i}) is held by no live row; export "
-                "only slots of a request the executor holds"
+                f"runs: transfer slot {i} is held by no live row; export only slots of a "
+                "request the executor holds"
             )
 
     def read_tokens(self, slots: np.ndarray) -> np.ndarray:
@@ -158,8 +158,8 @@ class KVTransfer:
         held = int(self.pool.resident_lens[header.row])
         if held:
             raise KVStateError(
-                f"header.req_pool_index: row {header.row} holds {held} tokens of a live request; "
-                "import into a free row (release it first)"
+                f"header.req_pool_index: row {header.row} holds a live request; import into a "
+                "free row (release it first)"
             )
         owners = self.pool.owners
         if owners is not None:
@@ -167,7 +167,7 @@ class KVTransfer:
             if busy.any():
                 i = int(np.flatnonzero(busy)[0])
                 raise KVStateError(
-                    f"header.runs: slot {int(slots[i])} (position {i}) holds the KV of a live "
+                    f"header.runs: position {i} names a slot that holds the KV of a live "
                     "request; import into free slots only"
                 )
         return None

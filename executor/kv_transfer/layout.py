@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.core.errors import BatchTooLargeError, BatchValidationError
 
-KINDS = ("k", "v")
 DEFAULT_CHUNK_BYTES = 4 << 20  # under every gRPC message limit, large enough to stream fast
 
 
@@ -65,9 +64,11 @@ class KVTransferLimits:
     transfer_memory: int = 1024  # applied import ids kept (exactly once per transfer_id)
 
 
-def check_runs(runs: np.ndarray, field: str, layout: KVLayout, limits: KVTransferLimits) -> None:
-    """Refuse runs a transfer may not name (host data; nothing changes): the shape, the caps,
-    slots outside 1..kv_slots, and a slot named twice."""
+def check_run_bounds(runs: np.ndarray, field: str, limits: KVTransferLimits, kv_slots: int) -> int:
+    """The shape, the caps and every run's bounds, in Python integers (int64 sums wrap
+    silently: four runs of 2**62 sum to 0); the number of slots the runs name. Refused before
+    anything is summed or allocated. `kv_slots`: the highest valid slot (a push's target
+    runs are bounded by the largest cache a transfer may name, the peer checks its own)."""
     if runs.ndim != 2 or runs.shape[1] != 2:
         raise BatchValidationError(
             field, f"must be int64 [runs, 2] (start, length), got {list(runs.shape)}"
@@ -78,19 +79,30 @@ def check_runs(runs: np.ndarray, field: str, layout: KVLayout, limits: KVTransfe
         )
     if runs.shape[0] == 0:
         raise BatchValidationError(field, "must name at least one run")
-    starts, lengths = runs[:, 0], runs[:, 1]
-    if (lengths < 1).any():
-        raise BatchValidationError(field, "every run's length must be >= 1")
-    total = int(lengths.sum())
-    if total > limits.max_slots:
-        raise BatchTooLargeError(
-            field, f"names {total} slots; must be <= max_transfer_slots ({limits.max_slots})"
-        )
-    if (starts < 1).any() or (starts + lengths - 1 > layout.kv_slots).any():
-        raise BatchValidationError(
-            field,
-            f"every slot must be in 1..kv_slots ({layout.kv_slots}); slot 0 is the padding sink",
-        )
+    total = 0
+    for i, (start, length) in enumerate(runs.tolist()):  # at most max_runs: Python ints
+        if not 1 <= length <= limits.max_slots:
+            raise BatchValidationError(
+                field, f"run {i}: length must be in 1..max_transfer_slots ({limits.max_slots})"
+            )
+        if not start >= 1 or start + length - 1 > kv_slots:
+            raise BatchValidationError(
+                field,
+                f"run {i}: every slot must be in 1..kv_slots ({kv_slots}); slot 0 is the "
+                "padding sink",
+            )
+        total += length
+        if total > limits.max_slots:
+            raise BatchTooLargeError(
+                field, f"names more than max_transfer_slots ({limits.max_slots}) slots"
+            )
+    return total
+
+
+def check_runs(runs: np.ndarray, field: str, layout: KVLayout, limits: KVTransferLimits) -> None:
+    """Refuse runs a transfer may not name (host data; nothing changes): the shape, the caps,
+    slots outside 1..kv_slots, and a slot named twice."""
+    check_run_bounds(runs, field, limits, layout.kv_slots)
     slots = expand_runs(runs)
     if np.unique(slots).size != slots.size:
         raise BatchValidationError(
@@ -110,7 +122,8 @@ def coalesce(slots: np.ndarray) -> np.ndarray:
 
 
 def expand_runs(runs: np.ndarray) -> np.ndarray:
-    """int64 [runs, 2] -> the slots in order."""
+    """int64 [runs, 2] -> the slots in order. Only runs `check_run_bounds` passed: numpy's
+    repeat trusts the counts."""
     if runs.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
     starts, lengths = runs[:, 0], runs[:, 1]

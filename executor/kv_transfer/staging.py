@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError, KVChecksumError
+from executor.core.errors import BatchTooLargeError, BatchValidationError, KVChecksumError
 from executor.kv_transfer.layout import (
     KVLayout,
     KVTransferLimits,
@@ -36,9 +36,16 @@ class ImportHeader:
     source: KVLayout  # the exporter's layout: must agree with this one
 
     def check(
-        self, layout: KVLayout, limits: KVTransferLimits, max_reqs: int, max_context_len: int
+        self,
+        layout: KVLayout,
+        limits: KVTransferLimits,
+        max_reqs: int,
+        max_context_len: int,
+        vocab_size: int | None = None,
     ) -> np.ndarray:
-        """Refuse a header this executor cannot take (before any byte is staged); its slots."""
+        """Refuse a header this executor cannot take (before any byte is staged); its slots.
+        `vocab_size`: token ids must be in 0..vocab_size-1 or -1 (unknown): prompt lookup
+        feeds them to the embedding."""
         why = layout.mismatch(self.source)
         if why:
             raise BatchValidationError("header.layout", f"the source's KV layout differs: {why}")
@@ -58,6 +65,14 @@ class ImportHeader:
                 "header.token_ids",
                 f"must have one entry per slot ({slots.size}), got {list(self.token_ids.shape)}",
             )
+        if self.token_ids is not None and vocab_size is not None:
+            bad = (self.token_ids < -1) | (self.token_ids >= vocab_size)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise BatchValidationError(
+                    f"header.token_ids[{i}]",
+                    f"must be a token id in 0..{vocab_size - 1} or -1 (unknown)",
+                )
         return slots
 
 
@@ -142,6 +157,10 @@ class ImportStaging:
         values = torch.frombuffer(bytearray(chunk.data), dtype=lay.dtype).view(
             chunk.count, lay.kv_heads, lay.head_dim
         )
+        if not bool(torch.isfinite(values).all()):
+            raise BatchValidationError(
+                f"{where}.data", "holds a value that is not finite (NaN or infinity); K/V must be"
+            )
         dst = self.k if chunk.kind == 0 else self.v
         dst[chunk.rank, chunk.layer, chunk.first : chunk.first + chunk.count] = values
         have[:] = True

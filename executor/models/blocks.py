@@ -26,8 +26,8 @@ from torch import nn
 
 from executor.models.config import ModelConfig
 from executor.models.layers import Linear, RMSNorm
+from executor.models.sharding import ShardPlan
 from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan
 from ops.activation import silu_and_mul
 from ops.rotary import RotaryEmbedding
 

@@ -1,7 +1,8 @@
-"""Hyper-parameters of a decoder, from a Hugging Face config or GGUF metadata.
+"""Hyper-parameters of a decoder: plain data, built by the loaders.
 
-Which architectures exist is `executor.models.registry`'s table (imported where it is used:
-the registry imports the model code, which imports this module).
+Which architectures exist, and how a config.json maps onto a `ModelConfig` and back, is
+`executor.models.registry`'s (`config_from_hf`, `hf_config`, `check_config`): this module
+knows no family.
 """
 
 from __future__ import annotations
@@ -83,14 +84,9 @@ class AttentionConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> AttentionConfig | None:
-        """From config.json; None when it sets none of these. Without `layer_types` a Gemma 2
-        config windows its even layers (transformers' Gemma2Config default)."""
+        """From config.json (after the family's defaults: `DecoderModel.hf_config_defaults`);
+        None when it sets none of these."""
         types = cfg.get("layer_types")
-        if types is None and cfg.get("model_type") == "gemma2":
-            types = [
-                "sliding_attention" if i % 2 == 0 else "full_attention"
-                for i in range(cfg["num_hidden_layers"])
-            ]
         window = cfg.get("sliding_window")
         sliding = tuple(i for i, t in enumerate(types or ()) if t == "sliding_attention")
         found = cls(
@@ -140,10 +136,6 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        from executor.models.registry import model_class
-
-        # Refuses an unknown architecture (naming the supported) or what its code lacks.
-        model_class(self.architecture).check_config(self)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -171,77 +163,6 @@ class ModelConfig:
         return AttentionLayout(
             num_heads, num_kv_heads, self.head_dim, self.attention_scaling, layers
         )
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
-        from executor.models.registry import from_hf_names
-
-        family = from_hf_names(list(cfg.get("architectures") or []), cfg.get("model_type"))
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(
-                f"rope_type {rope_type!r} is not supported (only the default rotary embedding)"
-            )
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=family.model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", family.default_attention_bias),
-            moe=MoeConfig.from_hf_config(cfg),
-            attention=AttentionConfig.from_hf_config(cfg),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name or cfg.get("_name_or_path", "") or family.model_type,
-        )
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """A config.json that Hugging Face transformers loads into the same model."""
-        from executor.models.registry import hf_architecture
-
-        cfg: dict[str, Any] = {
-            "architectures": [hf_architecture(self.architecture)],
-            "model_type": self.architecture,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "torch_dtype": "float32",
-            "attention_bias": self.attention_bias,
-            "mlp_bias": False,
-        }
-        if self.moe is not None:
-            cfg.update(self.moe.to_hf_config())
-        if self.attention is not None:
-            cfg.update(self.attention.to_hf_config(self.num_layers))
-        if self.bos_token_id is not None:
-            cfg["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
-            cfg["eos_token_id"] = (
-                list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
-            )
-        return cfg
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

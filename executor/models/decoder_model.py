@@ -31,17 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.forward_batch import ForwardMode
+from executor.core.forward_batch import ForwardMode
 from executor.models.blocks import DecoderLayer, LayerBuild, LayerFns
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
+from executor.models.sharding import ShardPlan, SplitRows
 from executor.parallel.comm import TpComm
-from executor.parallel.shard import ShardPlan, SplitRows
 from ops.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from attention.base import AttentionBackend
-    from executor.forward_batch import ForwardBatch
+    from executor.core.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -116,8 +116,20 @@ class DecoderModel(nn.Module, ABC):
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
-        """Refuse hyper-parameters this family's code does not implement (ValueError);
-        `ModelConfig` asks when it is built, so a model is refused at start-up."""
+        """Refuse hyper-parameters this family's code does not implement (ValueError); the
+        registry asks when a loader builds a config, so a model is refused at start-up."""
+
+    @classmethod
+    def hf_config_defaults(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """config.json with what this family defaults when the file leaves it out (a new dict;
+        the registry parses the result)."""
+        return cfg
+
+    @classmethod
+    def gguf_config_defaults(cls, config: ModelConfig) -> ModelConfig:
+        """A config read from GGUF metadata, completed with what this family's GGUF files do
+        not say (as llama.cpp completes it)."""
+        return config
 
     @abstractmethod
     def make_layer(self, layer_id: int, build: LayerBuild) -> DecoderLayer:

@@ -16,6 +16,7 @@ What differs from Llama, all in this file except the attention it asks for:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -41,6 +42,10 @@ GEMMA2_GGUF_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+
+
+def _even_sliding(layer_id: int) -> str:
+    return "sliding_attention" if layer_id % 2 == 0 else "full_attention"
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -105,6 +110,35 @@ class Gemma2ForCausalLM(DecoderModel):
     GGUF_NORM_SHIFT = 1.0
     NORM_CLASS = GemmaRMSNorm
     SCALE_EMBEDDINGS = True
+
+    @classmethod
+    def hf_config_defaults(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Without `layer_types` a Gemma 2 config windows its even layers (transformers'
+        Gemma2Config default)."""
+        if cfg.get("layer_types") is not None:
+            return cfg
+        types = [_even_sliding(i) for i in range(cfg["num_hidden_layers"])]
+        return {**cfg, "layer_types": types}
+
+    @classmethod
+    def gguf_config_defaults(cls, config: ModelConfig) -> ModelConfig:
+        """GGUF names no windowed layers and no query scalar: as llama.cpp, Gemma 2 windows its
+        even layers and scales q.k by head_dim ** -0.5, hidden / heads for its 46-layer (27B)
+        model."""
+        a = config.attention
+        if a is None:
+            return config
+        layers = config.num_layers
+        return replace(
+            config,
+            attention=replace(
+                a,
+                sliding_layers=tuple(range(0, layers, 2)) if a.sliding_window else (),
+                query_pre_attn_scalar=(
+                    config.hidden_size // config.num_heads if layers == 46 else None
+                ),
+            ),
+        )
 
     def make_layer(self, layer_id: int, build: LayerBuild) -> DecoderLayer:
         c, p = build.config, build.plan

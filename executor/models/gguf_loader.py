@@ -25,7 +25,7 @@ from executor.models.file_cache import atomic_write, cache_path
 from executor.models.gguf_blocks import BLOCK_FORMATS, read_blocks
 from executor.models.gguf_header import open_gguf
 from executor.models.quant_formats import GroupQuant
-from executor.models.registry import from_gguf_architecture, model_class
+from executor.models.registry import check_config, from_gguf_architecture, model_class
 
 CACHE_FORMAT = 2
 _SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -74,22 +74,16 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _attention_config(
-    reader: Any, arch: str, num_layers: int, hidden: int, num_heads: int
-) -> AttentionConfig | None:
-    """Sliding windows and soft-caps (Gemma 2's keys), None without any. GGUF names no windowed
-    layers and no query scalar: as llama.cpp, Gemma 2 windows its even layers and scales q.k
-    by head_dim ** -0.5, hidden / heads for its 46-layer (27B) model."""
+def _attention_config(reader: Any, arch: str) -> AttentionConfig | None:
+    """Sliding windows and soft-caps, None without any. Which layers are windowed, GGUF does
+    not say: the family completes it (`DecoderModel.gguf_config_defaults`)."""
     window = _field(reader, f"{arch}.attention.sliding_window")
     attn_cap = _field(reader, f"{arch}.attn_logit_softcapping")
     final_cap = _field(reader, f"{arch}.final_logit_softcapping")
     if window is None and attn_cap is None and final_cap is None:
         return None
-    gemma2 = arch == "gemma2"
     return AttentionConfig(
         sliding_window=int(window) if window else None,
-        sliding_layers=tuple(range(0, num_layers, 2)) if window and gemma2 else (),
-        query_pre_attn_scalar=hidden // num_heads if gemma2 and num_layers == 46 else None,
         attn_logit_softcapping=float(attn_cap) if attn_cap is not None else None,
         final_logit_softcapping=float(final_cap) if final_cap is not None else None,
     )
@@ -125,7 +119,7 @@ def read_config(reader: Any, name: str) -> ModelConfig:
             norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
             mlp_only_layers=dense,
         )
-    return ModelConfig(
+    config = ModelConfig(
         architecture=family.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -140,13 +134,12 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         moe=moe,
-        attention=_attention_config(
-            reader, arch, int(_field(reader, f"{arch}.block_count")), hidden, num_heads
-        ),
+        attention=_attention_config(reader, arch),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(sorted(eos_ids)),
         name=str(_field(reader, "general.name", name)),
     )
+    return check_config(family.gguf_config_defaults(config))
 
 
 def _config_from_json(text: str) -> ModelConfig | None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from executor.models.config import ModelConfig
+from executor.models.registry import config_from_hf, hf_config
 from executor.models.safetensors_header import check_safetensors_header
 
 
@@ -20,7 +21,7 @@ def read_hf_config(path: Path) -> ModelConfig:
     config_path = path / "config.json"
     if not config_path.exists():
         raise ValueError(f"{path} has no config.json")
-    return ModelConfig.from_hf_config(json.loads(config_path.read_text()), name=path.name)
+    return config_from_hf(json.loads(config_path.read_text()), name=path.name)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -74,7 +75,7 @@ def save_hf_directory(path: Path, config: ModelConfig, tensors: dict[str, torch.
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config(config), indent=2))
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},
         str(path / "model.safetensors"),

@@ -14,16 +14,7 @@ the cache directory could forge.
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def check_digest_setting(value: str) -> None:
-    """ValueError unless `value` is "" or 64 lowercase hex digits."""
-    if value and not _HEX64.match(value):
-        raise ValueError(f"model_sha256 must be 64 lowercase hex digits (sha256), got {value!r}")
 
 
 def _file_sha256(path: Path) -> str:

@@ -30,6 +30,9 @@ from executor.models.layers import Linear
 from executor.models.weights import assign
 from ops.activation import silu_and_mul
 
+# `F.grouped_mm` is newer than the oldest torch the project runs on (>= 2.5): dense without it.
+HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
 
 class GroupedExperts(nn.Module):
     """This rank's part of every expert's weights, stacked; loads them itself from the
@@ -68,8 +71,9 @@ class GroupedExperts(nn.Module):
         """x [T, H], ids / weights [T, k] -> sum over k of weight * expert(x): [T, H]."""
         # The grouped kernel takes bfloat16 (on CUDA too), and float32 only eagerly on the
         # CPU: its meta kernel, which torch.compile traces with, wants bfloat16.
-        if x.dtype == torch.bfloat16 or (
-            x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if HAS_GROUPED_MM and (
+            x.dtype == torch.bfloat16
+            or (x.device.type == "cpu" and not torch.compiler.is_compiling())
         ):
             return self.grouped(x, ids, weights)
         return self.dense(x, ids, weights)

@@ -1,4 +1,6 @@
-"""Every Prometheus metric the executor exports, defined here and nowhere else.
+"""The Prometheus metrics the executor records, defined here; the families read only when
+scraped (live-state gauges, process-wide transfer counts) are defined in
+:mod:`executor.observability.scrape_metrics`. Together the two are every metric it exports.
 
 Names are an API (dashboards and alerts use them; `docs/metrics.md` lists each one): prefix
 `model_executor_`, base units, `_total` counters. Each server owns one `ExecutorMetrics` with
@@ -29,7 +31,8 @@ from prometheus_client import (
 )
 
 from executor.config import RUNTIME_GRAPH_MODES
-from executor.controls.types import CONTROL_ROWS
+from executor.core.controls_types import CONTROL_ROWS
+from executor.core.names import FILL_REGISTRIES, MODES, Path
 from executor.observability.scrape_metrics import PREFIX, LiveSources, ScrapeTimeCollector
 from executor.observability.single_writer_metrics import (
     CounterChild,
@@ -41,12 +44,11 @@ from executor.observability.single_writer_metrics import (
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from executor.core.outputs import StepStats
+    from executor.info import ExecutorInfo
     from executor.service.runtime_config import RuntimeConfig
-    from executor.step.outputs import ExecutorInfo, StepStats
 
-PATHS = ("eager", "eager_no_copy", "full_graph", "piecewise")
-MODES = ("decode", "extend", "idle", "verify")
-FILL_REGISTRIES = ("eager_decode", "eager_extend", "graph_decode", "graph_extend")
+PATHS = tuple(Path)  # the `path` label's values
 # 100 us .. 10 s: a CPU decode step of a tiny model is ~1 ms, a long prefill seconds.
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -78,7 +80,7 @@ class _FillSeries:
 class ExecutorMetrics:
     """One server's metrics: its registry, the recording calls, and its `/metrics` endpoint.
 
-    Implements `executor.observer.ExecutorObserver` (graph captures and fallbacks).
+    Implements `executor.core.observer.ExecutorObserver` (graph captures and fallbacks).
     """
 
     def __init__(self) -> None:
@@ -177,6 +179,18 @@ class ExecutorMetrics:
             "batches_replayed",
             "Retried batches answered from the retry memory (their batch_id was already "
             "applied), not applied again.",
+        )
+        # Deferred vocab masks (the device thread, while a batch waits for its mask).
+        self.deferred_mask_wait_seconds = histogram(
+            "deferred_mask_wait_seconds",
+            "Time the device waited for one batch's deferred vocab mask (every other batch "
+            "waits meanwhile).",
+            (), LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.deferred_mask_waits_cut = counter(
+            "deferred_mask_waits_cut",
+            "Waits for a deferred vocab mask cut short by the stream's mask-wait budget "
+            "(deferred_mask_budget_s); the batch failed DEADLINE_EXCEEDED.",
         )
         # The KV data plane (recorded by the handler threads of ExportKV/ImportKV/PushKV).
         self.kv_transfer_bytes = counter(
@@ -302,6 +316,12 @@ class ExecutorMetrics:
     def count_replay(self) -> None:
         """A retried batch answered from the retry memory."""
         self.batches_replayed.inc()
+
+    def observe_deferred_mask_wait(self, seconds: float, cut: bool) -> None:
+        """The device waited `seconds` for a deferred mask; `cut`: the stream's budget ended it."""
+        self.deferred_mask_wait_seconds.observe(seconds)
+        if cut:
+            self.deferred_mask_waits_cut.inc()
 
     def observe_kv_transfer(self, direction: str, nbytes: int, seconds: float, ok: bool) -> None:
         """One KV transfer ended (`executor.service.kv_service`)."""

@@ -1,6 +1,7 @@
-"""What the metrics endpoint reads at scrape time: the live-state gauges (queue depth, KV
-slots and rows in use) and the process-wide host/device transfer counters. Nothing on the step
-path writes them; a scrape reads them (`ExecutorMetrics` registers the collector)."""
+"""The metric families read at scrape time, defined here (the recorded ones are
+:mod:`executor.observability.metrics`'): the live-state gauges (queue depth, KV slots and rows
+in use) and the process-wide host/device transfer counters. Nothing on the step path writes
+them; a scrape reads them (`ExecutorMetrics` registers the collector)."""
 
 from __future__ import annotations
 

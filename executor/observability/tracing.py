@@ -45,7 +45,7 @@ import executor
 if TYPE_CHECKING:
     from opentelemetry.trace.span import TraceState
 
-    from executor.step.outputs import StepStats
+    from executor.core.outputs import StepStats
 
 TRACE_EXPORTERS = ("none", "console", "otlp")
 STEP_PHASES = ("queue", "validate", "stage", "forward", "sample")  # drawn after the step

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from executor.extras.types import HiddenAsk, Pooling, RowOutputs
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
+from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from executor.parallel.comm import TpComm
 
 STEP, TOGGLES, PING, STOP = "step", "toggles", "ping", "stop"

@@ -1,25 +1,34 @@
-"""Who may call: the client-identity allowlist and the bearer token, checked before decode.
+"""Who may call: one rule per class of methods, checked before a handler thread waits for a body.
 
-Every RPC on the gRPC port passes `AccessInterceptor` first. It hands the handler the request
-*bytes* (gRPC's own decoder is taken off the method) and decodes them only after the call was
-admitted, so a caller that is not allowed costs the server no protobuf parse and reaches no
-servicer code. Two rules, each optional:
+Three classes, each with its own rule (`AccessRules`):
+- **calls** (Forward, GetInfo, health, reflection, ...): `allowed_client_identities` (mTLS: the
+  client certificate must carry a matching identity, a SAN, the subject's common name or the
+  whole subject, `fnmatch` globs) and `call_token_file` (`authorization: Bearer <token>`; the
+  runtime-config token passes too);
+- **the KV data plane** (ExportKV, ImportKV, PushKV): refused (UNIMPLEMENTED) unless
+  `kv_transfer` is on; then `kv_token_file` in place of the call token and
+  `allowed_kv_identities` in place of the client allowlist (each falls back to the call rule's
+  when unset);
+- **operator calls** (GetRuntimeConfig, UpdateRuntimeConfig; later the weight, adapter and
+  memory calls: add their names to OPERATOR_METHODS): the runtime-config token or
+  `allowed_operator_identities`; with neither they are closed (PERMISSION_DENIED), unless
+  `operator_calls_open` (loopback only).
 
-- `allowed_client_identities` (needs mTLS): the client certificate must carry an identity (a
-  subject alternative name, the subject's common name, or the whole subject `CN=...,O=...`)
-  that matches one of the patterns (`fnmatch` globs, case-sensitive). Otherwise
-  PERMISSION_DENIED; the message names the rule and the caller's own identities, never the list.
-- `call_token_file`: every call carries `authorization: Bearer <token>`; the runtime-config
-  token passes too (an operator's token is a superset). Otherwise UNAUTHENTICATED.
+A missing or wrong token is refused in `intercept_service`, from the call's metadata, with a
+handler that reads no request: a caller without the token never holds a thread waiting for a
+body. An identity (which needs the call's auth context, not there yet) is checked first thing
+in the handler; unary methods are served as request-streaming ones so that the check runs
+before the body is read, and the body is decoded only after it (a refused caller costs no
+protobuf parse). A method whose rule asks for nothing is served unwrapped (no cost).
 
-The health-only port (`health_port`) has no interceptor: the kubelet probes it without
-credentials, and it serves nothing but grpc.health.v1.
+The health-only port (`health_port`) has no rules: the kubelet probes it without credentials.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -31,47 +40,106 @@ from executor.service.auth import TokenCheck, UnauthenticatedError
 
 log = structlog.get_logger(__name__)
 
+SERVICE_PREFIX = "/model_executor.v1.ModelExecutor/"
+KV_METHODS = frozenset({"ExportKV", "ImportKV", "PushKV"})
+OPERATOR_METHODS = frozenset({"GetRuntimeConfig", "UpdateRuntimeConfig"})
+OWNER_KEY = "x-model-executor-kv-owner"  # an import's row owner, sent by a pushing executor
+
 
 class PermissionDeniedError(PermissionError):
-    """The client's certificate names no allowed identity. Maps to PERMISSION_DENIED."""
+    """The caller may not do this (identity, closed method, another's row): PERMISSION_DENIED."""
 
 
-def parse_identity_patterns(text: str) -> tuple[str, ...]:
-    """`allowed_client_identities` ("a, spiffe://ns/sa/*") as patterns; ValueError if empty."""
+def parse_identity_patterns(
+    text: str, setting: str = "allowed_client_identities"
+) -> tuple[str, ...]:
+    """A comma-separated allowlist ("a, spiffe://ns/sa/*") as patterns; ValueError if empty."""
     patterns = tuple(p.strip() for p in text.split(",") if p.strip())
     if text.strip() and not patterns:
-        raise ValueError(f"allowed_client_identities {text!r} holds no pattern")
+        raise ValueError(f"{setting} {text!r} holds no pattern")
     return patterns
 
 
-class AccessRules:
-    """The allowlist and the call token; `check` raises the refusal a call earns."""
+@dataclass(frozen=True)
+class Rule:
+    """Who may call one class of methods."""
 
-    def __init__(self, identity_patterns: Sequence[str], token_check: TokenCheck) -> None:
-        self.identity_patterns = tuple(identity_patterns)
-        self.token_check = token_check
+    name: str  # the setting a refusal names
+    identity_patterns: tuple[str, ...] = ()
+    tokens: TokenCheck = field(default_factory=TokenCheck)
+    closed: str = ""  # why every call is refused ("" = open to whoever passes the checks)
+    closed_code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED
+
+    @property
+    def free(self) -> bool:
+        """Nothing to check: served unwrapped."""
+        return not self.closed and not self.identity_patterns and not self.tokens.enabled
+
+    def check_identity(self, peer: Peer) -> None:
+        if not self.identity_patterns:
+            return
+        if not peer.identities:
+            raise UnauthenticatedError(
+                f"this server admits only clients with a certificate ({self.name}): connect "
+                "with mTLS"
+            )
+        if not any(
+            fnmatch.fnmatchcase(name, pattern)
+            for name in peer.identities
+            for pattern in self.identity_patterns
+        ):
+            raise PermissionDeniedError(
+                f"client identity {list(peer.identities)} is not allowed to call this "
+                f"(rule: {self.name})"
+            )
+
+
+class AccessRules:
+    """The rules of the three method classes; `tenants`: whether callers may differ in
+    identity (named tokens or client certificates), so that rows are kept apart."""
+
+    def __init__(self, call: Rule, kv: Rule, operator: Rule, *, tenants: bool = False) -> None:
+        self.call, self.kv, self.operator = call, kv, operator
+        self.tenants = tenants
 
     @property
     def enabled(self) -> bool:
-        return bool(self.identity_patterns) or self.token_check.enabled
+        return not (self.call.free and self.kv.free and self.operator.free)
 
-    def check(self, peer: Peer, metadata: Sequence[Any] | None) -> None:
-        if self.identity_patterns:
-            if not peer.identities:
-                raise UnauthenticatedError(
-                    "this server admits only clients with a certificate "
-                    "(allowed_client_identities): connect with mTLS"
-                )
-            if not any(
-                fnmatch.fnmatchcase(name, pattern)
-                for name in peer.identities
-                for pattern in self.identity_patterns
-            ):
-                raise PermissionDeniedError(
-                    f"client identity {list(peer.identities)} is not allowed to call this server "
-                    "(rule: allowed_client_identities)"
-                )
-        self.token_check.check(metadata)
+    def rule_for(self, method: str) -> Rule:
+        if method.startswith(SERVICE_PREFIX):
+            name = method[len(SERVICE_PREFIX) :]
+            if name in KV_METHODS:
+                return self.kv
+            if name in OPERATOR_METHODS:
+                return self.operator
+        return self.call
+
+    def may_operate(self, context: grpc.ServicerContext) -> bool:
+        """Whether this call's caller would pass the operator rule (GetInfo shows it the
+        runtime config)."""
+        rule = self.operator
+        if rule.closed:
+            return False
+        try:
+            rule.tokens.check(context.invocation_metadata())
+            rule.check_identity(peer_of(context))
+        except (UnauthenticatedError, PermissionDeniedError):
+            return False
+        return True
+
+    def identity(self, context: grpc.ServicerContext, rule: Rule | None = None) -> str:
+        """The caller's identity, which its rows are recorded under: its certificate's first
+        name, else the name of its token's line; "" when callers are not told apart."""
+        if not self.tenants:
+            return ""
+        peer = peer_of(context)
+        if peer.identities:
+            return peer.identities[0]
+        try:
+            return (rule or self.call).tokens.check(context.invocation_metadata())
+        except UnauthenticatedError:
+            return ""
 
 
 def _refusal_code(exc: Exception) -> grpc.StatusCode:
@@ -81,7 +149,7 @@ def _refusal_code(exc: Exception) -> grpc.StatusCode:
 
 
 class AccessInterceptor(grpc.ServerInterceptor):
-    """Applies `AccessRules` to every method before its request is decoded."""
+    """Applies `AccessRules` to every method before its request is read."""
 
     def __init__(
         self,
@@ -99,24 +167,54 @@ class AccessInterceptor(grpc.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
-        if handler is None or not self.rules.enabled:
+        if handler is None:
             return handler
-        return _guarded(handler, details.method, self._admit)
+        rule = self.rules.rule_for(details.method)
+        if rule.free:
+            return handler
+        if rule.closed:
+            return self._refusing(handler, details.method, rule.closed_code, rule.closed)
+        try:  # from the metadata: no thread waits for the body of a call without the token
+            rule.tokens.check(details.invocation_metadata)
+        except UnauthenticatedError as exc:
+            return self._refusing(
+                handler, details.method, grpc.StatusCode.UNAUTHENTICATED, str(exc)
+            )
+        if not rule.identity_patterns:
+            return handler
+        return _guarded(handler, details.method, lambda m, c: self._admit(rule, m, c))
 
-    def _admit(self, method: str, context: grpc.ServicerContext) -> None:
-        """Return when the call may go on; else answer it with its refusal (raises)."""
+    def _refuse(
+        self, method: str, code: grpc.StatusCode, reason: str, context: grpc.ServicerContext
+    ) -> None:
         peer = peer_of(context)
+        if self._on_refusal is not None:
+            self._on_refusal(method.rsplit("/", 1)[-1], code.name)
+        self._refusal_log.warning(
+            f"access:{code.name}", "call refused", method=method, code=code.name,
+            reason=reason, **peer.log_fields(),
+        )  # fmt: skip
+        context.abort(code, reason)
+
+    def _refusing(
+        self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, reason: str
+    ) -> grpc.RpcMethodHandler:
+        """A handler that answers `code` at once, reading no request (request-streaming:
+        gRPC runs it without waiting for a body)."""
+
+        def refuse(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            self._refuse(method, code, reason, context)
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+    def _admit(self, rule: Rule, method: str, context: grpc.ServicerContext) -> None:
+        """Return when the caller's identity may call; else answer with the refusal."""
         try:
-            self.rules.check(peer, context.invocation_metadata())
+            rule.check_identity(peer_of(context))
         except (PermissionDeniedError, UnauthenticatedError) as exc:
-            code = _refusal_code(exc)
-            if self._on_refusal is not None:
-                self._on_refusal(method.rsplit("/", 1)[-1], code.name)
-            self._refusal_log.warning(
-                f"access:{code.name}", "call refused", method=method, code=code.name,
-                reason=str(exc), **peer.log_fields(),
-            )  # fmt: skip
-            context.abort(code, str(exc))
+            self._refuse(method, _refusal_code(exc), str(exc), context)
 
 
 def _decode(
@@ -133,30 +231,52 @@ def _decode(
         )
 
 
+def _single(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    """The one request of a unary method served as request-streaming."""
+    data = next(requests, None)
+    if data is None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+    assert data is not None
+    return data
+
+
 def _guarded(
     handler: grpc.RpcMethodHandler,
     method: str,
     admit: Callable[[str, grpc.ServicerContext], None],
 ) -> grpc.RpcMethodHandler:
-    """`handler` with its request decoder moved behind `admit`."""
+    """`handler` with `admit` first and its request decoder moved behind it. Unary requests
+    are read as a stream, so `admit` runs before the body arrives."""
     deserialize = handler.request_deserializer
     serialize = handler.response_serializer
     if handler.unary_unary is not None:
         unary_unary = handler.unary_unary
 
-        def uu(data: bytes, context: grpc.ServicerContext) -> Any:
+        def uu(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             admit(method, context)
-            return unary_unary(_decode(deserialize, data, context), context)
+            return unary_unary(_decode(deserialize, _single(requests, context), context), context)
 
-        return grpc.unary_unary_rpc_method_handler(uu, None, serialize)
+        return grpc.stream_unary_rpc_method_handler(uu, None, serialize)
     if handler.unary_stream is not None:
         unary_stream = handler.unary_stream
+        if getattr(unary_stream, "experimental_non_blocking", False):
+            # health Watch: gRPC hands it a send callback and holds no thread while it
+            # waits; the wrapper keeps that (the body comes first: the token was checked).
+            def watch(data: bytes, context: grpc.ServicerContext, send: Any = None) -> Any:
+                admit(method, context)
+                return unary_stream(_decode(deserialize, data, context), context, send)
 
-        def us(data: bytes, context: grpc.ServicerContext) -> Any:
+            watch.experimental_non_blocking = True  # type: ignore[attr-defined]
+            watch.experimental_thread_pool = getattr(  # type: ignore[attr-defined]
+                unary_stream, "experimental_thread_pool", None
+            )
+            return grpc.unary_stream_rpc_method_handler(watch, None, serialize)
+
+        def us(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             admit(method, context)
-            return unary_stream(_decode(deserialize, data, context), context)
+            return unary_stream(_decode(deserialize, _single(requests, context), context), context)
 
-        return grpc.unary_stream_rpc_method_handler(us, None, serialize)
+        return grpc.stream_stream_rpc_method_handler(us, None, serialize)
 
     def decoded(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
         for data in requests:

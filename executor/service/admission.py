@@ -30,10 +30,20 @@ def forward_call_limit(rpc_threads: int, configured: int) -> int:
 
 
 class CallLimit:
-    def __init__(self, limit: int) -> None:
+    """`what`, `setting`: the calls it counts and the setting that caps them (the refusal
+    names both): Forward/ForwardStream (max_forward_calls), the KV data plane (max_kv_calls)."""
+
+    def __init__(
+        self,
+        limit: int,
+        what: str = "Forward/ForwardStream calls",
+        setting: str = "max_forward_calls",
+    ) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
+        self.what = what
+        self.setting = setting
         # A counter under a plain lock: every Forward takes and gives back a place, and a
         # threading.BoundedSemaphore (a Condition in Python) costs several times as much.
         self._lock = threading.Lock()
@@ -47,9 +57,8 @@ class CallLimit:
                 self._taken += 1
                 return
         raise CapacityError(
-            f"{self.limit} Forward/ForwardStream and KV data-plane calls are in progress "
-            f"(max_forward_calls); this {what} was not started: retry later, or send "
-            "more per call"
+            f"{self.limit} {self.what} are in progress ({self.setting}); this {what} was not "
+            "started: retry later, or send more per call"
         )
 
     def leave(self) -> None:
@@ -76,7 +85,8 @@ class ByteBudget:
         self._lock = threading.Lock()
         self.taken = 0
 
-    def take(self, size: int, batch_id: int) -> None:
+    def take(self, size: int, batch_id: int, what: str = "") -> None:
+        """Take `size` bytes for batch `batch_id` (or for `what`, a KV import's staging)."""
         if not self.limit:
             return
         with self._lock:
@@ -85,9 +95,9 @@ class ByteBudget:
                 return
             taken = self.taken
         raise CapacityError(
-            f"batch_id {batch_id} ({size} bytes) does not fit the byte budget of batches "
-            f"queued or running (batch_budget_mib: {self.limit} bytes, {taken} taken); "
-            "retry later, or send smaller batches"
+            f"{what or f'batch_id {batch_id}'} ({size} bytes) does not fit the byte budget of "
+            f"batches and KV imports queued or running (batch_budget_mib: {self.limit} bytes, "
+            f"{taken} taken); retry later, or send smaller batches"
         )
 
     def give(self, size: int) -> None:

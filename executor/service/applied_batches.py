@@ -18,15 +18,15 @@ from collections import OrderedDict
 
 import torch
 
-from executor.errors import BatchValidationError
-from executor.service.codec import BATCH_TENSOR_FIELDS
-from executor.step.outputs import ForwardOutput
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import WIRE_TENSOR_FIELDS
+from executor.core.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 
 # The fields that decide what a batch writes into the KV cache and which tokens it feeds
 # (embeddings are left out, being large: an id reused for a batch that differs only in its
 # embeddings is not detected).
-_FINGERPRINT_FIELDS = tuple(f for f in BATCH_TENSOR_FIELDS if f != "input_embeds")
+_FINGERPRINT_FIELDS = tuple(f for f in WIRE_TENSOR_FIELDS if f != "input_embeds")
 
 
 def fingerprint(msg: pb.ForwardBatch) -> bytes:

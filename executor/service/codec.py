@@ -15,8 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.core.errors import BatchTooLargeError, BatchValidationError
+from executor.core.forward_batch import (
+    WIRE_TENSOR_FIELDS,
+    ForwardBatch,
+    ForwardMode,
+    SamplingBatch,
+    SamplingParams,
+)
+from executor.core.limits import BatchLimits
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.service.controls_codec import (
     add_controls_to_proto,
     check_control_claims,
@@ -37,13 +45,7 @@ from executor.service.info_codec import (  # re-exported: GetInfo and the toggle
     runtime_update_from_proto,
     runtime_update_to_proto,
 )
-from executor.step.outputs import ForwardOutput, StepStats
-from executor.validation import (
-    INPUT_EMBEDS_OFF,
-    BatchLimits,
-    check_request_count,
-    check_token_count,
-)
+from executor.validation import INPUT_EMBEDS_OFF, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
 
 # bytes are immutable; torch.frombuffer warns that its tensor could write into them. The
@@ -62,22 +64,6 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_EXTENT = 2**62
 _NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _TO_TORCH.values()}
-# The ForwardBatch message's tensor fields.
-BATCH_TENSOR_FIELDS = (
-    "input_ids",
-    "req_pool_indices",
-    "seq_lens",
-    "out_cache_loc",
-    "positions",
-    "extend_prefix_lens",
-    "extend_seq_lens",
-    "prefix_cache_loc",
-    "released_req_pool_indices",
-    "input_embeds",
-    "future_token_slots",
-    "released_future_slots",
-    "ngram_draft",
-)
 _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
 
@@ -251,7 +237,7 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
         return_logprob=fb.return_logprob,
         top_logprobs_num=fb.top_logprobs_num,
     )
-    for name in BATCH_TENSOR_FIELDS:
+    for name in WIRE_TENSOR_FIELDS:
         value = getattr(fb, name)
         if value is not None:
             getattr(msg, name).CopyFrom(tensor_to_proto(value))

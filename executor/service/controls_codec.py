@@ -11,16 +11,17 @@ from typing import Any
 
 import torch
 
-from executor.controls.types import (
+from executor.core.controls_types import (
     DeferredMask,
     RowControl,
     SamplingControls,
     VocabMask,
     mask_words,
 )
-from executor.errors import BatchTooLargeError, BatchValidationError
-from executor.forward_batch import ForwardBatch
-from executor.validation import BatchLimits, check_request_count
+from executor.core.errors import BatchTooLargeError, BatchValidationError
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
+from executor.validation import check_request_count
 
 _ID_LISTS = ("stop_token_ids", "banned_token_ids", "allowed_token_ids")
 

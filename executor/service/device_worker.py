@@ -39,13 +39,14 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
-from executor.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch
+from executor.core.outputs import ForwardOutput, StepStats
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
+from executor.service.tenancy import RowTenants
 from executor.service.watchdog import RunningStep, is_sticky_device_error
 from executor.step.clock import StepClock
-from executor.step.outputs import ForwardOutput, StepStats
 
 log = structlog.get_logger(__name__)
 
@@ -90,6 +91,7 @@ class Job:
     deadline: float | None = None  # time.monotonic() after which no one waits for the answer
     fingerprint: bytes = b""  # what the batch writes, to tell a retry from a reused id
     replayed: bool = False  # answered from AppliedBatches: not applied again
+    caller: str = ""  # the identity its rows are recorded under (`tenants`)
 
 
 @dataclass
@@ -127,6 +129,9 @@ class DeviceWorker:
         # Called (on the device thread) with a step's error that poisons the device context.
         self.on_device_error = on_device_error
         self.applied = applied if applied is not None else AppliedBatches(0)
+        # Which caller owns each row (set when callers differ in identity): checked before a
+        # batch runs, recorded after it applied.
+        self.tenants: RowTenants | None = None
         # Unbounded underneath: `_put` enforces queue_size, so the stop marker never blocks.
         self._queue: queue.Queue[Job | ControlJob | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -163,6 +168,7 @@ class DeviceWorker:
         is_active: Callable[[], bool] | None = None,
         deadline: float | None = None,
         fingerprint: bytes = b"",
+        caller: str = "",
     ) -> Job:
         job = Job(
             batch=batch,
@@ -172,6 +178,7 @@ class DeviceWorker:
             is_active=is_active,
             deadline=deadline,
             fingerprint=fingerprint,
+            caller=caller,
         )
         self._put(job)
         return job
@@ -321,7 +328,10 @@ class DeviceWorker:
         structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
         token = otel_context.attach(job.trace_context) if job.trace_context is not None else None
         self._on_device = (job.batch_id, time.monotonic(), clock)
+        tenants = self.tenants
         try:
+            if tenants is not None:
+                tenants.check_batch(job.batch, job.caller)
             out = self.executor.forward(job.batch, clock=clock)
         except BaseException as exc:  # handed to the RPC thread, which maps it to a status
             self._on_device = None
@@ -333,6 +343,8 @@ class DeviceWorker:
                 self.on_device_error(exc)
             return
         self._on_device = None
+        if tenants is not None:
+            tenants.record_batch(job.batch, job.caller)
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.
         self.applied.store(job.batch_id, job.fingerprint, out)
         try:

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from executor.errors import BatchTooLargeError
-from executor.extras.types import ExtraOutputs, HiddenAsk, Pooling, Ragged, RowOutputs
-from executor.forward_batch import ForwardBatch
-from executor.validation import BatchLimits, check_request_count
+from executor.core.errors import BatchTooLargeError
+from executor.core.extras_types import ExtraOutputs, HiddenAsk, Pooling, Ragged, RowOutputs
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
+from executor.validation import check_request_count
 
 _BF16 = 4  # pb.BFLOAT16
 

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from executor.controls.types import mask_words
-from executor.errors import BatchValidationError, RuntimeConfigError
+from executor.core.controls_types import mask_words
+from executor.core.errors import BatchValidationError, RuntimeConfigError
+from executor.core.limits import BatchLimits
+from executor.info import ExecutorInfo, SettingChoice
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
-from executor.step.outputs import ExecutorInfo, SettingChoice
-from executor.validation import BatchLimits
 from model_executor.v1 import executor_pb2 as pb
 
 _KV_DTYPES = {pb.FLOAT32: torch.float32, pb.BFLOAT16: torch.bfloat16, pb.FLOAT16: torch.float16}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.kv_transfer.layout import KVTransferLimits
 from executor.kv_transfer.staging import Chunk, ImportHeader
 from executor.service.codec import tensor_from_proto, tensor_to_proto

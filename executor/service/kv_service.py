@@ -3,15 +3,20 @@
 Every read of and write into the cache runs as a device job (`DeviceWorker.run_on_device`),
 between two steps: an export reads one chunk per job (memory bounded by chunk_bytes), an
 import stages every chunk on the host, verifies it, and writes it in one job. A push is an
-export whose chunks go straight into the peer's ImportKV, over a channel built from this
-server's own TLS files (`peer_credentials`). Refusals map through `status.py`; a push reports
-each transfer's outcome in its answer instead of failing the call.
+export whose chunks go straight into the peer's ImportKV, only to a peer `kv_peers` names,
+over a channel built from this server's own TLS files (`kv_peers.PeerChannels`), with this
+server's KV token and the row's owner as metadata. Refusals map through `status.py`; a push
+reports each transfer's outcome in its answer instead of failing the call.
+
+When callers differ in identity (`tenancy.RowTenants`), an export or push sends only slots
+the caller's requests wrote, and an import writes only into rows and slots no other caller
+holds. Refusals name fields and positions, never another request's slots or tokens.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,21 +28,34 @@ import numpy as np
 import structlog
 import torch
 
-from executor.errors import BatchTooLargeError, BatchValidationError
+from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.kv_transfer.engine import ImportResult, KVTransfer
-from executor.kv_transfer.layout import ChunkSpec, check_runs, checksum, expand_runs, plan_chunks
+from executor.kv_transfer.layout import (
+    ChunkSpec,
+    check_run_bounds,
+    check_runs,
+    checksum,
+    expand_runs,
+    plan_chunks,
+)
 from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
+from executor.observability.log_limit import RateLimitedLog
+from executor.service.access import OWNER_KEY
+from executor.service.admission import ByteBudget
+from executor.service.auth import TokenFile
 from executor.service.codec import tensor_to_proto
 from executor.service.device_worker import DeviceWorker, RpcEndedError
 from executor.service.info_codec import layout_to_proto
+from executor.service.kv_calls import KVDeadline
 from executor.service.kv_codec import (
     chunk_from_proto,
     chunk_to_proto,
     import_header_from_proto,
     runs_from_proto,
 )
+from executor.service.kv_peers import PeerChannels, PeerList
 from executor.service.status import status_for
-from executor.service.tls import TlsFiles, channel_credentials
+from executor.service.tenancy import RowTenants
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -45,16 +63,8 @@ log = structlog.get_logger(__name__)
 
 READ_AHEAD = 2  # chunk reads queued ahead of the one being sent
 DEFAULT_PUSH_TIMEOUT_S = 60.0
-_MESSAGE_SLACK = 1 << 20  # a chunk message's bytes beyond its data
-
-
-def peer_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
-    """The client side of this server's TLS identity, for pushes to peers: its certificate and
-    key (mTLS peers accept it when one CA signs both), its client CA as the roots that verify
-    the peer ('' = the system roots). None: plaintext, as this server serves."""
-    if tls is None:
-        return None
-    return channel_credentials(tls.client_ca_file, tls.cert_file, tls.key_file)
+PUSH_MARGIN_S = 0.25  # a transfer ends this long before its call's deadline, to answer
+PEER_SLOTS = 2**31 - 1  # a push's target slots: the peer checks them against its own cache
 
 
 @dataclass
@@ -82,19 +92,21 @@ class KVService:
         self,
         worker: Callable[[], DeviceWorker],
         *,
-        tls: TlsFiles | None = None,
         observer: KVTransferObserver | None = None,
+        byte_budget: ByteBudget | None = None,
     ) -> None:
-        """`worker`: the device worker now (raises NotServingError while loading or draining)."""
+        """`worker`: the device worker now (raises NotServingError while loading or draining).
+        `byte_budget`: what an import's staging takes its bytes from (batch_budget_mib)."""
         self._worker = worker
-        self.tls = tls
         self.observer = observer or KVTransferObserver()
-        self._channels: dict[str, grpc.Channel] = {}
-        self._channels_lock = threading.Lock()
+        self.byte_budget = byte_budget or ByteBudget(0)
+        self.channels = PeerChannels(PeerList.parse(""))  # start_server: kv_peers, TLS
+        self.token: TokenFile | None = None  # this server's KV token, sent with its pushes
+        self.log = RateLimitedLog()  # start_server: the server's refusal log
 
     # --- ExportKV ---------------------------------------------------------------------------
     def export(
-        self, request: pb.KvExportRequest, is_active: Callable[[], bool]
+        self, request: pb.KvExportRequest, is_active: Callable[[], bool], caller: str = ""
     ) -> Iterator[pb.KvExportResponse]:
         worker = self._worker()
         kvt: KVTransfer = worker.executor.kv_transfer
@@ -103,8 +115,11 @@ class KVService:
         slots = expand_runs(runs)
         t0 = time.perf_counter()
         nbytes, ok = 0, False
+        tenants = worker.tenants
         try:
-            tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
+            tokens = worker.run_on_device(
+                lambda: _check_and_tokens(kvt, slots, tenants, caller)
+            ).result()
             specs = plan_chunks(int(slots.size), kvt.layout, kvt.limits.chunk_bytes)
             yield pb.KvExportResponse(
                 header=pb.KvTransferHeader(
@@ -126,27 +141,38 @@ class KVService:
 
     # --- ImportKV ---------------------------------------------------------------------------
     def import_(
-        self, requests: Iterator[pb.KvImportRequest], is_active: Callable[[], bool]
+        self,
+        requests: Iterator[pb.KvImportRequest],
+        is_active: Callable[[], bool],
+        owner: str = "",
     ) -> pb.KvImportResponse:
         """`is_active`: the RPC's liveness; an import whose caller left before the device
-        reached it is not applied (RpcEndedError), as for a batch."""
+        reached it is not applied (RpcEndedError), as for a batch. `owner`: the identity the
+        row is recorded under."""
         worker = self._worker()
         kvt: KVTransfer = worker.executor.kv_transfer
         t0 = time.perf_counter()
         nbytes, ok = 0, False
+        tenants = worker.tenants
         try:
             it = iter(requests)
             header, slots = self._header(kvt, it, worker)
             # The cache's state first (row and slots free, the id new): a refused import or a
             # retry is answered before its bytes are read.
             result: ImportResult | None = worker.run_on_device(
-                functools.partial(kvt.precheck_import, header, slots)
+                functools.partial(_precheck, kvt, header, slots, tenants, owner)
             ).result()
             if result is None:
-                staging = self._stage(kvt, header, slots, it)
-                result = worker.run_on_device(
-                    functools.partial(_apply_if_active, kvt, staging, is_active)
-                ).result()
+                size = int(slots.size) * kvt.layout.bytes_per_slot * kvt.layout.tp_size
+                what = f"ImportKV transfer_id {header.transfer_id}"
+                self.byte_budget.take(size, 0, what)  # before the staging is allocated
+                try:
+                    staging = self._stage(kvt, header, slots, it)
+                    result = worker.run_on_device(
+                        functools.partial(_apply_if_active, kvt, staging, is_active, tenants, owner)
+                    ).result()
+                finally:
+                    self.byte_budget.give(size)
                 nbytes = 0 if result.replayed else staging.nbytes
             ok = True
             return pb.KvImportResponse(
@@ -167,7 +193,9 @@ class KVService:
             raise BatchValidationError("header", "the first ImportKV message must be the header")
         header = import_header_from_proto(first.header, kvt.limits)
         limits = worker.executor.limits
-        slots = header.check(kvt.layout, kvt.limits, limits.max_reqs, limits.max_context_len)
+        slots = header.check(
+            kvt.layout, kvt.limits, limits.max_reqs, limits.max_context_len, limits.vocab_size
+        )
         return header, slots
 
     @staticmethod
@@ -186,7 +214,10 @@ class KVService:
         return staging
 
     # --- PushKV -----------------------------------------------------------------------------
-    def push(self, request: pb.KvPushRequest) -> pb.KvPushResponse:
+    def push(
+        self, request: pb.KvPushRequest, caller: str = "", deadline: KVDeadline | None = None
+    ) -> pb.KvPushResponse:
+        """`deadline`: the call's; every transfer's timeout fits in what is left of it."""
         worker = self._worker()
         kvt: KVTransfer = worker.executor.kv_transfer
         cap = kvt.limits.max_push_transfers
@@ -197,14 +228,17 @@ class KVService:
             )
         planned = [self._plan_push(kvt, i, t) for i, t in enumerate(request.transfers)]
         return pb.KvPushResponse(
-            results=[self._push_one(worker, kvt, t, slots) for t, slots in planned]
+            results=[
+                self._push_one(worker, kvt, t, target, slots, caller, deadline)
+                for t, target, slots in planned
+            ]
         )
 
-    @staticmethod
     def _plan_push(
-        kvt: KVTransfer, i: int, t: pb.KvPushTransfer
-    ) -> tuple[pb.KvPushTransfer, np.ndarray]:
-        """Refuse a malformed transfer before any is run (the whole call: INVALID_ARGUMENT)."""
+        self, kvt: KVTransfer, i: int, t: pb.KvPushTransfer
+    ) -> tuple[pb.KvPushTransfer, str, np.ndarray]:
+        """Refuse a malformed transfer, or one to a peer kv_peers does not name, before any
+        is run or dialed (the whole call: INVALID_ARGUMENT, PERMISSION_DENIED)."""
         field = f"transfers[{i}]"
         if t.transfer_id == 0:
             raise BatchValidationError(
@@ -212,37 +246,53 @@ class KVService:
             )
         if not t.target:
             raise BatchValidationError(f"{field}.target", "must name the peer executor (host:port)")
-        if t.timeout_s < 0:
-            raise BatchValidationError(f"{field}.timeout_s", f"must be >= 0, got {t.timeout_s}")
+        if not (t.timeout_s >= 0 and math.isfinite(t.timeout_s)):
+            raise BatchValidationError(
+                f"{field}.timeout_s", f"must be a finite number >= 0, got {t.timeout_s}"
+            )
         runs = runs_from_proto(t.source_slots, f"{field}.source_slots", kvt.limits)
         check_runs(runs, f"{field}.source_slots.runs", kvt.layout, kvt.limits)
         target = runs_from_proto(t.target_slots, f"{field}.target_slots", kvt.limits)
-        n_target = int(target[:, 1].sum()) if target.size else 0
+        n_target = check_run_bounds(target, f"{field}.target_slots.runs", kvt.limits, PEER_SLOTS)
         slots = expand_runs(runs)
         if n_target != slots.size:
             raise BatchValidationError(
                 f"{field}.target_slots", f"names {n_target} slots; source_slots names {slots.size}"
             )
-        return t, slots
+        return t, self.channels.peers.admit(t.target, f"{field}.target"), slots
 
     def _push_one(
-        self, worker: DeviceWorker, kvt: KVTransfer, t: pb.KvPushTransfer, slots: np.ndarray
+        self,
+        worker: DeviceWorker,
+        kvt: KVTransfer,
+        t: pb.KvPushTransfer,
+        target: str,
+        slots: np.ndarray,
+        caller: str,
+        deadline: KVDeadline | None,
     ) -> pb.KvTransferResult:
         t0 = time.perf_counter()
         progress = _PushProgress()
+        timeout = t.timeout_s or DEFAULT_PUSH_TIMEOUT_S
+        if deadline is not None:  # ends before the call's own deadline cancels the call
+            timeout = max(0.0, min(timeout, deadline.remaining() - PUSH_MARGIN_S))
+        tenants = worker.tenants
         try:
-            tokens = worker.run_on_device(lambda: _check_and_tokens(kvt, slots)).result()
-            stub = pb_grpc.ModelExecutorStub(self._channel(t.target))
+            tokens = worker.run_on_device(
+                lambda: _check_and_tokens(kvt, slots, tenants, caller)
+            ).result()
+            stub = pb_grpc.ModelExecutorStub(self.channels.channel(target))
             answer = stub.ImportKV(
                 self._push_messages(worker, kvt, t, slots, tokens, progress),
-                timeout=t.timeout_s or DEFAULT_PUSH_TIMEOUT_S,
+                timeout=timeout,
+                metadata=self._push_metadata(caller),
             )
         except grpc.RpcError as exc:
             if progress.failure is not None:  # reading here failed: gRPC only saw it cancel
                 code, message = status_for(progress.failure)
                 return self._failed(t, code.name, f"reading the source slots: {message}", t0)
             rpc_code = exc.code()
-            message = f"peer {t.target}: {exc.details()}"
+            message = f"peer {target}: {exc.details()}"
             return self._failed(t, rpc_code.name if rpc_code else "UNKNOWN", message, t0)
         except BaseException as exc:  # refused here (source slots) or failed reading them
             code, message = status_for(exc)
@@ -258,13 +308,24 @@ class KVService:
             replayed=answer.replayed,
         )
 
+    def _push_metadata(self, caller: str) -> list[tuple[str, str]]:
+        """This server's KV token (the peer's kv_token_file must hold it) and the row's owner
+        (the caller of the push: the peer records the imported row under it)."""
+        metadata = []
+        if self.token is not None:
+            metadata.append(("authorization", f"Bearer {self.token.first().decode()}"))
+        if caller:
+            metadata.append((OWNER_KEY, caller))
+        return metadata
+
     def _failed(
         self, t: pb.KvPushTransfer, code: str, message: str, t0: float
     ) -> pb.KvTransferResult:
         seconds = time.perf_counter() - t0
-        log.info(
-            "kv push failed", transfer_id=t.transfer_id, target=t.target, code=code, reason=message
-        )
+        self.log.info(
+            f"kv_push:{code}", "kv push failed", transfer_id=t.transfer_id,
+            target=t.target[:80], code=code, reason=message[:200],
+        )  # fmt: skip
         self.observer.on_transfer("push", 0, seconds, False)
         return pb.KvTransferResult(
             transfer_id=t.transfer_id, ok=False, code=code, message=message, seconds=seconds
@@ -298,30 +359,8 @@ class KVService:
             progress.failure = exc
             raise
 
-    def _channel(self, target: str) -> grpc.Channel:
-        """One channel per peer, kept (a push reuses its connection)."""
-        with self._channels_lock:
-            channel = self._channels.get(target)
-            if channel is None:
-                size = 64 << 20
-                options = [
-                    ("grpc.max_send_message_length", size),
-                    ("grpc.max_receive_message_length", size),
-                ]
-                creds = peer_credentials(self.tls)
-                channel = (
-                    grpc.insecure_channel(target, options=options)
-                    if creds is None
-                    else grpc.secure_channel(target, creds, options=options)
-                )
-                self._channels[target] = channel
-            return channel
-
     def close(self) -> None:
-        with self._channels_lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+        self.channels.close()
 
 
 def _read_chunks(worker: DeviceWorker, kvt: KVTransfer, slots: np.ndarray) -> Iterator[pb.KvChunk]:
@@ -349,20 +388,49 @@ def _read_chunks(worker: DeviceWorker, kvt: KVTransfer, slots: np.ndarray) -> It
             yield chunk_to_proto(chunk)
 
 
+def _precheck(
+    kvt: KVTransfer,
+    header: ImportHeader,
+    slots: np.ndarray,
+    tenants: RowTenants | None,
+    owner: str,
+) -> ImportResult | None:
+    """Device thread: refuse a row or slots another caller holds, then the cache's state."""
+    if tenants is not None:
+        tenants.check_import(header.row, slots, owner)
+    return kvt.precheck_import(header, slots)
+
+
 def _apply_if_active(
-    kvt: KVTransfer, staging: ImportStaging, is_active: Callable[[], bool]
+    kvt: KVTransfer,
+    staging: ImportStaging,
+    is_active: Callable[[], bool],
+    tenants: RowTenants | None = None,
+    owner: str = "",
 ) -> ImportResult:
-    """Device thread: apply the import unless its RPC ended while it waited for the device."""
+    """Device thread: apply the import unless its RPC ended while it waited for the device;
+    the row and slots are then `owner`'s."""
     if not is_active():
         raise RpcEndedError(
             f"transfer_id {staging.header.transfer_id} was not applied: its RPC ended (cancelled "
             "or past its deadline) before the device reached it",
             deadline=False,
         )
-    return kvt.apply_import(staging)
+    if tenants is not None:
+        tenants.check_import(staging.header.row, staging.slots, owner)
+    result = kvt.apply_import(staging)
+    if tenants is not None and not result.replayed:
+        tenants.record_import(staging.header.row, staging.slots, owner)
+    return result
 
 
-def _check_and_tokens(kvt: KVTransfer, slots: np.ndarray) -> np.ndarray:
-    """Device thread: refuse slots no live row holds, then read their tokens."""
+def _check_and_tokens(
+    kvt: KVTransfer, slots: np.ndarray, tenants: RowTenants | None = None, caller: str = ""
+) -> np.ndarray:
+    """Device thread: refuse slots the caller's requests did not write (first: a slot of
+    another caller reads as no slot of its own, live or not), slots no live row holds, then
+    read their tokens."""
+    if tenants is not None:
+        tenants.check_slots(slots, caller, "runs")
     kvt.check_export(slots)
     return kvt.read_tokens(slots)

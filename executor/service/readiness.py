@@ -2,21 +2,19 @@
 
 Readiness (`model_executor.v1.ModelExecutor`) turns SERVING once the model is loaded and warmed
 up and NOT_SERVING for good on a drain or a device failure; liveness ("") turns NOT_SERVING
-only when the device failed (`RunningServer._device_down`).
+only when the device failed (`RunningServer._device_down`). The health-only port
+(`health_port.py`) mirrors both.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent import futures
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from executor.observability.metrics import ExecutorMetrics
 from executor.service.device_worker import DeviceWorker
 from executor.service.runtime_config import RuntimeControl
-from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from model_executor.v1 import executor_pb2 as pb
 
@@ -52,16 +50,3 @@ class Readiness:
             self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             self._metrics.set_ready(False)
             return self._servicer.worker
-
-
-def health_only_server(
-    server_config: ServerConfig, health_servicer: health.HealthServicer
-) -> tuple[grpc.Server, int]:
-    """A plaintext port with grpc.health.v1 only (the same statuses as the main port): what
-    the kubelet's gRPC probes can reach when the main port is TLS. It carries no batches."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{server_config.host}:{server_config.health_port}")
-    if port == 0:
-        raise OSError(f"could not listen on {server_config.host}:{server_config.health_port}")
-    return server, port

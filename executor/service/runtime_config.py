@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 import structlog
 
 from executor.config import NEEDS_CPU_SEQ_LENS_VALUES, RUNTIME_GRAPH_MODES
-from executor.errors import RuntimeConfigError
+from executor.core.errors import RuntimeConfigError
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import LEVELS, current_level, set_log_level
 

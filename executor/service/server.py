@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
-from executor.errors import StartupCancelled
+from executor.core.errors import StartupCancelled
 from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
 from executor.models.loader import read_model_config
@@ -36,17 +36,20 @@ from executor.observability.log_limit import RateLimitedLog
 from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
-from executor.service.access import AccessInterceptor, AccessRules, parse_identity_patterns
+from executor.service.access import AccessInterceptor
 from executor.service.admission import ByteBudget, CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
-from executor.service.auth import CALL_RULE, TokenCheck, read_token
+from executor.service.credentials import credentials_from
 from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import add_executor_servicer
+from executor.service.health_port import HealthPort, MirroredHealth
+from executor.service.kv_peers import PeerChannels, PeerList
 from executor.service.kv_service import KVTransferObserver
-from executor.service.readiness import SERVICE_NAME, Readiness, health_only_server
+from executor.service.readiness import SERVICE_NAME, Readiness
 from executor.service.runtime_config import RuntimeControl
 from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
+from executor.service.tenancy import RowTenants
 from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
 from executor.service.watchdog import DeviceWatchdog, RunningStep
@@ -73,7 +76,7 @@ class RunningServer:
     telemetry: Telemetry
     metrics_port: int | None  # None: the /metrics endpoint is off
     readiness: Readiness
-    health_server: grpc.Server | None = None  # the plaintext probe port, when one is open
+    health_server: HealthPort | None = None  # the plaintext probe port, when one is open
     health_port: int | None = None
     certificates: CertificateFiles | None = None  # the TLS files, when the port is TLS
     # Set by `drain`: a start-up still loading or capturing graphs stops at the next bucket.
@@ -198,8 +201,9 @@ def start_server(
 
     `span_exporter` receives this server's spans too (tests pass an in-memory one).
     """
-    token = read_token(server_config.runtime_config_token_file)
-    call_token = read_token(server_config.call_token_file, "call_token_file")
+    credentials = credentials_from(server_config)  # token files read: a bad one fails here
+    access = credentials.rules
+    server_config.check_with(config.deferred_mask_timeout_s)
     model_cfg, max_context_len = read_model_config(config)
     receive, send = message_limits(
         config, model_cfg.hidden_size, model_cfg.vocab_size, max_context_len
@@ -219,15 +223,11 @@ def start_server(
     )
     refusal_log = RateLimitedLog(interval_s=server_config.refusal_log_interval_s)
     telemetry = Telemetry(metrics, tracing, refusal_log)
-    access = AccessRules(
-        parse_identity_patterns(server_config.allowed_client_identities),
-        TokenCheck(call_token, also=(token,), rule=CALL_RULE),
-    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=server_config.rpc_threads, thread_name_prefix="rpc"),
         options=options,
         maximum_concurrent_rpcs=server_config.concurrent_rpcs,
-        # Who may call is checked before any request is decoded (executor.service.access).
+        # Who may call is checked before a body is read (executor.service.access).
         interceptors=[
             AccessInterceptor(
                 access, refusal_log, lambda method, code: metrics.observe_rpc(method, code, 0.0)
@@ -236,20 +236,23 @@ def start_server(
         if access.enabled
         else None,
     )
+    forward_limit = forward_call_limit(server_config.rpc_threads, server_config.max_forward_calls)
     servicer = ExecutorServicer(
         config.model,
         server_config.stream_window,
         telemetry,
-        TokenCheck(token),
-        call_limit=CallLimit(
-            forward_call_limit(server_config.rpc_threads, server_config.max_forward_calls)
-        ),
+        access,
+        call_limit=CallLimit(forward_limit),
         byte_budget=ByteBudget(batch_budget_bytes(server_config.batch_budget_mib, receive)),
         queue_wait_s=server_config.queue_wait_s,
         stream_idle_timeout_s=server_config.stream_idle_timeout_s,
+        deferred_mask_budget_s=server_config.deferred_mask_budget_s,
+        kv_calls=CallLimit(server_config.max_kv_calls, "KV data-plane calls", "max_kv_calls"),
+        kv_call_timeout_s=server_config.kv_call_timeout_s,
+        kv_chunk_timeout_s=server_config.kv_chunk_timeout_s,
     )
     add_executor_servicer(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = MirroredHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -257,7 +260,10 @@ def start_server(
     address = f"{server_config.host}:{server_config.port}"
     tls = server_config.tls
     certificates = CertificateFiles(tls) if tls is not None else None
-    servicer.kv.tls = tls  # a push to a peer presents this server's own identity
+    # A push dials only kv_peers and presents this server's own identity and KV token.
+    servicer.kv.channels = PeerChannels(PeerList.parse(server_config.kv_peers), tls)
+    servicer.kv.token = credentials.kv_token
+    servicer.kv.log = refusal_log
     servicer.kv.observer = KVTransferObserver(metrics.observe_kv_transfer)
     if certificates is None:
         port = server.add_insecure_port(address)
@@ -273,7 +279,9 @@ def start_server(
         raise OSError(f"could not listen on {address}")
     health_server, health_port = None, None
     if server_config.health_port >= 0:
-        health_server, health_port = health_only_server(server_config, health_servicer)
+        health_server = HealthPort(server_config.host, server_config.health_port, health_servicer)
+        health_server.start()
+        health_port = health_server.port
     metrics_port = None
     if server_config.metrics_port >= 0:
         try:
@@ -288,8 +296,6 @@ def start_server(
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
-    if health_server is not None:
-        health_server.start()
     log.info(
         "listening",
         host=server_config.host,
@@ -299,9 +305,12 @@ def start_server(
         metrics_port=metrics_port,
         max_receive_bytes=receive,
         max_send_bytes=send,
-        runtime_config_token=token is not None,
-        call_token=call_token is not None,
-        allowed_client_identities=len(access.identity_patterns),
+        runtime_config_token=credentials.operator_token is not None,
+        call_token=credentials.call_token is not None,
+        allowed_client_identities=len(access.call.identity_patterns),
+        kv_transfer=server_config.kv_transfer,
+        kv_peers=len(servicer.kv.channels.peers),
+        tenants=access.tenants,
     )
 
     running = RunningServer(
@@ -349,6 +358,8 @@ def start_server(
                 ),
                 on_device_error=running.on_device_error,
             )
+            if access.tenants:  # callers differ in identity: keep their rows apart
+                worker.tenants = RowTenants(executor.req_to_token_pool, executor.limits.kv_slots)
             runtime = RuntimeControl(
                 executor,
                 trace_sample_ratio=server_config.trace_sample_ratio,

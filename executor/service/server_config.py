@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from executor.config import setting
 from executor.observability.logs import FORMATS, LEVELS
 from executor.observability.tracing import TRACE_EXPORTERS
-from executor.service.tls import TlsFiles
+from executor.service.admission import forward_call_limit
+from executor.service.tls import TlsFiles, is_loopback
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,10 @@ class ServerConfig:
     )
     max_forward_calls: int = setting(
         0,
-        "Forward/ForwardStream and KV data-plane (ExportKV/ImportKV/PushKV) calls in progress "
-        "at once (each holds a handler thread); more "
-        "get RESOURCE_EXHAUSTED; must be < rpc_threads so health and GetInfo always have "
-        "threads; 0 = rpc_threads less a quarter (at least 2 kept free)",
+        "Forward/ForwardStream calls in progress at once (each holds a handler thread); more "
+        "get RESOURCE_EXHAUSTED; with max_kv_calls (when kv_transfer is on) must be < "
+        "rpc_threads so health and GetInfo always have threads; 0 = rpc_threads less a "
+        "quarter (at least 2 kept free)",
     )
     queue_wait_s: float = setting(
         30.0,
@@ -57,6 +58,13 @@ class ServerConfig:
         300.0,
         "a ForwardStream that sends no batch for this long, with none in flight, is ended "
         "(DEADLINE_EXCEEDED) and its handler thread freed; 0 = never",
+    )
+    deferred_mask_budget_s: float = setting(
+        1.0,
+        "device seconds one ForwardStream may spend waiting for its deferred vocab masks, "
+        "refilled at that much per 5 s (so at most a fifth of the device); a wait beyond it "
+        "ends DEADLINE_EXCEEDED (nothing applied); 0 = only deferred_mask_timeout_s bounds a "
+        "wait",
     )
     retry_memory: int = setting(
         1024,
@@ -88,14 +96,69 @@ class ServerConfig:
     )
     runtime_config_token_file: str = setting(
         "",
-        "file holding a shared secret; when set, GetRuntimeConfig/UpdateRuntimeConfig need "
-        "'authorization: Bearer SECRET' metadata; '' = no secret",
+        "token file (lines 'TOKEN' or 'NAME TOKEN', re-read when it changes) of the operator "
+        "calls (GetRuntimeConfig/UpdateRuntimeConfig): they need 'authorization: Bearer TOKEN' "
+        "metadata; with neither it nor allowed_operator_identities they are closed "
+        "(PERMISSION_DENIED)",
+    )
+    allowed_operator_identities: str = setting(
+        "",
+        "comma-separated glob patterns of client-certificate identities that may make the "
+        "operator calls (GetRuntimeConfig/UpdateRuntimeConfig); needs tls_client_ca_file; "
+        "'' = the runtime-config token decides",
+    )
+    operator_calls_open: bool = setting(
+        False,
+        "development only: with no runtime-config token or operator identity, open the "
+        "operator calls to every caller the call rule admits; refused unless host is loopback",
     )
     call_token_file: str = setting(
         "",
-        "file holding a bearer token that EVERY call on the gRPC port must carry "
-        "('authorization: Bearer TOKEN'; the runtime_config token passes too), checked before "
-        "the request is decoded; else UNAUTHENTICATED; '' = no token",
+        "token file (lines 'TOKEN' or 'NAME TOKEN'; NAME is the caller's identity, which its "
+        "rows are kept under; re-read when it changes) of a bearer token that EVERY call on "
+        "the gRPC port must carry ('authorization: Bearer TOKEN'; the runtime-config token "
+        "passes too), checked from the metadata before the body is read; else "
+        "UNAUTHENTICATED; '' = no token",
+    )
+    kv_transfer: bool = setting(
+        False,
+        "serve the KV data plane (ExportKV/ImportKV/PushKV); off, they answer UNIMPLEMENTED; "
+        "on a non-loopback host it needs kv_token_file or allowed_kv_identities",
+    )
+    kv_token_file: str = setting(
+        "",
+        "token file of the KV data plane: KV calls carry this token in place of the call "
+        "token (the call token does not open them); this server's pushes send its first "
+        "line; '' = KV calls follow the call rule (loopback only)",
+    )
+    allowed_kv_identities: str = setting(
+        "",
+        "comma-separated glob patterns of client-certificate identities that may make KV "
+        "calls (schedulers, and peer executors that push here), in place of "
+        "allowed_client_identities; needs tls_client_ca_file",
+    )
+    kv_peers: str = setting(
+        "",
+        "comma-separated executors PushKV may dial: 'host:port' (a DNS name or IP), "
+        "'*.domain:port' (any name under domain), 'CIDR:port' (any IP in the network, e.g. "
+        "the pod network), or a listed 'unix:PATH'; any other target is refused before "
+        "dialing (PERMISSION_DENIED); under TLS the peer's certificate must name the host it "
+        "is dialed by; '' = PushKV off",
+    )
+    max_kv_calls: int = setting(
+        2,
+        "KV data-plane calls (ExportKV/ImportKV/PushKV) in progress at once, apart from "
+        "max_forward_calls; more get RESOURCE_EXHAUSTED",
+    )
+    kv_call_timeout_s: float = setting(
+        120.0,
+        "longest a KV call may run on this server, whatever deadline its caller set; a "
+        "push's transfers share it; then the call is cancelled",
+    )
+    kv_chunk_timeout_s: float = setting(
+        10.0,
+        "longest an ImportKV stream may go without sending its next message; then it is "
+        "cancelled and nothing is written",
     )
     refusal_log_interval_s: float = setting(
         10.0,
@@ -143,7 +206,12 @@ class ServerConfig:
                 f"max_forward_calls must be in 0..rpc_threads-1 ({self.rpc_threads - 1}), "
                 f"got {self.max_forward_calls}"
             )
-        for name in ("queue_wait_s", "stream_idle_timeout_s", "step_timeout_s"):
+        for name in (
+            "queue_wait_s",
+            "stream_idle_timeout_s",
+            "step_timeout_s",
+            "deferred_mask_budget_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_budget_mib < 0:
@@ -173,10 +241,21 @@ class ServerConfig:
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
-        if self.allowed_client_identities.strip() and not self.tls_client_ca_file:
+        for name in (
+            "allowed_client_identities",
+            "allowed_kv_identities",
+            "allowed_operator_identities",
+        ):
+            if getattr(self, name).strip() and not self.tls_client_ca_file:
+                raise ValueError(
+                    f"{name} needs tls_client_ca_file (mTLS): without client certificates no "
+                    "caller has an identity to check"
+                )
+        self._check_kv()
+        if self.operator_calls_open and not is_loopback(self.host):
             raise ValueError(
-                "allowed_client_identities needs tls_client_ca_file (mTLS): without client "
-                "certificates no caller has an identity to check"
+                "operator_calls_open is for development on a loopback host; on "
+                f"{self.host!r} set runtime_config_token_file or allowed_operator_identities"
             )
         if self.refusal_log_interval_s < 0:
             raise ValueError(
@@ -189,6 +268,45 @@ class ServerConfig:
         if self.log_format not in FORMATS:
             raise ValueError(
                 f"log_format must be one of {', '.join(FORMATS)}, got {self.log_format!r}"
+            )
+
+    def check_with(self, deferred_mask_timeout_s: float) -> None:
+        """The checks that need the executor's settings too."""
+        if 0 < self.step_timeout_s <= deferred_mask_timeout_s:
+            raise ValueError(
+                f"deferred_mask_timeout_s ({deferred_mask_timeout_s:g}) must be below "
+                f"step_timeout_s ({self.step_timeout_s:g}): a missing mask would restart the pod"
+            )
+
+    def _check_kv(self) -> None:
+        if self.max_kv_calls < 1:
+            raise ValueError(f"max_kv_calls must be >= 1, got {self.max_kv_calls}")
+        for name in ("kv_call_timeout_s", "kv_chunk_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.kv_transfer:
+            if self.kv_peers.strip():
+                raise ValueError("kv_peers needs kv_transfer (PushKV is a KV call)")
+            return
+        forward = forward_call_limit(self.rpc_threads, self.max_forward_calls)
+        if forward + self.max_kv_calls >= self.rpc_threads:
+            raise ValueError(
+                f"max_forward_calls ({forward}) + max_kv_calls ({self.max_kv_calls}) must be < "
+                f"rpc_threads ({self.rpc_threads}): health and GetInfo need threads"
+            )
+        if (
+            not is_loopback(self.host)
+            and not self.kv_token_file
+            and not self.allowed_kv_identities.strip()
+        ):
+            raise ValueError(
+                "kv_transfer on a non-loopback host needs its own credential: kv_token_file "
+                "or allowed_kv_identities (the KV plane reads and writes every request's KV)"
+            )
+        if self.kv_peers.strip() and self.tls_cert_file and not self.tls_client_ca_file:
+            raise ValueError(
+                "kv_peers under TLS needs tls_client_ca_file: the CA that verifies the peers "
+                "(the system roots are never used for pushes)"
             )
 
     @property

@@ -33,21 +33,19 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from executor.errors import (
-    BatchValidationError,
-    FaultInjector,
-)
+from executor.core.errors import FaultInjector
+from executor.core.outputs import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
+from executor.service.access import AccessRules, Rule
 from executor.service.admission import ByteBudget, CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
-from executor.service.auth import TokenCheck, UnauthenticatedError
 from executor.service.codec import (
     batch_from_proto,
     info_to_proto,
@@ -55,11 +53,16 @@ from executor.service.codec import (
     runtime_config_to_proto,
     runtime_update_from_proto,
 )
-from executor.service.deferred_masks import StreamMasks, refuse_on_unary
+from executor.service.deferred_masks import (
+    MaskBudgets,
+    StreamMasks,
+    mask_never_came,
+    refuse_on_unary,
+    stream_over,
+)
 from executor.service.device_worker import (
     DeviceWorker,
     Job,
-    StreamFailedError,
     StreamState,
 )
 from executor.service.handlers import UndecodableRequest
@@ -67,34 +70,10 @@ from executor.service.kv_handlers import KVHandlers
 from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl
 from executor.service.status import NotServingError, abort
-from executor.step.outputs import ForwardOutput
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
-
-
-def _stream_over(batch_id: int) -> BaseException:
-    return StreamFailedError(
-        f"batch_id {batch_id} was not applied: its stream failed or ended while it waited "
-        "for its deferred_mask"
-    )
-
-
-def _mask_never_came(failed: bool, refused: BaseException | None) -> Callable[[int], BaseException]:
-    """Why a batch still waiting for its deferred mask when the reader stops fails."""
-    if failed:
-        return _stream_over
-    if refused is not None:
-        return lambda batch_id: StreamFailedError(
-            f"batch_id {batch_id} was not applied: the stream stopped reading before its "
-            f"deferred_mask came, at a refused request ({refused})"
-        )
-    return lambda batch_id: BatchValidationError(
-        "vocab_mask_deferred",
-        "the request stream ended before this batch's deferred_mask came; send the mask "
-        "before closing the stream",
-    )
 
 
 @dataclass
@@ -109,12 +88,16 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         model_spec: str,
         stream_window: int,
         telemetry: Telemetry,
-        token_check: TokenCheck | None = None,
+        access: AccessRules | None = None,
         *,
         call_limit: CallLimit | None = None,
         byte_budget: ByteBudget | None = None,
         queue_wait_s: float = 0.0,
         stream_idle_timeout_s: float = 0.0,
+        deferred_mask_budget_s: float = 0.0,
+        kv_calls: CallLimit | None = None,
+        kv_call_timeout_s: float = 120.0,
+        kv_chunk_timeout_s: float = 10.0,
     ) -> None:
         self.model_spec = model_spec
         self.stream_window = stream_window
@@ -122,14 +105,25 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         self.byte_budget = byte_budget or ByteBudget(0)
         self.queue_wait_s = queue_wait_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
+        # Each caller's device time for waiting on deferred masks, shared by its streams (a
+        # new stream does not bring a new budget).
+        self._mask_budgets = MaskBudgets(
+            deferred_mask_budget_s, telemetry.metrics.observe_deferred_mask_wait
+        )
+        self.kv_calls = kv_calls or CallLimit(2, "KV data-plane calls", "max_kv_calls")
+        self.kv_call_timeout_s = kv_call_timeout_s
+        self.kv_chunk_timeout_s = kv_chunk_timeout_s
         self.telemetry = telemetry
-        self.token_check = token_check or TokenCheck(None)
+        # Who may call is the interceptor's; here: who the caller is (its rows) and whether
+        # GetInfo shows it the runtime config.
+        self.access = access or AccessRules(Rule("call"), Rule("kv"), Rule("operator"))
         self.worker: DeviceWorker | None = None
         self.runtime: RuntimeControl | None = None
         self.draining = threading.Event()
         # Tests only (executor/errors.py): make encoding a chosen answer raise.
         self.faults: FaultInjector | None = None
-        self.kv = KVService(self._accepting)  # the KV data plane (start_server sets its TLS)
+        # The KV data plane (start_server sets its TLS, peers, limits and tenants).
+        self.kv = KVService(self._accepting, byte_budget=self.byte_budget)
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
@@ -156,9 +150,13 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         span: SpanScope,
         context: grpc.ServicerContext,
         stream: StreamState | None = None,
+        *,
+        caller: str = "",
+        masks: StreamMasks | None = None,
     ) -> Job:
         """Decode and queue one batch. The device thread runs it only while `context` is
-        active and before its deadline, and (on a stream) only if no batch before it failed."""
+        active and before its deadline, and (on a stream) only if no batch before it failed.
+        `caller`: the identity its rows are recorded under; `masks`: its stream's."""
         if isinstance(request, UndecodableRequest):
             raise request.error
         if stream is None:
@@ -172,6 +170,8 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                 batch = batch_from_proto(
                     request.batch, worker.executor.limits, batch_id=request.batch_id
                 )
+            if masks is not None and batch.deferred_mask is not None:
+                batch.deferred_mask.budget = masks.budget  # before the device can reach it
             remaining = context.time_remaining()
             job = worker.submit(
                 batch,
@@ -180,7 +180,11 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                 stream=stream,
                 is_active=context.is_active,
                 deadline=None if remaining is None else time.monotonic() + remaining,
-                fingerprint=fingerprint(request.batch) if worker.applied.capacity else b"",
+                # A retry is answered from memory only to the caller that sent the batch.
+                fingerprint=fingerprint(request.batch) + caller.encode()
+                if worker.applied.capacity
+                else b"",
+                caller=caller,
             )
         except BaseException:
             budget.give(size)
@@ -198,7 +202,7 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
             try:
                 self._enter("Forward")
                 try:
-                    job = self._submit(request, rpc, context)
+                    job = self._submit(request, rpc, context, caller=self.access.identity(context))
                     # A client that goes away frees this thread: its job, not started, never runs.
                     context.add_callback(job.future.cancel)
                     out = self._wait(job)
@@ -274,13 +278,15 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         # Jobs submitted but not yet answered (at most the window): a stream may live for
         # millions of steps, so answered jobs must not be kept.
         in_flight: deque[Job] = deque()
-        masks = StreamMasks()  # batches waiting for their deferred vocab mask
+        caller = self.access.identity(context)
+        # Batches waiting for their deferred vocab mask, and the caller's wait budget.
+        masks = StreamMasks(self._mask_budgets.get(caller))
 
         def cancel_pending() -> None:
             failed.set()
             for job in list(in_flight):
                 job.future.cancel()  # only jobs that have not started; running ones finish
-            masks.fail_waiting(_stream_over)  # a device thread waiting for a mask stops now
+            masks.fail_waiting(stream_over)  # a device thread waiting for a mask stops now
             window.release()  # unblock the reader if it waits for room
             if not context.is_active():
                 # The RPC is over (cancelled, or its deadline passed): count the caller's
@@ -308,7 +314,9 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                         return
                     step = rpc.step(request.batch_id)
                     try:
-                        job = self._submit(request, step, context, state)
+                        job = self._submit(
+                            request, step, context, state, caller=caller, masks=masks
+                        )
                     except BaseException as exc:
                         step.span.end()
                         refused = exc
@@ -321,7 +329,7 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                 refused = exc
                 pending.put((0, exc))
             finally:  # no mask comes after the last request read
-                masks.fail_waiting(_mask_never_came(failed.is_set(), refused))
+                masks.fail_waiting(mask_never_came(failed.is_set(), refused))
                 pending.put(None)
 
         context.add_callback(cancel_pending)  # the client went away or the RPC ended
@@ -387,19 +395,15 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
             except BaseException as exc:
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
-            try:  # the runtime config only to a caller that could read it with GetRuntimeConfig
-                self.token_check.check(context.invocation_metadata())
-                config = runtime.current()
-            except UnauthenticatedError:
-                config = None
+            # The runtime config only to a caller that could read it with GetRuntimeConfig.
+            config = runtime.current() if self.access.may_operate(context) else None
             return info_to_proto(worker.executor.info, self.model_spec, config)
 
     def GetRuntimeConfig(
         self, request: pb.GetRuntimeConfigRequest, context: grpc.ServicerContext
     ) -> pb.RuntimeConfig:
         with self.telemetry.rpc("GetRuntimeConfig", context) as rpc:
-            try:
-                self.token_check.check(context.invocation_metadata())
+            try:  # the operator rule was checked before (executor.service.access)
                 _, runtime = self._loaded()
             except BaseException as exc:
                 abort(context, exc, rpc)
@@ -411,8 +415,7 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
     ) -> pb.RuntimeConfig:
         """Checked here (token, values), then applied on the device thread between batches."""
         with self.telemetry.rpc("UpdateRuntimeConfig", context) as rpc:
-            try:
-                self.token_check.check(context.invocation_metadata())
+            try:  # the operator rule was checked before (executor.service.access)
                 update = runtime_update_from_proto(request.config)
                 worker = self._accepting()
                 _, runtime = self._loaded()

@@ -7,8 +7,8 @@ from concurrent.futures import CancelledError
 import grpc
 import structlog
 
-from executor.controls.types import DeferredMaskTimeout
-from executor.errors import (
+from executor.core.controls_types import DeferredMaskTimeout
+from executor.core.errors import (
     BatchTooLargeError,
     BatchValidationError,
     KVChecksumError,

@@ -92,7 +92,7 @@ def run_worker_rank(
     """The worker side of a rank (spawned or torchrun): the process exit code."""
     from executor.model_executor import ModelExecutor
     from executor.observability.logs import configure_logging
-    from executor.parallel.worker import run_worker
+    from executor.tp_worker import run_worker
 
     configure_logging(log_level, log_format, rank=endpoint.rank)
     comm: TpComm | None = None

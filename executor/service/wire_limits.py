@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import structlog
 
-from executor.config import ExecutorConfig
-from executor.controls.types import mask_words
-from executor.validation import BatchLimits
+from executor.config import ExecutorConfig, batch_limits
+from executor.core.controls_types import mask_words
 
 log = structlog.get_logger(__name__)
 
@@ -19,19 +18,12 @@ def message_limits(
     config: ExecutorConfig, hidden_size: int, vocab_size: int, max_context_len: int
 ) -> tuple[int, int]:
     """(receive, send) byte limits from the largest batch and response the executor accepts."""
-    bs = config.max_batch_size or config.max_reqs
-    tokens = config.max_tokens_per_batch
+    caps = batch_limits(
+        config, vocab_size=vocab_size, hidden_size=hidden_size, max_context_len=max_context_len
+    )
+    bs, tokens = caps.max_batch_size, caps.max_tokens_per_batch
     # ids, slots, positions (int64) and embeddings (float32) per token; per-request fields; a
     # prefix_cache_loc covering every request's whole context; sampling params.
-    caps = BatchLimits(
-        max_reqs=config.max_reqs,
-        kv_slots=config.kv_slots,
-        max_context_len=max_context_len,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        max_batch_size=bs,
-        max_tokens_per_batch=tokens,
-    )
     # Per request: a vocab mask row, its controls (logit bias entries and three id lists, as
     # varints of at most 5 bytes plus a float), its score ids; the release lists.
     per_request = (

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from executor.controls.slot_tokens import SlotTokens
-from executor.errors import BatchValidationError
-from executor.forward_batch import ForwardBatch, ForwardMode
+from executor.core.errors import BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.core.limits import BatchLimits
+from executor.core.outputs import ForwardOutput
 from executor.speculative.ngram import Drafter, NgramDrafter
 from executor.speculative.verify import verify_drafts
-from executor.step.outputs import ForwardOutput
-from executor.validation import BatchLimits
 from ops.future_tokens import resolve_future_tokens
 from ops.host_transfer import to_host
 from ops.sampling import SamplingPlan
@@ -94,8 +94,14 @@ def check_not_verify(fb: ForwardBatch) -> None:
 
 
 class Speculation:
-    def __init__(self, slot_tokens: SlotTokens, drafter: Drafter | None = None) -> None:
+    """`vocab_size`: a drafted id outside the vocabulary (an unknown slot's -1, an imported
+    id) becomes the input token, as an unmatched lookup does; the embedding never sees it."""
+
+    def __init__(
+        self, slot_tokens: SlotTokens, vocab_size: int, drafter: Drafter | None = None
+    ) -> None:
         self.slot_tokens = slot_tokens
+        self.vocab_size = vocab_size
         self.drafter: Drafter = drafter or NgramDrafter()
 
     def prepare(
@@ -139,7 +145,8 @@ class Speculation:
         )
         j = torch.arange(num_tokens, device=ids.device) - start[row]
         drafted = drafts[row, (j - 1).clamp(min=0)]
-        use = (j >= 1) & (fb.ngram_draft[row] > 0)
+        in_vocab = (drafted >= 0) & (drafted < self.vocab_size)
+        use = (j >= 1) & (fb.ngram_draft[row] > 0) & in_vocab
         return torch.where(use, drafted.to(ids.dtype), ids)
 
     def sample(

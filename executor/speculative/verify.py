@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.forward_batch import SamplingBatch
+from executor.core.forward_batch import SamplingBatch
 from ops.sampling import (
     GREEDY_BELOW_TEMPERATURE,
     SamplingPlan,

@@ -1,10 +1,10 @@
 """`GraphControl`: the runtime toggles and graph capture, changed between two steps.
 
-It is the only writer of :class:`executor.step.toggles.Toggles`. Every change is checked first
+It is the only writer of :class:`executor.core.toggles.Toggles`. Every change is checked first
 and refused with `ToggleRefusedError` (nothing changed) when the executor cannot honour it;
 then it is applied whole. A graph mode that needs a capture captures now, or with
 `background` on a thread of its own while steps keep running on the current path: the
-compiles first, in a compile worker process (`executor.graphs.compile_worker`) when the graph
+compiles first, in a compile worker process (`executor.compile_worker`) when the graph
 backend compiles, then each bucket's load and compile phase without the step lock, and only
 its capture runs (warm-up, checks) under it; the new mode is installed between two steps.
 
@@ -23,17 +23,17 @@ import torch
 from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
 from executor.config import ExecutorConfig, background_graph_mode, resolve_graph_mode
-from executor.errors import ToggleRefusedError
+from executor.core.errors import ToggleRefusedError
+from executor.core.names import GraphMode, SeqLensPolicy
+from executor.core.observer import ExecutorObserver
+from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
-from executor.graphs.compile_worker import CompileJob, compile_in_worker
+from executor.graphs.compile_job import CompileJob, compile_in_worker
+from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
-from executor.observer import ExecutorObserver
 from executor.parallel import broadcast
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
-from executor.step.outputs import SettingChoice
-from executor.step.paths import GraphMode, SeqLensPolicy
-from executor.step.toggles import CaptureState, SeqLensQuestion, Toggles
 from ops.device_scope import device_scope, on_own_device
 
 log = structlog.get_logger(__name__)
@@ -144,7 +144,7 @@ class GraphControl:
         mode = self.toggles.graph_mode if graph_mode is None else GraphMode(graph_mode)
         try:
             return decide_needs_cpu_seq_lens(
-                SeqLensQuestion.of(SeqLensPolicy(policy), mode), [self.attn_backend]
+                SeqLensPolicy(policy), [self.attn_backend], piecewise_mode=mode.piecewise_mode
             )
         except ValueError as exc:
             raise ToggleRefusedError(str(exc)) from None

@@ -25,18 +25,22 @@ import torch
 from executor.batch_prep import complete_batch
 from executor.controls.admission import ControlsStep
 from executor.controls.step_controls import StepControls
-from executor.errors import BatchValidationError, TestHooks
+from executor.core.errors import BatchValidationError, TestHooks
+from executor.core.forward_batch import ForwardBatch
+from executor.core.limits import BatchLimits
+from executor.core.names import MODE_NAMES
+from executor.core.observer import ExecutorObserver
+from executor.core.outputs import ForwardOutput, StepStats
+from executor.core.runner_output import RunnerOutput
+from executor.core.toggles import Toggles
 from executor.extras.compute import Computed, PooledSums, assemble, compute, finish
 from executor.extras.plan import OutputsPlan, plan_outputs
-from executor.forward_batch import ForwardBatch
 from executor.future_tokens import FutureTokenTable
 from executor.kv_cache import ReqToTokenPool, RowWrite, WritePlan
 from executor.model_runner import ModelRunner
-from executor.observer import ExecutorObserver
 from executor.parallel import broadcast
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
-from executor.runner_output import RunnerOutput
 from executor.sampling import Sampler
 from executor.speculative.speculation import (
     Speculation,
@@ -45,9 +49,7 @@ from executor.speculative.speculation import (
     resolve_held_prefix,
 )
 from executor.step.clock import StepClock
-from executor.step.outputs import MODE_NAMES, ForwardOutput, StepStats
-from executor.step.toggles import Toggles
-from executor.validation import BatchLimits, validate_batch
+from executor.validation import validate_batch
 from ops.future_tokens import resolve_future_tokens
 from ops.h2d_staging import H2DStaging
 from ops.host_transfer import host_transfers, to_host
@@ -91,7 +93,7 @@ class Step:
         self.sampler = sampler
         self.staging = staging
         self.controls = controls
-        self.speculation = Speculation(controls.slot_tokens)
+        self.speculation = Speculation(controls.slot_tokens, limits.vocab_size)
         config = runner.model.config
         self.pooled = PooledSums(limits.max_reqs, config.hidden_size, controls.device)
         self.toggles = toggles
@@ -121,8 +123,7 @@ class Step:
         out.stats.accepted_drafts = sampled.accepted_drafts
         out.stats.accept_lengths = sampled.accept_lengths
         if ran.graph_fallback is not None:
-            kind, reason = ran.graph_fallback.split(":", 1)
-            self.observer.on_graph_fallback(kind, reason)
+            self.observer.on_graph_fallback(ran.graph_fallback.kind, ran.graph_fallback.reason)
         return out
 
     def admit(self, batch: ForwardBatch) -> Admitted:

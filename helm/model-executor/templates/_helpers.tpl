@@ -103,3 +103,37 @@ cannot do TLS). */}}
 {{- define "model-executor.probePort" -}}
 {{ .Values.ports.health }}
 {{- end }}
+
+{{- define "model-executor.kvTokenSecretName" -}}
+{{- default (printf "%s-kv-token" (include "model-executor.fullname" .)) .Values.kvTransfer.existingSecret }}
+{{- end }}
+
+{{/* Where the KV data plane's token file is mounted. */}}
+{{- define "model-executor.kvTokenDir" -}}
+/var/run/secrets/model-executor-kv
+{{- end }}
+
+{{/*
+A token for a Secret the chart creates: the one in the values, else the one the Secret already
+holds (an upgrade keeps a generated token), else a new random one.
+Call with (dict "root" . "secret" NAME "key" KEY "token" VALUE).
+*/}}
+{{- define "model-executor.secretToken" -}}
+{{- if .token -}}
+{{ .token }}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .secret | default dict -}}
+{{- $kept := dig "data" .key "" $existing | b64dec -}}
+{{- $kept | default (randAlphaNum 48) -}}
+{{- end -}}
+{{- end }}
+
+{{/*
+What the chart's token Secrets are made from: the pods roll when it changes (a token set in the
+values, a Secret swapped for another). A generated token is kept across upgrades, and the
+executor re-reads a token file the kubelet rewrites, so neither needs a roll.
+*/}}
+{{- define "model-executor.secretsChecksum" -}}
+{{- $inputs := dict "runtimeConfig" .Values.runtimeConfigToken "call" .Values.callToken "kv" (omit .Values.kvTransfer "peers") -}}
+{{- toJson $inputs | sha256sum -}}
+{{- end }}

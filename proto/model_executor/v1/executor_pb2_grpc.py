@@ -146,9 +146,10 @@ class ModelExecutorServicer:
         """Change runtime toggles without a restart: set fields change, unset fields keep their
         value. Applied between two batches, never inside one; all fields or none. A value the
         executor cannot honour now is refused with FAILED_PRECONDITION, a malformed one with
-        INVALID_ARGUMENT, and then nothing changes. Answers the effective config. When the
-        server has a token file, both runtime-config RPCs need `authorization: Bearer <token>`
-        metadata (else UNAUTHENTICATED).
+        INVALID_ARGUMENT, and then nothing changes. Answers the effective config. Both
+        runtime-config RPCs are operator calls: they need the runtime-config token
+        (`authorization: Bearer <token>`, else UNAUTHENTICATED) or an allowed operator identity;
+        a server with neither answers them PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,11 +159,17 @@ class ModelExecutorServicer:
         """The KV data plane (GetInfo.kv_layout: the layout and the caps). Slots travel as runs
         (KvRuns). Every size is capped and refused from the header: INVALID_ARGUMENT for a
         malformed field, RESOURCE_EXHAUSTED past a cap, each naming the field and the rule.
+        A server started without kv_transfer answers all three UNIMPLEMENTED; with it they need
+        the KV credential (kv_token_file's bearer token in place of the call token, or an
+        allowed KV identity). When callers differ in identity, a row belongs to the caller whose
+        batch or import started it: another caller's export, push or import touching it is
+        PERMISSION_DENIED. Refusals name fields and positions, never other requests' slots.
 
         ExportKV streams the K/V of named slots: first a KvExportResponse.header (the layout,
         the token at each slot), then the chunks (each at most kv_layout.chunk_bytes of data,
         within one layer and kind, with its CRC-32). Every chunk is read between two steps.
-        Slots no live request holds are refused (FAILED_PRECONDITION). Nothing changes.
+        Slots no live request holds are refused (FAILED_PRECONDITION), slots another caller's
+        requests wrote PERMISSION_DENIED. Nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,7 +182,10 @@ class ModelExecutorServicer:
         the K/V and the row holds the n tokens as if an EXTEND had written them: a DECODE with
         seq_lens n+1 (or an EXTEND with extend_prefix_lens n) continues the request. A damaged
         chunk is DATA_LOSS; a target row or slot a live request holds is FAILED_PRECONDITION;
-        then nothing changed. The state is checked when the header arrives too, so a refusal
+        K/V that is not finite, or a token id outside 0..vocab_size-1 and -1, INVALID_ARGUMENT;
+        then nothing changed. An import's staging counts in the server's batch byte budget
+        (RESOURCE_EXHAUSTED when it does not fit), and a stream that stalls between messages
+        past the server's kv_chunk_timeout_s is cancelled. The state is checked when the header arrives too, so a refusal
         (or a retry) is answered before the chunks are read. Exactly once per transfer_id (the
         last kv_layout.transfer_memory applied ids are kept): a retry of an applied import is answered replayed=true
         and applies nothing; an id reused for another import is refused (INVALID_ARGUMENT).
@@ -185,10 +195,11 @@ class ModelExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushKV(self, request, context):
-        """PushKV: this executor exports named slots straight into a peer executor's ImportKV
+        """PushKV: this executor exports named slots straight into a peer executor's ImportKV,
+        only to a target its kv_peers lists (any other: PERMISSION_DENIED, nothing dialed)
         (over a channel built from this server's own TLS files: its certificate and key as the
         client identity, so under mTLS it needs the clientAuth usage too; tls_client_ca_file
-        as the roots that verify the peer), so the bytes
+        as the roots that verify the peer; its KV token and the row's owner as metadata), so the bytes
         never pass through the scheduler. The answer says, per transfer, whether it completed
         (vLLM's finished_sending / finished_recving). A transfer refused by the peer (its
         status in the result) or that never reached it (UNAVAILABLE) left the peer's cache as it

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from executor.controls.types import DeferredMask, RowControl, VocabMask
-from executor.errors import BatchValidationError
-from executor.extras.types import RowOutputs
+from executor.core.controls_types import DeferredMask, RowControl, VocabMask
+from executor.core.errors import BatchValidationError
+from executor.core.extras_types import RowOutputs
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
@@ -249,20 +249,35 @@ class ForwardBatch:
 _SAMPLING_PREFIX = "sampling."
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
 
-# Fields that live on the executor's device; everything else stays on the host. A step
-# uploads them (and the sampling parameters) in one staged copy: a new device field is one
-# more name here.
-_DEVICE_FIELDS = (
-    "input_ids",
-    "req_pool_indices",
-    "seq_lens",
-    "out_cache_loc",
-    "positions",
-    "extend_prefix_lens",
-    "extend_seq_lens",
-    "extend_start_loc",
-    "input_embeds",
-    "prefix_cache_loc",
-    "future_token_slots",
-    "ngram_draft",
+
+@dataclass(frozen=True)
+class TensorField:
+    """One tensor field of `ForwardBatch`: whether the wire message carries it (the codec
+    reads it) and whether a step stages it to the device (else it stays on the host)."""
+
+    name: str
+    wire: bool
+    device: bool
+
+
+# The one table of the batch's tensor fields: the codec decodes the `wire` ones, the step
+# uploads the `device` ones (and the sampling parameters) in one staged copy. A new tensor
+# field is one more row here.
+TENSOR_FIELDS = (
+    TensorField("input_ids", wire=True, device=True),
+    TensorField("req_pool_indices", wire=True, device=True),
+    TensorField("seq_lens", wire=True, device=True),
+    TensorField("out_cache_loc", wire=True, device=True),
+    TensorField("positions", wire=True, device=True),
+    TensorField("extend_prefix_lens", wire=True, device=True),
+    TensorField("extend_seq_lens", wire=True, device=True),
+    TensorField("extend_start_loc", wire=False, device=True),  # derived (complete_batch)
+    TensorField("prefix_cache_loc", wire=True, device=True),
+    TensorField("released_req_pool_indices", wire=True, device=False),
+    TensorField("input_embeds", wire=True, device=True),
+    TensorField("future_token_slots", wire=True, device=True),
+    TensorField("released_future_slots", wire=True, device=False),
+    TensorField("ngram_draft", wire=True, device=True),
 )
+WIRE_TENSOR_FIELDS = tuple(f.name for f in TENSOR_FIELDS if f.wire)
+_DEVICE_FIELDS = tuple(f.name for f in TENSOR_FIELDS if f.device)

@@ -1,4 +1,4 @@
-"""What a step and the executor report: `StepStats`, `ForwardOutput`, `ExecutorInfo`."""
+"""What a step reports: `StepStats` and `ForwardOutput`."""
 
 from __future__ import annotations
 
@@ -6,24 +6,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.extras.types import ExtraOutputs
-from executor.forward_batch import ForwardMode
-from executor.kv_transfer.layout import KVLayout, KVTransferLimits
-from executor.validation import BatchLimits
-
-MODE_NAMES = {
-    ForwardMode.EXTEND: "extend",
-    ForwardMode.DECODE: "decode",
-    ForwardMode.IDLE: "idle",
-    ForwardMode.VERIFY: "verify",
-}
+from executor.core.extras_types import ExtraOutputs
+from executor.core.runner_output import GraphFallback
 
 
 @dataclass
 class StepStats:
     """What one step did and cost (timings in nanoseconds). All zero until the step ends."""
 
-    path: str = ""  # executor.step.paths.Path
+    path: str = ""  # executor.core.names.Path
     batch_size: int = 0
     padded_batch_size: int = 0
     num_tokens: int = 0
@@ -38,8 +29,8 @@ class StepStats:
     fill_tensors: int = 0
     fill_bytes: int = 0
     fill_copy_calls: int = 0
-    # Graph mode wanted a graph path but the step ran eagerly: "<kind>:<reason>".
-    graph_fallback: str | None = None
+    # Graph mode wanted a graph path but the step ran eagerly, and why.
+    graph_fallback: GraphFallback | None = None
     d2h_syncs: int = 0  # device-to-host transfers (ops.host_transfer.to_host) the step made
     # Host-to-device (ops.host_transfer.to_device): synchronizing uploads (pageable memory or
     # blocking), and asynchronous copies from the pinned staging buffer (1 per step).
@@ -82,41 +73,3 @@ class ForwardOutput:
     accepted_lengths: torch.Tensor | None = None
     accepted_logprobs: torch.Tensor | None = None  # [sum(lengths)] float32
     extras: ExtraOutputs | None = None  # RowOutputs results (prompt logprobs, scores, hidden)
-
-
-@dataclass(frozen=True)
-class SettingChoice:
-    """What a start-up setting became on this machine: `auto` resolved, or as configured."""
-
-    setting: str  # the ExecutorConfig field: dtype, quantization, quant_kernel, ...
-    value: str
-    reason: str  # what `auto` saw, or "configured"
-
-
-@dataclass(frozen=True)
-class ExecutorInfo:
-    """Everything a scheduler needs to allocate rows and slots and to stop requests."""
-
-    model_name: str
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    dtype: str
-    device: str
-    limits: BatchLimits
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    attention_backend: str
-    version: str
-    quantization: str = "none"  # none | gguf | int8 | int4
-    linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
-    weight_bytes: int = 0  # resident bytes of the model's weights (this rank's shard)
-    # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
-    graph_capture_disabled: str = ""
-    tp_size: int = 1  # tensor-parallel ranks
-    sampling_controls: tuple[str, ...] = ()  # the controls applied (proto field names)
-    deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
-    kv_layout: KVLayout | None = None  # the KV cache as a transfer sees it (this rank's heads)
-    kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
-    # What each performance setting became here and why (the start-up log says the same).
-    choices: tuple[SettingChoice, ...] = ()

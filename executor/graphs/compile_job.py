@@ -1,20 +1,15 @@
-"""The compile worker: compiles a graph mode's buckets into the caches, in a process of its
-own at a low CPU priority (nice 10), while the server that started it keeps serving.
+"""A compile job and its launcher: the server compiles a graph mode's buckets into the caches
+in a process of its own (`executor.compile_worker`) at a low CPU priority (nice 10), while it
+keeps serving.
 
 Compiling a whole-step graph is minutes of Python (dynamo's trace, inductor's lowering and
 code generation) and C++ compiles. In the server's process that Python holds the GIL, and
-every eager step then waits for it once per op (measured: several times slower). Here it
-holds another process's GIL, at a low CPU priority (`WORKER_NICE`): it runs mostly on what the
-server's steps leave of the CPU.
-
-The worker builds its own executor from the server's settings (its KV cache is allocated,
-never written), runs every bucket's compile phase (`ModelRunner.compile_only`: nothing runs on
-the device) and exits. What it leaves behind is in the cache dir: the whole compiled steps
-(`<cache_dir>/graphs`) and inductor's caches (the layer halves' compiled code). The server's
-own capture then loads them: its compile phase is a load, its capture (under the step lock)
-the warm-up runs.
-
-    python -m executor.graphs.compile_worker JOB.json RESULT.json
+every eager step then waits for it once per op (measured: several times slower). In the
+worker it holds another process's GIL, at a low CPU priority (`WORKER_NICE`): it runs mostly
+on what the server's steps leave of the CPU. What the worker leaves behind is in the cache
+dir: the whole compiled steps (`<cache_dir>/graphs`) and inductor's caches (the layer halves'
+compiled code). The server's own capture then loads them: its compile phase is a load, its
+capture (under the step lock) the warm-up runs.
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ from executor.config import ExecutorConfig
 
 log = structlog.get_logger(__name__)
 
+WORKER_MODULE = "executor.compile_worker"  # the worker's entry (it builds an executor)
 POLL_S = 0.2  # how often the server looks at the worker and at its stop event
 # The worker's niceness: CFS then gives it about a tenth of a core that a step's thread also
 # wants (weights 110 against 1024), and all of a core nobody wants. Lower priorities
@@ -72,44 +68,8 @@ class CompileJob:
         )
 
 
-def lower_priority() -> int:
-    """Run this process at `WORKER_NICE` (inherited by the C++ compiler processes it
-    starts); its niceness."""
-    return os.nice(max(0, WORKER_NICE - os.nice(0)))
-
-
-def run_job(job: CompileJob) -> dict[str, dict[int, str]]:
-    """Build the executor and compile every bucket of the job's mode: the failed buckets."""
-    import torch
-    import torch._inductor.config as inductor_config
-
-    from executor.model_executor import ModelExecutor
-
-    torch.set_num_threads(1)  # nothing runs on the device here
-    inductor_config.compile_threads = 1  # no pool of compile processes: one C++ compile at a time
-    executor = ModelExecutor(job.config, compile_only=True)
-    executor.runner.graph_factory.store_only = True  # a saved step is not loaded, only kept
-    return executor.runner.compile_only(job.runners, needs_cpu_seq_lens=job.needs_cpu_seq_lens)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m executor.graphs.compile_worker JOB.json RESULT.json")
-        return 2
-    priority = lower_priority()
-    job = CompileJob.from_json(Path(args[0]).read_text())
-    t0 = time.perf_counter()
-    log.info("compile worker started", runners=job.runners, nice=priority)
-    failed = run_job(job)
-    seconds = round(time.perf_counter() - t0, 3)
-    Path(args[1]).write_text(json.dumps({"failed": failed, "seconds": seconds}))
-    log.info("compile worker done", seconds=seconds, failed=failed)
-    return 0
-
-
 def worker_command(job_file: Path, result_file: Path) -> list[str]:
-    return [sys.executable, "-m", __name__, str(job_file), str(result_file)]
+    return [sys.executable, "-m", WORKER_MODULE, str(job_file), str(result_file)]
 
 
 def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
@@ -145,7 +105,3 @@ def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
     failed = {kind: buckets for kind, buckets in result["failed"].items() if buckets}
     log.info("compile worker done", seconds=seconds, failed=failed)
     return f"buckets failed to compile: {failed}" if failed else None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import structlog
 
-from executor.errors import ToggleRefusedError
+from executor.core.errors import ToggleRefusedError
 from executor.model_executor import ModelExecutor
 from executor.parallel import broadcast
 

@@ -8,11 +8,13 @@ rules); `RowControl` sets them on a row of the batch; `VocabMask` is one step's 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from executor.errors import BatchValidationError
+from executor.core.errors import BatchValidationError
 
 MASK_BITS = 32  # tokens per vocab-mask word
 # What ForwardStats.control_rows counts, by name.
@@ -78,6 +80,18 @@ class DeferredMaskTimeout(Exception):
     """The deferred mask did not come in time: the step fails, nothing is applied."""
 
 
+class WaitBudget(Protocol):
+    """How long one stream may keep the device waiting for its masks (the server's)."""
+
+    def grant(self, timeout_s: float) -> float:
+        """The longest this wait may last (at most `timeout_s`)."""
+        ...
+
+    def spend(self, seconds: float, cut: bool) -> None:
+        """A wait lasted `seconds`; `cut`: it ended because the grant ran out first."""
+        ...
+
+
 @dataclass
 class DeferredMask:
     """A batch's vocab mask that arrives after the batch (ForwardStream): the stream reader
@@ -89,6 +103,7 @@ class DeferredMask:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _mask: VocabMask | None = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
+    budget: WaitBudget | None = field(default=None, repr=False, compare=False)  # its stream's
 
     def fulfill(self, mask: VocabMask) -> bool:
         """Hand over the mask; False if one was already given (this one is dropped)."""
@@ -110,7 +125,20 @@ class DeferredMask:
             return True
 
     def wait(self, timeout_s: float) -> VocabMask:
-        if not self._ready.wait(timeout_s):
+        budget = self.budget
+        limit = timeout_s if budget is None else budget.grant(timeout_s)
+        t0 = time.monotonic()
+        came = self._ready.wait(limit)
+        if budget is not None:
+            budget.spend(time.monotonic() - t0, cut=not came and limit < timeout_s)
+        if not came and limit < timeout_s:
+            raise DeferredMaskTimeout(
+                f"batch_id {self.batch_id}: vocab_mask_deferred: its deferred_mask did not come "
+                f"within the {limit * 1000:.0f} ms left of its stream's mask-wait budget "
+                "(deferred_mask_budget_s): the stream keeps the device waiting too long; "
+                "nothing applied"
+            )
+        if not came:
             raise DeferredMaskTimeout(
                 # Led by the batch id, as every stream failure's status message is.
                 f"batch_id {self.batch_id}: vocab_mask_deferred: its deferred_mask did not "

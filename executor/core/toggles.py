@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from executor.step.paths import GraphMode, SeqLensPolicy
+from executor.core.names import GraphMode, SeqLensPolicy
 
 
 class CaptureState(StrEnum):
@@ -41,16 +41,3 @@ class Toggles:
         if self.capture is CaptureState.FAILED:
             return f"failed: {self.capture_error}"
         return CaptureState.IDLE.value
-
-
-@dataclass(frozen=True)
-class SeqLensQuestion:
-    """One `decide_needs_cpu_seq_lens` question: a policy under a graph mode, as the plain
-    strings its messages quote."""
-
-    needs_cpu_seq_lens: str
-    graph_mode: str
-
-    @classmethod
-    def of(cls, policy: SeqLensPolicy, graph_mode: GraphMode) -> SeqLensQuestion:
-        return cls(policy.value, graph_mode.value)

@@ -9,6 +9,27 @@ import torch
 from registry import FillStats
 
 
+@dataclass(frozen=True)
+class GraphFallback:
+    """Why a batch ran eagerly although its graph mode is on: the graph `kind` wanted
+    (`decode` | `piecewise`) and a fixed `reason` token (a metric label). The wire carries it
+    as `"<kind>:<reason>"` (`str()`)."""
+
+    kind: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.reason}"
+
+    @classmethod
+    def parse(cls, text: str) -> GraphFallback | None:
+        """The inverse of `str()`; None for the wire's empty string."""
+        if not text:
+            return None
+        kind, _, reason = text.partition(":")
+        return cls(kind, reason)
+
+
 @dataclass
 class RunnerOutput:
     logits: torch.Tensor  # [bs, vocab] float32, on the device
@@ -18,8 +39,8 @@ class RunnerOutput:
     # eager_decode | eager_extend | graph_decode | graph_extend; None if nothing was staged
     fill_registry: str | None = None
     fill_stats: FillStats = field(default_factory=FillStats)
-    # Graph mode wanted a graph path for this batch but it ran eagerly: "<kind>:<reason>".
-    graph_fallback: str | None = None
+    # Graph mode wanted a graph path for this batch but it ran eagerly, and why.
+    graph_fallback: GraphFallback | None = None
     # Final-normed hidden states of every (padded) token, on the device, valid until the next
     # step (a graph's buffer); and the named layers' streams a batch asked for (eager only).
     hidden: torch.Tensor | None = None

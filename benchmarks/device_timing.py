@@ -1,0 +1,282 @@
+"""The GPU check's timing stages, on the SmolLM2-shaped model in bfloat16.
+
+`latency`: bs-1 DECODE at context 128 per path (eager, eager_no_copy, full_graph) and one
+128-token EXTEND (eager, piecewise): the wall time of `forward` (it returns host tokens, so
+it waits for the device) and the device time of its forward phase (the step clock's CUDA
+events), median and p90; eager is timed again at the end, as the spread.
+
+`occupancy`: what a pipelined ForwardStream keeps the device busy with today. A server in
+this process; the reference scheduler generates over one stream, plain (send, wait, send)
+and with overlap (step N+1 sent, built from future-token references, before step N's tokens
+are read). Device-busy time is the steps' device phases (forward + sample, CUDA events);
+occupancy is that over the run's wall time. Reported, not judged: the pipelined step that
+should raise it is later work.
+
+`graph_memory`: a fresh executor with the default bucket ladders (`graph_batch_sizes` and
+`piecewise_token_sizes` empty, max_reqs 128) captures both graph kinds: buckets, graphs,
+seconds, the pool's growth (`CaptureReport.memory_bytes`) and the device's free-memory drop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.device_common import (
+    Context,
+    StageResult,
+    build,
+    executor_config,
+    markdown_table,
+    percentiles,
+)
+from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.client.grpc_client import ExecutorClient
+from executor.client.scheduler import ReferenceScheduler
+from executor.model_executor import ModelExecutor
+from executor.service.server import start_server
+from executor.service.server_config import ServerConfig
+
+CONTEXT = 128
+
+
+def _time(ex: ModelExecutor, batches: list[Any], expect: str) -> tuple[list[float], list[float]]:
+    wall, gpu = [], []
+    for batch in batches:
+        t0 = time.perf_counter()
+        out = ex.forward(batch)
+        wall.append((time.perf_counter() - t0) * 1e3)
+        gpu.append(out.stats.timings_ns.get("forward", 0) / 1e6)
+        if out.stats.path != expect:
+            raise RuntimeError(
+                f"a step ran {out.stats.path}, not {expect} ({out.stats.graph_fallback})"
+            )
+    return wall, gpu
+
+
+def latency_stage(ctx: Context) -> StageResult:
+    warm, reps = (1, 3) if ctx.dry_run else (10, 50)
+    n_ext = 32 if ctx.dry_run else 128
+    ex = build(
+        ctx, ctx.main_model, "bfloat16", graph_batch_sizes="1", piecewise_token_sizes=str(n_ext)
+    )
+    ex.control.set_graph_mode("both")
+    span = CONTEXT + 4 * (warm + reps) + 8
+    slots = list(range(1, span + 1))
+    ex.forward(
+        make_extend_batch(
+            input_ids=[[7] * CONTEXT], req_pool_indices=[1], out_cache_loc=[slots[:CONTEXT]]
+        )
+    )
+    seq = CONTEXT
+    rows: list[list[Any]] = []
+    figures: dict[str, float] = {}
+    for path, no_copy, mode in (
+        ("eager", False, "none"),
+        ("eager_no_copy", True, "none"),
+        ("full_graph", False, "decode"),
+        ("eager (again)", False, "none"),
+    ):
+        ex.toggles.eager_input_no_copy = no_copy
+        ex.control.set_graph_mode(mode)
+        batches = []
+        for _ in range(warm + reps):
+            batches.append(
+                make_decode_batch(
+                    input_ids=[11],
+                    req_pool_indices=[1],
+                    seq_lens=[seq + 1],
+                    out_cache_loc=[slots[seq]],
+                )
+            )
+            seq += 1
+        expect = path.removesuffix(" (again)")
+        wall, gpu = _time(ex, batches, expect)
+        (w50, w90), (g50, g90) = percentiles(wall[warm:]), percentiles(gpu[warm:])
+        rows.append(
+            [f"decode bs 1, {path}", f"{w50:.3f}", f"{w90:.3f}", f"{g50:.3f}", f"{g90:.3f}"]
+        )
+        figures[path] = w50
+    ext_slot = span + 1
+    for path, mode in (("eager", "none"), ("piecewise", "extend")):
+        ex.toggles.eager_input_no_copy = False
+        ex.control.set_graph_mode(mode)
+        batches = [
+            make_extend_batch(
+                input_ids=[[5] * n_ext],
+                req_pool_indices=[2],
+                out_cache_loc=[list(range(ext_slot, ext_slot + n_ext))],
+            )
+            for _ in range(warm + reps // 2)
+        ]
+        wall, gpu = _time(ex, batches, path)
+        (w50, w90), (g50, g90) = percentiles(wall[warm:]), percentiles(gpu[warm:])
+        rows.append(
+            [
+                f"extend {n_ext} tokens, {path}",
+                f"{w50:.3f}",
+                f"{w90:.3f}",
+                f"{g50:.3f}",
+                f"{g90:.3f}",
+            ]
+        )
+        figures[f"extend {path}"] = w50
+    lines = markdown_table(
+        ["step", "wall ms p50", "wall ms p90", "device ms p50 (forward)", "device ms p90"], rows
+    )
+    text = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
+    return StageResult("PASS", f"bs-1 decode wall ms p50: {text}", lines, {"ms": figures})
+
+
+def _generate(client: ExecutorClient, bs: int, new_tokens: int, overlap: bool) -> dict[str, Any]:
+    limits = client.info().info.limits
+    session = client.open_stream()
+    answers: list[Any] = []
+    refs = [0]  # input ids sent as future-token references (-slot)
+
+    class Pipe:
+        def send(self, batch: Any) -> int:
+            if batch.input_ids is not None:
+                refs[0] += int((batch.input_ids < 0).sum())
+            return session.send(batch)
+
+        def recv(self) -> Any:
+            out = session.recv()
+            answers.append(out)
+            return out
+
+    pipe = Pipe()
+
+    def lockstep(batch: Any) -> Any:
+        pipe.send(batch)
+        return pipe.recv()
+
+    scheduler = ReferenceScheduler(lockstep, limits, overlap=overlap, pipe=pipe)
+    reqs = [
+        scheduler.add_request(
+            [(31 * r + j) % 400 + 5 for j in range(16)], max_new_tokens=new_tokens, ignore_eos=True
+        )
+        for r in range(bs)
+    ]
+    t0 = time.perf_counter()
+    scheduler.run()
+    wall = time.perf_counter() - t0
+    session.close()
+    steps = [a for a in answers if a.stats.mode != "idle"]
+    busy = (
+        sum(
+            a.stats.timings_ns.get("forward", 0) + a.stats.timings_ns.get("sample", 0)
+            for a in steps
+        )
+        / 1e9
+    )
+    return {
+        "tokens": [r.output_ids for r in reqs],
+        "wall_s": wall,
+        "busy_s": busy,
+        "steps": len(steps),
+        "future_refs": refs[0],
+    }
+
+
+def occupancy_stage(ctx: Context) -> StageResult:
+    new_tokens = 4 if ctx.dry_run else 64
+    config = executor_config(
+        ctx,
+        ctx.main_model,
+        "bfloat16",
+        graph_mode="both",
+        graph_batch_sizes="1,2,4,8",
+        piecewise_token_sizes="16,32,64,128",
+    )
+    server = start_server(
+        config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0), block_until_ready=True
+    )
+    if server.load_error:
+        raise RuntimeError(f"the server did not start: {server.load_error[0]}")
+    rows: list[list[Any]] = []
+    failures: list[str] = []
+    figures: dict[str, float] = {}
+    try:
+        client = ExecutorClient(f"127.0.0.1:{server.port}")
+        _generate(client, 1, 4, overlap=True)  # warm both code paths
+        for bs in (1, 8):
+            done = {m: _generate(client, bs, new_tokens, overlap=m) for m in (False, True)}
+            if done[False]["tokens"] != done[True]["tokens"]:
+                failures.append(f"bs {bs}: overlap changed the tokens")
+            if done[True]["future_refs"] == 0:
+                failures.append(f"bs {bs}: the overlapped run sent no future-token reference")
+            for overlap, r in done.items():
+                occ = r["busy_s"] / r["wall_s"]
+                name = f"bs {bs} {'overlap' if overlap else 'plain'}"
+                figures[name] = occ
+                rows.append(
+                    [
+                        name,
+                        r["steps"],
+                        f"{r['wall_s'] * 1e3 / r['steps']:.3f}",
+                        f"{r['busy_s'] * 1e3 / r['steps']:.3f}",
+                        f"{occ:.1%}",
+                    ]
+                )
+        client.close()
+    finally:
+        server.drain()
+    lines = markdown_table(
+        ["stream", "steps", "wall ms/step", "device-busy ms/step", "occupancy"], rows
+    )
+    lines += [f"- {f}" for f in failures]
+    figures_text = "device busy / wall: " + ", ".join(f"{k} {v:.0%}" for k, v in figures.items())
+    return StageResult("FAIL" if failures else "PASS", figures_text, lines, {"occupancy": figures})
+
+
+def graph_memory_stage(ctx: Context) -> StageResult:
+    ex = build(
+        ctx,
+        ctx.main_model,
+        "bfloat16",
+        graph_batch_sizes="",
+        piecewise_token_sizes="",
+        max_reqs=128,
+        kv_slots=65536 if ctx.cuda else 4096,
+    )
+    free0 = torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 0
+    t0 = time.perf_counter()
+    reports = ex.control.set_graph_mode("both")
+    seconds = time.perf_counter() - t0
+    ctx.sync()
+    drop = free0 - torch.cuda.mem_get_info(ctx.device)[0] if ctx.cuda else 0
+    rows = [
+        [
+            r.kind,
+            len(r.captured),
+            r.graphs,
+            f"{r.seconds:.1f}",
+            f"{r.memory_bytes / 2**20:.1f}",
+            len(r.failed),
+            r.poisoned or "",
+        ]
+        for r in reports
+    ]
+    lines = markdown_table(
+        ["kind", "buckets", "graphs", "seconds", "pool MiB", "failed", "poisoned"], rows
+    )
+    failures = [
+        f"{r.kind}: {len(r.failed)} failed, e.g. {next(iter(r.failed.values()))}"
+        for r in reports
+        if r.failed
+    ]
+    failures += [f"{r.kind}: poisoned: {r.poisoned}" for r in reports if r.poisoned]
+    lines += [f"- free device memory dropped {drop / 2**20:.0f} MiB", *(f"- {f}" for f in failures)]
+    graphs = sum(r.graphs for r in reports)
+    pool = sum(r.memory_bytes for r in reports) / 2**20
+    figures = f"{graphs} graphs ({', '.join(f'{r.kind} {len(r.captured)} buckets' for r in reports)}) in {seconds:.1f} s, pool {pool:.0f} MiB, free memory -{drop / 2**20:.0f} MiB"
+    details = {
+        "seconds": seconds,
+        "graphs": graphs,
+        "pool_mib": pool,
+        "free_drop_mib": drop / 2**20,
+    }
+    return StageResult("FAIL" if failures else "PASS", figures, lines, details)

@@ -1,0 +1,46 @@
+"""What the executor reports about itself: `ExecutorInfo` (GetInfo) and `SettingChoice`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.core.limits import BatchLimits
+from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+
+
+@dataclass(frozen=True)
+class SettingChoice:
+    """What a start-up setting became on this machine: `auto` resolved, or as configured."""
+
+    setting: str  # the ExecutorConfig field: dtype, quantization, quant_kernel, ...
+    value: str
+    reason: str  # what `auto` saw, or "configured"
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """Everything a scheduler needs to allocate rows and slots and to stop requests."""
+
+    model_name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    dtype: str
+    device: str
+    limits: BatchLimits
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    attention_backend: str
+    version: str
+    quantization: str = "none"  # none | gguf | int8 | int4
+    linear_kernel: str = "aten"  # what the float linears run on: onednn (packed) | aten
+    weight_bytes: int = 0  # resident bytes of the model's weights (this rank's shard)
+    # Why graph capture stopped for good (a poisoned capture; graph paths run eagerly); "".
+    graph_capture_disabled: str = ""
+    tp_size: int = 1  # tensor-parallel ranks
+    sampling_controls: tuple[str, ...] = ()  # the controls applied (proto field names)
+    deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
+    kv_layout: KVLayout | None = None  # the KV cache as a transfer sees it (this rank's heads)
+    kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
+    # What each performance setting became here and why (the start-up log says the same).
+    choices: tuple[SettingChoice, ...] = ()
