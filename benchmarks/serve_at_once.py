@@ -88,7 +88,7 @@ def launch(
     cli = [sys.executable, "-m", "executor"]
     serve = [
         *cli, "serve", "--port", str(port), "--metrics-port", "-1", "--cache-dir", str(cache_dir),
-        "--model", model,
+        "--model", model, "--operator-calls-open",  # loopback: GetRuntimeConfig without a token
     ]  # fmt: skip
     generate = [
         *cli, "generate", "--target", f"127.0.0.1:{port}", "--max-new-tokens", "1",
@@ -211,6 +211,7 @@ def main() -> None:
     args = ap.parse_args()
     cpu, flags = cpu_description()
     work = Path(args.cache_dir or tempfile.mkdtemp(prefix="serve-at-once-"))
+    work.mkdir(parents=True, exist_ok=True)
     cache = work / "cache"
     print(
         f"machine: {cpu} ({os.cpu_count()} cores; {flags}); torch {torch.__version__}; "

@@ -34,6 +34,7 @@ from tests.test_graphs import _prefill
 MakeExecutor = Callable[..., ModelExecutor]
 
 
+@pytest.mark.slow
 def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_lock(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,6 +77,7 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     assert ex.forward(step).stats.path == "full_graph"
 
 
+@pytest.mark.slow
 def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -180,6 +182,7 @@ def test_the_key_follows_the_structure_not_the_state(make_executor: MakeExecutor
     assert fingerprint((torch.zeros(2, 3),)) != fingerprint((torch.zeros(3, 2),))
 
 
+@pytest.mark.slow
 def test_a_failed_compile_worker_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's exit code and the end of its output come back as the reason (the capture
     then compiles in the server); a shutdown kills it."""

@@ -21,6 +21,7 @@ def _check(outcome: Outcome) -> None:
         assert any(name in outcome.detail for name in SETTING_NAMES), str(outcome)
 
 
+@pytest.mark.slow
 def test_a_covering_set_of_combinations_serves_or_is_refused_at_start_up(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -40,7 +41,7 @@ def test_a_covering_set_of_combinations_serves_or_is_refused_at_start_up(
     [
         # The default on a CPU with a backend that cannot be captured: auto is none (it
         # used to pick decode graphs and fail at start-up).
-        {"attention_backend": "torch_native"},
+        pytest.param({"attention_backend": "torch_native"}, marks=pytest.mark.slow),
         {"attention_backend": "torch_native", "graph_mode": "decode"},  # refused, both named
     ],
 )
@@ -56,6 +57,7 @@ def test_torch_native_at_default_settings_serves(
         assert (outcome.kind, outcome.detail) == ("served", "graph_mode=none")
 
 
+@pytest.mark.slow
 def test_auto_settings_at_tp2_serve(tmp_path: Path) -> None:
     """tp 2 at default settings (spawned ranks): the auto choices start on every rank."""
     outcome = try_combination_tp({}, tmp_path, tp_size=2)
