@@ -83,12 +83,12 @@ def test_clients_without_the_token_hold_no_thread_whatever_they_withhold(
     calls += _stalled(channels, "/model_executor.v1.ModelExecutor/Forward", STALLED // 4)
     calls += _stalled(channels, "/grpc.health.v1.Health/Check", STALLED // 4)
     try:
+        # Stalled callers that held the threads would hold them for good: these would time out
+        # (the deadline is only there so a loaded machine's scheduling cannot fail the test).
         with ExecutorClient(f"127.0.0.1:{guarded.port}", token=TOKEN) as legit:
-            t0 = time.monotonic()
-            assert legit.info(timeout=3).info.vocab_size == 512
-            assert legit.health(timeout=3) == "SERVING"
-            assert legit.forward(make_idle_batch(), timeout=3).next_token_ids.numel() == 0
-            assert time.monotonic() - t0 < 3
+            assert legit.info(timeout=20).info.vocab_size == 512
+            assert legit.health(timeout=20) == "SERVING"
+            assert legit.forward(make_idle_batch(), timeout=20).next_token_ids.numel() == 0
         assert guarded.health_port is not None and _check(guarded.health_port) == "SERVING"
         for _, future in calls:  # refused at once, not left waiting for their body
             err = future.exception(timeout=10)
