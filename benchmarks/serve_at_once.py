@@ -16,6 +16,10 @@ its own process.
 2. eager: the same cache dir with `--graph-mode none`: the eager step's median.
 3. warm: the same cache dir again: first token, steps while the saved compile is loaded, and
    the time to the compiled path (against the cold one: the issue's <= 10%).
+
+`--first-token-only`: 1 and 3's first tokens, no steps (the background compile is not waited
+for: the first token does not depend on it). `--model tiny-random`: the compile and restart
+figures of a small model (a compile of minutes, not tens of minutes, on a busy machine).
 """
 
 from __future__ import annotations
@@ -180,6 +184,11 @@ def measure(name: str, cache_dir: Path, flags: list[str], args: argparse.Namespa
     t0 = time.perf_counter()
     run, server, port = launch(cache_dir, flags, log, args.model)
     run.name = name
+    print(f"{name}: first token {run.first_token_s:.1f} s ({run.answer!r})", flush=True)
+    if args.first_token_only:
+        server.terminate()
+        server.wait(timeout=120)
+        return run
     try:
         with ExecutorClient(f"127.0.0.1:{port}") as client:
             client.wait_ready(timeout=600)
@@ -208,6 +217,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="the longest background compile")
     ap.add_argument("--busy-s", type=float, default=60, help="steps back to back this long")
     ap.add_argument("--pace-s", type=float, default=0.5, help="then one step every this long")
+    ap.add_argument(
+        "--first-token-only",
+        action="store_true",
+        help="cold and warm launches to the first token only (no steps, no wait for the compile)",
+    )
     args = ap.parse_args()
     cpu, flags = cpu_description()
     work = Path(args.cache_dir or tempfile.mkdtemp(prefix="serve-at-once-"))
@@ -219,6 +233,10 @@ def main() -> None:
         flush=True,
     )
     cold = measure("cold", cache, [], args)
+    if args.first_token_only:
+        measure("warm", cache, [], args)
+        print(f"load after: {os.getloadavg()}")
+        return
     eager = measure("eager", cache, ["--graph-mode", "none"], args)
     warm = measure("warm", cache, [], args)
     base = statistics.median(eager.after_ms)
