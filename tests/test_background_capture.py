@@ -166,6 +166,29 @@ def test_a_loaded_step_that_disagrees_with_the_eager_step_is_dropped() -> None:
     assert out.tolist() == [0.0, 2.0, 4.0, 6.0] and right.discarded == []
 
 
+def test_a_torch_without_aot_compile_compiles_the_step_at_its_first_call_unsaved(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Older torch (no `aot_compile`): the step is compiled by plain torch.compile at its first
+    call (in capture), runs with the step's buffers, and nothing is saved for a restart."""
+    compiled: list[Callable[[], None]] = []
+
+    def isolated(fn: Callable[[], None]) -> Callable[[], None]:
+        compiled.append(fn)  # as torch.compile: the same callable, compiled when first called
+        return fn
+
+    monkeypatch.setattr(step_graph, "compile_step", lambda call: None)
+    monkeypatch.setattr(step_graph, "compile_isolated", isolated)
+    store = ArtifactStore(tmp_path)
+    out = torch.zeros(4)
+    graph = StepCompiledGraph(store)
+    graph.compile(_call(out, 3.0))
+    graph.capture(_call(out, 3.0))
+    graph.replay()
+    assert out.tolist() == [0.0, 3.0, 6.0, 9.0] and len(compiled) == 1
+    assert not graph.loaded and list(tmp_path.iterdir()) == []
+
+
 def test_the_key_follows_the_structure_not_the_state(make_executor: MakeExecutor) -> None:
     """Two executors built alike give a bucket's step the same key, whatever their scratch
     state; another KV cache size gives another key."""
