@@ -9,6 +9,7 @@
     model-executor info --target 127.0.0.1:50051
     model-executor config get --target 127.0.0.1:50051
     model-executor config set eager_input_no_copy=true log_level=debug --target 127.0.0.1:50051
+    model-executor update-weights --from ckpt/ --weight-version step-100 --token-file tok
     model-executor info --target executor:50051 --tls-ca-file ca.pem \
         --tls-cert-file client.pem --tls-key-file client-key.pem   # TLS / mTLS
 
@@ -33,6 +34,7 @@ from executor.client.cli_controls import (
     sampling_controls,
     sampling_params,
 )
+from executor.client.cli_weights import add_weight_commands
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.observability.logs import configure_logging
@@ -436,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--target", default=DEFAULT_TARGET)
     _add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
+    add_weight_commands(sub, DEFAULT_TARGET, _add_tls_arguments, _client)
     return parser
 
 

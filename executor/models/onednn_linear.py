@@ -78,7 +78,9 @@ class PackedWeight:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` [N, K] packed the way this one is (not installed: `restore` or copy it)."""
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), self.batch_hint)
+        return torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), self.batch_hint
+        )
 
 
 def packed_weights_alive() -> int:

@@ -135,7 +135,9 @@ def load_hf_weights(model: DecoderModel, tensors: Mapping[str, Any]) -> None:
         # executor.models.quantize (its tensors are buffers, not parameters): it takes
         # nothing from `tensors`.
         module = model.get_submodule(target.module)
-        if target.index is None and not isinstance(getattr(module, target.attr, None), nn.Parameter):
+        if target.index is None and not isinstance(
+            getattr(module, target.attr, None), nn.Parameter
+        ):
             continue
         value = [src.take(part) for part in target.parts]
         assign(

@@ -126,9 +126,7 @@ class WeightCatalog:
         shape[axis] = stop - start
         return tuple(shape)
 
-    def plan_update(
-        self, specs: list[TensorSpec], version: str, *, max_bytes: int
-    ) -> UpdatePlan:
+    def plan_update(self, specs: list[TensorSpec], version: str, *, max_bytes: int) -> UpdatePlan:
         """The header `specs` + `version` checked (nothing read, nothing changed): raises
         BatchValidationError (INVALID_ARGUMENT) or BatchTooLargeError (RESOURCE_EXHAUSTED)
         naming the field and the rule."""
@@ -157,7 +155,8 @@ class WeightCatalog:
         field = f"tensors[{i}]"
         if len(spec.name.encode()) > MAX_NAME_BYTES:
             raise BatchValidationError(
-                f"{field}.name", f"at most {MAX_NAME_BYTES} bytes (weight_update_limits.max_name_bytes)"
+                f"{field}.name",
+                f"at most {MAX_NAME_BYTES} bytes (weight_update_limits.max_name_bytes)",
             )
         entry = self.entries.get(spec.name)
         if entry is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,7 @@ class WeightsGroup:
                 raise ValueError("backend nccl needs a CUDA device")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(
-                self._store, spec.rank, spec.world_size, options
-            )
+            self.pg: Any = dist.ProcessGroupNCCL(self._store, spec.rank, spec.world_size, options)
         else:
             self.pg = dist.ProcessGroupGloo(self._store, spec.rank, spec.world_size, timeout)
         # Every member takes part once: the group is whole when this returns.
@@ -93,7 +92,9 @@ class WeightsGroup:
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """`src`'s `tensor` into every member's (same shape and dtype), in place."""
         if self.failed is not None:
-            raise ModelStateError(f"the weights group failed earlier ({self.failed}); form a new one")
+            raise ModelStateError(
+                f"the weights group failed earlier ({self.failed}); form a new one"
+            )
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0

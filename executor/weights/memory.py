@@ -154,8 +154,9 @@ class TaggedMemory:
             return 0
         with torch.no_grad():
             for t, nbytes in held.storages:
-                t.untyped_storage().resize_(nbytes)
-                t.untyped_storage().fill_(0)
+                storage = t.untyped_storage()
+                storage.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).zero_()
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)
                 m.packed.restore(m.packed.pack(zeros))

@@ -57,11 +57,15 @@ def send_stage(
     payload: torch.Tensor | None = None,
     **extra: Any,
 ) -> None:
-    specs = [] if plan is None else [
-        [s.name, str(s.dtype).removeprefix("torch."), list(s.shape)] for s in plan.specs
-    ]
+    specs = (
+        []
+        if plan is None
+        else [[s.name, str(s.dtype).removeprefix("torch."), list(s.shape)] for s in plan.specs]
+    )
     version = "" if plan is None else plan.version
-    send(leader, {"op": "stage", "kind": kind, "specs": specs, "version": version, **extra}, payload)
+    send(
+        leader, {"op": "stage", "kind": kind, "specs": specs, "version": version, **extra}, payload
+    )
 
 
 def agree(comm: TpComm, *, ok: bool) -> bool:
