@@ -22,6 +22,7 @@ copies.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -193,3 +194,18 @@ def _write_target(model: DecoderModel, st: StagedTarget) -> None:
     if st.tied_head is not None:
         assert isinstance(model.lm_head, PackedLinear)
         model.lm_head.packed.tensor.copy_(st.tied_head)
+
+
+def digest(model: DecoderModel) -> str:
+    """SHA-256 of every weight the model holds now (its state, and its packed weights'
+    values): equal digests, equal weights."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for path, module in sorted(model.named_modules(), key=lambda m: m[0]):
+        if isinstance(module, PackedLinear):
+            h.update(path.encode())
+            dense = module.packed.tensor.to_dense().contiguous().reshape(-1)
+            h.update(dense.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

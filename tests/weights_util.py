@@ -1,0 +1,65 @@
+"""Helpers of the weight-update tests: new weights, a fresh executor started on them, greedy
+tokens, and an update applied in-process through the engine's three stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor.client.scheduler import generate
+from executor.config import ExecutorConfig
+from executor.model_executor import ModelExecutor
+from executor.models.hf_loader import save_hf_directory
+from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.weights.catalog import TensorSpec
+from executor.weights.control import SwapResult
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 40, 41, 200], [17] * 12]
+
+
+def config(cache_dir: Path, model: str = "tiny-random", **overrides: Any) -> ExecutorConfig:
+    values: dict[str, Any] = {
+        "model": model,
+        "device": "cpu",
+        "dtype": "float32",
+        "max_reqs": 8,
+        "kv_slots": 1024,
+        "max_context_len": 256,
+        "cache_dir": str(cache_dir),
+        "graph_mode": "none",
+        "graph_backend": "standin",
+    }
+    values.update(overrides)
+    return ExecutorConfig(**values)
+
+
+def new_weights(model: str = "tiny-random", seed: int = 1) -> dict[str, torch.Tensor]:
+    """Another draw of the model's tiny-random weights: the "trained" ones."""
+    return tiny_random_weights(TINY_CONFIGS[model], seed=seed)
+
+
+def saved(tmp_path: Path, model: str, tensors: dict[str, torch.Tensor]) -> Path:
+    """`tensors` as a Hugging Face directory of `model`'s config."""
+    path = tmp_path / f"{model}-updated"
+    save_hf_directory(path, TINY_CONFIGS[model], tensors)
+    return path
+
+
+def fresh(
+    tmp_path: Path, cache_dir: Path, model: str, tensors: dict[str, torch.Tensor], **kw: Any
+) -> ModelExecutor:
+    """An executor started on `tensors`: what an update to them must equal."""
+    return ModelExecutor(config(cache_dir, str(saved(tmp_path, model, tensors)), **kw))
+
+
+def greedy(ex: Any, n: int = 6, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return generate(ex.forward, ex.limits, prompts, max_new_tokens=n, ignore_eos=True)
+
+
+def update(ex: ModelExecutor, tensors: dict[str, torch.Tensor], version: str = "") -> SwapResult:
+    """Plan, stage and swap `tensors` in-process (the service does the same, per transport)."""
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    plan = ex.weights.plan(specs, version, max_bytes=1 << 40)
+    return ex.weights.swap(ex.weights.stage(plan, list(tensors.values())))
