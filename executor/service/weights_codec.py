@@ -7,6 +7,7 @@ each) and decodes answers. A tensor travels as its raw little-endian bytes in it
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import zlib
 from collections.abc import Iterator
@@ -79,17 +80,23 @@ def tensor_spec(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tensor.dtype, tuple(tensor.shape))
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A host tensor's bytes, little-endian, row-major (no copy when it already is)."""
+def tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+    """A tensor's bytes, little-endian, row-major, without a copy when it is a contiguous
+    host tensor already: (the tensor the view reads, keep it alive while reading; the view).
+    The view is made from the data pointer, not through numpy, which would pin the caller's
+    storage (a trainer that frees or resizes its tensors afterwards could not)."""
     t = tensor.detach().to("cpu").contiguous()
     if sys.byteorder != "little":  # pragma: no cover - the wire is little-endian
         t = t.view(torch.uint8).reshape(*t.shape, -1).flip(-1).contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t, memoryview(b"")
+    return t, memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def chunk_tensor(index: int, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[pb.WeightChunk]:
     """One tensor's chunks, in order."""
-    data = tensor_bytes(tensor)
+    _owner, data = tensor_bytes(tensor)  # the view reads _owner: keep it alive
     for offset in range(0, len(data), chunk_bytes):
         part = data[offset : offset + chunk_bytes]
         yield pb.WeightChunk(tensor=index, offset=offset, data=part.tobytes(), crc32=checksum(part))

@@ -104,10 +104,10 @@ class TaggedMemory:
     def released(self) -> tuple[str, ...]:
         return tuple(t for t in TAGS if t in self._held)
 
-    def _tensors(self, tag: str) -> list[torch.Tensor]:
+    def _tensors(self, tag: str) -> list[tuple[str, torch.Tensor]]:
         if tag == KV_CACHE:
-            return [self.kv_pool.k, self.kv_pool.v]
-        return list(self.model.state_dict(keep_vars=True).values())
+            return [("k", self.kv_pool.k), ("v", self.kv_pool.v)]
+        return list(self.model.state_dict(keep_vars=True).items())
 
     def nbytes(self, tag: str) -> int:
         """Bytes the tag holds now (released: what it held)."""
@@ -118,7 +118,7 @@ class TaggedMemory:
     def _collect(self, tag: str) -> _Held:
         held = _Held()
         seen: set[int] = set()
-        for t in self._tensors(tag):
+        for name, t in self._tensors(tag):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in seen or storage.nbytes() == 0:
@@ -126,7 +126,7 @@ class TaggedMemory:
             seen.add(ptr)
             if not storage.resizable():
                 raise ModelStateError(
-                    f"{tag}: a tensor's memory cannot be released (its storage is not "
+                    f"{tag}: {name}'s memory cannot be released (its storage is not "
                     "resizable: memory-mapped or borrowed)"
                 )
             held.storages.append((t, storage.nbytes()))

@@ -202,10 +202,15 @@ def digest(model: DecoderModel) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(_raw(tensor))
     for path, module in sorted(model.named_modules(), key=lambda m: m[0]):
         if isinstance(module, PackedLinear):
             h.update(path.encode())
-            dense = module.packed.tensor.to_dense().contiguous().reshape(-1)
-            h.update(dense.view(torch.uint8).numpy().tobytes())
+            h.update(_raw(module.packed.tensor.to_dense()))
     return h.hexdigest()
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    # A copy: numpy() on the weights' own storage would pin it (no release by resize then).
+    flat = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
