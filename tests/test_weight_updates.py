@@ -132,7 +132,7 @@ def test_duplicates_versions_and_sizes_are_refused(cache_dir: Path) -> None:
 def test_quantized_linears_take_whole_fused_updates_only(cache_dir: Path) -> None:
     ex = ModelExecutor(config(cache_dir, quantization="int8"))
     q = TensorSpec("model.layers.0.self_attn.q_proj.weight", torch.float32, (64, 64))
-    with pytest.raises(ModelStateError, match="missing: model.layers.0.self_attn.k_proj"):
+    with pytest.raises(ModelStateError, match=r"missing: model\.layers\.0\.self_attn\.k_proj"):
         ex.weights.plan([q], "", max_bytes=1 << 40)
     norm = TensorSpec("model.norm.weight", torch.float32, (64,))  # float beside them: fine
     ex.weights.plan([norm], "", max_bytes=1 << 40)

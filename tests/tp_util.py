@@ -50,7 +50,8 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
     a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank),
     `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
-    `{"batches": [...]}` runs prebuilt batches: the tokens of each."""
+    `{"batches": [...]}` runs prebuilt batches: the tokens of each, and `{"group_update":
+    {...}}` updates the weights over a weights group (`tests.weights_util.group_update`)."""
     from executor.client.scheduler import generate
     from executor.core.errors import BatchValidationError
 
@@ -68,6 +69,11 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
                 for o in outs
             ]
             results.append(([o.next_token_ids.tolist() for o in outs], extras))
+            continue
+        if "group_update" in kw:  # new weights over a trainer's weights group (gloo)
+            from tests.weights_util import group_update
+
+            results.append(group_update(ex, **kw["group_update"]))
             continue
         if "captured" in kw:  # the graph buckets this rank serves: (decode, piecewise)
             runner = ex.runner

@@ -63,3 +63,38 @@ def update(ex: ModelExecutor, tensors: dict[str, torch.Tensor], version: str = "
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     plan = ex.weights.plan(specs, version, max_bytes=1 << 40)
     return ex.weights.swap(ex.weights.stage(plan, list(tensors.values())))
+
+
+def group_update(ex: ModelExecutor, model: str, seed: int, port: int, version: str) -> str:
+    """In-process, with a trainer thread: form a weights group (the trainer rank 0, the
+    executor's ranks 1..tp) and update `ex` over it with `new_weights(model, seed)`."""
+    import threading
+
+    from executor.weights.group import GroupSpec, WeightsGroup
+
+    tensors = new_weights(model, seed)
+    world = 1 + ex.comm.size
+    spec = GroupSpec("127.0.0.1", port, 0, world, "gloo", "weights", 60.0)
+    trainer: list[WeightsGroup] = []
+    joined = threading.Thread(
+        target=lambda: trainer.append(WeightsGroup(spec, torch.device("cpu")))
+    )
+    joined.start()
+    ex.weights.join_group(GroupSpec("127.0.0.1", port, 1, world, "gloo", "weights", 60.0))
+    joined.join()
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    plan = ex.weights.plan(specs, version, max_bytes=1 << 40)
+
+    def send() -> None:
+        assert trainer[0].verdict(0, 1) == 0
+        for t in tensors.values():
+            trainer[0].broadcast(t.contiguous(), 0)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    staged = ex.weights.stage_group(plan, 0)
+    sender.join()
+    result = ex.weights.swap(staged)
+    ex.weights.leave_group()
+    trainer[0].close()
+    return result.version
