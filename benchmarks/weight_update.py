@@ -125,7 +125,10 @@ def _rss(pid: int) -> int:
 
 
 def memory(client: ExecutorClient, pid: int) -> list[str]:
-    lines = ["| call | tags | bytes (MiB) | resident set change (MiB) | seconds |", "|---|---|---:|---:|---:|"]
+    lines = [
+        "| call | tags | bytes (MiB) | resident set change (MiB) | seconds |",
+        "|---|---|---:|---:|---:|",
+    ]
     for name, call in (
         ("ReleaseMemory", lambda: client.weights.release(["weights", "kv_cache"])),
         ("ResumeMemory (reload)", lambda: client.weights.resume(["weights", "kv_cache"])),

@@ -9,7 +9,6 @@
     model-executor info --target 127.0.0.1:50051
     model-executor config get --target 127.0.0.1:50051
     model-executor config set eager_input_no_copy=true log_level=debug --target 127.0.0.1:50051
-    model-executor update-weights --from ckpt/ --weight-version step-100 --token-file tok
     model-executor info --target executor:50051 --tls-ca-file ca.pem \
         --tls-cert-file client.pem --tls-key-file client-key.pem   # TLS / mTLS
 

@@ -253,34 +253,27 @@ class WeightsService:
     # --- memory -------------------------------------------------------------------------
     def release(self, request: pb.ReleaseMemoryRequest) -> MemoryReport:
         tags = _tags(request.tags)
-        lock = self._one_at_a_time()
-        try:
-            worker = self._worker()
-            control = worker.executor.weights
-            report: MemoryReport = worker.run_on_device(lambda: control.release(tags)).result()
-        finally:
-            lock.release()
-        log.warning(
-            "memory released",
-            tags=list(tags),
-            bytes=report.nbytes,
-            seconds=round(report.seconds, 3),
-        )
-        return report
+        return self._memory("memory released", tags, lambda c: c.release(tags))
 
     def resume(self, request: pb.ResumeMemoryRequest) -> MemoryReport:
-        tags = _tags(request.tags)
+        tags, from_update = _tags(request.tags), request.weights_from_update
+        return self._memory(
+            "memory resumed", tags, lambda c: c.resume(tags, from_update=from_update)
+        )
+
+    def _memory(
+        self, event: str, tags: tuple[str, ...], call: Callable[[WeightsControl], MemoryReport]
+    ) -> MemoryReport:
+        """A memory call as a device job, one at a time, logged."""
         lock = self._one_at_a_time()
         try:
             worker = self._worker()
             control = worker.executor.weights
-            report: MemoryReport = worker.run_on_device(
-                lambda: control.resume(tags, from_update=request.weights_from_update)
-            ).result()
+            report: MemoryReport = worker.run_on_device(lambda: call(control)).result()
         finally:
             lock.release()
         log.warning(
-            "memory resumed",
+            event,
             tags=list(tags),
             bytes=report.nbytes,
             seconds=round(report.seconds, 3),

@@ -119,6 +119,8 @@ class WeightsControl:
     # --- the state ----------------------------------------------------------------------
     def check_serving(self) -> None:
         """Refuse (ModelStateError) a step or KV call the memory's state forbids now."""
+        if not self.memory.any_released and not self.awaiting_update:
+            return  # every step asks: the common case costs two attribute reads
         released = self.memory.released
         if released:
             raise ModelStateError(

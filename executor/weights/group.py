@@ -122,4 +122,4 @@ class WeightsGroup:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None and self.spec.backend == "nccl":
             shutdown()
-        self.pg = None  # type: ignore[assignment]
+        self.pg = None

@@ -101,6 +101,10 @@ class TaggedMemory:
         self._held: dict[str, _Held] = {}
 
     @property
+    def any_released(self) -> bool:
+        return bool(self._held)
+
+    @property
     def released(self) -> tuple[str, ...]:
         return tuple(t for t in TAGS if t in self._held)
 
