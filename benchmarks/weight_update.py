@@ -7,7 +7,8 @@ sent `--repeats` times (after one round not counted) by each transport:
 - `path`: UpdateWeightsFromPath, the executor reading the safetensors file itself;
 - `group`: UpdateWeightsFromGroup over a gloo weights group this process forms with it;
 - `broadcast`: the baseline of `group`, a bare gloo broadcast of the same tensors between
-  this process and a spawned one (the receiver acknowledges the last tensor).
+  this process and a spawned one, into fresh buffers (the receiver acknowledges the last
+  tensor).
 Each figure is from the call to its answer (the update swapped in); the executor's answer
 splits it into staging (while steps could run) and the swap (the pause between two steps).
 Then ReleaseMemory and ResumeMemory of both tags, with the executor's resident set.
@@ -67,12 +68,13 @@ def checkpoint(model: str, cache_dir: Path | None) -> dict[str, torch.Tensor]:
 
 
 def _receiver(port: int, shapes: list[tuple[int, ...]], repeats: int) -> None:
+    """Receives every round into fresh buffers, as an update's receiver does (it cannot write
+    into the weights in use)."""
     group = WeightsGroup(GroupSpec("127.0.0.1", port, 1, 2, timeout_s=600), torch.device("cpu"))
-    buffers = [torch.empty(s) for s in shapes]
     for _ in range(repeats):
-        for b in buffers:
-            group.broadcast(b, 0)
+        received = list(group.receive([(s, torch.float32) for s in shapes], 0))
         group.verdict(0, 1)  # received: the sender's clock stops here
+        del received
 
 
 def bare_broadcast(tensors: list[torch.Tensor], repeats: int) -> list[float]:

@@ -19,7 +19,7 @@ from executor.model_executor import ModelExecutor
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.group import free_port
 from executor.service.server import RunningServer
-from executor.service.weights_codec import chunk_tensor, spec_to_proto, tensor_spec
+from executor.service.weights_codec import checksum, spec_to_proto, tensor_spec
 from executor.weights.writer import digest
 from model_executor.v1 import executor_pb2 as pb
 from tests.server_util import running_server
@@ -114,14 +114,18 @@ def test_group_update_equals_a_fresh_executor_and_a_refusal_never_hangs(
 def _stream(
     tensors: dict[str, torch.Tensor], corrupt: bool = False
 ) -> Iterator[pb.WeightUpdateRequest]:
-    header = pb.WeightUpdateHeader(
-        tensors=[spec_to_proto(tensor_spec(n, t)) for n, t in tensors.items()]
-    )
-    yield pb.WeightUpdateRequest(header=header)
+    """An UpdateWeights stream made of protobuf messages (the client helper serializes its
+    own); `corrupt`: the last chunk's first byte flipped after its CRC was taken."""
+    specs = [spec_to_proto(tensor_spec(n, t)) for n, t in tensors.items()]
+    yield pb.WeightUpdateRequest(header=pb.WeightUpdateHeader(tensors=specs))
     for i, t in enumerate(tensors.values()):
-        for chunk in chunk_tensor(i, t, 1024):
+        data = t.numpy().tobytes()
+        for offset in range(0, len(data), 1024):
+            part = data[offset : offset + 1024]
+            crc = checksum(part)
             if corrupt and i == len(tensors) - 1:
-                chunk.data = b"\xff" + chunk.data[1:]
+                part = b"\xff" + part[1:]
+            chunk = pb.WeightChunk(tensor=i, offset=offset, data=part, crc32=crc)
             yield pb.WeightUpdateRequest(chunk=chunk)
 
 

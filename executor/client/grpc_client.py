@@ -232,7 +232,7 @@ class ExecutorClient:
     def weights(self) -> WeightsClient:
         """Weight updates and memory calls (`executor.client.weights_client`): operator
         calls, which need the runtime-config token as `token`."""
-        return WeightsClient(self.stub, self._auth)
+        return WeightsClient(self.channel, self.stub, self._auth)
 
     @property
     def kv(self) -> KVClient:

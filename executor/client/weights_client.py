@@ -27,7 +27,7 @@ import torch
 
 from executor.service.weights_codec import (
     CHUNK_BYTES,
-    chunk_tensor,
+    chunk_requests,
     memory_from_proto,
     spec_to_proto,
     swap_from_proto,
@@ -50,9 +50,20 @@ def _pairs(tensors: Named) -> list[tuple[str, torch.Tensor]]:
 
 
 class WeightsClient:
-    def __init__(self, stub: pb_grpc.ModelExecutorStub, metadata: list[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        stub: pb_grpc.ModelExecutorStub,
+        metadata: list[tuple[str, str]],
+    ) -> None:
         self.stub = stub
         self.metadata = metadata
+        # UpdateWeights with requests serialized here (`weights_codec.chunk_requests`).
+        self._update = channel.stream_unary(
+            "/model_executor.v1.ModelExecutor/UpdateWeights",
+            request_serializer=None,
+            response_deserializer=pb.WeightUpdateResponse.FromString,
+        )
 
     def update(
         self,
@@ -70,13 +81,11 @@ class WeightsClient:
             tensors=[spec_to_proto(tensor_spec(n, t)) for n, t in pairs],
         )
 
-        def requests() -> Iterator[pb.WeightUpdateRequest]:
-            yield pb.WeightUpdateRequest(header=header)
-            for i, (_, t) in enumerate(pairs):
-                for chunk in chunk_tensor(i, t, chunk_bytes):
-                    yield pb.WeightUpdateRequest(chunk=chunk)
+        def requests() -> Iterator[bytes]:
+            yield pb.WeightUpdateRequest(header=header).SerializeToString()
+            yield from chunk_requests([t for _, t in pairs], chunk_bytes)
 
-        msg = self.stub.UpdateWeights(requests(), timeout=timeout, metadata=self.metadata)
+        msg = self._update(requests(), timeout=timeout, metadata=self.metadata)
         return swap_from_proto(msg)
 
     def update_from_file(

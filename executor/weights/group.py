@@ -18,6 +18,7 @@ why, and a new group must be formed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from executor.core.errors import ModelStateError
+from executor.weights.memory import host_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl")
@@ -115,7 +117,12 @@ class WeightsGroup:
     ) -> Iterator[torch.Tensor]:
         """Each tensor `src` broadcasts, in order (allocated here, on `tensor_device`)."""
         for shape, dtype in shapes:
-            yield self.broadcast(torch.empty(shape, dtype=dtype, device=self.tensor_device), src)
+            if self.tensor_device.type == "cpu":
+                numel = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                buffer = host_bytes(numel).view(dtype).reshape(shape)
+            else:
+                buffer = torch.empty(shape, dtype=dtype, device=self.tensor_device)
+            yield self.broadcast(buffer, src)
 
     def close(self) -> None:
         """Leave the group (its process group and store connection go with this object)."""

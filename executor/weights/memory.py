@@ -48,6 +48,17 @@ def device_free_bytes(device: torch.device) -> int:
     return -resident_bytes()
 
 
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 host buffer, written once (a staging buffer): a bytearray's zeroed pages,
+    which fill faster on first touch than a large `torch.empty` block
+    (benchmarks/weight_update.py)."""
+    return (
+        torch.frombuffer(bytearray(nbytes), dtype=torch.uint8)
+        if nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
 def _malloc_trim() -> None:
     name = ctypes.util.find_library("c")
     if name is None:

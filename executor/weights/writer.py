@@ -4,9 +4,10 @@ What sits at a target decides how its new values go in; the weights keep their s
 captured graphs (which read the parameters' memory) stay valid:
 - a float parameter (`Linear`, `Embedding`, `RMSNorm`, stacked experts) or a bias buffer:
   its rows are copied in place;
-- a oneDNN-packed linear (`PackedLinear`): the plain weight is packed again and copied into
-  the existing packed tensor (its key and table entry stay); a fused linear the update covers
-  only in part is unpacked first; a tied head's packed copy follows the embedding;
+- a oneDNN-packed linear (`PackedLinear`, CPU only): the plain weight is packed again, off
+  the device thread, and installed under the same key (what compiled code names: no graph
+  holds the packed memory itself); a fused linear the update covers only in part is unpacked
+  first; a tied head's packed copy follows the embedding;
 - a linear quantized at load (int4, int8): the whole fused weight is quantized as the loader
   quantizes it and the buffers are copied in place. An update must cover every part of it
   (q, k and v; gate and up): the other parts' float values are no longer kept;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,26 +115,34 @@ def stage(
     pin: bool = False,
 ) -> StagedUpdate:
     """`sources`: each tensor of `plan` in order, whole (a tensor, or a lazy slice that reads
-    only this rank's part). Cut, cast and prepared; nothing of the model is written."""
+    only this rank's part). Cut, cast and prepared; nothing of the model is written. A target
+    is prepared (packed, quantized) on a thread of its own as soon as its last part is in,
+    while the next tensors arrive."""
     t0 = time.perf_counter()
-    staged: dict[str, StagedTarget] = {}
-    for entry, source in zip(plan.entries, sources, strict=True):
-        if entry.target is None:
-            continue  # a tied head's copy: the embedding is the head
-        value = catalog.plan.take(entry.name, source).to(dtype).contiguous()
-        if pin and not value.is_pinned() and value.device.type == "cpu":
-            value = value.pin_memory()
-        key = entry.target.name
-        if key not in staged:
-            staged[key] = StagedTarget(entry.target)
-        staged[key].pieces.append(Piece(entry.rows, value))
     names = {s.name for s in plan.specs}
-    update = StagedUpdate(plan, list(staged.values()), nbytes=plan.nbytes)
-    for st in update.targets:
+    staged: dict[str, StagedTarget] = {}
+    with ThreadPoolExecutor(1, thread_name_prefix="weights-prepare") as preparing:
+        prepared: list[Future[None]] = []
+        for entry, source in zip(plan.entries, sources, strict=True):
+            if entry.target is None:
+                continue  # a tied head's copy: the embedding is the head
+            value = catalog.plan.take(entry.name, source).to(dtype).contiguous()
+            if pin and not value.is_pinned() and value.device.type == "cpu":
+                value = value.pin_memory()
+            key = entry.target.name
+            if key not in staged:
+                parts = entry.target.parts
+                staged[key] = StagedTarget(entry.target, covered=all(p in names for p in parts))
+            st = staged[key]
+            st.pieces.append(Piece(entry.rows, value))
+            if st.covered and len(st.pieces) == len(st.target.parts):
+                st.pieces.sort(key=lambda p: p.rows[0])
+                prepared.append(preparing.submit(_prepare, model, st))
+        for future in prepared:
+            future.result()  # raises what a preparation raised
+    for st in staged.values():
         st.pieces.sort(key=lambda p: p.rows[0])
-        st.covered = all(p in names for p in st.target.parts)
-        if st.covered:
-            _prepare(model, st)
+    update = StagedUpdate(plan, list(staged.values()), nbytes=plan.nbytes)
     update.stage_seconds = time.perf_counter() - t0
     return update
 
@@ -181,7 +191,9 @@ def _write_target(model: DecoderModel, st: StagedTarget) -> None:
     target = st.target
     module = model.get_submodule(target.module)
     if target.attr == "weight" and isinstance(module, PackedLinear):
-        module.packed.tensor.copy_(st.prepared)
+        # CPU only (no CUDA graph holds it): the packed handle changes under the same key,
+        # which is what compiled code names; a copy would cost a pass over the weight.
+        module.packed.restore(st.prepared)
     elif target.attr == "weight" and isinstance(module, QuantizedLinear):
         prepared: nn.Module = st.prepared
         for name, buffer in prepared.named_buffers():
@@ -193,7 +205,7 @@ def _write_target(model: DecoderModel, st: StagedTarget) -> None:
             dest[piece.rows[0] : piece.rows[1]].copy_(piece.value, non_blocking=True)
     if st.tied_head is not None:
         assert isinstance(model.lm_head, PackedLinear)
-        model.lm_head.packed.tensor.copy_(st.tied_head)
+        model.lm_head.packed.restore(st.tied_head)
 
 
 def digest(model: DecoderModel) -> str:
