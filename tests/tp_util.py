@@ -50,8 +50,8 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
     a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank),
     `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
-    `{"batches": [...]}` runs prebuilt batches: the tokens of each, and `{"group_update":
-    {...}}` updates the weights over a weights group (`tests.weights_util.group_update`)."""
+    `{"batches": [...]}` runs prebuilt batches: the tokens of each, and `{"weights": {...}}`
+    updates the weights (`tests.weights_util.transport_update`)."""
     from executor.client.scheduler import generate
     from executor.core.errors import BatchValidationError
 
@@ -70,10 +70,10 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
             ]
             results.append(([o.next_token_ids.tolist() for o in outs], extras))
             continue
-        if "group_update" in kw:  # new weights over a trainer's weights group (gloo)
-            from tests.weights_util import group_update
+        if "weights" in kw:  # new weights, staged as a transport stages them
+            from tests.weights_util import transport_update
 
-            results.append(group_update(ex, **kw["group_update"]))
+            results.append(transport_update(ex, **kw["weights"]))
             continue
         if "captured" in kw:  # the graph buckets this rank serves: (decode, piecewise)
             runner = ex.runner

@@ -65,14 +65,37 @@ def update(ex: ModelExecutor, tensors: dict[str, torch.Tensor], version: str = "
     return ex.weights.swap(ex.weights.stage(plan, list(tensors.values())))
 
 
-def group_update(ex: ModelExecutor, model: str, seed: int, port: int, version: str) -> str:
+def transport_update(
+    ex: ModelExecutor, transport: str, model: str, seed: int, version: str, where: str = ""
+) -> str:
+    """Update `ex` in-process with `new_weights(model, seed)` as each transport stages it
+    (every rank its shard under tensor parallelism): `tensors` (a stream's, forwarded by rank
+    0), `files` (the safetensors file `where`, read by every rank) or `group` (a trainer
+    thread's weights group at port `where`)."""
+    tensors = new_weights(model, seed)
+    if transport == "group":
+        return group_update(ex, tensors, int(where), version)
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    plan = ex.weights.plan(specs, version, max_bytes=1 << 40)
+    if transport == "files":
+        from safetensors.torch import save_file
+
+        save_file(tensors, where)
+        staged = ex.weights.stage_files(plan, [Path(where)])
+    else:
+        staged = ex.weights.stage_tensors(plan, list(tensors.values()))
+    return ex.weights.swap(staged).version
+
+
+def group_update(
+    ex: ModelExecutor, tensors: dict[str, torch.Tensor], port: int, version: str
+) -> str:
     """In-process, with a trainer thread: form a weights group (the trainer rank 0, the
-    executor's ranks 1..tp) and update `ex` over it with `new_weights(model, seed)`."""
+    executor's ranks 1..tp) and update `ex` over it with `tensors`."""
     import threading
 
     from executor.weights.group import GroupSpec, WeightsGroup
 
-    tensors = new_weights(model, seed)
     world = 1 + ex.comm.size
     spec = GroupSpec("127.0.0.1", port, 0, world, "gloo", "weights", 60.0)
     trainer: list[WeightsGroup] = []
