@@ -13,7 +13,7 @@ Each figure is from the call to its answer (the update swapped in); the executor
 splits it into staging (while steps could run) and the swap (the pause between two steps).
 Then ReleaseMemory and ResumeMemory of both tags, with the executor's resident set.
 
-    python benchmarks/weight_update.py [--model smollm2] [--repeats 3]
+    python benchmarks/weight_update.py [--model smollm2] [--repeats 3] [--linear-kernel aten]
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-slots", type=int, default=4096)
+    parser.add_argument("--linear-kernel", default="auto", help="onednn packs, aten does not")
     args = parser.parse_args()
     tensors = checkpoint(args.model, Path(tempfile.gettempdir()) / "model-executor-cache")
     with tempfile.TemporaryDirectory() as root:
@@ -160,13 +161,15 @@ def main() -> None:
         save_file(tensors, str(Path(root) / "model.safetensors"))
         flags = ["--model", args.model, "--dtype", "float32", "--quantization", "none"]
         flags += ["--graph-mode", "none", "--kv-slots", str(args.kv_slots), "--max-reqs", "8"]
+        flags += ["--linear-kernel", args.linear_kernel]
         flags += ["--weight-update-root", root, "--weight-group-addresses", "127.0.0.1"]
         model, simd = cpu_description()
         with served(flags) as server:
             info = server.client.info().info
             print(
-                f"# {model} ({simd}); {args.model} float32, {len(tensors)} tensors, resident "
-                f"weights {info.weight_bytes / MIB:.0f} MiB; {args.repeats} repeats, medians"
+                f"# {model} ({simd}); {args.model} float32, linear_kernel {info.linear_kernel}, "
+                f"{len(tensors)} tensors, resident weights {info.weight_bytes / MIB:.0f} MiB; "
+                f"{args.repeats} repeats, medians"
             )
             figures = measure(server.client, tensors, "model.safetensors", args.repeats)
             mem = memory(server.client, server.process.pid)
