@@ -153,6 +153,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-slots", type=int, default=4096)
     parser.add_argument("--linear-kernel", default="auto", help="onednn packs, aten does not")
+    parser.add_argument(
+        "--omp-threads", type=int, default=0, help="the executor's OMP_NUM_THREADS (0: unset)"
+    )
     args = parser.parse_args()
     tensors = checkpoint(args.model, Path(tempfile.gettempdir()) / "model-executor-cache")
     with tempfile.TemporaryDirectory() as root:
@@ -164,12 +167,13 @@ def main() -> None:
         flags += ["--linear-kernel", args.linear_kernel]
         flags += ["--weight-update-root", root, "--weight-group-addresses", "127.0.0.1"]
         model, simd = cpu_description()
-        with served(flags) as server:
+        env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
+        with served(flags, env=env) as server:
             info = server.client.info().info
             print(
                 f"# {model} ({simd}); {args.model} float32, linear_kernel {info.linear_kernel}, "
                 f"{len(tensors)} tensors, resident weights {info.weight_bytes / MIB:.0f} MiB; "
-                f"{args.repeats} repeats, medians"
+                f"{args.repeats} repeats, medians; OMP_NUM_THREADS {args.omp_threads or 'unset'}"
             )
             figures = measure(server.client, tensors, "model.safetensors", args.repeats)
             mem = memory(server.client, server.process.pid)

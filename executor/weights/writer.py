@@ -27,7 +27,6 @@ import ctypes
 import hashlib
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,30 +116,27 @@ def stage(
 ) -> StagedUpdate:
     """`sources`: each tensor of `plan` in order, whole (a tensor, or a lazy slice that reads
     only this rank's part). Cut, cast and prepared; nothing of the model is written. A target
-    is prepared (packed, quantized) on a thread of its own as soon as its last part is in,
-    while the next tensors arrive."""
+    is prepared (packed, quantized) as soon as its last part is in, on this thread: oneDNN's
+    own threads do the packing, and a second thread team beside them (measured) only slowed
+    both down."""
     t0 = time.perf_counter()
     names = {s.name for s in plan.specs}
     staged: dict[str, StagedTarget] = {}
-    with ThreadPoolExecutor(1, thread_name_prefix="weights-prepare") as preparing:
-        prepared: list[Future[None]] = []
-        for entry, source in zip(plan.entries, sources, strict=True):
-            if entry.target is None:
-                continue  # a tied head's copy: the embedding is the head
-            value = catalog.plan.take(entry.name, source).to(dtype).contiguous()
-            if pin and not value.is_pinned() and value.device.type == "cpu":
-                value = value.pin_memory()
-            key = entry.target.name
-            if key not in staged:
-                parts = entry.target.parts
-                staged[key] = StagedTarget(entry.target, covered=all(p in names for p in parts))
-            st = staged[key]
-            st.pieces.append(Piece(entry.rows, value))
-            if st.covered and len(st.pieces) == len(st.target.parts):
-                st.pieces.sort(key=lambda p: p.rows[0])
-                prepared.append(preparing.submit(_prepare, model, st))
-        for future in prepared:
-            future.result()  # raises what a preparation raised
+    for entry, source in zip(plan.entries, sources, strict=True):
+        if entry.target is None:
+            continue  # a tied head's copy: the embedding is the head
+        value = catalog.plan.take(entry.name, source).to(dtype).contiguous()
+        if pin and not value.is_pinned() and value.device.type == "cpu":
+            value = value.pin_memory()
+        key = entry.target.name
+        if key not in staged:
+            parts = entry.target.parts
+            staged[key] = StagedTarget(entry.target, covered=all(p in names for p in parts))
+        st = staged[key]
+        st.pieces.append(Piece(entry.rows, value))
+        if st.covered and len(st.pieces) == len(st.target.parts):
+            st.pieces.sort(key=lambda p: p.rows[0])
+            _prepare(model, st)
     for st in staged.values():
         st.pieces.sort(key=lambda p: p.rows[0])
     update = StagedUpdate(plan, list(staged.values()), nbytes=plan.nbytes)
