@@ -44,7 +44,7 @@ from executor.service.weights_codec import (
 from executor.weights.catalog import FLOAT_DTYPES, TensorSpec, UpdatePlan, check_version
 from executor.weights.control import SwapResult, WeightsControl, check_tags
 from executor.weights.group import BACKENDS, DEFAULT_TIMEOUT_S, GroupSpec
-from executor.weights.memory import MemoryReport, host_bytes
+from executor.weights.memory import MemoryReport
 from executor.weights.writer import StagedUpdate
 from model_executor.v1 import executor_pb2 as pb
 
@@ -327,8 +327,8 @@ def _receive(
     chunk out of place, too large, or whose CRC-32 does not match). The place of a chunk is
     checked as it arrives; its CRC and its copy run on a few threads while the next chunks
     are read."""
-    buffers = [host_bytes(s.nbytes) for s in plan.specs]
-    views = [memoryview(b.numpy()) for b in buffers]
+    buffers = [bytearray(s.nbytes) for s in plan.specs]  # as `host_bytes`: zeroed pages
+    views = [memoryview(b) for b in buffers]
     index, offset = 0, 0
     pending: deque[Future[None]] = deque()
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="weights-verify") as pool:
@@ -360,7 +360,10 @@ def _receive(
         raise WeightChunkError(
             f"the stream ended after {offset} of tensor {index}'s {plan.specs[index].nbytes} bytes"
         )
-    return [b.view(s.dtype).reshape(s.shape) for s, b in zip(plan.specs, buffers, strict=True)]
+    return [
+        torch.frombuffer(b, dtype=s.dtype).reshape(s.shape)
+        for s, b in zip(plan.specs, buffers, strict=True)
+    ]
 
 
 def _verify_copy(chunk: RawChunk, target: memoryview, where: str) -> None:
