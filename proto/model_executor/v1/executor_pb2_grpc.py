@@ -293,7 +293,7 @@ class ModelExecutorServicer:
         store at master_address:master_port): tensor-parallel rank r of this executor joins as
         rank_offset + r. Answers once every member joined. One group at a time; another Init
         replaces it. Only to a master_address the server's weight_group_addresses allows
-        (PERMISSION_DENIED, nothing dialed).
+        (PERMISSION_DENIED, nothing dialed); a server without it answers FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
