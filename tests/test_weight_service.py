@@ -5,6 +5,7 @@ equal a fresh executor on the new weights; each refusal has its status and chang
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,12 +203,15 @@ def test_64_steps_in_flight_each_name_the_weights_they_ran_on(
     session = client.open_stream()
     for b in batches[:24]:
         session.send(b)
+    outs = [session.recv()]  # one step ran on the old weights before the update began
     updater = threading.Thread(target=lambda: client.weights.update(tensors.items(), version="v1"))
     updater.start()
-    for b in batches[24:]:
+    for b in batches[24:56]:  # up to 55 steps in flight while the update is staged and swapped
         session.send(b)
-    outs = [session.recv() for _ in batches]
     updater.join()
+    for b in batches[56:]:  # sent after it answered: these run on the new weights
+        session.send(b)
+    outs += [session.recv() for _ in batches[1:]]
     session.close()
     versions = [o.weight_version for o in outs]
     assert versions == sorted(versions) and set(versions) == {"0", "v1"}, versions
@@ -278,3 +282,132 @@ def test_smollm2_float32_path_update_equals_a_fresh_executor(
         assert result.num_tensors == len(state)  # the tied head's copy too (ignored)
         got = greedy(_Remote(client), 12, prompts)
     assert got == want and got != before
+
+
+def test_caps_are_in_getinfo_and_refused_from_the_header(client: ExecutorClient) -> None:
+    md = [("authorization", f"Bearer {TOKEN}")]
+    caps = client.stub.GetInfo(pb.GetInfoRequest(), metadata=md).weight_update_limits
+    model = tiny_random_weights(TINY_CONFIGS["tiny-random"])
+    assert caps.max_tensors == len(model) and caps.chunk_bytes == 4 << 20
+    assert caps.max_update_bytes >= sum(4 * t.numel() for t in model.values())
+    assert (caps.max_name_bytes, caps.max_version_bytes) == (256, 128)
+    assert caps.path_updates and caps.group_updates
+    spec = pb.WeightTensorSpec(name="model.norm.weight", dtype=pb.FLOAT32, shape=[64])
+    too_many = pb.WeightUpdateHeader(tensors=[spec] * (caps.max_tensors + 1))
+    long_version = pb.WeightUpdateHeader(weight_version="v" * 129, tensors=[spec])
+    for header, code, field in (
+        (too_many, grpc.StatusCode.RESOURCE_EXHAUSTED, "tensors: "),
+        (long_version, grpc.StatusCode.INVALID_ARGUMENT, "weight_version: "),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            client.stub.UpdateWeights(iter([pb.WeightUpdateRequest(header=header)]), metadata=md)
+        assert refused.value.code() == code and field in refused.value.details()
+    assert client.info().info.weight_version == "0"
+
+
+def test_a_stream_that_fails_midway_changes_nothing(
+    server: RunningServer, client: ExecutorClient, updated: Any
+) -> None:
+    """Cut short, a chunk out of order, the caller gone: DATA_LOSS / CANCELLED, the weights
+    and the version as they were; the whole update then goes in."""
+    assert server.executor is not None
+    before, md = digest(server.executor.model), [("authorization", f"Bearer {TOKEN}")]
+    tensors = updated[0]
+    whole = list(_stream(tensors))
+    swapped = [whole[0], whole[2], whole[1], *whole[3:]]
+    for what, requests in (("cut short", whole[:-1]), ("out of order", swapped)):
+        with pytest.raises(grpc.RpcError) as refused:
+            client.stub.UpdateWeights(iter(requests), metadata=md)
+        assert refused.value.code() == grpc.StatusCode.DATA_LOSS, what
+        assert "chunk" in refused.value.details() or "ended" in refused.value.details()
+    gone = threading.Event()
+
+    def stalls() -> Iterator[pb.WeightUpdateRequest]:
+        yield from whole[:-1]
+        gone.wait(30)
+
+    call = client.stub.UpdateWeights.future(stalls(), metadata=md)
+    time.sleep(0.5)
+    call.cancel()
+    gone.set()
+    assert call.cancelled()
+    assert digest(server.executor.model) == before
+    assert client.info().info.weight_version == "0"
+    assert client.weights.update(tensors.items(), version="whole").version == "whole"
+    assert _remote_greedy(client) == updated[1]
+
+
+def test_a_group_transfer_that_fails_midway_changes_nothing(
+    server: RunningServer, client: ExecutorClient, updated: Any
+) -> None:
+    """The trainer stops after one tensor: the executor's receive times out, the weights and
+    the version stay, and the group refuses further updates until formed again."""
+    assert server.executor is not None
+    before, tensors = digest(server.executor.model), updated[0]
+    group = client.weights.open_group("127.0.0.1", free_port(), world_size=2, timeout_s=3)
+    pairs = list(tensors.items())
+    request = pb.UpdateWeightsFromGroupRequest(
+        weight_version="half", tensors=[spec_to_proto(tensor_spec(n, t)) for n, t in pairs]
+    )
+    md = [("authorization", f"Bearer {TOKEN}")]
+    call = client.stub.UpdateWeightsFromGroup.future(request, metadata=md)
+    assert group.group.verdict(0, 1) == 0
+    group.group.broadcast(pairs[0][1].contiguous(), 0)  # ... and nothing more
+    with pytest.raises(grpc.RpcError) as failed:
+        call.result(timeout=60)
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "weights group failed" in failed.value.details()
+    assert digest(server.executor.model) == before
+    assert client.info().info.weight_version == "0"
+    with pytest.raises(grpc.RpcError) as broken:
+        client.stub.UpdateWeightsFromGroup(request, metadata=md)
+    assert broken.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    group.close()
+
+
+def test_retries_apply_nothing_twice(client: ExecutorClient, updated: Any) -> None:
+    """A batch retried after an update is answered from the retry memory with the version it
+    ran on; an update retried after a lost answer leaves the same weights and version."""
+    tensors = updated[0]
+    batch = _logprob_prefill(3, 100)
+    first = client.forward(batch, batch_id=4242)
+    client.weights.update(tensors.items(), version="v1")
+    retried = client.forward(batch, batch_id=4242)
+    assert retried.weight_version == first.weight_version == "0"
+    assert retried.next_token_logprobs is not None and first.next_token_logprobs is not None
+    assert torch.equal(retried.next_token_logprobs, first.next_token_logprobs)
+    again = client.forward(_logprob_prefill(4, 200), batch_id=4243)  # a new id runs, on v1
+    assert again.weight_version == "v1" and again.next_token_logprobs is not None
+    assert not torch.equal(again.next_token_logprobs, first.next_token_logprobs)
+    assert client.weights.update(tensors.items(), version="v1").version == "v1"
+    assert client.info().info.weight_version == "v1"
+    assert _remote_greedy(client) == updated[1]
+
+
+def _logprob_prefill(row: int, slot: int):  # type: ignore[no-untyped-def]
+    batch = make_extend_batch(
+        input_ids=[[5, 6, 7, 8]],
+        req_pool_indices=[row],
+        out_cache_loc=[list(range(slot, slot + 4))],
+    )
+    batch.return_logprob = True
+    return batch
+
+
+def test_cli_updates_releases_and_resumes(
+    client: ExecutorClient, updated: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from executor.client import cli
+
+    target = ["--target", client.target, "--token-file", str(tmp_path / "token")]  # the server's
+    source = str(updated[2] / "tiny-random-updated")
+    assert cli.main(["update-weights", *target, "--from", source, "--weight-version", "cli"]) == 0
+    assert '"version": "cli"' in capsys.readouterr().out
+    assert _remote_greedy(client) == updated[1]
+    assert cli.main(["release-memory", *target, "--tags", "kv_cache"]) == 0
+    assert '"kv_cache"' in capsys.readouterr().out
+    assert cli.main(["resume-memory", *target]) == 0
+    assert '"kv_epoch": 1' in capsys.readouterr().out
+    no_token = ["release-memory", "--target", client.target, "--token-file", ""]
+    assert cli.main(no_token) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
