@@ -259,8 +259,10 @@ class ModelExecutorServicer:
         names included, at most once; each shape the whole checkpoint tensor's; a floating
         dtype, cast to the weights' dtype), then swapped in between two steps, all or none: a step
         runs entirely on one version (ForwardResponse.weight_version), and a refused or failed
-        update changes nothing. Tensors are copied into the weights' own storage, so captured
-        graphs stay valid. Under tensor parallelism each rank takes its shard. An executor that
+        update changes nothing. An update sets values: sent again (a retry after a lost answer),
+        it leaves the same weights, and the same version when it names one. Tensors are copied
+        into the weights' own storage, so captured graphs stay valid. Under tensor parallelism
+        each rank takes its shard. An executor that
         keeps its weights quantized at load (int4, int8) re-quantizes each updated tensor the
         way it loads one, and needs the fused projections of a quantized linear (q, k and v;
         gate and up) in one update; one that keeps a GGUF file's blocks refuses the update
