@@ -242,14 +242,17 @@ def _prefill(prompt: list[int], i: int):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow  # SmolLM2 three times: transformers, the server, a fresh executor
-def test_smollm2_float32_path_update_equals_a_fresh_executor(
+def test_smollm2_float32_updates_by_each_transport_equal_a_fresh_executor(
     tmp_path: Path, cache_dir: Path
 ) -> None:
     """Perturbed weights built with transformers, its state dict saved (as a trainer saves a
-    checkpoint) and read by the server from its root: its greedy tokens are a fresh
-    executor's."""
+    checkpoint): read by the server from its root, streamed, and broadcast over a weights
+    group, each gives a fresh executor's greedy tokens on them. Between two transports the
+    weights are released (the resident set drops by >= 90% of them before the call answers)
+    and resumed from the model file (the start-up tokens again)."""
     transformers = pytest.importorskip("transformers")
     from executor.models.loader import packaged_smollm2_path
+    from executor.weights.memory import resident_bytes
 
     gguf_path = packaged_smollm2_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -273,15 +276,36 @@ def test_smollm2_float32_path_update_equals_a_fresh_executor(
     token.write_text(TOKEN)
     with (
         running_server(
-            smol, runtime_config_token_file=str(token), weight_update_root=str(root)
+            smol,
+            runtime_config_token_file=str(token),
+            weight_update_root=str(root),
+            weight_group_addresses="127.0.0.1",
         ) as srv,
         ExecutorClient(f"127.0.0.1:{srv.port}", token=TOKEN) as client,
     ):
         before = greedy(_Remote(client), 12, prompts)
-        result = client.weights.update_from_path("step-1", version="step-1")
-        assert result.num_tensors == len(state)  # the tied head's copy too (ignored)
-        got = greedy(_Remote(client), 12, prompts)
-    assert got == want and got != before
+        weights = client.weights
+        transports = {
+            "path": lambda: weights.update_from_path("step-1", version="path"),
+            "stream": lambda: weights.update(state.items(), version="stream"),
+            "group": lambda: _group_update(client, state),
+        }
+        for i, (name, call) in enumerate(transports.items()):
+            if i:
+                rss = resident_bytes()
+                freed = weights.release(["weights"]).nbytes
+                assert rss - resident_bytes() >= 0.9 * freed > 500 << 20, (rss, freed)
+                weights.resume(["weights"])
+                assert greedy(_Remote(client), 12, prompts) == before, name
+            result = call()
+            assert result.num_tensors == len(state)  # the tied head's copy too (ignored)
+            assert client.info().info.weight_version == result.version == name
+            assert greedy(_Remote(client), 12, prompts) == want != before, name
+
+
+def _group_update(client: ExecutorClient, state: dict[str, torch.Tensor]) -> Any:
+    with client.weights.open_group("127.0.0.1", free_port(), world_size=2, timeout_s=120) as g:
+        return g.update(state.items(), version="group")
 
 
 def test_caps_are_in_getinfo_and_refused_from_the_header(client: ExecutorClient) -> None:
