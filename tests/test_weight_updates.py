@@ -26,8 +26,13 @@ from tests.weights_util import config, fresh, greedy, new_weights, update
         ("tiny-random-qwen2", {}),  # biases, a tied head (its packed copy follows)
         ("tiny-random-qwen3-moe", {"linear_kernel": "aten"}),  # stacked experts
         ("tiny-random", {"quantization": "int8"}),  # re-quantized as the loader quantizes
+        pytest.param(  # CUDA graphs replay the weights' own storage, written in place
+            "tiny-random",
+            {"device": "cuda", "graph_mode": "both", "graph_backend": "cuda"},
+            marks=pytest.mark.gpu,
+        ),
     ],
-    ids=["packed", "graphs", "qwen2-tied", "moe", "int8"],
+    ids=["packed", "graphs", "qwen2-tied", "moe", "int8", "cuda-graphs"],
 )
 def test_update_equals_a_fresh_executor_on_the_new_weights(
     tmp_path: Path, cache_dir: Path, model: str, overrides: dict[str, object]
