@@ -23,7 +23,7 @@ from executor.service.server import RunningServer
 from executor.service.weights_codec import checksum, spec_to_proto, tensor_spec
 from executor.weights.writer import digest
 from model_executor.v1 import executor_pb2 as pb
-from tests.server_util import running_server
+from tests.server_util import Scrape, running_server
 from tests.weights_util import config, greedy, new_weights, saved
 
 TOKEN = "operator-secret"
@@ -72,13 +72,18 @@ class _Remote:
         self.limits = client.info().info.limits
 
 
-def test_stream_update_equals_a_fresh_executor(client: ExecutorClient, updated: Any) -> None:
+def test_stream_update_equals_a_fresh_executor(
+    server: RunningServer, client: ExecutorClient, updated: Any
+) -> None:
     tensors, want, _ = updated
     result = client.weights.update(tensors.items(), version="step-7")
     assert result.version == "step-7" and result.num_tensors == len(tensors)
     assert _remote_greedy(client) == want
     info = client.info().info
     assert info.weight_version == "step-7"
+    scrape = Scrape(server)
+    assert scrape.get("model_executor_weight_version_info", version="step-7") == 1
+    assert scrape.get("model_executor_weight_updates_total", transport="stream", outcome="ok") == 1
     assert info.weight_update_max_tensors == len(tiny_random_weights(TINY_CONFIGS["tiny-random"]))
 
 
@@ -170,6 +175,11 @@ def test_each_refusal_has_its_status_and_leaves_the_weights(
     with pytest.raises(grpc.RpcError) as released:
         client.weights.update(norm.items())
     assert released.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    scrape = Scrape(server)  # four refused updates (the tokenless call never reached one)
+    assert (
+        scrape.get("model_executor_weight_updates_total", transport="stream", outcome="failed") == 4
+    )
+    assert scrape.get("model_executor_memory_released", tag="weights") == 1
     batch = make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
     with pytest.raises(grpc.RpcError) as step:
         client.forward(batch)
