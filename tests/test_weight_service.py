@@ -325,7 +325,14 @@ def test_caps_are_in_getinfo_and_refused_from_the_header(client: ExecutorClient)
     assert caps.max_tensors == len(model) and caps.chunk_bytes == 4 << 20
     assert caps.max_update_bytes >= sum(4 * t.numel() for t in model.values())
     assert (caps.max_name_bytes, caps.max_version_bytes) == (256, 128)
-    assert caps.path_updates and caps.group_updates
+    assert caps.path_updates and caps.group_updates and caps.max_group_timeout_s == 600
+    join = pb.InitWeightsGroupRequest(
+        master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, timeout_s=601
+    )
+    with pytest.raises(grpc.RpcError) as stalls:
+        client.stub.InitWeightsGroup(join, metadata=md)
+    assert stalls.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stalls.value.details().startswith("timeout_s: ")
     spec = pb.WeightTensorSpec(name="model.norm.weight", dtype=pb.FLOAT32, shape=[64])
     too_many = pb.WeightUpdateHeader(tensors=[spec] * (caps.max_tensors + 1))
     long_version = pb.WeightUpdateHeader(weight_version="v" * 129, tensors=[spec])
@@ -426,22 +433,3 @@ def _logprob_prefill(row: int, slot: int):  # type: ignore[no-untyped-def]
     )
     batch.return_logprob = True
     return batch
-
-
-def test_cli_updates_releases_and_resumes(
-    client: ExecutorClient, updated: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from executor.client import cli
-
-    target = ["--target", client.target, "--token-file", str(tmp_path / "token")]  # the server's
-    source = str(updated[2] / "tiny-random-updated")
-    assert cli.main(["update-weights", *target, "--from", source, "--weight-version", "cli"]) == 0
-    assert '"version": "cli"' in capsys.readouterr().out
-    assert _remote_greedy(client) == updated[1]
-    assert cli.main(["release-memory", *target, "--tags", "kv_cache"]) == 0
-    assert '"kv_cache"' in capsys.readouterr().out
-    assert cli.main(["resume-memory", *target]) == 0
-    assert '"kv_epoch": 1' in capsys.readouterr().out
-    no_token = ["release-memory", "--target", client.target, "--token-file", ""]
-    assert cli.main(no_token) == 1
-    assert "UNAUTHENTICATED" in capsys.readouterr().err

@@ -179,8 +179,9 @@ class ServerConfig:
     )
     weight_update_timeout_s: float = setting(
         600.0,
-        "longest an UpdateWeights stream may take to arrive; then it is cancelled and the "
-        "weights stay as they were",
+        "longest an UpdateWeights stream may take to arrive (then it is cancelled and the "
+        "weights stay as they were), and the most InitWeightsGroup's timeout_s may ask (a "
+        "weights group's bound on each collective)",
     )
     refusal_log_interval_s: float = setting(
         10.0,

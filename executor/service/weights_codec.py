@@ -37,6 +37,7 @@ class WeightLimits:
     max_tensors: int
     path_updates: bool
     group_updates: bool
+    max_group_timeout_s: float = 600.0
     chunk_bytes: int = CHUNK_BYTES
 
 
@@ -206,6 +207,7 @@ def limits_to_proto(limits: WeightLimits) -> pb.WeightUpdateLimits:
         max_version_bytes=MAX_VERSION_BYTES,
         path_updates=limits.path_updates,
         group_updates=limits.group_updates,
+        max_group_timeout_s=limits.max_group_timeout_s,
     )
 
 

@@ -66,6 +66,7 @@ class WeightSettings:
     update_root: str = ""  # weight_update_root: '' = no path updates
     max_update_mib: int = 0  # max_weight_update_mib: 0 = the model's own size
     group_addresses: str = ""  # weight_group_addresses: '' = no weights group
+    max_group_timeout_s: float = 600.0  # weight_update_timeout_s: a group's collective bound
 
 
 def _not_observed(transport: str, nbytes: int, seconds: float, swap: float | None) -> None:
@@ -97,7 +98,11 @@ class WeightsService:
         if self.settings.max_update_mib:
             cap = min(cap, self.settings.max_update_mib << 20)
         return WeightLimits(
-            cap, control.catalog.max_tensors, self.root is not None, bool(self.group_patterns)
+            cap,
+            control.catalog.max_tensors,
+            self.root is not None,
+            bool(self.group_patterns),
+            self.settings.max_group_timeout_s,
         )
 
     def _one_at_a_time(self) -> threading.Lock:
@@ -224,8 +229,13 @@ class WeightsService:
             )
         if not 0 < request.master_port < 65536:
             raise BatchValidationError("master_port", "in 1..65535")
-        if not request.timeout_s >= 0:
-            raise BatchValidationError("timeout_s", ">= 0")
+        cap = self.settings.max_group_timeout_s
+        if not 0 <= request.timeout_s <= cap:
+            raise BatchValidationError(
+                "timeout_s",
+                f"0..{cap:g} s (weight_update_limits.max_group_timeout_s, the server's "
+                f"weight_update_timeout_s), got {request.timeout_s:g}",
+            )
         return GroupSpec(
             address,
             request.master_port,
@@ -233,7 +243,7 @@ class WeightsService:
             request.world_size,
             backend,
             request.group_name or "weights",
-            request.timeout_s or DEFAULT_TIMEOUT_S,
+            request.timeout_s or min(DEFAULT_TIMEOUT_S, cap),
         )
 
     def update_group(self, request: pb.UpdateWeightsFromGroupRequest) -> SwapResult:
@@ -301,7 +311,10 @@ def weights_service(
     service = WeightsService(
         servicer._accepting,
         WeightSettings(
-            config.weight_update_root, config.max_weight_update_mib, config.weight_group_addresses
+            config.weight_update_root,
+            config.max_weight_update_mib,
+            config.weight_group_addresses,
+            config.weight_update_timeout_s,
         ),
         on_update=metrics.weights.observe_update,
     )

@@ -413,7 +413,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ..., weight_version: _Optional[str] = ..., weight_update_limits: _Optional[_Union[WeightUpdateLimits, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class WeightUpdateLimits(_message.Message):
-    __slots__ = ("max_update_bytes", "chunk_bytes", "max_tensors", "max_name_bytes", "max_version_bytes", "path_updates", "group_updates")
+    __slots__ = ("max_update_bytes", "chunk_bytes", "max_tensors", "max_name_bytes", "max_version_bytes", "path_updates", "group_updates", "max_group_timeout_s")
     MAX_UPDATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +421,7 @@ class WeightUpdateLimits(_message.Message):
     MAX_VERSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PATH_UPDATES_FIELD_NUMBER: _ClassVar[int]
     GROUP_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     max_update_bytes: int
     chunk_bytes: int
     max_tensors: int
@@ -428,7 +429,8 @@ class WeightUpdateLimits(_message.Message):
     max_version_bytes: int
     path_updates: bool
     group_updates: bool
-    def __init__(self, max_update_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_tensors: _Optional[int] = ..., max_name_bytes: _Optional[int] = ..., max_version_bytes: _Optional[int] = ..., path_updates: _Optional[bool] = ..., group_updates: _Optional[bool] = ...) -> None: ...
+    max_group_timeout_s: float
+    def __init__(self, max_update_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_tensors: _Optional[int] = ..., max_name_bytes: _Optional[int] = ..., max_version_bytes: _Optional[int] = ..., path_updates: _Optional[bool] = ..., group_updates: _Optional[bool] = ..., max_group_timeout_s: _Optional[float] = ...) -> None: ...
 
 class MemoryState(_message.Message):
     __slots__ = ("released", "kv_epoch", "weights_await_update", "bytes", "seconds")
