@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from executor.core.limits import BatchLimits
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.weights.memory import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,8 @@ class ExecutorInfo:
     kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
     # What each performance setting became here and why (the start-up log says the same).
     choices: tuple[SettingChoice, ...] = ()
+    weight_version: str = ""  # the weights in use now
+    memory: MemoryReport | None = None  # released tags, KV epoch
+    # What one weight update may carry at most, from the model (the server may cap less).
+    weight_update_max_tensors: int = 0
+    weight_update_max_bytes: int = 0

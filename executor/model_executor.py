@@ -17,12 +17,14 @@ logits. Runtime toggles are broadcast the same way.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import structlog
+import torch
 
 import executor
 from attention import create_backend, decide_needs_cpu_seq_lens
-from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     ExecutorConfig,
@@ -50,6 +52,7 @@ from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.model_runner import ModelRunner
+from executor.models.decoder_model import DecoderModel
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
@@ -58,6 +61,7 @@ from executor.sampling import Sampler
 from executor.step.clock import StepClock
 from executor.step.graph_control import GraphControl
 from executor.step.step import Step
+from executor.weights.control import WeightsControl
 from ops.device_scope import device_scope, on_own_device
 from ops.h2d_staging import H2DStaging
 
@@ -253,11 +257,29 @@ class ModelExecutor:
             self.control.step_lock,
             comm=self.comm,
         )
+        # Weights and memory changed while serving, between two steps (executor.weights).
+        self.weights = WeightsControl(
+            model=self.model,
+            kv_pool=self.kv_pool,
+            runner=self.runner,
+            toggles=self.toggles,
+            comm=self.comm,
+            device=self.device,
+            dtype=self.dtype,
+            step_lock=self.control.step_lock,
+            reload=self._reload_model,
+            empty_rows=self._empty_rows,
+            on_version=self._set_weight_version,
+        )
+        self.step.weight_version = self.weights.version
+        self.kv_transfer.guard = self.weights.check_serving
+        self.control.memory_guard = self.weights.check_serving
         self.leader: TpLeader | None = None
         if self.comm.enabled and self.comm.rank == 0:
             # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
             self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
             self.control.leader = self.step.leader = self.kv_transfer.leader = self.leader
+            self.weights.leader = self.leader
             self.future.keep_host_mirror()
         log.info(
             "executor ready",
@@ -308,6 +330,10 @@ class ModelExecutor:
             kv_layout=self.kv_transfer.layout,
             kv_transfer_limits=self.kv_transfer.limits,
             choices=(*self.choices, *self.control.choices()),
+            weight_version=self.weights.version,
+            memory=self.weights.report(),
+            weight_update_max_tensors=self.weights.catalog.max_tensors,
+            weight_update_max_bytes=self.weights.catalog.max_bytes,
         )
 
     @on_own_device
@@ -355,9 +381,34 @@ class ModelExecutor:
         `return_logits` adds each request's last-token logits (a host copy) to the output;
         `clock` times the phases (the device worker passes one holding the queue wait).
         """
+        self.weights.check_serving()  # released memory: refused, nothing changes
         return self.step.forward(
             batch, StepClock() if clock is None else clock, return_logits=return_logits
         )
+
+    def _set_weight_version(self, version: str) -> None:
+        self.step.weight_version = version  # under the step lock: between two steps
+
+    def _reload_model(self) -> DecoderModel:
+        """The model file's weights in the served form (ResumeMemory of `weights`)."""
+        loaded = load_model(
+            self.loaded.source.spec,
+            device=self.device,
+            dtype=self.dtype,
+            max_positions=self.model.max_positions,
+            cache_dir=resolve_cache_dir(self.config),
+            quantization=self.loaded.quantization,
+            comm=self.comm,
+            linear_kernel=self.loaded.linear_kernel,
+            quant_kernel=self.loaded.quant_kernel,
+        )
+        return loaded.model
+
+    def _empty_rows(self) -> None:
+        """Release every row, as a batch releases them (ResumeMemory of `kv_cache`)."""
+        rows = torch.arange(1, self.limits.max_reqs + 1, dtype=torch.int64)
+        batch = replace(make_idle_batch(), released_req_pool_indices=rows)
+        self.step.forward(batch, StepClock())
 
     @on_own_device
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,36 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     lines = kv_transfer.table(results).splitlines()
     assert lines[0].startswith("| slots | tokens | MB | runs | chunks | descriptors/MB |")
     assert lines[2].startswith("| contiguous | 40 |") and lines[3].startswith("| pages of 8 | 40 |")
+
+
+@pytest.mark.slow  # the baseline spawns its receiver
+def test_weight_update_times_every_transport_and_the_bare_broadcast(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Tiny-random's whole checkpoint once through each transport and the baseline; every
+    figure is a time, and the executor ends on the last update's version."""
+    from safetensors.torch import save_file
+
+    from benchmarks import weight_update
+    from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+
+    tensors = tiny_random_weights(TINY_CONFIGS["tiny-random"], seed=3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, kv_slots=128)
+    with (
+        running_server(
+            config, weight_update_root=str(tmp_path), weight_group_addresses="127.0.0.1"
+        ) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as client,
+    ):
+        figures = weight_update.measure(client, tensors, "model.safetensors", repeats=1)
+        assert client.info().info.weight_version == "group-1"
+        lines = weight_update.memory(client, os.getpid())
+    assert [f.transport for f in figures] == ["stream", "path", "group", "broadcast"]
+    for f in figures:
+        assert len(f.seconds) == 1 and f.seconds[0] > 0 and f.nbytes == 558336
+        assert f.row().startswith(f"| {f.transport} | 1 |")
+    assert lines[2].startswith("| ReleaseMemory | weights, kv_cache |")
 
 
 @pytest.mark.slow

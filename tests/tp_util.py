@@ -50,7 +50,8 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
     a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank),
     `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
-    `{"batches": [...]}` runs prebuilt batches: the tokens of each."""
+    `{"batches": [...]}` runs prebuilt batches: the tokens of each, and `{"weights": {...}}`
+    updates the weights (`tests.weights_util.transport_update`)."""
     from executor.client.scheduler import generate
     from executor.core.errors import BatchValidationError
 
@@ -68,6 +69,11 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
                 for o in outs
             ]
             results.append(([o.next_token_ids.tolist() for o in outs], extras))
+            continue
+        if "weights" in kw:  # new weights, staged as a transport stages them
+            from tests.weights_util import transport_update
+
+            results.append(transport_update(ex, **kw["weights"]))
             continue
         if "captured" in kw:  # the graph buckets this rank serves: (decode, piecewise)
             runner = ex.runner

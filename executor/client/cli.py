@@ -33,6 +33,7 @@ from executor.client.cli_controls import (
     sampling_controls,
     sampling_params,
 )
+from executor.client.cli_weights import add_weight_commands
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.observability.logs import configure_logging
@@ -436,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--target", default=DEFAULT_TARGET)
     _add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
+    add_weight_commands(sub, DEFAULT_TARGET, _add_tls_arguments, _client)
     return parser
 
 

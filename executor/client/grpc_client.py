@@ -6,6 +6,7 @@
         out = client.forward(batch)            # one step, unary
         for out in client.stream(batches): ... # many steps, pipelined over one stream
         client.update_runtime_config(RuntimeConfigUpdate(eager_input_no_copy=True))
+        client.weights.update(model.named_parameters(), version="step-100")
 
 Batches are the same `ForwardBatch` objects the in-process executor takes, and results the
 same `ForwardOutput`s, so a scheduler runs unchanged in-process or remote. Tensors travel
@@ -31,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.client.allocator import FutureSlotAllocator
 from executor.client.kv_client import KVClient
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
+from executor.client.weights_client import WeightsClient
 from executor.core.controls_types import VocabMask
 from executor.core.extras_types import Pooling
 from executor.core.forward_batch import ForwardBatch
@@ -225,6 +227,12 @@ class ExecutorClient:
         return embed_tokens(
             self.retrying(), self.info().info.limits, tokens, pooling=pooling, layer=layer
         )
+
+    @property
+    def weights(self) -> WeightsClient:
+        """Weight updates and memory calls (`executor.client.weights_client`): operator
+        calls, which need the runtime-config token as `token`."""
+        return WeightsClient(self.channel, self.stub, self._auth)
 
     @property
     def kv(self) -> KVClient:

@@ -119,3 +119,14 @@ class KVStateError(RuntimeError):
 class KVChecksumError(ValueError):
     """A KV chunk whose bytes do not match its checksum or its declared size: the data was
     damaged on the way; nothing was changed. Maps to DATA_LOSS."""
+
+
+class ModelStateError(RuntimeError):
+    """A call the model's state forbids now: its memory is released, its weights await an
+    update, a quantized tensor cannot take the new values, another weight or memory call is
+    in progress; nothing was changed. Maps to FAILED_PRECONDITION."""
+
+
+class WeightChunkError(ValueError):
+    """A weight-update chunk whose checksum, size or place is wrong: the data was damaged on
+    the way; nothing was changed. Maps to DATA_LOSS."""

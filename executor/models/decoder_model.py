@@ -6,7 +6,7 @@ it, builds its layers (`make_layer`) and carries its checkpoint-name tables besi
 - `FUSED_LINEARS`: each fused linear of a layer (its module path) and the Hugging Face
   projections concatenated into it, in order. Every other parameter loads from the
   checkpoint tensor of its own name (`model.` + its path; `lm_head.weight`), and a module
-  with a `load_checkpoint` method gathers its own tensors (grouped expert weights).
+  with a `checkpoint_targets` method lists its own tensors (grouped expert weights).
 - `TP_SPLITS`: Hugging Face name patterns (fnmatch) -> (axis, range) for tensor
   parallelism (`ShardPlan`); a tensor no pattern names is replicated on every rank.
 - `GGUF_NAMES`: GGUF layer tensor names -> Hugging Face layer tensor names (`{e}` in the

@@ -40,6 +40,7 @@ from executor.observability.single_writer_metrics import (
     SingleWriterCounter,
     SingleWriterHistogram,
 )
+from executor.observability.weight_metrics import WeightMetrics
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -251,6 +252,7 @@ class ExecutorMetrics:
         self.toggle_graph_mode_info = gauge(
             "toggle_graph_mode_info", "1 for the current graph mode, 0 for the others.", ("mode",)
         )
+        self.weights = WeightMetrics(r)  # weight updates, version, released memory
         self._scrape_time = ScrapeTimeCollector()
         r.register(self._scrape_time)
         self._http: tuple[WSGIServer, threading.Thread] | None = None

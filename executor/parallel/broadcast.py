@@ -4,7 +4,8 @@ Every command rank 0 sends is one `Command`: `step` (a validated, completed host
 whether its row-table write stays), `toggles` (a runtime-config change, applied between two
 steps on every rank), `kv_read` / `kv_write` (the KV data plane: every rank reads its heads
 of a chunk for rank 0 to gather, or writes its heads of a checked import, `payload` holding
-every rank's bytes), `ping` (the idle heartbeat: proves the workers are alive and keeps
+every rank's bytes), `weights` (a weight update's or memory call's part on every rank,
+`executor.weights.ranks`; `payload`: a stream's tensors), `ping` (the idle heartbeat: proves the workers are alive and keeps
 their wait for the next command inside the collective timeout) and `stop`.
 
 The batch travels as a header (field names, shapes, dtypes, host scalars and lists) encoded
@@ -29,7 +30,8 @@ from executor.parallel.comm import TpComm
 
 STEP, TOGGLES, PING, STOP = "step", "toggles", "ping", "stop"
 KV_READ, KV_WRITE = "kv_read", "kv_write"
-COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE)
+WEIGHTS = "weights"
+COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE, WEIGHTS)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Command:
     toggles: dict[str, Any] = field(default_factory=dict)  # TOGGLES: apply_toggles' arguments
     kv: dict[str, Any] = field(default_factory=dict)  # KV_READ / KV_WRITE: slots, chunk, row
     payload: torch.Tensor | None = None  # KV_WRITE: every rank's staged bytes (uint8, flat)
+    weights: dict[str, Any] = field(default_factory=dict)  # WEIGHTS: the call's header
 
     def __post_init__(self) -> None:
         if self.kind not in COMMANDS:
@@ -112,6 +115,7 @@ def send(comm: TpComm, command: Command) -> None:
         "keep_rows": command.keep_rows,
         "toggles": command.toggles,
         "kv": command.kv,
+        "weights": command.weights,
         "payload": 0 if command.payload is None else int(command.payload.numel()),
     }
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -169,4 +173,5 @@ def receive(comm: TpComm) -> Command:
         toggles=header["toggles"],
         kv=header.get("kv", {}),
         payload=payload,
+        weights=header.get("weights", {}),
     )

@@ -288,6 +288,7 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
         ),
+        weight_version=out.weight_version,
     )
     if out.extras is not None:
         extras_to_proto(out.extras, msg, tensor_to_proto)
@@ -339,6 +340,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
         accepted_lengths=_ragged_lengths(msg, "accepted_tokens"),
         accepted_logprobs=_ragged_values(msg, "accepted_logprobs"),
         extras=extras_from_proto(msg, tensor_from_proto),
+        weight_version=msg.weight_version,
     )
 
 

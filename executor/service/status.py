@@ -13,8 +13,10 @@ from executor.core.errors import (
     BatchValidationError,
     KVChecksumError,
     KVStateError,
+    ModelStateError,
     RuntimeConfigError,
     ToggleRefusedError,
+    WeightChunkError,
 )
 from executor.observability.telemetry import RpcScope, caller_gone
 from executor.observability.tracing import SpanScope
@@ -42,9 +44,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, KVChecksumError):
+    if isinstance(exc, KVChecksumError | WeightChunkError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
-    if isinstance(exc, ToggleRefusedError | KVStateError):
+    if isinstance(exc, ToggleRefusedError | KVStateError | ModelStateError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)

@@ -67,6 +67,8 @@ class GraphControl:
         # Called (on the capture thread) when a background capture ends, either way.
         self.graph_mode_listener: Callable[[], None] | None = None
         self._capture_thread: threading.Thread | None = None
+        # Raises when the model may not run now (its memory is released): no capture then.
+        self.memory_guard: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         """Capture what the start-up graph mode needs (on every rank, in the same order)."""
@@ -198,6 +200,11 @@ class GraphControl:
             needs = self.check_needs_cpu_seq_lens(self.toggles.seq_lens_policy, target)
         except ToggleRefusedError as e:
             raise ToggleRefusedError(f"graph_mode={target}: {e}") from e
+        if self.runner.needs_capture(target):
+            try:
+                self.memory_guard()
+            except RuntimeError as e:
+                raise ToggleRefusedError(f"graph_mode={target}: {e}") from e
         if background and self.runner.needs_capture(target):
             self._capture_in_background(target, needs)
             return []

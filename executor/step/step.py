@@ -102,6 +102,8 @@ class Step:
         self.observer = observer
         self.lock = lock
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
+        # The weights' version; changed only holding `lock`, between two steps.
+        self.weight_version = ""
 
     def forward(
         self, batch: ForwardBatch, clock: StepClock, *, return_logits: bool = False
@@ -116,6 +118,7 @@ class Step:
             with self.lock, self._group():
                 ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
                 self.comm.settle()  # the device is done (the D2H read): a failed NCCL call raises
+                out.weight_version = self.weight_version
         sampled = out.stats  # the sampler's part of the stats
         out.stats = self._stats(admitted.batch, ran, clock, transfers)
         out.stats.control_rows = sampled.control_rows
