@@ -93,6 +93,7 @@ def test_a_cpu_server_with_auto_graphs_captures_decode_graphs_in_the_background(
     assert background_graph_mode(cfg, torch.device("cuda", 0)) is None
 
 
+@pytest.mark.slow
 def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
     cache_dir: Path, tmp_path: Path
 ) -> None:

@@ -47,6 +47,7 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
     assert table[2].startswith("| 1 | ") and "| 1.5x |" in table[2]
 
 
+@pytest.mark.slow
 def test_constrained_decode_pairs_runs_of_the_same_shapes(cache_dir: Path) -> None:
     """One constrained/unconstrained pair at bs 2: the unconstrained run steps the lengths the
     constrained one had, every step of the constrained run carried a mask, and the table has
@@ -127,6 +128,7 @@ def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path)
     assert row.startswith("| looping | ") and row.count("|") == speculative.HEADER.count("|") // 2
 
 
+@pytest.mark.slow
 def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     cache_dir: Path,
 ) -> None:
@@ -155,6 +157,7 @@ def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     assert rows[2].startswith("| 1 | ") and "%)" in rows[2]
 
 
+@pytest.mark.slow
 def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     """A 40-token request moved twice each way between two loopback executors: contiguous
     slots go as one run, pages of 8 as one run per page, and every figure is a rate."""
@@ -217,6 +220,7 @@ def test_weight_update_times_every_transport_and_the_bare_broadcast(
     assert lines[2].startswith("| ReleaseMemory | weights, kv_cache |")
 
 
+@pytest.mark.slow
 def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     """One middle layer of a bs-1 DECODE step on the tiny model, the Triton kernels under
     the interpreter: the torch ops launch about three times what the fused path does, which
@@ -239,6 +243,7 @@ def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     assert table[3].startswith(f"| fused | {fused.total} |")
 
 
+@pytest.mark.slow
 def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     """A few DECODE steps of a served configuration: both batch sizes timed (median >= min),
     readiness timed, the setting choices read, and no background capture waited for."""
@@ -256,6 +261,7 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+@pytest.mark.slow
 def test_hardening_benchmark_measures_access_health_and_headers(
     cache_dir: Path, tmp_path: Path
 ) -> None:

@@ -56,6 +56,7 @@ def test_compiled_step_compiles_whole_decode_steps_and_regional_pieces() -> None
     )
 
 
+@pytest.mark.slow
 def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside(
     make_executor: MakeExecutor, tmp_path: Path
 ) -> None:
@@ -126,6 +127,7 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         assert torch.equal(a.next_token_ids, b.next_token_ids), bs
 
 
+@pytest.mark.slow
 def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -176,6 +178,7 @@ def _decode_matches_eager(
     assert torch.equal(a.next_token_ids, b.next_token_ids)
 
 
+@pytest.mark.slow
 def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -207,6 +210,7 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
         assert seen[-1] == (256 if context < 256 else 1024)  # the graph's step ran last
 
 
+@pytest.mark.slow
 def test_compiled_step_graphs_give_eager_tokens_and_write_the_kv_cache_in_place(
     make_executor: MakeExecutor, tmp_path: Path
 ) -> None:

@@ -30,6 +30,7 @@ from tests.random_batches import BatchGenerator
 MakeExecutor = Callable[..., ModelExecutor]
 
 
+@pytest.mark.slow
 def test_200_random_batches_are_bit_identical_on_the_registry_and_no_copy_paths(
     make_executor: MakeExecutor,
 ) -> None:

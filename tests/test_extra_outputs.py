@@ -73,6 +73,7 @@ def _extend(
     return dataclasses.replace(fb, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "extend"])
 def test_prompt_logprobs_equal_transformers_in_one_batch_and_in_chunks(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path, graph_mode: str
@@ -150,6 +151,7 @@ def test_scores_and_hidden_states_of_each_layer_equal_transformers(
     assert out.stats.path == "eager"
 
 
+@pytest.mark.slow
 def test_mean_pooled_embeddings_over_chunks_and_on_the_decode_graph(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path
 ) -> None:
@@ -186,6 +188,7 @@ def test_mean_pooled_embeddings_over_chunks_and_on_the_decode_graph(
         )
 
 
+@pytest.mark.slow
 def test_oversized_asks_are_refused_and_asking_nothing_costs_nothing(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -266,6 +269,7 @@ def test_the_retry_memory_is_bounded_in_bytes() -> None:
     assert len(memory) == 1 and memory.bytes == 800
 
 
+@pytest.mark.slow
 def test_perplexity_through_grpc_equals_transformers_and_the_cli_scores_files(
     qwen2: tuple[Path, torch.nn.Module],
     cache_dir: Path,

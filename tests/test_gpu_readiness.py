@@ -57,6 +57,7 @@ def _in_thread(fn: Callable[[], Any], name: str) -> Any:
 
 
 # --- the device is current on every thread ------------------------------------------------
+@pytest.mark.slow
 def test_every_thread_runs_device_work_inside_the_executors_device_scope(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,6 +134,7 @@ def test_device_scope_makes_cuda_n_current_and_launch_checks_refuse_without_it(
 
 
 # --- capture failures: poisoned (stop for good) vs a clean out-of-memory (skip one) --------
+@pytest.mark.slow
 def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,6 +173,7 @@ def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     )
 
 
+@pytest.mark.slow
 def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -463,6 +466,7 @@ def _gated_executor(make_executor: MakeExecutor) -> tuple[ModelExecutor, _Betwee
     return ex, gate
 
 
+@pytest.mark.slow
 def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     make_executor: MakeExecutor,
 ) -> None:
@@ -497,6 +501,7 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     assert out.stats.path == "piecewise"
 
 
+@pytest.mark.slow
 def test_a_background_capture_builds_its_registries_holding_the_step_lock(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -523,6 +528,7 @@ def test_a_background_capture_builds_its_registries_holding_the_step_lock(
     assert held == [("build_decode_registry", True), ("build_prefill_registry", True)]
 
 
+@pytest.mark.slow
 def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8,16")
     [report] = ex.control.capture_reports
@@ -531,6 +537,7 @@ def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor
 
 
 # --- torch_paged refuses DECODE graphs on CUDA ----------------------------------------------
+@pytest.mark.slow
 def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -549,6 +556,7 @@ def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     assert ex.runner.decode_graphs is None
 
 
+@pytest.mark.slow
 def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
     make_executor: MakeExecutor,
 ) -> None:

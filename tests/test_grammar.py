@@ -133,6 +133,7 @@ def _generate(server: RunningServer, *, stream: bool) -> list[tuple[dict[str, An
     return [(schema, str(r.finish_reason), tok.decode(r.output_ids)) for schema, r in reqs]
 
 
+@pytest.mark.slow
 def test_json_schema_generation_through_grpc_parses_and_validates(server: RunningServer) -> None:
     """Unary batches carry their masks inline; on a stream with overlap each mask follows its
     batch (deferred) while the step runs. Both give JSON the schema accepts, the same tokens."""
@@ -196,6 +197,7 @@ def test_generate_flags_parse_into_sampling_controls() -> None:
             sampling_controls(parser.parse_args(["generate", "hi", *bad]))
 
 
+@pytest.mark.slow
 def test_cli_generate_with_a_json_schema_and_controls(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -527,6 +527,7 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
 
 
+@pytest.mark.slow
 def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -580,6 +581,7 @@ def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
         assert b.executor is not None and b.executor.req_to_token_pool.rows_in_use() == 0
 
 
+@pytest.mark.slow
 def test_a_push_between_mtls_executors_uses_the_servers_own_identity(tmp_path: Path) -> None:
 
     ca, other = TestCA(tmp_path, "fleet"), TestCA(tmp_path, "other")
@@ -791,6 +793,7 @@ def test_a_push_whose_source_read_fails_mid_stream_writes_nothing_on_the_peer(
     assert cache_digest(b.executor) == before
 
 
+@pytest.mark.slow
 def test_kv_calls_have_their_own_limit_apart_from_forward(tmp_path: Path) -> None:
     """KV calls take their own places (max_kv_calls): with every Forward place held by open
     streams a KV call still runs, and with every KV place held by stalled imports a KV call

@@ -127,6 +127,7 @@ def test_dashboards_and_alerts_cover_the_contract() -> None:
     assert set(CONTRACT) - used == set(), "contract metrics no dashboard or alert shows"
 
 
+@pytest.mark.slow
 def test_prometheus_helper_scrapes_a_target(
     prometheus_binaries: PrometheusBinaries, tmp_path: Path
 ) -> None:

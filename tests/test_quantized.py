@@ -216,6 +216,7 @@ def test_cli_refuses_a_bad_combination_before_serving(
     assert "model-executor: error: quantization=gguf keeps a GGUF file's own blocks" in err
 
 
+@pytest.mark.slow
 def test_cli_generates_with_quantized_weights(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,6 +370,7 @@ def test_cuda_int4_linear_equals_f_linear(qtype: Q) -> None:
 GRAPH_LOGIT_TOLERANCE = {"torch": ROUNDED_TOL, "qmm": 0.05}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_kernel", ["qmm"])  # torch's kernels: the whole-step test below
 def test_quantized_layers_run_on_the_graph_paths(
     tmp_path: Path, cache_dir: Path, quant_kernel: str
@@ -412,6 +414,7 @@ def test_quantized_layers_run_on_the_graph_paths(
     assert {"full_graph", "piecewise"} <= paths, paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_kernel", ["qmm", "torch"])
 def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
     tmp_path: Path, cache_dir: Path, quant_kernel: str
@@ -447,6 +450,7 @@ def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
     assert graph.forward(step).stats.path == "full_graph"
 
 
+@pytest.mark.slow
 def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -82,6 +82,7 @@ def test_off_is_refused_where_a_backend_reads_host_lengths(make_executor: MakeEx
     assert ex.runner.toggles.needs_cpu_seq_lens is True
 
 
+@pytest.mark.slow
 def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_paged", graph_mode="extend")
     assert ex.toggles.needs_cpu_seq_lens is True
@@ -90,6 +91,7 @@ def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> 
     assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
 
 
+@pytest.mark.slow
 def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: MakeExecutor) -> None:
     captures: list[tuple[str, bool]] = []
 

@@ -313,6 +313,7 @@ def test_vocab_mask_rows_and_empty_mask_refusal(make_executor: MakeExecutor) -> 
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["decode", "extend"])
 def test_controls_apply_on_the_graph_paths(make_executor: MakeExecutor, graph_mode: str) -> None:
     c = CONTROLS["all_penalties"]
@@ -436,6 +437,7 @@ def test_a_deferred_mask_is_awaited_at_sampling_and_a_late_one_undoes_the_step(
 # --- over gRPC -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_controls_over_grpc_getinfo_caps_retries_and_metrics(tmp_path: Path) -> None:
     with (
         running_server(tiny_config(tmp_path)) as srv,

@@ -212,6 +212,7 @@ def test_a_bad_batch_ends_only_its_own_stream(
     assert client.forward(good).next_token_ids.shape == (1,)
 
 
+@pytest.mark.slow
 def test_eight_concurrent_clients_fifty_steps_each(server: RunningServer, tmp_path: Path) -> None:
     def run(worker: int) -> list[int]:
         row, base = 1 + worker, 1 + worker * 100
@@ -303,6 +304,7 @@ def test_reference_scheduler_through_the_server_equals_in_process(
     assert [streamed[r.rid] for r in reqs] == expected  # tokens were streamed back as they came
 
 
+@pytest.mark.slow
 def test_rows_the_scheduler_releases_stop_counting_as_used(tmp_path: Path) -> None:
     with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
         remote = c.info()

@@ -85,6 +85,7 @@ def test_health_moves_not_serving_serving_not_serving(
             assert drained.result(timeout=30) is True
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "server.log"
@@ -157,6 +158,7 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
     assert drained["finished"] is True
 
 
+@pytest.mark.slow
 def test_the_health_port_answers_while_the_data_plane_is_saturated(tmp_path: Path) -> None:
     """Every handler thread of the main port held by calls that never finish (idle streams,
     reflection streams, unary calls whose body never arrives): the health-only server, with

@@ -165,6 +165,7 @@ def _tiny(**changes: object) -> ExecutorConfig:
     return ExecutorConfig(**values)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_tiny_random_tp2_matches_tp1() -> None:
     """Greedy and seeded sampling at tp 2 give tp 1's tokens, eagerly; a refused batch changes
     nothing on any rank; and, after a runtime toggle (broadcast to the worker, which captures
@@ -252,6 +253,7 @@ def test_an_executor_of_tp_size_2_needs_its_process_group() -> None:
         ModelExecutor(_tiny(tp_size=2))
 
 
+@pytest.mark.slow
 def test_sampling_controls_at_tp2_match_tp1() -> None:
     """Rank 0 keeps the controls and samples; the workers run the same steps without them."""
     from tests.test_sampling_controls import overlap_batches
@@ -268,6 +270,7 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
     assert all(t[1] in (3, 40, 41) for t in want[0][0])
 
 
+@pytest.mark.slow
 def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
     """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
     the replicated hidden states and the gathered logits."""
@@ -295,6 +298,7 @@ def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
         )
 
 
+@pytest.mark.slow
 def test_tp_steps_run_with_pickle_forbidden_on_every_rank() -> None:
     """Every way into pickle raises on both ranks while steps, refusals and a toggle are
     broadcast: the generation still matches tp 1, so nothing on the path pickles."""
@@ -332,6 +336,7 @@ def test_nothing_on_the_tp_broadcast_path_unpickles() -> None:
     assert not hasattr(TpComm, "broadcast_object")
 
 
+@pytest.mark.slow
 def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
     """Rank 1 loses decode bucket 2 and piecewise bucket 16 (an injected out-of-memory
     capture); after start-up both ranks keep the intersection (rank 0 drops them too), so
@@ -351,6 +356,7 @@ def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
     assert {"full_graph", "piecewise"} <= set(paths), paths
 
 
+@pytest.mark.slow
 def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
     """The capture loop follows the group: a bucket another rank failed is dropped here
     (`drop`) and reported, and a poisoned capture elsewhere poisons this factory and ends
