@@ -20,6 +20,9 @@ from executor.weights.memory import KV_CACHE, TAGS, WEIGHTS, device_free_bytes
 from executor.weights.writer import digest
 from tests.weights_util import config, fresh, greedy, new_weights, update
 
+# Every test here loads an executor or starts a server: over half a second each.
+pytestmark = pytest.mark.slow
+
 # Large enough that the resident set shows it plainly: ~85 MB of weights, 64 MiB of KV.
 _MEDIUM = replace(
     TINY_CONFIGS["tiny-random"],

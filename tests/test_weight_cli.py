@@ -13,6 +13,9 @@ from executor.model_executor import ModelExecutor
 from tests.server_util import running_server
 from tests.weights_util import config, greedy, new_weights, saved
 
+# Every test here loads an executor or starts a server: over half a second each.
+pytestmark = pytest.mark.slow
+
 
 def test_cli_updates_releases_and_resumes(
     tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]

@@ -18,6 +18,9 @@ from tests.parity_util import check_parity
 from tests.test_model_families import SMALL, _randomize
 from tests.weights_util import config, greedy, update
 
+# Every test here loads an executor or starts a server: over half a second each.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 PROMPT_LENGTHS = (1, 7, 40)

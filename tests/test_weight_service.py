@@ -26,6 +26,9 @@ from model_executor.v1 import executor_pb2 as pb
 from tests.server_util import Scrape, running_server
 from tests.weights_util import config, greedy, new_weights, saved
 
+# Every test here loads an executor or starts a server: over half a second each.
+pytestmark = pytest.mark.slow
+
 TOKEN = "operator-secret"
 
 

@@ -17,6 +17,9 @@ from executor.weights.writer import digest
 from tests.gguf_writer import write_gguf
 from tests.weights_util import config, fresh, greedy, new_weights, update
 
+# Every test here loads an executor or starts a server: over half a second each.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(
     ("model", "overrides"),
