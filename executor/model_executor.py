@@ -17,6 +17,7 @@ logits. Runtime toggles are broadcast the same way.
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
 
 import structlog
 
@@ -42,17 +43,19 @@ from executor.core.forward_batch import ForwardBatch
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
+from executor.core.step_batch import StepBatch
 from executor.core.toggles import Toggles
 from executor.extras.compute import PooledSums
 from executor.extras.feature import Extras
 from executor.future_tokens import FutureTokens, FutureTokenTable
 from executor.graphs.settings import graph_settings
-from executor.info import ExecutorInfo, SettingChoice
+from executor.info import ExecutorInfo, SettingChoice, pipeline_choice
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.model_runner import ModelRunner
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
+from executor.models.standin import StandIn
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
@@ -61,6 +64,7 @@ from executor.sampling import Sampler
 from executor.speculative.speculation import Speculation
 from executor.step.graph_control import GraphControl
 from executor.step.step import Step
+from executor.step.timeline import DeviceTimeline
 from ops.device_scope import device_scope, on_own_device
 from ops.h2d_staging import H2DStaging
 
@@ -131,7 +135,10 @@ class ModelExecutor:
             SettingChoice("quantization", loaded.quantization, why),
             SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
             SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
+            pipeline_choice(config, self.device),
         )
+        # The device thread prepares the next batch while a step runs (device_worker).
+        self.pipelines = self.choices[-1].value == "on"
         self.model = loaded.model
         mcfg = loaded.config
         max_context_len = resolve_max_context_len(config, mcfg)
@@ -192,6 +199,9 @@ class ModelExecutor:
             cache_dir=resolve_cache_dir(config),
             stop=stop,
             future_tokens=self.future.tokens,
+            standin=StandIn(mcfg.vocab_size, mcfg.hidden_size, self.dtype, self.future.tokens)
+            if config.simulated_step_ms
+            else None,
         )
         self.control = GraphControl(
             self.toggles,
@@ -250,6 +260,7 @@ class ModelExecutor:
             comm=self.comm,
             observer=self.observer,
             lock=self.control.step_lock,
+            timeline=DeviceTimeline(self.device, config.simulated_step_ms),
         )
         # The KV data plane: this rank's heads of a request's K/V, out of and into the pool.
         self.kv_transfer = KVTransfer(
@@ -372,6 +383,38 @@ class ModelExecutor:
         return self.step.forward(
             batch, StepClock() if clock is None else clock, return_logits=return_logits
         )
+
+    # The step in halves, for the device thread's pipeline (`executor.service.device_worker`):
+    # prepare N+1 between N's launch and N's read.
+    @on_own_device
+    def prepare(self, batch: ForwardBatch, clock: StepClock) -> StepBatch:
+        """Admit and stage a batch (every refusal first; its state changes applied)."""
+        sb = self.step.admit(batch, clock)
+        self.step.stage(sb)
+        return sb
+
+    @on_own_device
+    def launch(self, sb: StepBatch) -> None:
+        self.step.launch(sb)
+
+    @on_own_device
+    def finish(self, sb: StepBatch) -> ForwardOutput:
+        """Read a launched step: its answer (undone if the read fails)."""
+        return self.step.read(sb)
+
+    @on_own_device
+    def undo(self, sb: StepBatch) -> None:
+        """Undo a staged step that will not launch (the step before it failed)."""
+        self.step.undo(sb)
+
+    @property
+    def step_lock(self) -> AbstractContextManager[bool]:
+        """Held over a whole step (a background capture's buckets wait for it, re-entrant)."""
+        return self.control.step_lock
+
+    def seconds_to_ready(self, sb: StepBatch) -> float:
+        """How long before a launched step's results can be read (0: now)."""
+        return self.step.timeline.seconds_to_ready(sb.launched())
 
     @on_own_device
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
