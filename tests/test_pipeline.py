@@ -428,3 +428,29 @@ def test_the_stand_in_timeline_counts_the_gap_only_while_a_batch_waited() -> Non
     assert late.host_gap_ns == 1 * ms
     idle = step(launched_ns=40 * ms, queued_ns=39 * ms)  # nothing queued from 17 to 39
     assert idle.host_gap_ns == 1 * ms
+
+
+def test_a_step_is_answered_after_the_next_prepared_batch_is_launched(
+    executors: Callable[..., ModelExecutor],
+) -> None:
+    """The device does not wait for the host's answer to N: N+1 (prepared while N ran) is
+    launched first; a batch not prepared ahead (nothing queued) gets N's answer at once."""
+    ex = executors(simulated_step_ms=1.0)
+    events: list[str] = []
+    launch = ex.launch
+
+    def logged_launch(sb: object) -> None:
+        events.append(f"launch {len(events)}")
+        launch(sb)  # type: ignore[arg-type]
+
+    ex.launch = logged_launch  # type: ignore[method-assign]
+    worker = DeviceWorker(ex, queue_size=8)
+    batches = feature_script(ex.limits.vocab_size)[:3]
+    jobs = [worker.submit(b, i + 1) for i, b in enumerate(batches)]
+    for i, job in enumerate(jobs):
+        job.future.add_done_callback(lambda _, i=i: events.append(f"answer {i}"))
+    worker.start()
+    assert worker.wait_idle(60)
+    worker.stop(10)
+    order = [e.split()[0] for e in events]
+    assert order == ["launch", "launch", "answer", "launch", "answer", "answer"], events

@@ -6,7 +6,8 @@ future was cancelled before it started (its stream failed) is skipped.
 
 The pipeline: the device thread launches step N (its device work enqueued, the copy of its
 results to the host with it), then takes the next queued batch and admits and stages it
-while N runs on the device, then reads N and answers. N+1 is admitted against the state N
+while N runs on the device, then reads N, launches N+1 and only then answers N (the
+device does not wait for N's answer and metrics). N+1 is admitted against the state N
 leaves (N's host-side effects are applied when N is staged; a part whose read changes what
 admission reads, VERIFY's truncation, stops the pipeline for one step: `admits_next_early`).
 Where the forward is synchronous (a CPU device) the next batch is taken after N's answer, as
@@ -17,17 +18,8 @@ one step at a time (`ModelExecutor.pipelines`). The rules hold across the two:
 - a batch taken ahead is not prepared early when it may depend on N's answer being stored
   (the same `batch_id`: a retry of N) or recorded (another caller's, with tenancy on).
 
-What the device thread checks before it runs a job, so that nothing is applied that no one
-is waiting for:
-- the job's RPC is still active (`Job.is_active`, the gRPC context's) and its deadline has
-  not passed: else the job is answered `RpcEndedError` and not run (checked again just
-  before the launch of a batch prepared ahead);
-- the job's stream (`Job.stream`) has no failed batch: once a batch of a stream is refused or
-  fails on the device thread, every later batch of that stream is answered
-  `StreamFailedError` without running. The flag is set on the device thread before it takes
-  the next job's turn, so which batches of a failed stream ran is never a race;
-- the job's `batch_id` is not among the recently applied ones (`AppliedBatches`): a retry is
-  answered with the stored output and not applied again.
+What the device thread checks before it runs a job (its RPC alive, its stream not failed,
+not a retry): `executor.service.jobs`.
 
 `close()` is the stop marker: no job is accepted after it (`WorkerClosedError`), and the
 thread ends once the jobs already accepted have run. `abandon()` answers every job still
@@ -61,6 +53,7 @@ from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
 from executor.service.jobs import (
     ControlJob,
+    HeldAnswer,
     Job,
     QueueFullError,
     StreamState,
@@ -222,6 +215,7 @@ class DeviceWorker:
     # --- the device thread ---------------------------------------------------------------
     def _run(self) -> None:
         ahead: object = _NOTHING  # what was taken from the queue while a step ran
+        answer: HeldAnswer | None = None  # the step before `ahead`'s, sent after its launch
         while True:
             item = self._queue.get() if ahead is _NOTHING else ahead
             ahead = _NOTHING
@@ -234,7 +228,7 @@ class DeviceWorker:
             assert isinstance(item, Turn | Job)
             turn = item if isinstance(item, Turn) else self._turn(item)
             if turn is not None:
-                ahead = self._serve(turn)
+                ahead, answer = self._serve(turn, answer)
 
     def _take(self, job: Job | ControlJob) -> bool:
         """Count the job as running; False (and finished) when it was cancelled first."""
@@ -264,37 +258,48 @@ class DeviceWorker:
         finally:
             self._finish(job)
 
-    def _serve(self, turn: Turn) -> object:
-        """Run one batch's turn: prepare it (unless it was, ahead), launch it, take the next
-        job ahead and prepare it while this one runs, read this one and answer. Returns what
-        was taken ahead (`_NOTHING`: nothing). Never raises."""
-        job = turn.job
+    def _serve(self, turn: Turn, before: HeldAnswer | None) -> tuple[object, HeldAnswer | None]:
+        """Run one batch's turn: prepare it (unless it was, ahead), launch it, send `before`
+        (the answer of the step before it), take the next job ahead and prepare it while this
+        one runs, read this one. Returns what was taken ahead (`_NOTHING`: nothing) and this
+        one's answer when it waits for the launch of the batch prepared ahead (so that the
+        device starts that one before the host answers this one). Never raises."""
+        job, answer = turn.job, None
         try:
             with self.executor.step_lock:  # one turn between two background-capture buckets
-                return self._serve_locked(turn)
+                ahead, answer = self._serve_locked(turn, before)
+                return ahead, answer
         finally:
-            self._finish(job)
+            self._send(before)  # (sent already, unless this turn ended early)
+            if answer is None:
+                self._finish(job)
 
-    def _serve_locked(self, turn: Turn) -> object:
+    def _serve_locked(
+        self, turn: Turn, before: HeldAnswer | None
+    ) -> tuple[object, HeldAnswer | None]:
         job = turn.job
         if not turn.prepared:
             self._prepare(turn, on_device=True)
         sb = turn.sb
         if sb is None:  # refused, failed before its launch, or answered from memory
+            self._send(before)
             self._answer_unrun(turn)
-            return _NOTHING
+            return _NOTHING, None
         refusal = job.refusal() if turn.ahead else None  # it waited, prepared ahead
         if refusal is not None:
-            self._undo(sb)
+            self._send(before)
+            self.executor.undo(sb)
             self._fail(job, refusal)
-            return _NOTHING
+            return _NOTHING, None
         self._on_device = (job.batch_id, time.monotonic(), sb.clock)
         with self._scope(job):
             try:
                 self.executor.launch(sb)
             except BaseException as exc:  # undone by the step
+                self._send(before)
                 self._fail(job, exc)
-                return _NOTHING
+                return _NOTHING, None
+        self._send(before)  # the device has this step: the host answers the one before
         ahead = self._take_ahead(job, sb)
         with self._scope(job):
             try:
@@ -303,9 +308,21 @@ class DeviceWorker:
                 if isinstance(ahead, Turn):
                     self._forget(ahead)
                 self._fail(job, exc)
-                return ahead
+                return ahead, None
+        if isinstance(ahead, Turn) and ahead.sb is not None:
+            return ahead, HeldAnswer(job, out)  # sent once `ahead` is launched
         self._done(job, out)
-        return ahead
+        return ahead, None
+
+    def _send(self, answer: HeldAnswer | None) -> None:
+        """A step's answer held for the next launch: sent (once), and the job finished."""
+        if answer is None or answer.sent:
+            return
+        answer.sent = True
+        try:
+            self._done(answer.job, answer.out, on_device=False)
+        finally:
+            self._finish(answer.job)
 
     def _prepare(self, turn: Turn, *, on_device: bool) -> None:
         """Refusals, the retry memory, then the executor's admission and staging. `on_device`:
@@ -366,15 +383,12 @@ class DeviceWorker:
         """The step before `turn` failed: nothing prepared for it survives."""
         if turn.sb is not None:
             try:
-                self._undo(turn.sb)
+                self.executor.undo(turn.sb)
             except BaseException as exc:
                 turn.forget()
                 turn.prepared, turn.error = True, exc
                 return
         turn.forget()
-
-    def _undo(self, sb: StepBatch) -> None:
-        self.executor.undo(sb)
 
     def _answer_unrun(self, turn: Turn) -> None:
         if turn.answer is not None:
@@ -394,8 +408,10 @@ class DeviceWorker:
         if self.on_device_error is not None and is_sticky_device_error(exc):
             self.on_device_error(exc)
 
-    def _done(self, job: Job, out: ForwardOutput) -> None:
-        self._on_device = None
+    def _done(self, job: Job, out: ForwardOutput, *, on_device: bool = True) -> None:
+        """Answer an applied step (`on_device`: no other step is on the device now)."""
+        if on_device:
+            self._on_device = None
         if self.tenants is not None:
             self.tenants.record_batch(job.batch, job.caller)
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.

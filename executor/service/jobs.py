@@ -1,4 +1,17 @@
-"""What the device thread runs: batch jobs and control jobs, their errors, their streams."""
+"""What the device thread runs: batch jobs and control jobs, their errors, their streams.
+
+What the device thread checks before it runs a job, so that nothing is applied that no one
+is waiting for:
+- the job's RPC is still active (`Job.is_active`, the gRPC context's) and its deadline has
+  not passed: else the job is answered `RpcEndedError` and not run (checked again just
+  before the launch of a batch prepared ahead);
+- the job's stream (`Job.stream`) has no failed batch: once a batch of a stream is refused or
+  fails on the device thread, every later batch of that stream is answered
+  `StreamFailedError` without running. The flag is set on the device thread before it takes
+  the next job's turn, so which batches of a failed stream ran is never a race;
+- the job's `batch_id` is not among the recently applied ones (`AppliedBatches`): a retry is
+  answered with the stored output and not applied again.
+"""
 
 from __future__ import annotations
 
@@ -114,3 +127,12 @@ class Turn:
         """Back to taken-but-not-prepared (its staging was undone)."""
         self.prepared, self.ahead = False, False
         self.sb, self.answer, self.error = None, None, None
+
+
+@dataclass(eq=False)
+class HeldAnswer:
+    """A read step's answer, sent after the launch of the batch prepared while it ran."""
+
+    job: Job
+    out: ForwardOutput
+    sent: bool = False
