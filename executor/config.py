@@ -37,6 +37,7 @@ LOADED_QUANTIZATIONS = QUANTIZATION_MODES[1:]
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 QUANT_KERNELS = ("auto", "qmm", "torch")
+PIPELINE_STEPS = ("auto", "on", "off")
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -193,6 +194,20 @@ class ExecutorConfig:
         "run eager steps on the batch's own tensors instead of staging them through the eager "
         "input registry (saves one device copy per staged field per step); a runtime toggle too",
     )
+    pipeline_steps: str = setting(
+        "auto",
+        "auto | on | off: admit and stage the next queued batch while a step runs on the "
+        "device (launch, prepare the next, read); auto = on where the forward runs "
+        "asynchronously (CUDA, simulated_step_ms), off on a CPU device, whose forward is "
+        "synchronous (on there only reorders the host's work: for tests)",
+    )
+    simulated_step_ms: float = setting(
+        0.0,
+        "a stand-in accelerator, for measuring the pipeline (and testing a scheduler's) "
+        "without a GPU: each step's device work takes this many ms after its launch, the host "
+        "free meanwhile, and the model is replaced by a deterministic stand-in (next token = "
+        "(31 * last input id + 7 * position + 11) mod vocab; README); 0 = off",
+    )
     tp_size: int = setting(
         1,
         "tensor-parallel ranks (one device each; gloo on CPU, NCCL on CUDA): serve starts "
@@ -215,6 +230,13 @@ class ExecutorConfig:
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
         if self.model_sha256:
             check_digest_setting(self.model_sha256)
+        if self.pipeline_steps not in PIPELINE_STEPS:
+            raise ValueError(
+                f"pipeline_steps must be one of {', '.join(PIPELINE_STEPS)}, "
+                f"got {self.pipeline_steps!r}"
+            )
+        if not 0 <= self.simulated_step_ms <= 10_000:
+            raise ValueError(f"simulated_step_ms must be in 0..10000, got {self.simulated_step_ms}")
         if not self.deferred_mask_timeout_s > 0:
             raise ValueError(
                 f"deferred_mask_timeout_s must be > 0, got {self.deferred_mask_timeout_s}"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.weights.memory import MemoryReport
@@ -50,3 +53,16 @@ class ExecutorInfo:
     # What one weight update may carry at most, from the model (the server may cap less).
     weight_update_max_tensors: int = 0
     weight_update_max_bytes: int = 0
+
+
+def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoice:
+    """Whether the device thread prepares the next batch while a step runs (`pipeline_steps`)."""
+    if config.pipeline_steps != "auto":
+        return SettingChoice("pipeline_steps", config.pipeline_steps, "configured")
+    if config.simulated_step_ms:
+        return SettingChoice(
+            "pipeline_steps", "on", "auto: the stand-in's steps run asynchronously"
+        )
+    if device.type == "cuda":
+        return SettingChoice("pipeline_steps", "on", "auto: CUDA runs a step asynchronously")
+    return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")

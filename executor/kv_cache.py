@@ -8,7 +8,7 @@ whose entries are all 0, and padded tokens write their K/V into slot 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,20 +160,17 @@ class RowCells:
     n_shared: int  # the first n_shared cells are prefix_cache_loc (shared reads)
 
     def staged_fields(self) -> list[StagedField]:
-        """For the step's one staged copy; `from_views` rebuilds the device cells."""
+        """For the step's one staged copy; `on_device` rebuilds the device cells."""
         return [
             StagedField("row_cells.rows", self.rows, torch.int64),
             StagedField("row_cells.cols", self.cols, torch.int64),
             StagedField("row_cells.values", self.values, torch.int32),
         ]
 
-    def from_views(self, views: Mapping[str, torch.Tensor]) -> RowCells:
-        return RowCells(
-            views["row_cells.rows"],
-            views["row_cells.cols"],
-            views["row_cells.values"],
-            self.n_shared,
-        )
+    def on_device(self, staged: Sequence[torch.Tensor]) -> RowCells:
+        """The same cells from their staged copies (`staged_fields`' order)."""
+        rows, cols, values = staged
+        return RowCells(rows, cols, values, self.n_shared)
 
 
 @dataclass(frozen=True)

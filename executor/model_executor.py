@@ -17,6 +17,7 @@ logits. Runtime toggles are broadcast the same way.
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
 import structlog
@@ -38,29 +39,37 @@ from executor.config import (
     resolve_max_context_len,
 )
 from executor.controls.step_controls import CONTROL_NAMES, StepControls
+from executor.core.clock import StepClock
 from executor.core.errors import TestHooks
+from executor.core.features import StepFeature
 from executor.core.forward_batch import ForwardBatch
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
+from executor.core.step_batch import StepBatch
 from executor.core.toggles import Toggles
-from executor.future_tokens import FutureTokenTable
+from executor.extras.compute import PooledSums
+from executor.extras.feature import Extras
+from executor.future_tokens import FutureTokens, FutureTokenTable
 from executor.graphs.compile_cache import use_compile_caches
 from executor.graphs.settings import graph_settings
-from executor.info import ExecutorInfo, SettingChoice
+from executor.info import ExecutorInfo, SettingChoice, pipeline_choice
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.model_runner import ModelRunner
 from executor.models.decoder_model import DecoderModel
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
+from executor.models.standin import StandIn
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
+from executor.row_table import RowTable
 from executor.sampling import Sampler
-from executor.step.clock import StepClock
+from executor.speculative.speculation import Speculation
 from executor.step.graph_control import GraphControl
 from executor.step.step import Step
+from executor.step.timeline import DeviceTimeline
 from executor.weights.control import WeightsControl
 from ops.device_scope import device_scope, on_own_device
 from ops.h2d_staging import H2DStaging
@@ -142,7 +151,10 @@ class ModelExecutor:
             SettingChoice("quantization", loaded.quantization, why),
             SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
             SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
+            pipeline_choice(config, self.device),
         )
+        # The device thread prepares the next batch while a step runs (device_worker).
+        self.pipelines = self.choices[-1].value == "on"
         self.model = loaded.model
         mcfg = loaded.config
         max_context_len = resolve_max_context_len(config, mcfg)
@@ -206,6 +218,9 @@ class ModelExecutor:
             cache_dir=resolve_cache_dir(config),
             stop=stop,
             future_tokens=self.future.tokens,
+            standin=StandIn(mcfg.vocab_size, mcfg.hidden_size, self.dtype, self.future.tokens)
+            if config.simulated_step_ms
+            else None,
         )
         self.control = GraphControl(
             self.toggles,
@@ -219,31 +234,59 @@ class ModelExecutor:
         if not compile_only:  # on every rank, in the same order (captures run collectives)
             self.control.start()
         self.hooks = TestHooks()
+        sampler = Sampler(self.device, config.seed)
+        self.controls = StepControls(
+            self.limits,
+            mcfg.eos_token_ids,
+            self.device,
+            deferred_mask_timeout_s=config.deferred_mask_timeout_s,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            future_table=self.future.tokens,
+        )
+        row_table = RowTable(self.req_to_token_pool)
+        # The step's features, in hook order (`executor.core.features`): a new feature is one
+        # more entry here; `Step` names none of them.
+        self.features: list[StepFeature] = [
+            Speculation(
+                self.controls.slot_tokens,
+                self.limits,
+                pool=self.req_to_token_pool,
+                future_table=self.future.tokens,
+                tp_size=self.comm.size,
+                generator=sampler.generator,
+            ),
+            row_table,
+            FutureTokens(self.future),
+            Extras(
+                self.limits,
+                self.model,
+                PooledSums(self.limits.max_reqs, mcfg.hidden_size, self.device),
+                future_table=self.future.tokens,
+                tp_size=self.comm.size,
+            ),
+            self.controls,
+        ]
         self.step = Step(
             limits=self.limits,
             allow_custom_positions=config.allow_custom_positions,
-            pool=self.req_to_token_pool,
+            row_table=row_table,
             future=self.future,
+            features=self.features,
             runner=self.runner,
-            sampler=Sampler(self.device, config.seed),
+            sampler=sampler,
             staging=H2DStaging(self.device),
-            controls=StepControls(
-                self.limits,
-                mcfg.eos_token_ids,
-                self.device,
-                deferred_mask_timeout_s=config.deferred_mask_timeout_s,
-            ),
             toggles=self.toggles,
             hooks=self.hooks,
             comm=self.comm,
             observer=self.observer,
             lock=self.control.step_lock,
+            timeline=DeviceTimeline(self.device, config.simulated_step_ms),
         )
         # The KV data plane: this rank's heads of a request's K/V, out of and into the pool.
         self.kv_transfer = KVTransfer(
             self.req_to_token_pool,
             self.kv_pool,
-            self.step.controls.slot_tokens,
+            self.controls.slot_tokens,
             KVLayout(
                 num_layers=mcfg.num_layers,
                 kv_heads=plan.num_kv_heads,
@@ -352,9 +395,7 @@ class ModelExecutor:
                 input_ids=[0], req_pool_indices=[0], seq_lens=[n + 1], out_cache_loc=[0]
             ),
         ):
-            with self.control.step_lock:
-                admitted = self.step.complete(batch)
-                self.step.run(admitted, StepClock(), return_logits=False, keep_rows=False)
+            self.step.warm(batch)
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""
@@ -409,6 +450,38 @@ class ModelExecutor:
         rows = torch.arange(1, self.limits.max_reqs + 1, dtype=torch.int64)
         batch = replace(make_idle_batch(), released_req_pool_indices=rows)
         self.step.forward(batch, StepClock())
+
+    # The step in halves, for the device thread's pipeline (`executor.service.device_worker`):
+    # prepare N+1 between N's launch and N's read.
+    @on_own_device
+    def prepare(self, batch: ForwardBatch, clock: StepClock) -> StepBatch:
+        """Admit and stage a batch (every refusal first; its state changes applied)."""
+        sb = self.step.admit(batch, clock)
+        self.step.stage(sb)
+        return sb
+
+    @on_own_device
+    def launch(self, sb: StepBatch) -> None:
+        self.step.launch(sb)
+
+    @on_own_device
+    def finish(self, sb: StepBatch) -> ForwardOutput:
+        """Read a launched step: its answer (undone if the read fails)."""
+        return self.step.read(sb)
+
+    @on_own_device
+    def undo(self, sb: StepBatch) -> None:
+        """Undo a staged step that will not launch (the step before it failed)."""
+        self.step.undo(sb)
+
+    @property
+    def step_lock(self) -> AbstractContextManager[bool]:
+        """Held over a whole step (a background capture's buckets wait for it, re-entrant)."""
+        return self.control.step_lock
+
+    def seconds_to_ready(self, sb: StepBatch) -> float:
+        """How long before a launched step's results can be read (0: now)."""
+        return self.step.timeline.seconds_to_ready(sb.launched())
 
     @on_own_device
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:

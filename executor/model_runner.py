@@ -33,6 +33,7 @@ from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
 from executor.models.blocks import LayerFns, compile_layer_fns
 from executor.models.decoder_model import DecoderModel
+from executor.models.standin import StandIn
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats
 
@@ -68,10 +69,13 @@ class ModelRunner:
         cache_dir: pathlib.Path | None = None,
         stop: threading.Event | None = None,
         future_tokens: torch.Tensor | None = None,
+        standin: StandIn | None = None,
     ) -> None:
         """`future_tokens`: the future-token table (device); every path resolves negative
-        input ids from it before the model reads them (inside the graph on graph paths)."""
+        input ids from it before the model reads them (inside the graph on graph paths).
+        `standin`: the stand-in accelerator's model, run instead of every path."""
         self.model = model
+        self.standin = standin
         self.future_tokens = future_tokens
         self.attn_backend = attn_backend
         self.device = device
@@ -251,6 +255,8 @@ class ModelRunner:
         """The eager paths gather future tokens only when the batch has references
         (`fb.future_refs`, counted on the host); a captured graph always runs the gather."""
         layers = hidden_layers(fb.row_outputs, self.model.config.num_layers)
+        if self.standin is not None:
+            return self.standin.forward(fb, layers)
         out, fallback = self._graph_path(fb) if not layers else (None, None)
         if out is not None:
             return out

@@ -1,15 +1,18 @@
 """Turn a step's logits into next tokens (and logprobs), with one counted host transfer.
 
-The sampler writes the step's one output, `ForwardOutput`; the step adds its stats.
+The sampler draws on the device (`Sampler.draw`); the step copies the draw to the host with
+its other results and the draw turns the host copy into the step's `ForwardOutput`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from executor.core.forward_batch import SamplingBatch
-from executor.core.outputs import ForwardOutput
-from ops.host_transfer import to_host_packed
+from executor.core.outputs import ForwardOutput, StepStats
+from executor.core.step_batch import StepBatch
 from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
 
 
@@ -37,7 +40,22 @@ class Sampler:
             host_sampling.has_seed,
         )
 
-    def sample(
+    def draw_step(self, sb: StepBatch, logits: torch.Tensor) -> SampledDraw:
+        """A step's draw: its device sampling parameters, and the model's own logits for the
+        logprobs."""
+        fb, host = sb.staged_device(), sb.host
+        assert fb.sampling is not None and sb.sampling is not None and sb.ran is not None
+        return self.draw(
+            logits,
+            sb.sampling,
+            fb.sampling,
+            fb.seq_lens,
+            return_logprob=host.return_logprob,
+            top_logprobs_num=host.top_logprobs_num,
+            raw_logits=sb.ran.logits,
+        )
+
+    def draw(
         self,
         logits: torch.Tensor,
         plan: SamplingPlan,
@@ -47,13 +65,11 @@ class Sampler:
         return_logprob: bool,
         top_logprobs_num: int,
         raw_logits: torch.Tensor | None = None,
-        extra: list[torch.Tensor] | None = None,
-    ) -> tuple[ForwardOutput, list[torch.Tensor]]:
+    ) -> SampledDraw:
         """logits [bs, V] float32 on the device, after the sampling controls; `raw_logits`:
         the model's own, for the logprobs (None: the same); `plan` from :meth:`plan`;
-        `seq_lens` (device) keys the seeded draws. `extra` device tensors travel in the same
-        host transfer; their host copies come back in order."""
-        extra = extra or []
+        `seq_lens` (device) keys the seeded draws. Device work only: the draw's `device`
+        tensors travel in the step's one host transfer."""
         uniforms = None
         if not plan.all_greedy:
             uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
@@ -69,28 +85,40 @@ class Sampler:
             uniforms if uniforms is not None else torch.zeros(0, device=logits.device),
             plan,
         )
-        if return_logprob or top_logprobs_num > 0:
-            raw = logits if raw_logits is None else raw_logits
-            return self._with_logprobs(raw, ids, return_logprob, top_logprobs_num, extra)
-        host_ids, *host_extra = to_host_packed([ids, *extra], "sampled_tokens")
-        return ForwardOutput(next_token_ids=host_ids, device_token_ids=ids), host_extra
-
-    @staticmethod
-    def _with_logprobs(
-        logits: torch.Tensor, ids: torch.Tensor, chosen: bool, k: int, extra: list[torch.Tensor]
-    ) -> tuple[ForwardOutput, list[torch.Tensor]]:
-        """The tokens and every logprob output in one packed transfer (float64 holds token
-        ids exactly), so a step with logprobs syncs once, as one without."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+        k = top_logprobs_num
+        if not return_logprob and k == 0:
+            return SampledDraw(ids, [ids], return_logprob, k)
+        # The tokens and every logprob output packed in one tensor (float64 holds token ids
+        # exactly), so a step with logprobs syncs once, as one without.
+        logprobs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
         parts = [ids.unsqueeze(1).double(), logprobs.gather(1, ids.unsqueeze(1)).double()]
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
-        host, *host_extra = to_host_packed([torch.cat(parts, dim=1), *extra], "sampled_tokens")
-        out = ForwardOutput(next_token_ids=host[:, 0].long(), device_token_ids=ids)
-        if chosen:
-            out.next_token_logprobs = host[:, 1].float()
+        return SampledDraw(ids, [torch.cat(parts, dim=1)], return_logprob, k)
+
+
+@dataclass(frozen=True, eq=False)
+class SampledDraw:
+    """The sampler's draw (`executor.core.features.Draw`): the ids, or the ids packed with
+    their logprobs, on their way to the host."""
+
+    ids: torch.Tensor
+    device: list[torch.Tensor]
+    chosen: bool  # return_logprob
+    k: int  # top_logprobs_num
+
+    def output(self, host: list[torch.Tensor], stats: StepStats) -> ForwardOutput:
+        packed = host[0]
+        if not self.chosen and self.k == 0:
+            return ForwardOutput(next_token_ids=packed, stats=stats, device_token_ids=self.ids)
+        k = self.k
+        out = ForwardOutput(
+            next_token_ids=packed[:, 0].long(), stats=stats, device_token_ids=self.ids
+        )
+        if self.chosen:
+            out.next_token_logprobs = packed[:, 1].float()
         if k > 0:
-            out.top_logprobs = host[:, 2 : 2 + k].float()
-            out.top_logprob_ids = host[:, 2 + k :].long()
-        return out, host_extra
+            out.top_logprobs = packed[:, 2 : 2 + k].float()
+            out.top_logprob_ids = packed[:, 2 + k :].long()
+        return out

@@ -4,7 +4,8 @@ A step's host-side inputs (index fields, sampling parameters, the row-table cell
 otherwise cross as a dozen small copies, each from pageable memory, which on CUDA is a
 stream synchronize apiece. :class:`H2DStaging` packs them into one reusable host buffer
 (pinned on CUDA), copies it to a device buffer with one `non_blocking` copy, and hands back
-views of the device buffer, one per name, with the dtype and shape asked for.
+views of the device buffer, one per field in the order given, with the dtype and shape
+asked for (the names label the fields of a layout; the caller reads the views by position).
 
 Double-buffered: step N packs into buffer N % 2. Before it writes a buffer, it waits for
 the event recorded after that buffer's last copy (step N - 2's), so the host never
@@ -61,7 +62,7 @@ class _Layout:
 
     total: int  # bytes used
     host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
-    device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
+    device: tuple[torch.Tensor, ...]  # device views with the fields' shapes and dtypes
     used: tuple[torch.Tensor, torch.Tensor]  # the first `total` bytes of both: the one copy
 
 
@@ -82,17 +83,17 @@ class _Pair:
         if cached is not None:
             return cached
         host: list[torch.Tensor] = []
-        device: dict[str, torch.Tensor] = {}
+        device: list[torch.Tensor] = []
         off = 0
-        for name, shape, dtype in signature:
+        for _, shape, dtype in signature:
             nbytes = math.prod(shape) * dtype.itemsize
             host.append(self.host[off : off + nbytes].view(dtype).view(shape))
-            device[name] = self.device[off : off + nbytes].view(dtype).view(shape)
+            device.append(self.device[off : off + nbytes].view(dtype).view(shape))
             off += _aligned(nbytes)
         if len(self.layouts) >= LAYOUTS_PER_PAIR:
             del self.layouts[next(iter(self.layouts))]
         used = (self.host[:off], self.device[:off])
-        layout = self.layouts[signature] = _Layout(off, tuple(host), device, used)
+        layout = self.layouts[signature] = _Layout(off, tuple(host), tuple(device), used)
         return layout
 
 
@@ -105,9 +106,10 @@ class H2DStaging:
         self._next = 0
         self.copies = 0  # calls that copied (for tests)
 
-    def stage(self, fields: Sequence[StagedField]) -> dict[str, torch.Tensor]:
-        """Device views of `fields` (same shapes, the asked dtypes) after one copy. The
-        views of one call stay valid until the call after next (double-buffered)."""
+    def stage(self, fields: Sequence[StagedField]) -> tuple[torch.Tensor, ...]:
+        """Device views of `fields`, in their order (same shapes, the asked dtypes), after
+        one copy. The views of one call stay valid until the call after next
+        (double-buffered)."""
         signature: Signature = tuple((f.name, f.tensor.shape, f.dtype) for f in fields)
         pair = self._pairs[self._next]
         layout = pair.layouts.get(signature) if pair is not None else None
@@ -118,10 +120,9 @@ class H2DStaging:
                 _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in signature
             )
             if total == 0:
-                return {
-                    f.name: torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device)
-                    for f in fields
-                }
+                return tuple(
+                    torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device) for f in fields
+                )
             pair = self._pair(total)
         assert pair is not None
         if pair.event is not None:
@@ -137,7 +138,7 @@ class H2DStaging:
             pair.event = torch.cuda.Event()
             pair.event.record(torch.cuda.current_stream(self.device))
         self.copies += 1
-        return dict(layout.device)
+        return layout.device
 
     def _pair(self, total: int) -> _Pair:
         i = self._next

@@ -63,9 +63,14 @@ def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecuto
         "quantization",
         "quant_kernel",
         "linear_kernel",
+        "pipeline_steps",
         "graph_mode",
         "graph_backend",
     }
+    assert (choices["pipeline_steps"].value, choices["pipeline_steps"].reason) == (
+        "off",
+        "auto: a CPU device's forward is synchronous",
+    )
     assert (choices["dtype"].value, choices["dtype"].reason) == ("float32", "configured")
     assert choices["quantization"].value == "none"
     assert "float" in choices["quantization"].reason  # tiny-random: float weights

@@ -17,6 +17,7 @@ from executor.config import ExecutorConfig
 from executor.core.errors import BatchTooLargeError
 from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
 from executor.core.forward_batch import ForwardBatch
+from executor.extras.feature import Extras
 from executor.model_executor import ModelExecutor
 from tests.server_util import running_server
 from tests.test_model_families import SMALL, _randomize
@@ -206,7 +207,8 @@ def test_oversized_asks_are_refused_and_asking_nothing_costs_nothing(
     )
     assert asked.stats.d2h_syncs == 1 and asked.stats.h2d_copies == 1  # one transfer each way
     small = dataclasses.replace(ex.limits, max_hidden_bytes=100)
-    ex.step.limits = small
+    extras = next(f for f in ex.features if isinstance(f, Extras))
+    extras.limits = small
     lens = ex.req_to_token_pool.resident_lens.copy()
     with pytest.raises(BatchTooLargeError, match="max_hidden_bytes"):
         ex.forward(

@@ -328,19 +328,20 @@ def test_staging_packs_dtypes_and_shapes_and_double_buffers() -> None:
             StagedField("empty", torch.zeros(0, dtype=torch.int64), torch.int64),
         ]
     )
-    assert torch.equal(first["a"], a) and first["a32"].dtype == torch.int32
-    assert first["a32"].tolist() == [0, 1, 2, 3, 4]
-    assert torch.equal(first["b"], b) and torch.equal(first["c"], c)
-    assert first["empty"].shape == (0,)
-    assert all(v.data_ptr() % h2d_staging.ALIGN == 0 for v in first.values() if v.numel())
+    a64, a32, b2, c2, empty = first  # the views come back in the fields' order
+    assert torch.equal(a64, a) and a32.dtype == torch.int32
+    assert a32.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(b2, b) and torch.equal(c2, c)
+    assert empty.shape == (0,)
+    assert all(v.data_ptr() % h2d_staging.ALIGN == 0 for v in first if v.numel())
     # The next step writes the other buffer: the first step's views stay intact.
-    second = staging.stage([StagedField("a", a + 100, torch.int64)])
-    assert torch.equal(first["a"], a) and torch.equal(second["a"], a + 100)
-    assert first["a"].untyped_storage().data_ptr() != second["a"].untyped_storage().data_ptr()
+    (second,) = staging.stage([StagedField("a", a + 100, torch.int64)])
+    assert torch.equal(a64, a) and torch.equal(second, a + 100)
+    assert a64.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
     # A step larger than the buffer grows it.
     big = torch.arange(10_000, dtype=torch.int64)
-    third = staging.stage([StagedField("big", big, torch.int64)])
-    assert torch.equal(third["big"], big) and staging.copies == 3
+    (third,) = staging.stage([StagedField("big", big, torch.int64)])
+    assert torch.equal(third, big) and staging.copies == 3
 
 
 def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
@@ -348,7 +349,7 @@ def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
     and each call still copies that call's values; a new shape gets its own layout."""
     staging = H2DStaging(torch.device("cpu"))
 
-    def step(i: int, n: int = 3) -> dict[str, torch.Tensor]:
+    def step(i: int, n: int = 3) -> tuple[torch.Tensor, ...]:
         ids = torch.arange(n, dtype=torch.int64) + 10 * i
         lens = torch.full((n,), i, dtype=torch.int32)
         return staging.stage(
@@ -357,12 +358,13 @@ def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
 
     views = [step(i) for i in range(6)]
     for i in (4, 5):  # the last two calls' views hold their own values
-        assert views[i]["ids"].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
-        assert views[i]["lens"].tolist() == [i] * 3 and views[i]["lens"].dtype == torch.int64
+        ids, lens = views[i]
+        assert ids.tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
+        assert lens.tolist() == [i] * 3 and lens.dtype == torch.int64
     pairs = [p for p in staging._pairs if p is not None]
     assert len(pairs) == 2 and all(len(p.layouts) == 1 for p in pairs)
     wider = step(7, n=5)
-    assert wider["ids"].tolist() == [70, 71, 72, 73, 74]
+    assert wider[0].tolist() == [70, 71, 72, 73, 74]
     assert sum(len(p.layouts) for p in pairs) == 3
 
 
@@ -401,7 +403,7 @@ def test_cuda_staged_copy_is_one_async_copy_from_pinned_memory() -> None:
         assert (syncs1 - syncs0, copies1 - copies0) == (0, 4)
         torch.cuda.synchronize(device)
         # Buffers alternate: the last two steps' views hold their own values.
-        assert torch.equal(views[2]["a"].cpu(), a + 2) and torch.equal(views[3]["a"].cpu(), a + 3)
+        assert torch.equal(views[2][0].cpu(), a + 2) and torch.equal(views[3][0].cpu(), a + 3)
         pair = staging._pairs[0]
         assert pair is not None and pair.host.is_pinned()
 

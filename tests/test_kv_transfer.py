@@ -64,7 +64,7 @@ def cache_digest(executor: ModelExecutor) -> str:
     owners and each slot's token. Call while the server is idle."""
     pool, kv = executor.req_to_token_pool, executor.kv_pool
     h = hashlib.sha256()
-    for t in (kv.k, kv.v, pool.req_to_token, executor.step.controls.slot_tokens.tokens):
+    for t in (kv.k, kv.v, pool.req_to_token, executor.controls.slot_tokens.tokens):
         h.update(t.cpu().contiguous().view(-1).numpy().view(np.uint8).tobytes())
     h.update(pool.resident_lens.tobytes())
     assert pool.owners is not None
@@ -686,7 +686,7 @@ def test_a_write_that_fails_part_way_restores_everything(
     ex.kv_transfer.slot_tokens = SimpleNamespace(tokens=FailsOnce())  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="device write failed"):
         ex.kv_transfer.apply_import(staging)
-    ex.kv_transfer.slot_tokens = ex.step.controls.slot_tokens
+    ex.kv_transfer.slot_tokens = ex.controls.slot_tokens
     assert cache_digest(ex) == before
     result = ex.kv_transfer.apply_import(staging)  # nothing was remembered: it applies now
     assert not result.replayed and ex.req_to_token_pool.resident_lens[2] == 9

@@ -150,7 +150,7 @@ def test_executor_drafts_by_prompt_lookup_and_truncates(make_executor: MakeExecu
     ex = make_executor()
     spec = Spec(ex, row=2, prompt=prompt, first_slot=1)
     drafted = accepted = 0
-    slot_tokens = ex.step.controls.slot_tokens.tokens
+    slot_tokens = ex.controls.slot_tokens.tokens
     while len(spec.tokens) - len(prompt) < 20:
         expected = ngram_lookup_reference(spec.tokens, 3, 4)
         spec.step([0, 0, 0, 0], ngram=3)  # the executor replaces these

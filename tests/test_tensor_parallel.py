@@ -285,6 +285,20 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
 
 
 @pytest.mark.slow
+def test_pipelined_steps_at_tp2_match_serial_tp1() -> None:
+    """Rank 0 admits and stages each step while the one before runs, broadcasts it at its
+    launch; the workers follow. Future references, controls and releases: the tokens of
+    tp 1 one step at a time."""
+    from tests.test_sampling_controls import overlap_batches
+
+    controls = {1: SamplingControls(repetition_penalty=1.5, logit_bias=((40, 2.0),))}
+    batches = overlap_batches(controls, 4)
+    config = _tiny(graph_mode="none", pipeline_steps="on")
+    want = run_generations(ModelExecutor(_tiny(graph_mode="none")), PROMPTS, [{"batches": batches}])
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, [{"pipelined": batches}])
+    assert got == want
+
+
 def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
     """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
     the replicated hidden states and the gathered logits."""

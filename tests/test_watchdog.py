@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient
+from executor.core.clock import StepClock
 from executor.core.errors import InjectedFault
 from executor.service.watchdog import DeviceWatchdog, RunningStep, is_sticky_device_error
-from executor.step.clock import StepClock
 from tests.server_util import running_server, tiny_config
 
 BOUND_S = 0.5

@@ -49,9 +49,10 @@ def pickle_forbidden() -> Iterator[None]:
 def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]]) -> list[Any]:
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
     a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank),
-    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
-    `{"batches": [...]}` runs prebuilt batches: the tokens of each, and `{"weights": {...}}`
-    updates the weights (`tests.weights_util.transport_update`)."""
+    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error,
+    `{"batches": [...]}` runs prebuilt batches: the tokens of each, `{"pipelined": [...]}`
+    the same, all queued at once behind the device thread (rank 0 pipelines, workers follow),
+    and `{"weights": {...}}` updates the weights (`tests.weights_util.transport_update`)."""
     from executor.client.scheduler import generate
     from executor.core.errors import BatchValidationError
 
@@ -60,8 +61,12 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
         if "toggles" in kw:
             ex.control.apply_toggles(**kw["toggles"])
             continue
-        if "batches" in kw:  # prebuilt batches, in order: the tokens and extra outputs of each
-            outs = [ex.forward(b) for b in kw["batches"]]
+        if "batches" in kw or "pipelined" in kw:  # prebuilt batches: tokens and extra outputs
+            outs = (
+                [ex.forward(b) for b in kw["batches"]]
+                if "batches" in kw
+                else _through_worker(ex, kw["pipelined"])
+            )
             extras = [
                 None
                 if o.extras is None
@@ -100,6 +105,18 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
 
         results.append((generate(forward, ex.limits, prompts, **kw), sorted(paths)))
     return results
+
+
+def _through_worker(ex: Any, batches: list[Any]) -> list[Any]:
+    """`batches` queued before the device thread starts, so each step finds the next waiting."""
+    from executor.service.device_worker import DeviceWorker
+
+    worker = DeviceWorker(ex, queue_size=len(batches) + 1)
+    jobs = [worker.submit(b, i + 1) for i, b in enumerate(batches)]
+    worker.start()
+    assert worker.wait_idle(120)
+    worker.stop(10)
+    return [job.future.result() for job in jobs]
 
 
 def fail_captures(skip: dict[str, int]) -> None:

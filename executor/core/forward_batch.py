@@ -8,7 +8,7 @@ derived fields (:func:`executor.batch_prep.complete_batch`), then moved to the d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -195,7 +195,7 @@ class ForwardBatch:
 
         One counted upload per field (ops.host_transfer.to_device; syncs from pageable
         memory): for in-process use. The executor's step stages them all in one copy
-        (`staged_fields` / `with_device_fields`)."""
+        (`staged_fields` / `on_device`)."""
         if device.type == "cpu":
             return dataclasses.replace(self)
         moved: dict[str, Any] = {}
@@ -216,9 +216,9 @@ class ForwardBatch:
             if (value := getattr(self, name)) is not None
         ]
         if self.sampling is not None:
-            for f in dataclasses.fields(self.sampling):
-                value = getattr(self.sampling, f.name)
-                fields.append(StagedField(_SAMPLING_PREFIX + f.name, value, value.dtype))
+            for name in _SAMPLING_FIELDS:
+                value = getattr(self.sampling, name)
+                fields.append(StagedField(_SAMPLING_PREFIX + name, value, value.dtype))
         return fields
 
     def replace(self, **changes: Any) -> ForwardBatch:
@@ -232,22 +232,21 @@ class ForwardBatch:
         new.__dict__.update(self.__dict__, **changes)
         return new
 
-    def with_device_fields(self, views: Mapping[str, torch.Tensor]) -> ForwardBatch:
-        """A copy whose device fields are `views` (from `staged_fields`, staged); host
-        mirrors stay on the host."""
-        moved: dict[str, Any] = {name: views[name] for name in _DEVICE_FIELDS if name in views}
+    def on_device(self, views: Sequence[torch.Tensor]) -> ForwardBatch:
+        """A copy whose device fields are `views`: the staged copies of `staged_fields()`, in
+        its order; host mirrors stay on the host."""
+        it = iter(views)
+        moved: dict[str, Any] = {
+            name: next(it) for name in _DEVICE_FIELDS if getattr(self, name) is not None
+        }
         if self.sampling is not None:
-            moved["sampling"] = SamplingBatch(
-                **{
-                    f.name: views[_SAMPLING_PREFIX + f.name]
-                    for f in dataclasses.fields(self.sampling)
-                }
-            )
+            moved["sampling"] = SamplingBatch(*(next(it) for _ in _SAMPLING_FIELDS))
         return self.replace(**moved)
 
 
-_SAMPLING_PREFIX = "sampling."
+_SAMPLING_PREFIX = "sampling."  # a label of the staged layout (ops.h2d_staging)
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingBatch))
 
 
 @dataclass(frozen=True)

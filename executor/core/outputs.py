@@ -19,7 +19,8 @@ class StepStats:
     padded_batch_size: int = 0
     num_tokens: int = 0
     padded_num_tokens: int = 0
-    # Per phase (queue, validate, stage, forward, sample) and `total`: the step clock's records.
+    # Per phase (queue, validate, stage, forward, sample, read) and `total`: the step clock's
+    # records.
     timings_ns: dict[str, int] = field(default_factory=dict)
     mode: str = ""  # decode | extend | idle
     # What the eager path's registry received this step: its inputs' one device copy (the
@@ -47,6 +48,10 @@ class StepStats:
     draft_tokens: int = 0  # VERIFY: drafts scored (sum of k_i)
     accepted_drafts: int = 0  # VERIFY: drafts accepted (sum of a_i)
     accept_lengths: tuple[int, ...] = ()  # VERIFY: tokens each row gained (a_i + 1); not sent
+    # The device's idle time before this step while the step was queued: the host's part
+    # (admission, staging, the answer before it).
+    host_gap_ns: int = 0
+    device_busy_ns: int = 0  # the device's time on this step (occupancy); not sent
 
 
 @dataclass

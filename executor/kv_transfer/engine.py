@@ -68,7 +68,7 @@ class KVTransfer:
         slot_tokens: SlotTokens,
         layout: KVLayout,
         limits: KVTransferLimits,
-        lock: threading.Lock,
+        lock: threading.RLock,
         *,
         comm: TpComm | None = None,
     ) -> None:

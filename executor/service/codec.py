@@ -287,6 +287,7 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             control_rows=st.control_rows,
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
+            host_gap_ns=st.host_gap_ns,
         ),
         weight_version=out.weight_version,
     )
@@ -332,6 +333,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             control_rows=dict(st.control_rows),
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
+            host_gap_ns=st.host_gap_ns,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),

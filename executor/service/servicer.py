@@ -61,12 +61,9 @@ from executor.service.deferred_masks import (
     refuse_on_unary,
     stream_over,
 )
-from executor.service.device_worker import (
-    DeviceWorker,
-    Job,
-    StreamState,
-)
+from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import UndecodableRequest
+from executor.service.jobs import Job, StreamState
 from executor.service.kv_handlers import KVHandlers
 from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl

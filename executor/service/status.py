@@ -24,13 +24,13 @@ from executor.parallel.comm import TpGroupError
 from executor.service.access import PermissionDeniedError
 from executor.service.admission import CapacityError, StreamIdleError
 from executor.service.auth import UnauthenticatedError
-from executor.service.device_worker import (
+from executor.service.handlers import UndecodableRequestError
+from executor.service.jobs import (
     QueueFullError,
     RpcEndedError,
     StreamFailedError,
     WorkerClosedError,
 )
-from executor.service.handlers import UndecodableRequestError
 
 log = structlog.get_logger(__name__)
 

@@ -62,7 +62,9 @@ class GraphControl:
         self.comm = comm
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
         # A step and a background capture's bucket never overlap: both hold it.
-        self.step_lock = threading.Lock()
+        # Re-entrant: the device thread holds it over a whole step (and the next batch's
+        # staging while the step runs), taking it again in each phase.
+        self.step_lock = threading.RLock()
         self.capture_reports: list[CaptureReport] = []
         # Called (on the capture thread) when a background capture ends, either way.
         self.graph_mode_listener: Callable[[], None] | None = None

@@ -26,9 +26,9 @@ which stage their own shards and swap when rank 0 swaps, only if every rank stag
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ class WeightsControl:
         comm: TpComm,
         device: torch.device,
         dtype: torch.dtype,
-        step_lock: threading.Lock,
+        step_lock: AbstractContextManager[bool],  # the step lock (re-entrant)
         reload: Callable[[], DecoderModel],
         empty_rows: Callable[[], None],
         on_version: Callable[[str], None],

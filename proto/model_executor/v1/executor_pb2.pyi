@@ -239,7 +239,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ..., deferred_mask: _Optional[_Union[DeferredMask, _Mapping]] = ...) -> None: ...
 
 class ForwardStats(_message.Message):
-    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts")
+    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts", "host_gap_ns")
     class TimingsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class ForwardStats(_message.Message):
     CONTROL_ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_GAP_NS_FIELD_NUMBER: _ClassVar[int]
     path: str
     batch_size: int
     padded_batch_size: int
@@ -288,7 +289,8 @@ class ForwardStats(_message.Message):
     control_rows: _containers.ScalarMap[str, int]
     draft_tokens: int
     accepted_drafts: int
-    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
+    host_gap_ns: int
+    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., host_gap_ns: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states", "weight_version")
