@@ -278,3 +278,40 @@ def test_a_batch_without_processed_rows_does_no_truncation_work(
     assert calls == [1]
     packed = draw.device[0].float()
     assert torch.isinf(packed[1, 2 + 3]) and not torch.isinf(packed[[0, 2], 2 + 3]).any()
+
+
+def test_cli_generate_json_logprobs_on_plain_overlap_and_speculative_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`generate --json --logprobs`: one object per request per line; the same tokens and
+    logprobs whether steps overlap or verify prompt-lookup drafts (greedy, PROCESSED)."""
+    import json
+
+    from executor.client.cli import main
+
+    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    args = ["generate", "hi", "hello there", "--model", "tiny-random", "--max-new-tokens", "8"]
+    args += ["--cache-dir", str(tmp_path), "--max-reqs", "4", "--dtype", "float32"]
+    args += ["--ignore-eos", "--json", "--logprobs", "--logprobs-mode", "processed"]
+    args += ["--top-k", "5", "--graph-mode", "none"]
+
+    def run(*extra: str) -> list[dict[str, object]]:
+        assert main([*args, *extra]) == 0
+        out = capsys.readouterr().out
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    plain = run()
+    assert [len(r["token_ids"]) for r in plain] == [8, 8]  # type: ignore[arg-type]
+    for r in plain:
+        assert set(r) == {"prompt_token_ids", "token_ids", "text", "finish_reason", "logprobs"}
+        logprobs = r["logprobs"]
+        assert isinstance(logprobs, list) and len(logprobs) == 8
+        assert all(-1e9 < x <= 0 for x in logprobs)
+    for other in (run("--overlap"), run("--speculate", "2", "--ngram", "1")):
+        for a, b in zip(plain, other, strict=True):
+            assert a["token_ids"] == b["token_ids"]
+            torch.testing.assert_close(
+                torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), rtol=0, atol=TOL
+            )
+    assert main([*args[:-8], "--logprobs"]) == 2  # logprobs go in the JSON
+    assert "--logprobs needs --json" in capsys.readouterr().err
