@@ -4,6 +4,7 @@
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
     model-executor generate --speculate 4 "Rewrite: ..."   # prompt-lookup drafts, same output
+    model-executor generate --json --logprobs --logprobs-mode processed --temperature 0.8 "Hi"
     model-executor generate "A user:" --json-schema user.json --repetition-penalty 1.1 \
         --logit-bias 13=-100 --min-tokens 4 --ban-ids 7,8
     model-executor info --target 127.0.0.1:50051
@@ -33,6 +34,7 @@ from executor.client.cli_controls import (
     sampling_controls,
     sampling_params,
 )
+from executor.client.cli_output import add_output_arguments, check_output_arguments, print_results
 from executor.client.cli_weights import add_weight_commands
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
@@ -237,6 +239,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
         return 2
+    if (conflict := check_output_arguments(args)) is not None:
+        print(f"generate: {conflict}", file=sys.stderr)
+        return 2
     if args.prefill_target is not None:
         from executor.client.cli_disaggregated import generate_disaggregated
 
@@ -271,7 +276,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             pipe=pipe,
             grammars=grammars,
         )
-        streaming = len(prompts) == 1 and sys.stdout.isatty()
+        streaming = len(prompts) == 1 and sys.stdout.isatty() and not args.json
         printed = [""]
 
         def on_token(req: Request, token: int) -> None:  # incremental detokenization
@@ -292,6 +297,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 ngram=args.ngram,
                 controls=controls,
                 json_schema=schema,
+                logprobs=args.logprobs,
             )
             for t in texts
         ]
@@ -299,10 +305,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if streaming:
             print()
         else:
-            for i, req in enumerate(reqs):
-                if len(reqs) > 1:
-                    print(f"--- [{i}] {req.finish_reason}")
-                print(tok.decode(req.output_ids))
+            print_results(reqs, tok.decode, args, sys.stdout)
     return 0
 
 
@@ -384,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --speculate: the n-gram size prompt lookup matches",
     )
     add_control_arguments(gen)
+    add_output_arguments(gen)
     gen.add_argument("--ready-timeout", type=float, default=300.0)
     gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")
     gen.add_argument("--config", help="TOML file for the embedded server")

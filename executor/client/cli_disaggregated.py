@@ -10,6 +10,7 @@ import grpc
 
 from executor.client.cli import _client, _session
 from executor.client.cli_controls import sampling_params
+from executor.client.cli_output import print_results
 
 
 def generate_disaggregated(
@@ -22,10 +23,16 @@ def generate_disaggregated(
     if args.target is None:
         print("generate: --prefill-target needs --target (the decode executor)", file=sys.stderr)
         return 2
-    if args.overlap or args.speculate or controls is not None or schema is not None:
+    if (
+        args.overlap
+        or args.speculate
+        or controls is not None
+        or schema is not None
+        or args.logprobs
+    ):
         print(
             "generate: --prefill-target does not combine with --overlap, --speculate, "
-            "sampling controls or --json-schema",
+            "sampling controls, --json-schema or --logprobs",
             file=sys.stderr,
         )
         return 2
@@ -60,8 +67,5 @@ def generate_disaggregated(
         except grpc.RpcError as exc:  # a refused push call (a missing KV credential, ...)
             print(f"model-executor: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-        for i, req in enumerate(reqs):
-            if len(reqs) > 1:
-                print(f"--- [{i}] {req.finish_reason}")
-            print(tok.decode(req.output_ids))
+        print_results(reqs, tok.decode, args, sys.stdout)
     return 0

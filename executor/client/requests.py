@@ -33,6 +33,10 @@ class Request:
     controls: SamplingControls | None = None  # sent with the batch that starts the request
     grammar: RequestGrammar | None = None  # constrains every token it generates
     output_ids: list[int] = field(default_factory=list)
+    # Whether each step asks for the request's logprobs (of the mode in `sampling`), and
+    # those of output_ids, in order.
+    logprobs: bool = False
+    output_logprobs: list[float] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a step in flight)

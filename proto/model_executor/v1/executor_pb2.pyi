@@ -24,6 +24,11 @@ class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IDLE: _ClassVar[ForwardMode]
     VERIFY: _ClassVar[ForwardMode]
 
+class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
+
 class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     POOLING_LAST: _ClassVar[Pooling]
@@ -59,6 +64,8 @@ EXTEND: ForwardMode
 DECODE: ForwardMode
 IDLE: ForwardMode
 VERIFY: ForwardMode
+LOGPROBS_MODE_RAW: LogprobsMode
+LOGPROBS_MODE_PROCESSED: LogprobsMode
 POOLING_LAST: Pooling
 POOLING_MEAN: Pooling
 KV_KIND_K: KvKind
@@ -92,18 +99,20 @@ class Ragged(_message.Message):
     def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     min_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs_mode: LogprobsMode
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
     __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred", "ngram_draft", "row_outputs", "prompt_top_logprobs_num")
