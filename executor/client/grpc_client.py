@@ -116,6 +116,15 @@ class ExecutorClient:
         )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
+    def watch_health(
+        self, service: str = READINESS_SERVICE, timeout: float | None = None
+    ) -> Iterator[str]:
+        """Each status of `service` as the server pushes it (health Watch): the first at once,
+        then every change, until the stream ends (an RpcError) or `timeout` passes."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        for resp in self.health_stub.Watch(request, timeout=timeout, metadata=self._auth):
+            yield str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.2) -> None:
         """Block until readiness reports SERVING (the model is loaded and warmed up)."""
         deadline = time.monotonic() + timeout
