@@ -456,6 +456,7 @@ class ModelExecutor:
     @on_own_device
     def prepare(self, batch: ForwardBatch, clock: StepClock) -> StepBatch:
         """Admit and stage a batch (every refusal first; its state changes applied)."""
+        self.weights.check_serving()  # released memory: refused, nothing changes
         sb = self.step.admit(batch, clock)
         self.step.stage(sb)
         return sb

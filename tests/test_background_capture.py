@@ -29,6 +29,7 @@ from executor.graphs.step_graph import StepCall, StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from executor.service.runtime_config import RuntimeConfigUpdate, RuntimeControl
 from executor.step import graph_control
+from tests.lock_util import is_held
 from tests.test_graphs import _prefill
 
 MakeExecutor = Callable[..., ModelExecutor]
@@ -47,13 +48,13 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     real_compile, real_capture = DecodeGraphRunner._compile_one, DecodeGraphRunner._capture_one
 
     def compile_one(self: DecodeGraphRunner, bs: int) -> None:
-        lock_held["compile"].append(ex.control.step_lock.locked())
+        lock_held["compile"].append(is_held(ex.control.step_lock))
         compiling.set()
         assert release.wait(30)
         real_compile(self, bs)
 
     def capture_one(self: DecodeGraphRunner, bs: int) -> None:
-        lock_held["capture"].append(ex.control.step_lock.locked())
+        lock_held["capture"].append(is_held(ex.control.step_lock))
         real_capture(self, bs)
 
     monkeypatch.setattr(DecodeGraphRunner, "_compile_one", compile_one)

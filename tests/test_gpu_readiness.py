@@ -35,6 +35,7 @@ from ops import h2d_staging
 from ops.h2d_staging import H2DStaging, StagedField
 from ops.host_reads import declare_pinned
 from ops.host_transfer import host_transfers, to_device
+from tests.lock_util import is_held
 
 MakeExecutor = Callable[..., ModelExecutor]
 
@@ -521,7 +522,7 @@ def test_a_background_capture_builds_its_registries_holding_the_step_lock(
         real = getattr(module, name)
 
         def recording(*args: object, _real=real, _name=name, **kwargs: object) -> object:
-            held.append((_name, ex.control.step_lock.locked()))
+            held.append((_name, is_held(ex.control.step_lock)))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, recording)

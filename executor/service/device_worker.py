@@ -417,7 +417,8 @@ class DeviceWorker:
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.
         self.applied.store(job.batch_id, job.fingerprint, out)
         try:
-            self._report(out.stats)
+            with self._scope(job):  # this job's batch_id and trace, even when answered late
+                self._report(out.stats)
         except BaseException:  # a hook's failure must not report an applied batch as failed
             log.error("post-step hook failed", batch_id=job.batch_id, exc_info=True)
         resolve(job.future, out)
