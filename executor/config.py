@@ -38,6 +38,7 @@ LOADED_QUANTIZATIONS = QUANTIZATION_MODES[1:]
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 QUANT_KERNELS = ("auto", "qmm", "torch")
+PIPELINE_STEPS = ("auto", "on", "off")
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -92,8 +93,9 @@ class ExecutorConfig:
     )
     graph_mode: str = setting(
         "auto",
-        "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both; "
-        "a runtime toggle too",
+        "auto (both on CUDA, none on CPU, where a server compiles bs-1 DECODE graphs in the "
+        "background; none with an attention backend that cannot be captured) | none | decode "
+        "(full graphs) | extend (piecewise) | both; a runtime toggle too",
     )
     graph_backend: str = setting(
         "auto",
@@ -130,7 +132,10 @@ class ExecutorConfig:
         "(refused when something needs it); a runtime toggle too",
     )
     cache_dir: str = setting(
-        "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
+        "",
+        "where dequantized weights, tokenizers and compiled code are cached (inductor's and "
+        "Triton's compile caches, the qmm kernel, whole compiled DECODE steps): a restart on "
+        "the same directory loads instead of compiling; '' = ~/.cache/model-executor",
     )
     seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
     max_top_logprobs: int = setting(
@@ -191,6 +196,20 @@ class ExecutorConfig:
         "run eager steps on the batch's own tensors instead of staging them through the eager "
         "input registry (saves one device copy per staged field per step); a runtime toggle too",
     )
+    pipeline_steps: str = setting(
+        "auto",
+        "auto | on | off: admit and stage the next queued batch while a step runs on the "
+        "device (launch, prepare the next, read); auto = on where the forward runs "
+        "asynchronously (CUDA, simulated_step_ms), off on a CPU device, whose forward is "
+        "synchronous (on there only reorders the host's work: for tests)",
+    )
+    simulated_step_ms: float = setting(
+        0.0,
+        "a stand-in accelerator, for measuring the pipeline (and testing a scheduler's) "
+        "without a GPU: each step's device work takes this many ms after its launch, the host "
+        "free meanwhile, and the model is replaced by a deterministic stand-in (next token = "
+        "(31 * last input id + 7 * position + 11) mod vocab; README); 0 = off",
+    )
     tp_size: int = setting(
         1,
         "tensor-parallel ranks (one device each; gloo on CPU, NCCL on CUDA): serve starts "
@@ -229,6 +248,13 @@ class ExecutorConfig:
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
         if self.model_sha256:
             check_digest_setting(self.model_sha256)
+        if self.pipeline_steps not in PIPELINE_STEPS:
+            raise ValueError(
+                f"pipeline_steps must be one of {', '.join(PIPELINE_STEPS)}, "
+                f"got {self.pipeline_steps!r}"
+            )
+        if not 0 <= self.simulated_step_ms <= 10_000:
+            raise ValueError(f"simulated_step_ms must be in 0..10000, got {self.simulated_step_ms}")
         if not self.deferred_mask_timeout_s > 0:
             raise ValueError(
                 f"deferred_mask_timeout_s must be > 0, got {self.deferred_mask_timeout_s}"
@@ -399,26 +425,47 @@ def resolve_max_context_len(config: ExecutorConfig, model: ModelConfig) -> int:
     return config.max_context_len or min(model.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
 
 
-def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
+def resolve_graph_mode(
+    config: ExecutorConfig, device: torch.device, capture_refusal: str | None = None
+) -> str:
     """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
-    where a server then captures `background_graph_mode` while it serves."""
-    if config.graph_mode == "auto":
-        return "both" if device.type == "cuda" else "none"
-    return config.graph_mode
+    where a server then captures `background_graph_mode` while it serves; `none` wherever the
+    attention backend cannot be captured (`capture_refusal`: its reason)."""
+    if config.graph_mode != "auto":
+        return config.graph_mode
+    if capture_refusal is not None:
+        return "none"
+    return "both" if device.type == "cuda" else "none"
 
 
-def background_graph_mode(config: ExecutorConfig, device: torch.device) -> str | None:
+def check_graph_mode(
+    config: ExecutorConfig, attention_backend: str, capture_refusal: str | None
+) -> None:
+    """Refuse at start-up (ValueError naming both settings) a configured graph mode with
+    DECODE graphs that the attention backend cannot be captured in."""
+    if config.graph_mode in ("decode", "both") and capture_refusal is not None:
+        raise ValueError(
+            f"graph_mode={config.graph_mode} and attention_backend={attention_backend} do not "
+            f"go together: DECODE graphs cannot capture this backend ({capture_refusal}); use "
+            "graph_mode=extend, none or auto, or another attention_backend"
+        )
+
+
+def background_graph_mode(
+    config: ExecutorConfig, device: torch.device, capture_refusal: str | None = None
+) -> str | None:
     """`graph_mode=auto` on a CPU: the mode a server captures in the background once it
     serves (eager until then), or None. Whole-step compiled DECODE graphs (`compiled_step`)
     for batch size 1 only: the one path measured faster than eager on a CPU (one inductor
     graph a step instead of some forty ops a layer); a larger batch is bound by its matmuls,
     where the layer-half graphs (`compiled`) measured no faster than eager. Each graph takes
-    minutes to compile cold (docs/performance.md), hence in the background; inductor's cache
-    in `cache_dir` keeps the compiled code for the next start. Not under tensor parallelism
-    (ranks capture in step at start-up) nor with another graph backend configured."""
+    minutes to compile cold (docs/performance.md), hence in the background, in a compile
+    worker; `cache_dir` keeps the compiled code for the next start. Not under tensor
+    parallelism (ranks capture in step at start-up), nor with another graph backend
+    configured, nor with an attention backend that cannot be captured (`capture_refusal`)."""
     if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
         return None
-    if resolve_graph_backend(config, device) != "compiled_step":
+    if capture_refusal is not None or resolve_graph_backend(config, device) != "compiled_step":
         return None
     return "decode"
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
 from executor.core.lora_types import LoraInfo
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.weights.memory import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -46,3 +50,21 @@ class ExecutorInfo:
     lora: LoraInfo = field(default_factory=LoraInfo)  # adapters loaded, slots, rank cap
     # What each performance setting became here and why (the start-up log says the same).
     choices: tuple[SettingChoice, ...] = ()
+    weight_version: str = ""  # the weights in use now
+    memory: MemoryReport | None = None  # released tags, KV epoch
+    # What one weight update may carry at most, from the model (the server may cap less).
+    weight_update_max_tensors: int = 0
+    weight_update_max_bytes: int = 0
+
+
+def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoice:
+    """Whether the device thread prepares the next batch while a step runs (`pipeline_steps`)."""
+    if config.pipeline_steps != "auto":
+        return SettingChoice("pipeline_steps", config.pipeline_steps, "configured")
+    if config.simulated_step_ms:
+        return SettingChoice(
+            "pipeline_steps", "on", "auto: the stand-in's steps run asynchronously"
+        )
+    if device.type == "cuda":
+        return SettingChoice("pipeline_steps", "on", "auto: CUDA runs a step asynchronously")
+    return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")

@@ -389,7 +389,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        zeroed: bool = True,
     ) -> None:
+        """`zeroed` off: the tensors are allocated and never written (a compile worker traces
+        steps over them; on a CPU their pages are then never made resident)."""
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -397,8 +401,9 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        alloc = torch.zeros if zeroed else torch.empty
+        self.k = alloc(shape, dtype=dtype, device=device)
+        self.v = alloc(shape, dtype=dtype, device=device)
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k[layer_id]  # [num_slots + 1, Hk, D]

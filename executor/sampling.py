@@ -13,14 +13,15 @@ import torch
 from executor.core.forward_batch import SamplingBatch
 from executor.core.outputs import ForwardOutput, StepStats
 from executor.core.step_batch import StepBatch
-from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
+from ops.sampling import SamplingPlan, drawn, processed_logprobs, seeded_uniform, truncate
 
 
 class Sampler:
     """Greedy, temperature, top-k, top-p, min-p; per-request seeds; optional logprobs.
 
-    Logprobs are those of the model's distribution (log-softmax of the raw logits), before
-    temperature and truncation, as most serving stacks report them.
+    A request's logprobs are RAW (the model's distribution: log-softmax of its raw logits,
+    before the controls, temperature and truncation, as most serving stacks report them) or
+    PROCESSED (the distribution it was drawn from: `ops.sampling.processed_logprobs`).
     """
 
     def __init__(self, device: torch.device, seed: int) -> None:
@@ -38,6 +39,7 @@ class Sampler:
             host_sampling.top_ps,
             host_sampling.min_ps,
             host_sampling.has_seed,
+            host_sampling.processed,
         )
 
     def draw_step(self, sb: StepBatch, logits: torch.Tensor) -> SampledDraw:
@@ -70,27 +72,29 @@ class Sampler:
         the model's own, for the logprobs (None: the same); `plan` from :meth:`plan`;
         `seq_lens` (device) keys the seeded draws. Device work only: the draw's `device`
         tensors travel in the step's one host transfer."""
-        uniforms = None
+        s = device_sampling
+        k = top_logprobs_num
+        wants_logprobs = return_logprob or k > 0
+        truncated = None
+        if not plan.all_greedy or (plan.any_processed and wants_logprobs):
+            truncated = truncate(logits, s.temperatures, s.top_ks, s.top_ps, s.min_ps, plan)
+        ids = logits.argmax(dim=-1)
         if not plan.all_greedy:
+            assert truncated is not None
             uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
             if plan.any_seeded:
-                seeded = seeded_uniform(device_sampling.seeds, seq_lens)
-                uniforms = torch.where(device_sampling.has_seed, seeded, uniforms)
-        ids = sample_tokens(
-            logits,
-            device_sampling.temperatures,
-            device_sampling.top_ks,
-            device_sampling.top_ps,
-            device_sampling.min_ps,
-            uniforms if uniforms is not None else torch.zeros(0, device=logits.device),
-            plan,
-        )
-        k = top_logprobs_num
-        if not return_logprob and k == 0:
+                seeded = seeded_uniform(s.seeds, seq_lens)
+                uniforms = torch.where(s.has_seed, seeded, uniforms)
+            ids = drawn(truncated, ids, s.temperatures, uniforms)
+        if not wants_logprobs:
             return SampledDraw(ids, [ids], return_logprob, k)
         # The tokens and every logprob output packed in one tensor (float64 holds token ids
         # exactly), so a step with logprobs syncs once, as one without.
         logprobs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
+        if plan.any_processed:
+            assert truncated is not None
+            processed = processed_logprobs(truncated)
+            logprobs = torch.where(s.processed.unsqueeze(1), processed, logprobs)
         parts = [ids.unsqueeze(1).double(), logprobs.gather(1, ids.unsqueeze(1)).double()]
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)

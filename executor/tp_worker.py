@@ -34,6 +34,8 @@ def run_worker(executor: ModelExecutor) -> None:
         elif command.kind == broadcast.LORA:
             assert executor.lora is not None
             executor.lora.serve(command.lora)
+        elif command.kind == broadcast.WEIGHTS:
+            executor.weights.ranks.serve(command.weights, command.payload)
         elif command.kind == broadcast.PING:
             comm.ping()
         else:

@@ -18,7 +18,9 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig, resolve_graph_backend
 from executor.core.buckets import kv_bucket
 from executor.core.runner_output import GraphFallback
-from executor.graphs.graph import CompiledGraph, GraphFactory, StepCompiledGraph
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import CompiledGraph
+from executor.graphs.step_graph import StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
 

@@ -25,7 +25,8 @@ from executor.core.errors import ToggleRefusedError
 from executor.core.forward_batch import SamplingParams
 from executor.core.runner_output import GraphFallback
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
-from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import CpuGraph, GraphCapturePoisoned
 from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
 from executor.models.blocks import DecoderLayer
@@ -34,6 +35,7 @@ from ops import h2d_staging
 from ops.h2d_staging import H2DStaging, StagedField
 from ops.host_reads import declare_pinned
 from ops.host_transfer import host_transfers, to_device
+from tests.lock_util import is_held
 
 MakeExecutor = Callable[..., ModelExecutor]
 
@@ -217,11 +219,11 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
 def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from executor.graphs import graph as graph_module
+    from executor.graphs import factory as factory_module
     from executor.graphs.capture import capture_buckets
 
     # The poisoning is process-wide on CUDA: keep it to this test.
-    monkeypatch.setattr(graph_module, "_cuda_poisoned", [])
+    monkeypatch.setattr(factory_module, "_cuda_poisoned", [])
 
     device = torch.device("cuda", torch.cuda.current_device())
     with ds.device_scope(device):
@@ -520,7 +522,7 @@ def test_a_background_capture_builds_its_registries_holding_the_step_lock(
         real = getattr(module, name)
 
         def recording(*args: object, _real=real, _name=name, **kwargs: object) -> object:
-            held.append((_name, ex.control.step_lock.locked()))
+            held.append((_name, is_held(ex.control.step_lock)))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, recording)

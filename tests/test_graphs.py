@@ -307,18 +307,14 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
         input_ids=[[1] * 6], req_pool_indices=[4], out_cache_loc=[list(range(30, 36))]
     )
     assert ex.forward(long).stats.graph_fallback == GraphFallback("piecewise", "batch_too_large")
-    native = make_executor(
-        attention_backend="torch_native", graph_mode="decode", graph_batch_sizes="1,2"
-    )
-    assert native.control.capture_reports == []  # nothing to capture with a backend that cannot be
-    _prefill(native, [1], [2], first_slot=1)
-    out = native.forward(
-        make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[9])
-    )
-    assert (out.stats.path, out.stats.graph_fallback) == (
-        "eager",
-        GraphFallback("decode", "backend_unsupported"),
-    )
+    # DECODE graphs with a backend that cannot be captured: refused at start-up, naming both.
+    for mode in ("decode", "both"):
+        with pytest.raises(ValueError, match=f"graph_mode={mode} and attention_backend=torch_n"):
+            make_executor(attention_backend="torch_native", graph_mode=mode)
+    native = make_executor(attention_backend="torch_native", graph_mode="auto")
+    assert native.toggles.graph_mode == "none" and native.control.capture_reports == []
+    [reason] = [c.reason for c in native.info.choices if c.setting == "graph_mode"]
+    assert "torch_native cannot be captured" in reason
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
-from executor.graphs.graph import GraphFactory
+from executor.graphs.factory import GraphFactory
 from executor.model_executor import ModelExecutor
 from executor.models.config import AttentionConfig, ModelConfig
 from executor.models.gguf_loader import load_gguf

@@ -284,13 +284,13 @@ def test_a_change_waits_for_the_running_batch(
     assert server.worker is not None
     worker = server.worker
     gate = threading.Event()
-    real_forward = worker.executor.forward
+    real_prepare = worker.executor.prepare
 
-    def held(batch, **kw):  # type: ignore[no-untyped-def]
+    def held(batch, clock):  # type: ignore[no-untyped-def]
         gate.wait(30)
-        return real_forward(batch, **kw)
+        return real_prepare(batch, clock)
 
-    worker.executor.forward = held  # type: ignore[method-assign]
+    worker.executor.prepare = held  # type: ignore[method-assign]
     try:
         results: dict[str, object] = {}
         first = make_extend_batch(
@@ -311,7 +311,7 @@ def test_a_change_waits_for_the_running_batch(
         t2.join(30)
     finally:
         gate.set()
-        worker.executor.forward = real_forward  # type: ignore[method-assign]
+        worker.executor.prepare = real_prepare  # type: ignore[method-assign]
     assert results["batch"].stats.path == "eager"  # type: ignore[attr-defined]
     assert results["config"].eager_input_no_copy is True  # type: ignore[attr-defined]
     second = make_decode_batch(
@@ -431,7 +431,13 @@ def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
     from executor.core.toggles import CaptureState, Toggles
     from executor.service import info_codec as codec
 
-    assert [str(p) for p in Path] == ["eager", "eager_no_copy", "full_graph", "piecewise"]
+    assert [str(p) for p in Path] == [
+        "eager",
+        "eager_no_copy",
+        "full_graph",
+        "piecewise",
+        "simulated",
+    ]
     assert set(codec._GRAPH_MODE) == set(GraphMode)
     assert set(codec._NEEDS_CPU_SEQ_LENS) == set(SeqLensPolicy)
     assert [m for m in GraphMode if m.decode_graphs] == ["decode", "both"]

@@ -255,13 +255,13 @@ def test_full_queue_answers_resource_exhausted(tmp_path: Path) -> None:
     with running_server(tiny_config(tmp_path), queue_size=1) as srv:
         assert srv.worker is not None
         gate = threading.Event()
-        real_forward = srv.worker.executor.forward
+        real_prepare = srv.worker.executor.prepare
 
-        def blocked_forward(batch, **kw):  # type: ignore[no-untyped-def]
+        def blocked_prepare(batch, clock):  # type: ignore[no-untyped-def]
             gate.wait(10)
-            return real_forward(batch, **kw)
+            return real_prepare(batch, clock)
 
-        srv.worker.executor.forward = blocked_forward  # type: ignore[method-assign]
+        srv.worker.executor.prepare = blocked_prepare  # type: ignore[method-assign]
         batches = [
             make_extend_batch(input_ids=[[1]], req_pool_indices=[r], out_cache_loc=[[r]])
             for r in (1, 2, 3)

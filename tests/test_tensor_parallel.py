@@ -23,7 +23,13 @@ from executor.models.registry import shard_plan
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.broadcast import STEP, Command, receive, send
 from executor.parallel.comm import TpComm
-from tests.tp_util import PickleUsedError, generate_tp, pickle_forbidden, run_generations
+from tests.tp_util import (
+    PickleUsedError,
+    generate_tp,
+    leave_group_tp,
+    pickle_forbidden,
+    run_generations,
+)
 
 TINY = TINY_CONFIGS["tiny-random"]
 PROMPTS = [[5, 17, 33, 2, 400, 12], [9], list(range(100, 140)), [7, 7, 7]]
@@ -188,6 +194,14 @@ def test_tiny_random_tp2_matches_tp1() -> None:
         assert {"full_graph", "piecewise"} <= set(paths), paths
 
 
+def test_every_rank_leaves_with_its_group_and_its_threads_gone() -> None:
+    """torch._dynamo imported after the group exists (the model's load imports it) bound the
+    group as a default argument (`torch.distributed.nn.functional`), so leaving freed
+    nothing: gloo's and the TCPStore's threads met the interpreter's teardown and a rank
+    exited -6 now and then. Leaving now frees the group and joins its threads on every rank."""
+    assert leave_group_tp() == [(0, True, []), (1, True, [])]
+
+
 @pytest.mark.slow
 def test_smollm2_tp3_matches_tp1(cache_dir: Path) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks; greedy tokens equal tp 1's
@@ -271,6 +285,20 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
 
 
 @pytest.mark.slow
+def test_pipelined_steps_at_tp2_match_serial_tp1() -> None:
+    """Rank 0 admits and stages each step while the one before runs, broadcasts it at its
+    launch; the workers follow. Future references, controls and releases: the tokens of
+    tp 1 one step at a time."""
+    from tests.test_sampling_controls import overlap_batches
+
+    controls = {1: SamplingControls(repetition_penalty=1.5, logit_bias=((40, 2.0),))}
+    batches = overlap_batches(controls, 4)
+    config = _tiny(graph_mode="none", pipeline_steps="on")
+    want = run_generations(ModelExecutor(_tiny(graph_mode="none")), PROMPTS, [{"batches": batches}])
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, [{"pipelined": batches}])
+    assert got == want
+
+
 def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
     """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
     the replicated hidden states and the gathered logits."""
@@ -362,7 +390,7 @@ def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
     (`drop`) and reported, and a poisoned capture elsewhere poisons this factory and ends
     the pass (no later bucket is tried, as on the poisoned rank)."""
     from executor.graphs.capture import capture_buckets
-    from executor.graphs.graph import GraphFactory
+    from executor.graphs.factory import GraphFactory
     from executor.parallel.agreement import CaptureOutcome, GroupOutcome
 
     group = {

@@ -49,25 +49,25 @@ class DeviceGate:
     def __init__(self, srv: RunningServer) -> None:
         assert srv.worker is not None
         self.worker = srv.worker
-        self.real = srv.worker.executor.forward
+        self.real = srv.worker.executor.prepare
         self.open = threading.Event()
         self.entered = threading.Event()
         self.calls = 0
 
     def __enter__(self) -> DeviceGate:
-        def held(batch: ForwardBatch, **kw: Any) -> Any:
+        def held(batch: ForwardBatch, clock: Any) -> Any:
             self.calls += 1
             self.entered.set()
             self.open.wait(30)
-            return self.real(batch, **kw)
+            return self.real(batch, clock)
 
-        self.worker.executor.forward = held  # type: ignore[method-assign]
+        self.worker.executor.prepare = held  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.open.set()
         self.worker.wait_idle(30)
-        self.worker.executor.forward = self.real  # type: ignore[method-assign]
+        self.worker.executor.prepare = self.real  # type: ignore[method-assign]
 
 
 def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -744,15 +744,15 @@ def test_the_reference_scheduler_retries_with_the_same_batch_id(tmp_path: Path) 
     expected = generate(ex.forward, ex.limits, prompts, max_new_tokens=4, ignore_eos=True)
     with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
         assert srv.worker is not None
-        real = srv.worker.executor.forward
+        real = srv.worker.executor.prepare
         applied: list[int] = []
 
-        def slow(batch: ForwardBatch, **kw: Any) -> Any:
+        def slow(batch: ForwardBatch, clock: Any) -> Any:
             applied.append(batch.batch_size)
             time.sleep(0.4)  # longer than the call's deadline: the first answer is lost
-            return real(batch, **kw)
+            return real(batch, clock)
 
-        srv.worker.executor.forward = slow  # type: ignore[method-assign]
+        srv.worker.executor.prepare = slow  # type: ignore[method-assign]
         remote = c.info()
         sched = ReferenceScheduler(
             c.retrying(timeout=0.25, attempts=8, backoff_s=0.05),

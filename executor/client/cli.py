@@ -4,6 +4,7 @@
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
     model-executor generate --speculate 4 "Rewrite: ..."   # prompt-lookup drafts, same output
+    model-executor generate --json --logprobs --logprobs-mode processed --temperature 0.8 "Hi"
     model-executor generate "A user:" --json-schema user.json --repetition-penalty 1.1 \
         --logit-bias 13=-100 --min-tokens 4 --ban-ids 7,8
     model-executor info --target 127.0.0.1:50051
@@ -34,6 +35,8 @@ from executor.client.cli_controls import (
     sampling_params,
 )
 from executor.client.cli_lora import add_generate_lora, add_lora_commands, prompt_loras
+from executor.client.cli_output import add_output_arguments, check_output_arguments, print_results
+from executor.client.cli_weights import add_weight_commands
 from executor.client.speculation import DEFAULT_NGRAM
 from executor.config import ExecutorConfig, resolve_cache_dir
 from executor.observability.logs import configure_logging
@@ -237,6 +240,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("generate: give prompts as arguments or on stdin", file=sys.stderr)
         return 2
+    if (conflict := check_output_arguments(args)) is not None:
+        print(f"generate: {conflict}", file=sys.stderr)
+        return 2
     loras = prompt_loras(args.lora_names, len(prompts))
     if args.prefill_target is not None:
         from executor.client.cli_disaggregated import generate_disaggregated
@@ -272,7 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             pipe=pipe,
             grammars=grammars,
         )
-        streaming = len(prompts) == 1 and sys.stdout.isatty()
+        streaming = len(prompts) == 1 and sys.stdout.isatty() and not args.json
         printed = [""]
 
         def on_token(req: Request, token: int) -> None:  # incremental detokenization
@@ -294,6 +300,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 controls=controls,
                 json_schema=schema,
                 lora=lora,
+                logprobs=args.logprobs,
             )
             for t, lora in zip(texts, loras, strict=True)
         ]
@@ -301,10 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if streaming:
             print()
         else:
-            for i, req in enumerate(reqs):
-                if len(reqs) > 1:
-                    print(f"--- [{i}] {req.finish_reason}")
-                print(tok.decode(req.output_ids))
+            print_results(reqs, tok.decode, args, sys.stdout)
     return 0
 
 
@@ -386,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --speculate: the n-gram size prompt lookup matches",
     )
     add_control_arguments(gen)
+    add_output_arguments(gen)
     gen.add_argument("--ready-timeout", type=float, default=300.0)
     gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")
     gen.add_argument("--config", help="TOML file for the embedded server")
@@ -441,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
     add_lora_commands(sub, _add_tls_arguments)
+    add_weight_commands(sub, DEFAULT_TARGET, _add_tls_arguments, _client)
     return parser
 
 

@@ -10,6 +10,7 @@ import grpc
 
 from executor.client.cli import _client, _session
 from executor.client.cli_controls import sampling_params
+from executor.client.cli_output import print_results
 
 
 def generate_disaggregated(
@@ -28,10 +29,11 @@ def generate_disaggregated(
         or controls is not None
         or schema is not None
         or args.lora_names
+        or args.logprobs
     ):
         print(
             "generate: --prefill-target does not combine with --overlap, --speculate, "
-            "sampling controls, --json-schema or --lora",
+            "sampling controls, --json-schema, --logprobs or --lora",
             file=sys.stderr,
         )
         return 2
@@ -66,8 +68,5 @@ def generate_disaggregated(
         except grpc.RpcError as exc:  # a refused push call (a missing KV credential, ...)
             print(f"model-executor: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-        for i, req in enumerate(reqs):
-            if len(reqs) > 1:
-                print(f"--- [{i}] {req.finish_reason}")
-            print(tok.decode(req.output_ids))
+        print_results(reqs, tok.decode, args, sys.stdout)
     return 0

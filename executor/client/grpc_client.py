@@ -6,6 +6,7 @@
         out = client.forward(batch)            # one step, unary
         for out in client.stream(batches): ... # many steps, pipelined over one stream
         client.update_runtime_config(RuntimeConfigUpdate(eager_input_no_copy=True))
+        client.weights.update(model.named_parameters(), version="step-100")
 
 Batches are the same `ForwardBatch` objects the in-process executor takes, and results the
 same `ForwardOutput`s, so a scheduler runs unchanged in-process or remote. Tensors travel
@@ -31,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.client.allocator import FutureSlotAllocator
 from executor.client.kv_client import KVClient
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
+from executor.client.weights_client import WeightsClient
 from executor.core.controls_types import VocabMask
 from executor.core.extras_types import Pooling
 from executor.core.forward_batch import ForwardBatch
@@ -115,6 +117,15 @@ class ExecutorClient:
             health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self._auth
         )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+    def watch_health(
+        self, service: str = READINESS_SERVICE, timeout: float | None = None
+    ) -> Iterator[str]:
+        """Each status of `service` as the server pushes it (health Watch): the first at once,
+        then every change, until the stream ends (an RpcError) or `timeout` passes."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        for resp in self.health_stub.Watch(request, timeout=timeout, metadata=self._auth):
+            yield str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.2) -> None:
         """Block until readiness reports SERVING (the model is loaded and warmed up)."""
@@ -242,6 +253,12 @@ class ExecutorClient:
         return embed_tokens(
             self.retrying(), self.info().info.limits, tokens, pooling=pooling, layer=layer
         )
+
+    @property
+    def weights(self) -> WeightsClient:
+        """Weight updates and memory calls (`executor.client.weights_client`): operator
+        calls, which need the runtime-config token as `token`."""
+        return WeightsClient(self.channel, self.stub, self._auth)
 
     @property
     def kv(self) -> KVClient:

@@ -36,6 +36,10 @@ class Request:
     grammar: RequestGrammar | None = None  # constrains every token it generates
     lora: str = ""  # its LoRA adapter's name ("" = the base model), set when it starts
     output_ids: list[int] = field(default_factory=list)
+    # Whether each step asks for the request's logprobs (of the mode in `sampling`), and
+    # those of output_ids, in order.
+    logprobs: bool = False
+    output_logprobs: list[float] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a step in flight)

@@ -117,12 +117,15 @@ class ReferenceScheduler:
         controls: SamplingControls | None = None,
         json_schema: str | dict[str, Any] | None = None,
         lora: str = "",
+        logprobs: bool = False,
     ) -> Request:
         """`speculate=K`: VERIFY steps of K prompt-lookup drafts (n-gram `ngram`) while they
         pay. `controls`: for the request's life (`prompt_len` set here; min_tokens also
         suppresses its stop ids). `json_schema`: JSON output (needs `grammars`). Controls and
         schemas do not combine with `speculate` yet (VERIFY takes no controls). `lora`: a
-        loaded adapter's name ("" = the base model), set with the batch that starts it."""
+        loaded adapter's name ("" = the base model), set with the batch that starts it.
+        `logprobs`: each step asks for the request's logprobs (`sampling.logprobs_mode`):
+        `output_logprobs`."""
         check_speculate(speculate, ngram, self.limits, self.overlap)
         if speculate and (controls is not None or json_schema is not None):
             raise ValueError("speculate does not combine with controls or json_schema yet")
@@ -152,6 +155,7 @@ class ReferenceScheduler:
             controls=controls,
             grammar=grammar,
             lora=lora,
+            logprobs=logprobs,
         )
         self.waiting.append(req)
         return req
@@ -221,6 +225,7 @@ class ReferenceScheduler:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
         produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
+        batch = _asking_logprobs(batch, members)
         out = self._forward(batch, members, masked_positions(members, produces))
         runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
@@ -231,8 +236,8 @@ class ReferenceScheduler:
             if req.draft is not None:
                 req.draft.record(req.draft.sent, len(run) - 1)
                 req.draft.sent = 0
-            for token in run:  # tokens after a stop or past the budget are dropped
-                self._append(req, token)
+            for token, logprob in run:  # tokens after a stop or past the budget are dropped
+                self._append(req, token, logprob)
                 if req.finished:
                     break
             if req.finished:
@@ -329,6 +334,7 @@ class ReferenceScheduler:
             self.future.release(released_future)  # nothing sent: they go with the next one
             return False
         batch, members, produces = built
+        batch = _asking_logprobs(batch, members)
         slots = self.future.alloc(len(members))
         for req, slot, produced in zip(members, slots, produces, strict=True):
             req.in_flight += 1
@@ -397,12 +403,12 @@ class ReferenceScheduler:
         self._send_masks()  # the step read now must have its mask (an InlinePipe runs it then)
         flight = self.in_flight.popleft()
         out = self.pipe.recv()
-        tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
+        runs = token_runs(out, len(flight.members))
         finished: list[Request] = []
-        for req, token, produced in zip(flight.members, tokens, flight.produces, strict=True):
+        for req, run, produced in zip(flight.members, runs, flight.produces, strict=True):
             req.in_flight -= 1
             if produced and not req.finished:  # a stopped request's extra token is dropped
-                self._append(req, token)
+                self._append(req, *run[0])
                 if req.finished:
                     finished.append(req)
         self._send_masks()  # first: the step in flight may wait for them at sampling
@@ -416,19 +422,29 @@ class ReferenceScheduler:
         return finished
 
     @staticmethod
-    def _append(req: Request, token: int) -> None:
+    def _append(req: Request, token: int, logprob: float | None = None) -> None:
         if token in req.stop_token_ids:
             req.finish_reason = "stop"
             return
         if req.grammar is not None:
             req.grammar.accept(token)
         req.output_ids.append(token)
+        if req.logprobs:
+            assert logprob is not None, "the step asked for logprobs"
+            req.output_logprobs.append(logprob)
         if req.on_token is not None:
             req.on_token(req, token)
         if req.grammar is not None and req.grammar.terminated:
             req.finish_reason = "stop"  # the JSON is complete
         elif len(req.output_ids) >= req.max_new_tokens:
             req.finish_reason = "length"
+
+
+def _asking_logprobs(batch: ForwardBatch, members: Sequence[Request]) -> ForwardBatch:
+    """The batch asking for logprobs when any member wants them (the others' are ignored)."""
+    if any(r.logprobs for r in members):
+        return dataclasses.replace(batch, return_logprob=True)
+    return batch
 
 
 def generate(

@@ -45,6 +45,14 @@ class ForwardMode(IntEnum):
         return self is ForwardMode.IDLE
 
 
+class LogprobsMode(IntEnum):
+    """Which distribution a request's logprobs come from. Values match the wire enum
+    `model_executor.v1.LogprobsMode`."""
+
+    RAW = 0  # the model's: log-softmax of its logits
+    PROCESSED = 1  # the one the sampler drew from (ops.sampling.processed_logprobs)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling parameters. Temperature 0 (or below 1e-5) means greedy."""
@@ -54,6 +62,7 @@ class SamplingParams:
     top_k: int = 0  # 0: disabled
     min_p: float = 0.0  # 0: disabled
     seed: int | None = None  # draws depend only on (seed, position) when set
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
 
 @dataclass
@@ -69,6 +78,7 @@ class SamplingBatch:
     min_ps: torch.Tensor  # [bs] float32
     seeds: torch.Tensor  # [bs] int64
     has_seed: torch.Tensor  # [bs] bool
+    processed: torch.Tensor  # [bs] bool: the request's logprobs are PROCESSED
 
     @classmethod
     def from_params(
@@ -90,6 +100,9 @@ class SamplingBatch:
             min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             seeds=torch.tensor([_as_int64(s) for s in seeds], dtype=torch.int64),
             has_seed=torch.tensor([p.seed is not None for p in params], dtype=torch.bool),
+            processed=torch.tensor(
+                [p.logprobs_mode is LogprobsMode.PROCESSED for p in params], dtype=torch.bool
+            ),
         )
 
     @classmethod
@@ -103,6 +116,7 @@ class SamplingBatch:
             min_ps=torch.zeros(bs, dtype=torch.float32),
             seeds=torch.zeros(bs, dtype=torch.int64),
             has_seed=torch.zeros(bs, dtype=torch.bool),
+            processed=torch.zeros(bs, dtype=torch.bool),
         )
 
     def to(self, device: torch.device) -> SamplingBatch:

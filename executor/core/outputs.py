@@ -79,3 +79,4 @@ class ForwardOutput:
     accepted_lengths: torch.Tensor | None = None
     accepted_logprobs: torch.Tensor | None = None  # [sum(lengths)] float32
     extras: ExtraOutputs | None = None  # RowOutputs results (prompt logprobs, scores, hidden)
+    weight_version: str = ""  # the weights every logit of this step came from

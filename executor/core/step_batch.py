@@ -63,6 +63,8 @@ class StepBatch:
     host_gap_ns: int = 0  # the device's idle time before this step while it was queued
     device_busy_ns: int = 0  # the device's time on this step
     _staged_sizes: list[int] = field(default_factory=list)  # staged fields: batch, each part
+    # The batch staged while this one ran (the pipeline): undone first if this one fails.
+    staged_after: StepBatch | None = None
 
     # --- the parts' hooks, in the protocol's order (`executor.core.features`) ---------------
     def staged_fields(self) -> list[StagedField]:
@@ -82,7 +84,11 @@ class StepBatch:
             at += n
 
     def undo(self) -> None:
-        """Every applied part, in reverse: the state before the step."""
+        """Every applied part, in reverse: the state before the step (the batch staged after
+        it first: nothing prepared for the next batch survives this one's failure)."""
+        if self.staged_after is not None:
+            self.staged_after.undo()
+            self.staged_after = None
         while self.applied:
             self.applied -= 1
             self.work[self.applied].undo(self)

@@ -24,10 +24,28 @@ from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.core.names import GRAPH_DECODE
 from executor.core.runner_output import RunnerOutput
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.graph import Graph, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import Graph
+from executor.graphs.step_graph import StepCall
 from executor.models.decoder_model import DecoderModel
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
+
+
+def decode_step(
+    model: DecoderModel,
+    attn_backend: AttentionBackend,
+    view: ForwardBatch,
+    future_tokens: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """One captured DECODE step over a bucket's static buffers: the hidden states into `out`.
+    A function of its inputs, so that `compiled_step` compiles it ahead of time."""
+    assert view.positions is not None and view.input_ids is not None
+    ids = view.input_ids
+    if future_tokens is not None:  # in the graph: reads the table's buffer
+        ids = resolve_future_tokens(ids, future_tokens)
+    out.copy_(model.forward(ids, view.positions, view, attn_backend))
 
 
 @dataclass
@@ -71,6 +89,9 @@ class DecodeGraphRunner(BucketGraphRunner[dict[tuple[bool, int], _Captured]]):
             needs_cpu_seq_lens=needs_cpu_seq_lens,
             register_lora_slots=model.lora is not None,
         )
+        # Whole-step graphs compiled (off the step lock) and not captured yet, by
+        # (bs, lora, kv).
+        self._compiled: dict[tuple[int, bool, int], Graph] = {}
         # NOTE: one output buffer for every bucket; a replay overwrites it.
         self.hidden = torch.zeros(
             self.max_bs, model.config.hidden_size, dtype=model.activation_dtype, device=device
@@ -107,40 +128,78 @@ class DecodeGraphRunner(BucketGraphRunner[dict[tuple[bool, int], _Captured]]):
             fb, raw_bs=bs, padded_bs=padded, raw_num_tokens=bs, padded_num_tokens=padded
         )
 
+    def _compile_one(self, bs: int) -> None:
+        """Whole-step graphs (`compiled_step`): compile (or load) every (LoRA, KV) bucket of
+        batch size `bs` from the bucket's buffer views, unfilled: nothing is written or run."""
+        if not self.factory.whole_steps:
+            super()._compile_one(bs)
+            return
+        keys = [(lora, kv) for lora in self.lora_variants for kv in self.kv_buckets]
+        try:
+            for lora, kv in keys:
+                graph = self.factory.new(whole_step=True)
+                graph.compile(self._bucket_call(bs, kv, lora, stage=False))
+                self._compiled[(bs, lora, kv)] = graph
+        except BaseException:  # all or none: the bucket runs eagerly
+            for lora, kv in keys:
+                self._compiled.pop((bs, lora, kv), None)
+            raise
+
+    def all_saved(self) -> bool:
+        """Whether every whole step this runner compiles is saved already (a restart: the
+        capture only loads them). Sets up the backend's graph buffers (as a capture does)."""
+        store = self.factory.store
+        if store is None or not self.factory.whole_steps:
+            return False
+        self._prepare_capture()
+        return all(
+            store.has(call.tag, call.key())
+            for bs in self.buckets
+            for lora in self.lora_variants
+            for call in (self._bucket_call(bs, kv, lora, stage=False) for kv in self.kv_buckets)
+        )
+
     def _capture_one(self, bs: int) -> None:
-        """Every KV bucket of batch size `bs`; all or none (a failure fails the batch-size
-        bucket, whose batches then run eagerly). Largest first, so on CUDA the smaller graphs
-        reuse its memory; where twins are free (compiled) smallest first, and the larger KV
-        buckets are captured as its twins (no run at up to max_context_len keys)."""
+        """Every (LoRA, KV) bucket of batch size `bs`; all or none (a failure fails the
+        batch-size bucket, whose batches then run eagerly). Largest first, so on CUDA the
+        smaller graphs reuse its memory; where twins are free (compiled) smallest first, and the
+        larger KV buckets are captured as its twins (no run at up to max_context_len keys)."""
         graphs: dict[tuple[bool, int], _Captured] = {}
         twins = self.factory.shares_twin_captures
         for lora in self.lora_variants:
             first: Graph | None = None
             for kv in sorted(self.kv_buckets, reverse=not twins):
-                graphs[lora, kv] = self._capture_kv(bs, kv, lora, twin=first if twins else None)
-                first = first or graphs[lora, kv].graph
+                call = self._bucket_call(bs, kv, lora, stage=True)
+                compiled = self._compiled.pop((bs, lora, kv), None)
+                graph = compiled or self.factory.new(whole_step=True)
+                if twins and first is not None:
+                    graph.capture_twin(call, first)
+                else:
+                    graph.capture(call)
+                first = first or graph
+                graphs[lora, kv] = _Captured(graph, call.args[2], call.args[2].attn_metadata)
         self.captured[bs] = graphs
 
-    def _capture_kv(self, bs: int, kv: int, lora: bool, twin: Graph | None = None) -> _Captured:
-        view, _ = self._stage_decode(self._synthetic_batch(bs, lora), bs, bs)
-        self.check_decode_bucket(bs, view)
-        md = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
-        view.attn_metadata = md
-        out = self.hidden[:bs]
-
-        def run() -> None:
-            assert view.positions is not None and view.input_ids is not None
-            ids = view.input_ids
-            if self.future_tokens is not None:  # in the graph: reads the table's buffer
-                ids = resolve_future_tokens(ids, self.future_tokens)
-            out.copy_(self.model.forward(ids, view.positions, view, self.attn_backend))
-
-        graph = self.factory.new(whole_step=True)
-        if twin is None:
-            graph.capture(run)
+    def _bucket_call(self, bs: int, kv: int, lora: bool, *, stage: bool) -> StepCall:
+        """The step of bucket (`bs`, `kv`, with LoRA or not) over its static buffers. `stage`:
+        fill them as a replay of `bs` padded requests does (the capture); off, only their views
+        (the compile phase, which must not write buffers a running step reads)."""
+        template = self._synthetic_batch(bs, lora)
+        if stage:
+            view, _ = self._stage_decode(template, bs, bs)
         else:
-            graph.capture_twin(run, twin)
-        return _Captured(graph, view, md)
+            view = self.registry.extract_buffer(
+                padded_bs=bs, padded_num_tokens=bs, forward_batch_template=template
+            )
+        self.check_decode_bucket(bs, view)
+        if stage:
+            view.attn_metadata = self.attn_backend.init_forward_metadata_capture(bs, bs, view, kv)
+        else:
+            view.attn_metadata = self.attn_backend.bind_graph_metadata(bs, bs, view, kv)
+        out = self.hidden[:bs]
+        args = (self.model, self.attn_backend, view, self.future_tokens, out)
+        tag = f"decode-bs{bs}-kv{kv}" + ("-lora" if lora else "")
+        return StepCall(decode_step, args, out, tag)
 
     def check_decode_bucket(self, bs: int, view: ForwardBatch) -> None:
         """The precondition of a capture: a DECODE batch (one token per request) within the

@@ -28,7 +28,8 @@ from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.core.names import GRAPH_EXTEND
 from executor.core.runner_output import RunnerOutput
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.graph import Graph, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import Graph
 from executor.models.decoder_model import DecoderModel, PieceBuffers
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_prefill_registry

@@ -14,8 +14,8 @@ clears the slot and rank 0 refuses the load.
 
 from __future__ import annotations
 
-import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class LoraAdapters:
         max_rank: int,
         max_reqs: int,
         comm: TpComm,
-        lock: threading.Lock,
+        lock: AbstractContextManager[bool],
     ) -> None:
         """Attach `slots` adapter slots of rank `max_rank` to `model`. `lock`: the step lock
         (held while slots are written, so no step or background capture reads them half

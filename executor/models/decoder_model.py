@@ -6,7 +6,7 @@ it, builds its layers (`make_layer`) and carries its checkpoint-name tables besi
 - `FUSED_LINEARS`: each fused linear of a layer (its module path) and the Hugging Face
   projections concatenated into it, in order. Every other parameter loads from the
   checkpoint tensor of its own name (`model.` + its path; `lm_head.weight`), and a module
-  with a `load_checkpoint` method gathers its own tensors (grouped expert weights).
+  with a `checkpoint_targets` method lists its own tensors (grouped expert weights).
 - `TP_SPLITS`: Hugging Face name patterns (fnmatch) -> (axis, range) for tensor
   parallelism (`ShardPlan`); a tensor no pattern names is replicated on every rank.
 - `GGUF_NAMES`: GGUF layer tensor names -> Hugging Face layer tensor names (`{e}` in the
@@ -154,6 +154,30 @@ class DecoderModel(nn.Module, ABC):
         finally:
             for layer, old in zip(self.decoder_layers, previous, strict=True):
                 layer.compiled_fns = old
+
+    def compile_halves(
+        self, fns: LayerFns, positions: torch.Tensor, bufs: PieceBuffers, *, pieces: bool
+    ) -> None:
+        """Call every layer's halves through `fns` once, as `forward` (`pieces` off) or
+        `pieces` calls them, on private activations of `positions`' length: compiled
+        functions compile (or load their caches) for that shape without reading or writing
+        any buffer a step uses (the KV cache, the static graph buffers). Call it inside
+        inference mode with `positions` and `bufs` made outside it, as the registry's and
+        the pieces' buffers are: dynamo's guards tell the two kinds of tensor apart. The
+        model's own functions stay as they are."""
+        hidden = torch.zeros_like(bufs.hidden)  # as an embedding's output
+        residual: torch.Tensor | None = None
+        for layer in self.decoder_layers:
+            _, _, _, residual = fns.pre(layer, positions, hidden, residual, self.rotary)
+            attn_out, res = (
+                (bufs.attn_out, bufs.residual)
+                if pieces
+                else (torch.zeros_like(bufs.attn_out), residual)
+            )
+            if self.comm.enabled:  # the two pieces around the all-reduces
+                fns.mlp(layer, fns.attn_proj(layer, attn_out), res)
+            else:
+                fns.post(layer, attn_out, res)
 
     # --- the body -------------------------------------------------------------------------
     def embed(

@@ -5,8 +5,10 @@ whether its row-table write stays), `toggles` (a runtime-config change, applied 
 steps on every rank), `kv_read` / `kv_write` (the KV data plane: every rank reads its heads
 of a chunk for rank 0 to gather, or writes its heads of a checked import, `payload` holding
 every rank's bytes), `lora` (an adapter load or unload: every rank writes its cut of the slot,
-`executor.lora.adapters`), `ping` (the idle heartbeat: proves the workers are alive and keeps
-their wait for the next command inside the collective timeout) and `stop`.
+`executor.lora.adapters`), `weights` (a weight update's or memory call's part on every rank,
+`executor.weights.ranks`; `payload`: a stream's tensors), `ping` (the idle heartbeat: proves
+the workers are alive and keeps their wait for the next command inside the collective
+timeout) and `stop`.
 
 The batch travels as a header (field names, shapes, dtypes, host scalars and lists) encoded
 as JSON and broadcast as bytes, then one flat buffer per dtype through `broadcast_` (a
@@ -30,7 +32,8 @@ from executor.parallel.comm import TpComm
 
 STEP, TOGGLES, PING, STOP = "step", "toggles", "ping", "stop"
 KV_READ, KV_WRITE, LORA = "kv_read", "kv_write", "lora"
-COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE, LORA)
+WEIGHTS = "weights"
+COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE, LORA, WEIGHTS)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Command:
     kv: dict[str, Any] = field(default_factory=dict)  # KV_READ / KV_WRITE: slots, chunk, row
     payload: torch.Tensor | None = None  # KV_WRITE: every rank's staged bytes (uint8, flat)
     lora: dict[str, Any] = field(default_factory=dict)  # LORA: op, name, path, slot
+    weights: dict[str, Any] = field(default_factory=dict)  # WEIGHTS: the call's header
 
     def __post_init__(self) -> None:
         if self.kind not in COMMANDS:
@@ -116,6 +120,7 @@ def send(comm: TpComm, command: Command) -> None:
         "toggles": command.toggles,
         "kv": command.kv,
         "lora": command.lora,
+        "weights": command.weights,
         "payload": 0 if command.payload is None else int(command.payload.numel()),
     }
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -174,4 +179,5 @@ def receive(comm: TpComm) -> Command:
         kv=header.get("kv", {}),
         payload=payload,
         lora=header.get("lora", {}),
+        weights=header.get("weights", {}),
     )

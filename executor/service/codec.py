@@ -20,6 +20,7 @@ from executor.core.forward_batch import (
     WIRE_TENSOR_FIELDS,
     ForwardBatch,
     ForwardMode,
+    LogprobsMode,
     SamplingBatch,
     SamplingParams,
 )
@@ -145,11 +146,24 @@ def sampling_from_proto(params: Any, bs: int) -> SamplingBatch | None:
                 top_k=p.top_k,
                 min_p=p.min_p,
                 seed=p.seed if p.HasField("seed") else None,
+                logprobs_mode=_logprobs_mode(p.logprobs_mode, i),
             )
-            for p in params
+            for i, p in enumerate(params)
         ],
         bs,
     )
+
+
+def _logprobs_mode(value: int, i: int) -> LogprobsMode:
+    if value not in _LOGPROBS_MODES:
+        raise BatchValidationError(
+            f"sampling_params[{i}].logprobs_mode",
+            f"must be LOGPROBS_MODE_RAW or LOGPROBS_MODE_PROCESSED, got {value}",
+        )
+    return LogprobsMode(value)
+
+
+_LOGPROBS_MODES = frozenset(int(m) for m in LogprobsMode)
 
 
 def _element_count(msg: pb.Tensor) -> int:
@@ -258,11 +272,16 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
             s.min_ps.tolist(),
             s.seeds.tolist(),
             s.has_seed.tolist(),
+            s.processed.tolist(),
             strict=True,
         )
-        for temperature, top_p, top_k, min_p, seed, has_seed in columns:
+        for temperature, top_p, top_k, min_p, seed, has_seed, processed in columns:
             p = msg.sampling_params.add(
-                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                logprobs_mode=int(LogprobsMode.PROCESSED if processed else LogprobsMode.RAW),
             )
             if has_seed:
                 p.seed = seed % (1 << 64)
@@ -296,7 +315,9 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
             lora_rows=st.lora_rows,
+            host_gap_ns=st.host_gap_ns,
         ),
+        weight_version=out.weight_version,
     )
     if out.extras is not None:
         extras_to_proto(out.extras, msg, tensor_to_proto)
@@ -341,6 +362,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
             lora_rows=st.lora_rows,
+            host_gap_ns=st.host_gap_ns,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),
@@ -349,6 +371,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
         accepted_lengths=_ragged_lengths(msg, "accepted_tokens"),
         accepted_logprobs=_ragged_values(msg, "accepted_logprobs"),
         extras=extras_from_proto(msg, tensor_from_proto),
+        weight_version=msg.weight_version,
     )
 
 

@@ -48,6 +48,7 @@ from executor.parallel.leader import TpLeader
 from executor.row_table import RowTable
 from executor.sampling import Sampler
 from executor.speculative.speculation import resolve_held_prefix
+from executor.step.timeline import DeviceTimeline
 from executor.validation import validate_batch
 from ops.h2d_staging import H2DStaging
 from ops.host_transfer import host_transfers, to_host, to_host_async
@@ -69,7 +70,8 @@ class Step:
         hooks: TestHooks,
         comm: TpComm,
         observer: ExecutorObserver,
-        lock: threading.Lock,
+        lock: threading.RLock,
+        timeline: DeviceTimeline,
     ) -> None:
         """`features`: the executor's one feature list, in hook order (the row table first)."""
         self.limits = limits
@@ -85,7 +87,10 @@ class Step:
         self.comm = comm
         self.observer = observer
         self.lock = lock
+        self.timeline = timeline  # when the device had each step (occupancy, the stand-in)
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
+        # The weights' version; changed only holding `lock`, between two steps.
+        self.weight_version = ""
         # The batch's rules, against the live row lengths and future slots.
         self.validate = partial(
             validate_batch,
@@ -100,9 +105,10 @@ class Step:
     ) -> ForwardOutput:
         """Run one step. A refused or failed batch leaves the executor as it was."""
         sb = self.admit(batch, clock, return_logits=return_logits)
-        self.stage(sb)
-        self.launch(sb)
-        return self.read(sb)
+        with self.lock:  # one step between two background-capture buckets
+            self.stage(sb)
+            self.launch(sb)
+            return self.read(sb)
 
     def admit(
         self, batch: ForwardBatch, clock: StepClock, *, return_logits: bool = False
@@ -138,7 +144,7 @@ class Step:
         clock = sb.clock
         with self.lock, self.hooks.device_step_guard(), _Counted(sb):
             try:
-                launched_ns = time.perf_counter_ns()
+                launched_ns, start = time.perf_counter_ns(), self.timeline.launching()
                 self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
                 with clock.phase("forward"):
                     if self.leader is not None:  # every rank runs what rank 0 accepted
@@ -154,7 +160,8 @@ class Step:
                     outputs = sb.outputs()
                     copy = to_host_async([*draw.device, *chain(*outputs)], "sampled_tokens")
                 parts, kept = [len(o) for o in outputs], logits if sb.return_logits else None
-                sb.flight = InFlight(draw, copy, parts, kept, launched_ns)
+                sb.flight = InFlight(draw, copy, parts, kept, launched_ns, start=start)
+                self.timeline.launched(sb.flight)
             except BaseException:
                 self._end_group()
                 sb.undo()
@@ -166,7 +173,9 @@ class Step:
         with sb.clock.phase("read"), self.lock, self.hooks.device_step_guard():
             try:
                 with _Counted(sb):
+                    self.timeline.wait(flight)  # the stand-in: D ms after the launch
                     host = flight.copy.wait()
+                    self.timeline.read(sb, sb.clock.queued_ns or sb.started_ns)
                     self.comm.settle()  # the device is done: a failed NCCL call raises
                     self.hooks.check("read")
                     logits = None if flight.logits is None else to_host(flight.logits, "logits")
@@ -182,6 +191,7 @@ class Step:
             if not sb.keep_rows:  # warm-up
                 sb.undo()
         out.stats = self._stats(sb, out.stats)
+        out.weight_version = self.weight_version  # changed only between two steps (the lock)
         return out
 
     def undo(self, sb: StepBatch) -> None:
