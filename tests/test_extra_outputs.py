@@ -305,7 +305,7 @@ def test_perplexity_through_grpc_equals_transformers_and_the_cli_scores_files(
             torch.tensor(vector), hidden[LAYERS].mean(0), rtol=1e-4, atol=1e-4
         )
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     text = tmp_path / "a.txt"
     text.write_text("hello there, a short text to score")
     args = [

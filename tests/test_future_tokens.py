@@ -421,7 +421,7 @@ def test_cli_generate_overlap_prints_what_generate_prints(
 ) -> None:
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "there", "--model", "tiny-random", "--max-new-tokens", "6"]
     args += ["--cache-dir", str(tmp_path), "--max-reqs", "4"]
     # stdout may carry the embedded server's log lines too: compare the answers only.

@@ -169,7 +169,8 @@ def test_grammar_and_controls_together_in_process(make_executor: Any) -> None:
 
 
 def test_generate_flags_parse_into_sampling_controls() -> None:
-    from executor.client.cli import build_parser, sampling_controls
+    from executor.client.cli import build_parser
+    from executor.client.cli_controls import sampling_controls
     from executor.core.controls_types import SamplingControls
 
     parser = build_parser()
@@ -205,7 +206,7 @@ def test_cli_generate_with_a_json_schema_and_controls(
     accepts; a bad flag fails before any model loads."""
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMAS[2]))
     args = ["generate", "hi", "there", "--model", "tiny-random", "--max-new-tokens", "60"]

@@ -510,7 +510,7 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     from executor.client.cli import main
 
     a, b = pair
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "there", "--max-new-tokens", "6", "--ignore-eos"]
     args += ["--cache-dir", str(tmp_path)]
 
@@ -552,7 +552,7 @@ def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
     def tls(cert: Issued) -> dict[str, str]:
         return {"tls_cert_file": str(cert.cert_file), "tls_key_file": str(cert.key_file)}
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     with (
         running_server(tiny_config(cache), **guarded, **tls(cert_b)) as b,  # type: ignore[arg-type]
         running_server(

@@ -289,7 +289,7 @@ def test_cli_generate_json_logprobs_on_plain_overlap_and_speculative_steps(
 
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "hello there", "--model", "tiny-random", "--max-new-tokens", "8"]
     args += ["--cache-dir", str(tmp_path), "--max-reqs", "4", "--dtype", "float32"]
     args += ["--ignore-eos", "--json", "--logprobs", "--logprobs-mode", "processed"]

@@ -209,7 +209,7 @@ def test_cli_refuses_a_bad_combination_before_serving(
     from executor.client.cli import main
 
     # The CLI configures logging process-wide onto this test's captured stderr; keep it out.
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
 
     assert main(["generate", "hi", "--model", "tiny-random", "--quantization", "gguf"]) == 2
     err = capsys.readouterr().err
@@ -224,7 +224,7 @@ def test_cli_generates_with_quantized_weights(
     GGUFs carry no vocabulary; SmolLM2's `gguf` run is in docs/performance.md)."""
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "--model", "tiny-random", "--max-new-tokens", "4", "--ignore-eos"]
     assert main([*args, "--cache-dir", str(tmp_path), "--quantization", "int8"]) == 0
     assert capsys.readouterr().out.strip()

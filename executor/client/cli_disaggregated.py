@@ -8,9 +8,9 @@ from contextlib import ExitStack
 
 import grpc
 
-from executor.client.cli import _client, _session
 from executor.client.cli_controls import sampling_params
 from executor.client.cli_output import print_results
+from executor.client.cli_session import connect, prompt_texts, session
 
 
 def generate_disaggregated(
@@ -38,15 +38,10 @@ def generate_disaggregated(
         )
         return 2
     with ExitStack() as stack:
-        decode, remote, tok = _session(args, stack)
-        prefill = stack.enter_context(_client(args, args.prefill_target))
+        decode, remote, tok = session(args, stack)
+        prefill = stack.enter_context(connect(args, args.prefill_target))
         prefill.wait_ready(timeout=args.ready_timeout)
-        texts = prompts
-        if args.chat:
-            system = [{"role": "system", "content": args.system}] if args.system else []
-            texts = [
-                tok.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts
-            ]
+        texts = prompt_texts(args, tok, prompts)
         scheduler = DisaggregatedScheduler(
             prefill, decode, args.kv_peer_address or args.target, remote.info.eos_token_ids
         )

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
+from executor.client.cli_session import connect
+
 
 def add_lora_commands(
     sub: argparse._SubParsersAction,
@@ -52,9 +54,7 @@ def prompt_loras(text: str, prompts: int) -> list[str]:
 def cmd_lora(args: argparse.Namespace) -> int:
     import grpc
 
-    from executor.client.cli import _client
-
-    with _client(args, args.target) as client:
+    with connect(args, args.target) as client:
         try:
             if args.command == "load-lora":
                 adapter = client.load_lora(args.name, args.path)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from executor.client.grammar import RequestGrammar
 from executor.client.speculation import DraftState
-from executor.core.controls_types import RowControl, SamplingControls
+from executor.core.controls_types import SamplingControls
 from executor.core.forward_batch import SamplingParams
 from executor.core.limits import BatchLimits
-from executor.core.lora_types import RowAdapter
 
 
 @dataclass
@@ -60,6 +58,27 @@ class Request:
         return self.num_computed >= len(self.prompt_ids)
 
 
+def append_token(req: Request, token: int, logprob: float | None = None) -> None:
+    """A generated token read back: a stop id finishes the request (not kept); otherwise the
+    grammar takes it, it is kept (with its logprob when asked) and streamed, and the grammar's
+    end or the budget finishes the request."""
+    if token in req.stop_token_ids:
+        req.finish_reason = "stop"
+        return
+    if req.grammar is not None:
+        req.grammar.accept(token)
+    req.output_ids.append(token)
+    if req.logprobs:
+        assert logprob is not None, "the step asked for logprobs"
+        req.output_logprobs.append(logprob)
+    if req.on_token is not None:
+        req.on_token(req, token)
+    if req.grammar is not None and req.grammar.terminated:
+        req.finish_reason = "stop"  # the JSON is complete
+    elif len(req.output_ids) >= req.max_new_tokens:
+        req.finish_reason = "length"
+
+
 def check_request(prompt_ids: Sequence[int], max_new_tokens: int, limits: BatchLimits) -> None:
     """ValueError when a request cannot fit the executor (prompt plus budget)."""
     if not prompt_ids:
@@ -74,22 +93,3 @@ def check_request(prompt_ids: Sequence[int], max_new_tokens: int, limits: BatchL
         )
     if budget > limits.kv_slots:
         raise ValueError(f"request needs {budget} KV slots, the executor has {limits.kv_slots}")
-
-
-def starting_row_state(members: Sequence[Request], prefix: Sequence[int]) -> dict[str, Any]:
-    """The row state an EXTEND batch sets for the requests it starts (prefix 0): their
-    sampling controls and LoRA adapter, sent once (they stay with the row until released);
-    as `ForwardBatch` fields, none when there is nothing to set."""
-    starting = [r for r, start in zip(members, prefix, strict=True) if start == 0]
-    controls = tuple(
-        RowControl(r.row, r.controls)
-        for r in starting
-        if r.controls is not None and not r.controls.neutral
-    )
-    adapters = tuple(RowAdapter(r.row, r.lora) for r in starting if r.lora)
-    state: dict[str, Any] = {}
-    if controls:
-        state["row_controls"] = controls
-    if adapters:
-        state["row_adapters"] = adapters
-    return state

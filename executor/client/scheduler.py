@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.batch_prep import make_idle_batch
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
 from executor.client.grammar import Grammars, masked_positions, step_mask
 from executor.client.pipes import ForwardFn, InlinePipe, MaskPipe, StepPipe, StepResult
-from executor.client.requests import Request, _Flight, check_request, starting_row_state
+from executor.client.requests import Request, _Flight, append_token, check_request
 from executor.client.speculation import (
     DEFAULT_NGRAM,
     DraftState,
@@ -52,6 +52,7 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
+from executor.client.step_batches import asking_logprobs, decode_batch, extend_batch
 from executor.core.controls_types import DeferredMask, SamplingControls, VocabMask
 from executor.core.forward_batch import ForwardBatch, SamplingParams
 from executor.core.limits import BatchLimits
@@ -225,7 +226,7 @@ class ReferenceScheduler:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
         produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
-        batch = _asking_logprobs(batch, members)
+        batch = asking_logprobs(batch, members)
         out = self._forward(batch, members, masked_positions(members, produces))
         runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
@@ -237,7 +238,7 @@ class ReferenceScheduler:
                 req.draft.record(req.draft.sent, len(run) - 1)
                 req.draft.sent = 0
             for token, logprob in run:  # tokens after a stop or past the budget are dropped
-                self._append(req, token, logprob)
+                append_token(req, token, logprob)
                 if req.finished:
                     break
             if req.finished:
@@ -262,48 +263,15 @@ class ReferenceScheduler:
     def _next_batch(self) -> tuple[ForwardBatch | None, list[Request], list[int]]:
         prefill = [r for r in self.running if not r.prefilled]
         if prefill:
-            return self._extend_batch(prefill)
+            return extend_batch(prefill, self.max_prefill_tokens)
         decode = self.running
         if not decode:
             return None, [], []
         verify = plan_verify(decode, self.limits.max_tokens_per_batch)
         if verify is not None:  # one VERIFY step for all (k = 0 for those not drafting)
             return verify, list(decode), [r.num_computed + 1 for r in decode]
-        batch = make_decode_batch(
-            input_ids=[r.output_ids[-1] for r in decode],
-            req_pool_indices=[r.row for r in decode],
-            seq_lens=[r.num_computed + 1 for r in decode],
-            out_cache_loc=[r.slots[r.num_computed] for r in decode],
-            sampling=[r.sampling for r in decode],
-        )
+        batch = decode_batch(decode, [r.output_ids[-1] for r in decode])
         return batch, list(decode), [r.num_computed + 1 for r in decode]
-
-    def _extend_batch(
-        self, prefill: list[Request]
-    ) -> tuple[ForwardBatch, list[Request], list[int]]:
-        """One EXTEND batch of waiting chunks within the token budget, and each chunk's end."""
-        budget = self.max_prefill_tokens
-        members, ids, locs, prefix, ends = [], [], [], [], []
-        for req in prefill:
-            if budget == 0:
-                break
-            start = req.num_computed
-            end = min(len(req.prompt_ids), start + budget)
-            budget -= end - start
-            members.append(req)
-            ids.append(req.prompt_ids[start:end])
-            locs.append(req.slots[start:end])
-            prefix.append(start)
-            ends.append(end)
-        batch = make_extend_batch(
-            input_ids=ids,
-            req_pool_indices=[r.row for r in members],
-            out_cache_loc=locs,
-            prefix_lens=prefix,
-            sampling=[r.sampling for r in members],
-        )
-        state = starting_row_state(members, prefix)  # controls and adapters, once
-        return (dataclasses.replace(batch, **state) if state else batch), members, ends
 
     # --- overlap ---------------------------------------------------------------------------
     def _step_overlap(self) -> list[Request]:
@@ -334,7 +302,7 @@ class ReferenceScheduler:
             self.future.release(released_future)  # nothing sent: they go with the next one
             return False
         batch, members, produces = built
-        batch = _asking_logprobs(batch, members)
+        batch = asking_logprobs(batch, members)
         slots = self.future.alloc(len(members))
         for req, slot, produced in zip(members, slots, produces, strict=True):
             req.in_flight += 1
@@ -372,7 +340,7 @@ class ReferenceScheduler:
     def _prefill_batch(
         self, prefill: list[Request]
     ) -> tuple[ForwardBatch, list[Request], list[bool]]:
-        batch, members, ends = self._extend_batch(prefill)
+        batch, members, ends = extend_batch(prefill, self.max_prefill_tokens)
         produces = []
         for req, end in zip(members, ends, strict=True):
             req.num_computed = end
@@ -384,13 +352,7 @@ class ReferenceScheduler:
     ) -> tuple[ForwardBatch, list[Request], list[bool]]:
         """Each request feeds its newest token by reference: `-future_slot`."""
         assert self.future is not None
-        batch = make_decode_batch(
-            input_ids=[-r.future_slot for r in decode],
-            req_pool_indices=[r.row for r in decode],
-            seq_lens=[r.num_computed + 1 for r in decode],
-            out_cache_loc=[r.slots[r.num_computed] for r in decode],
-            sampling=[r.sampling for r in decode],
-        )
+        batch = decode_batch(decode, [-r.future_slot for r in decode])
         # Read by this batch: released with the next one.
         self.future.release([r.future_slot for r in decode])
         for req in decode:
@@ -408,7 +370,7 @@ class ReferenceScheduler:
         for req, run, produced in zip(flight.members, runs, flight.produces, strict=True):
             req.in_flight -= 1
             if produced and not req.finished:  # a stopped request's extra token is dropped
-                self._append(req, *run[0])
+                append_token(req, *run[0])
                 if req.finished:
                     finished.append(req)
         self._send_masks()  # first: the step in flight may wait for them at sampling
@@ -420,31 +382,6 @@ class ReferenceScheduler:
                 self.future.release([req.future_slot])  # its last token, never read
                 req.future_slot = 0
         return finished
-
-    @staticmethod
-    def _append(req: Request, token: int, logprob: float | None = None) -> None:
-        if token in req.stop_token_ids:
-            req.finish_reason = "stop"
-            return
-        if req.grammar is not None:
-            req.grammar.accept(token)
-        req.output_ids.append(token)
-        if req.logprobs:
-            assert logprob is not None, "the step asked for logprobs"
-            req.output_logprobs.append(logprob)
-        if req.on_token is not None:
-            req.on_token(req, token)
-        if req.grammar is not None and req.grammar.terminated:
-            req.finish_reason = "stop"  # the JSON is complete
-        elif len(req.output_ids) >= req.max_new_tokens:
-            req.finish_reason = "length"
-
-
-def _asking_logprobs(batch: ForwardBatch, members: Sequence[Request]) -> ForwardBatch:
-    """The batch asking for logprobs when any member wants them (the others' are ignored)."""
-    if any(r.logprobs for r in members):
-        return dataclasses.replace(batch, return_logprob=True)
-    return batch
 
 
 def generate(
