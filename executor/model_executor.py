@@ -30,12 +30,9 @@ from executor.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     ExecutorConfig,
     batch_limits,
-    check_graph_mode,
     choose_dtype,
     resolve_cache_dir,
     resolve_device,
-    resolve_graph_backend,
-    resolve_graph_mode,
     resolve_max_context_len,
     resolve_max_loras,
 )
@@ -54,7 +51,12 @@ from executor.extras.compute import PooledSums
 from executor.extras.feature import Extras
 from executor.future_tokens import FutureTokens, FutureTokenTable
 from executor.graphs.compile_cache import use_compile_caches
-from executor.graphs.settings import graph_settings
+from executor.graphs.settings import (
+    check_graph_mode,
+    graph_settings,
+    resolve_graph_backend,
+    resolve_graph_mode,
+)
 from executor.info import ExecutorInfo, SettingChoice, pipeline_choice
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer

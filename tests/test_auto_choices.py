@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.config import ExecutorConfig, background_graph_mode
+from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
-from executor.graphs.settings import graph_settings
+from executor.graphs.settings import background_graph_mode, graph_settings
 from executor.model_executor import ModelExecutor
 from executor.models import quant_kernel
 from executor.models.quant_kernel import choose_quantization

@@ -197,7 +197,7 @@ def test_the_key_follows_the_structure_not_the_state(make_executor: MakeExecutor
     def key(ex: ModelExecutor) -> str:
         runner = ex.runner._decode_runner(ex.toggles.needs_cpu_seq_lens)
         runner._prepare_capture()
-        return runner._bucket_call(1, runner.kv_buckets[0], stage=False).key()
+        return runner._bucket_call(1, runner.kv_buckets[0], False, stage=False).key()
 
     a, b = make_executor(graph_mode="none"), make_executor(graph_mode="none")
     a.forward(make_extend_batch(input_ids=[[3, 4]], req_pool_indices=[1], out_cache_loc=[[1, 2]]))

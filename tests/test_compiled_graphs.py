@@ -15,11 +15,12 @@ import torch
 
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.config import ExecutorConfig, resolve_graph_backend
+from executor.config import ExecutorConfig
 from executor.core.buckets import kv_bucket
 from executor.core.runner_output import GraphFallback
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import CompiledGraph
+from executor.graphs.settings import resolve_graph_backend
 from executor.graphs.step_graph import StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill

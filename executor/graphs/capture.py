@@ -119,7 +119,13 @@ def capture_buckets(
                 outcome = CaptureOutcome.POISONED
             except Exception as e:
                 report.failed[size] = f"{type(e).__name__}: {e}"
-                log.warning("graph capture failed", kind=kind, size=size, error=report.failed[size])
+                log.warning(
+                    "graph capture failed",
+                    kind=kind,
+                    size=size,
+                    error=report.failed[size],
+                    exc_info=True,
+                )
                 outcome = CaptureOutcome.FAILED
             if agree is not None:
                 outcome = _follow_group(kind, size, outcome, agree, drop, factory, report)

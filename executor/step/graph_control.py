@@ -22,13 +22,14 @@ import torch
 
 from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
-from executor.config import ExecutorConfig, background_graph_mode, resolve_graph_mode
+from executor.config import ExecutorConfig
 from executor.core.errors import ToggleRefusedError
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
 from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
 from executor.graphs.compile_job import CompileJob, compile_in_worker
+from executor.graphs.settings import background_graph_mode, resolve_graph_mode
 from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
 from executor.parallel import broadcast
