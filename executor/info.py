@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import structlog
 import torch
 
 from executor.config import ExecutorConfig
@@ -68,3 +70,26 @@ def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoi
     if device.type == "cuda":
         return SettingChoice("pipeline_steps", "on", "auto: CUDA runs a step asynchronously")
     return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")
+
+
+def log_ready(info: ExecutorInfo, **extra: Any) -> None:
+    """The start-up's last log lines: `executor ready` with what GetInfo says and `extra` (this
+    rank's runtime state), then one `setting chosen` line per setting choice."""
+    log = structlog.get_logger("executor.model_executor")
+    log.info(
+        "executor ready",
+        model=info.model_name,
+        device=info.device,
+        dtype=info.dtype,
+        quantization=info.quantization,
+        linear_kernel=info.linear_kernel,
+        weight_mib=round(info.weight_bytes / 2**20, 1),
+        attention_backend=info.attention_backend,
+        max_reqs=info.limits.max_reqs,
+        kv_slots=info.limits.kv_slots,
+        max_context_len=info.limits.max_context_len,
+        tp_size=info.tp_size,
+        **extra,
+    )
+    for choice in info.choices:
+        log.info("setting chosen", setting=choice.setting, value=choice.value, reason=choice.reason)

@@ -27,19 +27,16 @@ import executor
 from attention import create_backend, decide_needs_cpu_seq_lens
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.config import (
-    DEFAULT_MAX_CONTEXT_LEN,
     ExecutorConfig,
     batch_limits,
-    choose_dtype,
     resolve_cache_dir,
     resolve_device,
     resolve_max_context_len,
     resolve_max_loras,
 )
-from executor.controls.step_controls import CONTROL_NAMES, StepControls
+from executor.controls.step_controls import CONTROL_NAMES
 from executor.core.clock import StepClock
 from executor.core.errors import LoraStateError, TestHooks
-from executor.core.features import StepFeature
 from executor.core.forward_batch import ForwardBatch
 from executor.core.lora_types import LoadedAdapter, LoraInfo, parse_lora_setting
 from executor.core.names import GraphMode, SeqLensPolicy
@@ -47,9 +44,7 @@ from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
 from executor.core.step_batch import StepBatch
 from executor.core.toggles import Toggles
-from executor.extras.compute import PooledSums
-from executor.extras.feature import Extras
-from executor.future_tokens import FutureTokens, FutureTokenTable
+from executor.future_tokens import FutureTokenTable
 from executor.graphs.compile_cache import use_compile_caches
 from executor.graphs.settings import (
     check_graph_mode,
@@ -57,27 +52,20 @@ from executor.graphs.settings import (
     resolve_graph_backend,
     resolve_graph_mode,
 )
-from executor.info import ExecutorInfo, SettingChoice, pipeline_choice
+from executor.info import ExecutorInfo, SettingChoice, log_ready, pipeline_choice
 from executor.kv_cache import KVPool, ReqToTokenPool
-from executor.kv_transfer.engine import KVTransfer
-from executor.kv_transfer.layout import KVLayout, KVTransferLimits
 from executor.lora.adapters import LoraAdapters
 from executor.model_runner import ModelRunner
 from executor.models.decoder_model import DecoderModel
-from executor.models.loader import LoadedModel, load_model, resolve_quantization
+from executor.models.loader import LoadedModel, load_model, load_served_model
 from executor.models.standin import StandIn
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
-from executor.row_table import RowTable
-from executor.sampling import Sampler
-from executor.speculative.speculation import Speculation
+from executor.step.assembly import assemble_step
 from executor.step.graph_control import GraphControl
-from executor.step.step import Step
-from executor.step.timeline import DeviceTimeline
 from executor.weights.control import WeightsControl
 from ops.device_scope import device_scope, on_own_device
-from ops.h2d_staging import H2DStaging
 
 log = structlog.get_logger(__name__)
 
@@ -126,34 +114,15 @@ class ModelExecutor:
         # Inductor's, Triton's and the kernels' compiled code live under the cache dir, set
         # before anything here can compile (the qmm kernel at load, graphs at capture).
         use_compile_caches(resolve_cache_dir(config))
-        dtype_choice = choose_dtype(config, self.device)
-        self.dtype = dtype_choice.dtype
-        log.info(
-            "dtype chosen", dtype=str(self.dtype).removeprefix("torch."), reason=dtype_choice.reason
-        )
-        quantization, why = resolve_quantization(config)
-        if loaded is not None:
-            why = "the caller's loaded model"
-        if loaded is None:
-            loaded = load_model(
-                config.model,
-                device=self.device,
-                dtype=self.dtype,
-                max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
-                cache_dir=resolve_cache_dir(config),
-                quantization=quantization,
-                comm=self.comm,
-                linear_kernel=config.linear_kernel,
-                quant_kernel=config.quant_kernel,
-                sha256=config.model_sha256,
-            )
-        self.loaded = loaded
+        served = load_served_model(config, self.device, self.comm, loaded)
+        self.loaded = loaded = served.loaded
+        self.dtype = served.dtype.dtype
         self.choices = (
             SettingChoice(
                 "device", str(self.device), "configured" if config.device != "auto" else "auto"
             ),
-            SettingChoice("dtype", str(self.dtype).removeprefix("torch."), dtype_choice.reason),
-            SettingChoice("quantization", loaded.quantization, why),
+            SettingChoice("dtype", str(self.dtype).removeprefix("torch."), served.dtype.reason),
+            SettingChoice("quantization", loaded.quantization, served.quantization_reason),
             SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
             SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
             pipeline_choice(config, self.device),
@@ -255,73 +224,25 @@ class ModelExecutor:
                     self.lora.load(name, path)
             self.control.start()
         self.hooks = TestHooks()
-        sampler = Sampler(self.device, config.seed)
-        self.controls = StepControls(
+        parts = assemble_step(
+            config,
             self.limits,
-            mcfg.eos_token_ids,
-            self.device,
-            deferred_mask_timeout_s=config.deferred_mask_timeout_s,
-            req_to_token=self.req_to_token_pool.req_to_token,
-            future_table=self.future.tokens,
-        )
-        row_table = RowTable(self.req_to_token_pool)
-        # The step's features, in hook order (`executor.core.features`): a new feature is one
-        # more entry here; `Step` names none of them.
-        self.features: list[StepFeature] = [
-            Speculation(
-                self.controls.slot_tokens,
-                self.limits,
-                pool=self.req_to_token_pool,
-                future_table=self.future.tokens,
-                tp_size=self.comm.size,
-                generator=sampler.generator,
-            ),
-            row_table,
-            FutureTokens(self.future),
-            *([self.lora.rows] if self.lora is not None else []),
-            Extras(
-                self.limits,
-                self.model,
-                PooledSums(self.limits.max_reqs, mcfg.hidden_size, self.device),
-                future_table=self.future.tokens,
-                tp_size=self.comm.size,
-            ),
-            self.controls,
-        ]
-        self.step = Step(
-            limits=self.limits,
-            allow_custom_positions=config.allow_custom_positions,
-            row_table=row_table,
+            model=self.model,
+            device=self.device,
+            pool=self.req_to_token_pool,
             future=self.future,
-            features=self.features,
+            lora=self.lora,
             runner=self.runner,
-            sampler=sampler,
-            staging=H2DStaging(self.device),
             toggles=self.toggles,
             hooks=self.hooks,
             comm=self.comm,
             observer=self.observer,
             lock=self.control.step_lock,
-            timeline=DeviceTimeline(self.device, config.simulated_step_ms),
+            kv_pool=self.kv_pool,
+            max_context_len=max_context_len,
         )
-        # The KV data plane: this rank's heads of a request's K/V, out of and into the pool.
-        self.kv_transfer = KVTransfer(
-            self.req_to_token_pool,
-            self.kv_pool,
-            self.controls.slot_tokens,
-            KVLayout(
-                num_layers=mcfg.num_layers,
-                kv_heads=plan.num_kv_heads,
-                kv_heads_total=mcfg.num_kv_heads,
-                head_dim=mcfg.head_dim,
-                dtype=self.dtype,
-                kv_slots=config.kv_slots,
-                tp_size=self.comm.size,
-            ),
-            KVTransferLimits(max_slots=max_context_len, max_runs=max_context_len),
-            self.control.step_lock,
-            comm=self.comm,
-        )
+        self.controls, self.features, self.step = parts.controls, parts.features, parts.step
+        self.kv_transfer = parts.kv_transfer  # the KV data plane (KV calls) over the same pools
         # Weights and memory changed while serving, between two steps (executor.weights).
         self.weights = WeightsControl(
             model=self.model,
@@ -348,29 +269,14 @@ class ModelExecutor:
             if self.lora is not None:
                 self.lora.leader = self.leader
             self.future.keep_host_mirror()
-        log.info(
-            "executor ready",
-            model=mcfg.name,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            quantization=self.loaded.quantization,
-            linear_kernel=self.loaded.linear_kernel,
-            weight_mib=round(self.loaded.weight_bytes / 2**20, 1),
-            attention_backend=self.attn_backend.name,
+        log_ready(
+            self.info,
+            tp_rank=self.comm.rank,
             needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
-            max_reqs=config.max_reqs,
-            kv_slots=config.kv_slots,
-            max_context_len=max_context_len,
             kv_cache_mib=round(self.kv_pool.nbytes / 2**20, 1),
             eager_input_no_copy=config.eager_input_no_copy,
             graph_mode=str(graph_mode),
-            tp_rank=self.comm.rank,
-            tp_size=self.comm.size,
         )
-        for choice in (*self.choices, *self.control.choices()):
-            log.info(
-                "setting chosen", setting=choice.setting, value=choice.value, reason=choice.reason
-            )
 
     @property
     def info(self) -> ExecutorInfo:
