@@ -39,6 +39,7 @@ class InFlight:
     logits: torch.Tensor | None  # what sampling drew from, when the caller asked for logits
     launched_ns: int  # perf_counter_ns when the launch began
     ready_ns: int = 0  # the stand-in accelerator: when its results are readable
+    idle_ns: int = 0  # the stand-in: how long it sat idle before this launch (< 0: queued)
     start: DeviceEvent | None = None  # CUDA: recorded before the launch's first kernel
     end: DeviceEvent | None = None  # and after the copy of its results
 
@@ -109,6 +110,10 @@ class StepBatch:
             if draw is not None:
                 return draw
         return None
+
+    def sampled(self, ids: torch.Tensor) -> None:
+        for part in self.work:
+            part.sampled(self, ids)
 
     def outputs(self) -> list[list[torch.Tensor]]:
         return [part.outputs(self) for part in self.work]
