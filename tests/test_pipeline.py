@@ -485,3 +485,25 @@ def test_the_next_batch_is_launched_behind_a_step_before_that_step_is_read(
     worker.stop(10)
     assert all(job.future.result() is not None for job in jobs)
     assert events == ["launch", "launch", "read", "launch", "read", "read"], events
+
+
+@pytest.mark.parametrize("pipeline", [{"simulated_step_ms": 1.0}, {"pipeline_steps": "on"}])
+def test_a_batch_whose_mask_follows_the_answer_before_it_is_not_held_behind_it(
+    executors: Callable[..., ModelExecutor], pipeline: dict[str, object]
+) -> None:
+    """Liveness: N+1's deferred mask is sent once N's tokens are read (a grammar's next
+    state), so neither N's answer nor the device thread may wait for N+1's mask. Without
+    the rule N+1 waits out deferred_mask_timeout_s and fails."""
+    ex = executors(deferred_mask_timeout_s=30.0, **pipeline)
+    a, n = _fault_script()[:2]
+    mask = DeferredMask(2)
+    n = dataclasses.replace(n, deferred_mask=mask)
+    worker = DeviceWorker(ex, queue_size=4)
+    jobs = [worker.submit(a, 1), worker.submit(n, 2)]
+    allowed = _mask(ex.limits.vocab_size, [3, 7, 50, 51], rows=2)
+    jobs[0].future.add_done_callback(lambda _: mask.fulfill(allowed))
+    worker.start()
+    assert worker.wait_idle(20), "N+1 waited for a mask that follows N's answer"
+    worker.stop(10)
+    tokens = jobs[1].future.result().next_token_ids.tolist()
+    assert set(tokens) <= {3, 7, 50, 51}

@@ -126,6 +126,13 @@ class StepBatch:
             at += n
 
     @property
+    def awaits_mask(self) -> bool:
+        """Its deferred vocab mask has not come: its launch waits for it, and the mask may
+        follow the answer of the step before (so that answer must not wait for this launch)."""
+        mask = self.host.deferred_mask
+        return mask is not None and not mask.settled
+
+    @property
     def admits_next_early(self) -> bool:
         """Whether the next batch may be admitted while this one is on the device (no part
         changes host state at its read that admission reads)."""

@@ -169,6 +169,8 @@ class DeviceWorker(JobQueue):
             self.executor.undo(sb)
             self._fail(job, refusal)
             return _NOTHING, None
+        if sb.awaits_mask:  # its mask may follow the answer of the step before
+            self._send(before)
         self._on_device = (job.batch_id, time.monotonic(), sb.clock)
         if not turn.launched:
             with job_scope(job):
@@ -180,7 +182,12 @@ class DeviceWorker(JobQueue):
                     return _NOTHING, None
         self._send(before)  # the device has this step: the host answers the one before
         ahead = self._take_ahead(job, sb)
-        if isinstance(ahead, Turn) and ahead.sb is not None and self.executor.launches_ahead:
+        if (
+            isinstance(ahead, Turn)
+            and ahead.sb is not None
+            and self.executor.launches_ahead
+            and not ahead.sb.awaits_mask  # launched in its turn, after this step's answer
+        ):
             self._launch_ahead(ahead)
         with job_scope(job):
             try:
