@@ -10,6 +10,8 @@ from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
 from executor.core.lora_types import LoraInfo
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.models.decoder_model import DecoderModel
+from executor.models.layers import Linear
 from executor.weights.memory import MemoryReport
 
 
@@ -68,3 +70,17 @@ def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoi
     if device.type == "cuda":
         return SettingChoice("pipeline_steps", "on", "auto: CUDA runs a step asynchronously")
     return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")
+
+
+def lm_head_choice(config: ExecutorConfig, model: DecoderModel) -> SettingChoice:
+    """The dtype the LM head computes in (`lm_head_dtype`); sets it on `model`."""
+    act = str(model.activation_dtype).removeprefix("torch.")
+    if config.lm_head_dtype == "auto":
+        model.head_dtype = None
+        return SettingChoice("lm_head_dtype", act, "auto: the model's dtype")
+    model.head_dtype = torch.float32
+    if model.lm_head is not None and not isinstance(model.lm_head, Linear):
+        kind = type(model.lm_head).__name__
+        why = f"configured; the {kind} head takes float32 hidden states, its kernel keeps its own precision"
+        return SettingChoice("lm_head_dtype", "float32", why)
+    return SettingChoice("lm_head_dtype", "float32", "configured")

@@ -57,7 +57,7 @@ from executor.graphs.settings import (
     resolve_graph_backend,
     resolve_graph_mode,
 )
-from executor.info import ExecutorInfo, SettingChoice, pipeline_choice
+from executor.info import ExecutorInfo, SettingChoice, lm_head_choice, pipeline_choice
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.kv_transfer.engine import KVTransfer
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
@@ -156,6 +156,7 @@ class ModelExecutor:
             SettingChoice("quantization", loaded.quantization, why),
             SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
             SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
+            lm_head_choice(config, loaded.model),
             pipeline_choice(config, self.device),
         )
         # The device thread prepares the next batch while a step runs (device_worker).
