@@ -65,6 +65,7 @@ from executor.lora.adapters import LoraAdapters
 from executor.model_runner import ModelRunner
 from executor.models.decoder_model import DecoderModel
 from executor.models.loader import LoadedModel, load_model, resolve_quantization
+from executor.models.moe import routed_expert_layout
 from executor.models.standin import StandIn
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
@@ -173,6 +174,10 @@ class ModelExecutor:
             vocab_size=mcfg.vocab_size,
             hidden_size=mcfg.hidden_size,
             max_context_len=max_context_len,
+        )
+        moe_layers, top_k = routed_expert_layout(self.model)
+        self.limits = replace(
+            self.limits, routed_expert_layers=moe_layers, routed_experts_top_k=top_k
         )
         self.req_to_token_pool = ReqToTokenPool(
             config.max_reqs,
