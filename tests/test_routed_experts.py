@@ -180,3 +180,43 @@ def test_the_cap_and_a_dense_model_refuse_the_ask_and_the_ids_cross_the_wire(
     info, _ = info_from_proto(info_to_proto(ex.info, str(path)))
     assert info.limits.routed_expert_layers == (0, 2) and info.limits.routed_experts_top_k == 2
     assert info.limits.max_routed_expert_bytes == 16 << 20
+
+
+def test_cli_generate_json_routed_experts(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    make_executor: Callable[..., ModelExecutor],
+) -> None:
+    """`generate --json --routed-experts`: each request's object carries, per token the model
+    computed (the prompt, then each generated token but the last), per MoE layer, its top-k
+    expert ids: the prompt's equal a direct step's."""
+    import json
+
+    from executor.client.cli import main
+
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
+    args = ["generate", "hi", "hello there", "--model", "tiny-random-qwen3-moe"]
+    args += ["--cache-dir", str(tmp_path), "--max-reqs", "4", "--dtype", "float32"]
+    args += ["--max-new-tokens", "4", "--ignore-eos", "--graph-mode", "none"]
+    assert main([*args, "--json", "--routed-experts"]) == 0
+    out = capsys.readouterr().out
+    objs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(objs) == 2
+    ex = make_executor(model="tiny-random-qwen3-moe")
+    for row, obj in enumerate(objs, start=1):
+        prompt, routed = obj["prompt_token_ids"], obj["routed_experts"]
+        assert len(routed) == len(prompt) + len(obj["token_ids"]) - 1
+        assert all(len(t) == 2 and all(len(k) == 2 for k in t) for t in routed)
+        fb = make_extend_batch(
+            input_ids=[prompt],
+            req_pool_indices=[row],
+            out_cache_loc=[list(range(row * 100, row * 100 + len(prompt)))],
+        )
+        step = ex.forward(
+            dataclasses.replace(fb, row_outputs=(RowOutputs(row, routed_experts=True),))
+        )
+        assert step.extras is not None and step.extras.routed_experts is not None
+        assert step.extras.routed_experts.values.tolist() == routed[: len(prompt)]
+    assert main([*args, "--routed-experts"]) == 2
+    assert "--routed-experts needs --json" in capsys.readouterr().err
