@@ -175,7 +175,10 @@ class ModelExecutor:
             hidden_size=mcfg.hidden_size,
             max_context_len=max_context_len,
         )
-        moe_layers, top_k = routed_expert_layout(self.model)
+        # The stand-in accelerator runs no model, so it routes nothing.
+        moe_layers, top_k = (
+            ((), 0) if config.simulated_step_ms else routed_expert_layout(self.model)
+        )
         self.limits = replace(
             self.limits, routed_expert_layers=moe_layers, routed_experts_top_k=top_k
         )

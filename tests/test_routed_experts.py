@@ -220,3 +220,38 @@ def test_cli_generate_json_routed_experts(
         assert step.extras.routed_experts.values.tolist() == routed[: len(prompt)]
     assert main([*args, "--routed-experts"]) == 2
     assert "--routed-experts needs --json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_routed_experts_at_tp2_match_tp1() -> None:
+    """Every rank sees the ask (the broadcast carries it) and runs the step eagerly; the
+    router is replicated, so rank 0's ids are tp 1's, on a prefill and a DECODE step."""
+    from tests.test_tensor_parallel import _tiny
+    from tests.tp_util import generate_tp, run_generations
+
+    config = _tiny(model="tiny-random-qwen3-moe", graph_mode="both")
+    lens = [len(p) for p in PROMPTS]
+    prefill = make_extend_batch(
+        input_ids=PROMPTS,
+        req_pool_indices=[1, 2],
+        out_cache_loc=[list(range(1, 1 + lens[0])), list(range(100, 100 + lens[1]))],
+    )
+    decode = make_decode_batch(
+        input_ids=[DECODED[0][0], DECODED[1][0]],
+        req_pool_indices=[1, 2],
+        out_cache_loc=[1 + lens[0], 100 + lens[1]],
+        seq_lens=[n + 1 for n in lens],
+    )
+    runs = [{"batches": [dataclasses.replace(b, row_outputs=ASK) for b in (prefill, decode)]}]
+    want = run_generations(ModelExecutor(config), PROMPTS, runs)
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
+    assert got == want
+    for extras, tokens in zip(got[0][1], (19, 2), strict=True):
+        assert extras is not None and len(extras["routed_experts"]) == tokens
+
+
+def test_the_tp_broadcast_carries_the_ask() -> None:
+    """The workers run an asking batch eagerly too (the graphs' collectives would differ)."""
+    from executor.parallel.broadcast import _ask_from_json, _ask_to_json
+
+    assert _ask_from_json(_ask_to_json(ASK[0])) == ASK[0]
