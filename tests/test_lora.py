@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+import transformers  # with peft (tests.lora_util): dev dependencies, never skipped
 
 from executor.batch_prep import make_extend_batch
 from executor.client import cli
@@ -38,9 +39,6 @@ from executor.model_executor import ModelExecutor
 from tests.lora_util import MLP_R16, SPECS, make_adapter, reference_tokens
 from tests.server_util import running_server
 from tests.test_model_families import SMALL, _randomize
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow
 
