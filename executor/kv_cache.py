@@ -1,7 +1,7 @@
 """The paged KV cache: the request-to-token table and the per-layer K/V slot pool.
 
 The scheduler allocates rows and slots; the executor stores and reads them, and refuses a
-new token written into a slot a live row holds (`SlotOwners`).
+new token written into a slot a live row holds (`executor/slot_owners.py`).
 Row 0 of the table and slot 0 of the pool are reserved: padded requests point at row 0,
 whose entries are all 0, and padded tokens write their K/V into slot 0.
 """
@@ -15,134 +15,19 @@ import numpy as np
 import torch
 
 from executor.batch_prep import extend_positions
-from executor.core.errors import BatchValidationError
 from executor.core.forward_batch import ForwardBatch, ForwardMode
+from executor.slot_owners import EMPTY, OwnerChange, SlotOwners, StepCells
+from ops import host_index
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
-# --- the slot-owner map ------------------------------------------------------------------
-# Who holds each KV slot: a host mirror of the row table and a live-reference count per
-# slot. The scheduler allocates slots; the executor only checks that a new token never lands
-# in a slot whose K/V a live request still reads. A slot is held by every cell `(row, pos)`
-# with `pos < resident_lens[row]`; several rows may hold one slot (a shared prefix, sent as
-# `prefix_cache_loc`). A step first drops the cells it releases, overwrites or truncates,
-# then refuses (BatchValidationError naming the slot and a holder) any new token whose slot
-# is still held, then adds its own cells; `undo` restores exactly the state before. Slot 0
-# (the padding sink) is never refused. numpy on the host: no device reads, O(cells written).
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class OwnerChange:
-    """What one step changed in the owner map, to undo it."""
-
-    rows: np.ndarray  # cells written
-    cols: np.ndarray
-    old_values: np.ndarray
-    dropped: np.ndarray  # slots that lost a reference
-    added: np.ndarray  # slots that gained one
-
-
-@dataclass(frozen=True)
-class StepCells:
-    """The cells one step writes and how the rows it touches change length (host arrays)."""
-
-    rows: np.ndarray  # [n] the row of each written cell
-    cols: np.ndarray  # [n] its position
-    values: np.ndarray  # [n] its slot
-    n_shared: (
-        int  # the first n_shared cells are prefix_cache_loc (shared reads), the rest new tokens
+def _kernel_cells(cells: RowCells) -> bool:
+    """Cells the host kernel reads in place: contiguous int64 host tensors."""
+    return all(
+        t.dtype is torch.int64 and t.is_cpu and t.is_contiguous()
+        for t in (cells.rows, cells.cols, cells.values)
     )
-    released: np.ndarray  # rows released first
-    released_lens: np.ndarray  # their lengths before
-    touched: np.ndarray  # rows the batch runs
-    old_lens: np.ndarray  # their lengths after the releases
-    new_lens: np.ndarray  # and after the step
-    lens: np.ndarray  # every row's resident length after the releases, before the step
-
-
-class SlotOwners:
-    def __init__(
-        self, max_reqs: int, max_context_len: int, kv_slots: int, *, detailed: bool = False
-    ) -> None:
-        self.table = np.zeros((max_reqs + 1, max_context_len), dtype=np.int64)
-        self.refs = np.zeros(kv_slots + 1, dtype=np.int64)
-        # Name another request's row and position in a refusal (debugging): off, a caller
-        # learns only that the slot is taken, never where other requests keep their KV.
-        self.detailed = detailed
-
-    def check(self, step: StepCells) -> np.ndarray:
-        """The slots the step drops; raises BatchValidationError when a new token's slot is
-        still held after them, by a live row or by the request's own prefix. Changes nothing."""
-        dropped = self._dropped(step)
-        if dropped.size:
-            np.subtract.at(self.refs, dropped, 1)
-        try:
-            new_slots = step.values[step.n_shared :]
-            busy = (self.refs[new_slots] > 0) & (new_slots != 0)
-            if busy.any():
-                i = int(np.flatnonzero(busy)[0])
-                raise self._refusal(step, i, int(new_slots[i]))
-        finally:
-            if dropped.size:
-                np.add.at(self.refs, dropped, 1)
-        return dropped
-
-    def apply(self, step: StepCells, dropped: np.ndarray) -> OwnerChange:
-        """Drop, then add the step's cells (`dropped` from `check`, on this same state)."""
-        if dropped.size:  # most DECODE steps drop nothing
-            np.subtract.at(self.refs, dropped, 1)
-        old_values = self.table[step.rows, step.cols]
-        self.table[step.rows, step.cols] = step.values
-        np.add.at(self.refs, step.values, 1)
-        return OwnerChange(step.rows, step.cols, old_values, dropped, step.values)
-
-    def undo(self, change: OwnerChange) -> None:
-        self.table[change.rows, change.cols] = change.old_values
-        np.subtract.at(self.refs, change.added, 1)
-        np.add.at(self.refs, change.dropped, 1)
-
-    def _dropped(self, step: StepCells) -> np.ndarray:
-        """Slots of the cells this step releases, overwrites, or cuts off a row's tail."""
-        parts = [self.table[r, :n] for r, n in zip(step.released, step.released_lens, strict=True)]
-        over = step.cols < step.lens[step.rows]  # cells the row held before this step
-        if over.any():
-            parts.append(self.table[step.rows[over], step.cols[over]])
-        cut = step.old_lens > step.new_lens  # rows rewound: their tails are no longer resident
-        if cut.any():
-            rewound = zip(step.touched[cut], step.old_lens[cut], step.new_lens[cut], strict=True)
-            parts.extend(self.table[r, new:old] for r, old, new in rewound)
-        if not parts:
-            return _EMPTY
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def _refusal(self, step: StepCells, i: int, slot: int) -> BatchValidationError:
-        """Name the slot and one live cell that holds it (error path: a full-table search)."""
-        lens = step.lens.copy()
-        lens[step.touched] = np.minimum(step.old_lens, step.new_lens)
-        written = set(zip(step.rows.tolist(), step.cols.tolist(), strict=True))
-        row_of_token = int(step.rows[step.n_shared + i])
-        rows, cols = np.nonzero(self.table == slot)
-        for r, p in zip(rows.tolist(), cols.tolist(), strict=True):
-            if r != 0 and p < lens[r] and (r, p) not in written:
-                whose = "this request's own prefix" if r == row_of_token else "a live request"
-                if not self.detailed and r != row_of_token:
-                    return BatchValidationError(
-                        f"out_cache_loc[{i}]",
-                        f"slot {slot} holds the KV of a live request; a new token needs a "
-                        "slot no live row holds (reading it through prefix_cache_loc is "
-                        "allowed)",
-                    )
-                return BatchValidationError(
-                    f"out_cache_loc[{i}]",
-                    f"slot {slot} holds the KV of row {r} at position {p} ({whose}); a new "
-                    "token needs a slot no live row holds (reading it through "
-                    "prefix_cache_loc is allowed)",
-                )
-        return BatchValidationError(  # unreachable while refs and the table agree
-            f"out_cache_loc[{i}]", f"slot {slot} is held by a live row"
-        )
 
 
 def _host_i64(t: torch.Tensor) -> np.ndarray:
@@ -265,8 +150,10 @@ class ReqToTokenPool:
                 rows = torch.cat([prefix_rows, rows])
                 cols = torch.cat([prefix_cols, cols])
                 values = torch.cat([fb.prefix_cache_loc, values])
-        else:
-            rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
+        else:  # numpy for the one subtraction: a torch op on a host vector costs more
+            seq_lens = fb.seq_lens
+            cols = torch.from_numpy(seq_lens.numpy() - 1) if seq_lens.is_cpu else seq_lens - 1
+            rows, values = rpi, fb.out_cache_loc
         return RowCells(rows, cols, values, n_shared)
 
     def check_write(self, fb: ForwardBatch, cells: RowCells | None = None) -> WritePlan:
@@ -280,7 +167,7 @@ class ReqToTokenPool:
         released = (
             _host_i64(fb.released_req_pool_indices)
             if fb.released_req_pool_indices is not None
-            else _EMPTY
+            else EMPTY
         )
         released_old = self.resident_lens[released].copy()
         touched = _host_i64(fb.req_pool_indices)
@@ -288,7 +175,7 @@ class ReqToTokenPool:
         lens = self.resident_lens.copy()
         lens[released] = 0
         old_lens = lens[touched]
-        owners, dropped = None, _EMPTY
+        owners, dropped = None, EMPTY
         if self.owners is not None:
             owners = StepCells(
                 rows=_host_i64(cells.rows),
@@ -302,9 +189,36 @@ class ReqToTokenPool:
                 new_lens=new_lens,
                 lens=lens,
             )
-            dropped = self.owners.check(owners)
+            if not self._kernel_passes(fb, cells, released):
+                dropped = self.owners.check(owners)
         return WritePlan(
             cells, released, released_old, touched, old_lens, new_lens, owners, dropped
+        )
+
+    def _kernel_passes(self, fb: ForwardBatch, cells: RowCells, released: np.ndarray) -> bool:
+        """The owner check of a step that releases no row and writes one new cell per
+        request, in the host kernel: True when it drops no slot and every new slot is free
+        (`SlotOwners.check` then has nothing to add); False: run that check."""
+        k = host_index.loaded()
+        owners, seq_lens = self.owners, fb.seq_lens
+        return (
+            k is not None
+            and owners is not None
+            and not released.size
+            and not cells.n_shared
+            and len(cells.rows) == fb.batch_size
+            and seq_lens.dtype is torch.int64
+            and seq_lens.is_contiguous()
+            and _kernel_cells(cells)
+            and not k.owners_check(
+                fb.batch_size,
+                cells.rows.data_ptr(),
+                cells.cols.data_ptr(),
+                seq_lens.data_ptr(),
+                cells.values.data_ptr(),
+                host_index.address(self.resident_lens),
+                host_index.address(owners.refs),
+            )
         )
 
     def write_batch(
@@ -331,7 +245,9 @@ class ReqToTokenPool:
         cells = plan.cells
         owners = None
         if self.owners is not None and plan.owners is not None:
-            owners = self.owners.apply(plan.owners, plan.dropped)
+            owners = self.owners.apply(
+                plan.owners, plan.dropped, (cells.rows, cells.cols, cells.values)
+            )
         self.resident_lens[plan.released] = 0
         if device_cells is None:
             device_cells = RowCells(
@@ -342,7 +258,7 @@ class ReqToTokenPool:
             )
         rows_d, cols_d = device_cells.rows, device_cells.cols
         old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
-        self.req_to_token[rows_d, cols_d] = device_cells.values
+        self.req_to_token.index_put_((rows_d, cols_d), device_cells.values)
         self.resident_lens[plan.touched] = plan.new_lens
         return RowWrite(
             rows_d,

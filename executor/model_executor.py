@@ -56,6 +56,7 @@ from executor.sampling import Sampler
 from executor.step.clock import StepClock
 from executor.step.graph_control import GraphControl
 from executor.step.step import Step
+from ops import host_index
 from ops.device_scope import device_scope, on_own_device
 from ops.h2d_staging import H2DStaging
 
@@ -96,6 +97,11 @@ class ModelExecutor:
     def _init_on_device(
         self, config: ExecutorConfig, loaded: LoadedModel | None, stop: threading.Event | None
     ) -> None:
+        # Admission's and staging's host kernels: built on first use; without them every
+        # step takes the (complete, slower) Python path.
+        kernel = host_index.load(resolve_cache_dir(config))
+        if isinstance(kernel, str):
+            log.warning("host index kernels unavailable; admission runs in Python", reason=kernel)
         dtype_choice = choose_dtype(config, self.device)
         self.dtype = dtype_choice.dtype
         log.info(

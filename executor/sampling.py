@@ -5,12 +5,15 @@ The sampler writes the step's one output, `ForwardOutput`; the step adds its sta
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from executor.core.forward_batch import SamplingBatch
 from executor.core.outputs import ForwardOutput
+from executor.host_checks import sampling_holds
 from ops.host_transfer import to_host_packed
-from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
+from ops.sampling import ALL_GREEDY, SamplingPlan, sample_tokens, seeded_uniform
 
 
 class Sampler:
@@ -28,7 +31,24 @@ class Sampler:
     @staticmethod
     def plan(host_sampling: SamplingBatch) -> SamplingPlan:
         """Decide the work from the host copy of the parameters, before the device step, so
-        that sampling itself reads no value (device or host) to decide anything."""
+        that sampling itself reads no value (device or host) to decide anything. The shared
+        all-greedy parameters need no look; others are read by the host kernel when there
+        is one (`executor.host_checks`), else by torch."""
+        if host_sampling.is_shared_greedy():
+            return ALL_GREEDY
+        found = (ctypes.c_int64 * 7)()
+        if sampling_holds(host_sampling, len(host_sampling.temperatures), found):
+            if not found[0]:
+                return ALL_GREEDY
+            return SamplingPlan(
+                all_greedy=False,
+                any_top_k=bool(found[1]),
+                all_top_k=bool(found[2]),
+                max_top_k=found[3],
+                any_top_p=bool(found[4]),
+                any_min_p=bool(found[5]),
+                any_seeded=bool(found[6]),
+            )
         return SamplingPlan.from_host(
             host_sampling.temperatures,
             host_sampling.top_ks,

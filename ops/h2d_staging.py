@@ -14,6 +14,7 @@ overwritten by a copy ordered after every kernel that read it (one stream).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ops import host_index
 from ops.host_reads import declare_pinned
 from ops.host_transfer import to_device
 
@@ -49,9 +51,10 @@ def _capacity(n: int) -> int:
     return cap
 
 
-# The shape of one staging call: (name, shape, dtype) per field. Steps of one batch size
-# repeat it, so its offsets and the buffer views are computed once per pair.
-Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+# The shape of one staging call: (name, shape, dtype, source dtype) per field. Steps of one
+# batch size repeat it, so its offsets and the buffer views are computed once per pair.
+Signature = tuple[tuple[str, tuple[int, ...], torch.dtype, torch.dtype], ...]
+_INDEX = (torch.int32, torch.int64)
 LAYOUTS_PER_PAIR = 64  # cached layouts per buffer (batch sizes x modes in use); oldest dropped
 
 
@@ -63,6 +66,10 @@ class _Layout:
     host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
     device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
     used: tuple[torch.Tensor, torch.Tensor]  # the first `total` bytes of both: the one copy
+    # For the host kernel's one-call pack (`ops/host_index.py`): 4 int64 per field (source
+    # element size, offset, element size, count); None when a field needs a conversion the
+    # kernel does not make (it copies equal dtypes and converts int32 <-> int64).
+    pack: ctypes.Array[ctypes.c_int64] | None
 
 
 class _Pair:
@@ -83,16 +90,23 @@ class _Pair:
             return cached
         host: list[torch.Tensor] = []
         device: dict[str, torch.Tensor] = {}
+        desc: list[int] | None = []
         off = 0
-        for name, shape, dtype in signature:
-            nbytes = math.prod(shape) * dtype.itemsize
+        for name, shape, dtype, source in signature:
+            count = math.prod(shape)
+            nbytes = count * dtype.itemsize
             host.append(self.host[off : off + nbytes].view(dtype).view(shape))
             device[name] = self.device[off : off + nbytes].view(dtype).view(shape)
+            if desc is not None and (source is dtype or (source in _INDEX and dtype in _INDEX)):
+                desc += [source.itemsize, off, dtype.itemsize, count]
+            else:
+                desc = None
             off += _aligned(nbytes)
         if len(self.layouts) >= LAYOUTS_PER_PAIR:
             del self.layouts[next(iter(self.layouts))]
         used = (self.host[:off], self.device[:off])
-        layout = self.layouts[signature] = _Layout(off, tuple(host), device, used)
+        pack = None if desc is None else (ctypes.c_int64 * len(desc))(*desc)
+        layout = self.layouts[signature] = _Layout(off, tuple(host), device, used, pack)
         return layout
 
 
@@ -108,14 +122,16 @@ class H2DStaging:
     def stage(self, fields: Sequence[StagedField]) -> dict[str, torch.Tensor]:
         """Device views of `fields` (same shapes, the asked dtypes) after one copy. The
         views of one call stay valid until the call after next (double-buffered)."""
-        signature: Signature = tuple((f.name, f.tensor.shape, f.dtype) for f in fields)
+        signature: Signature = tuple(
+            (f.name, f.tensor.shape, f.dtype, f.tensor.dtype) for f in fields
+        )
         pair = self._pairs[self._next]
         layout = pair.layouts.get(signature) if pair is not None else None
         if layout is not None:  # a signature seen on this pair: its buffers are large enough
             self._next ^= 1
         else:
             total = sum(
-                _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in signature
+                _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype, _ in signature
             )
             if total == 0:
                 return {
@@ -128,9 +144,10 @@ class H2DStaging:
             pair.event.synchronize()  # step N - 2's copy out of this buffer is done
         if layout is None:
             layout = pair.layout(signature)
-        for f, dst in zip(fields, layout.host, strict=True):
-            if dst.numel():
-                dst.copy_(f.tensor)
+        if not self._pack(fields, layout, pair):
+            for f, dst in zip(fields, layout.host, strict=True):
+                if dst.numel():
+                    dst.copy_(f.tensor)
         host, device = layout.used
         to_device(host, device, REASON, non_blocking=True, pinned=True)  # declared at allocation
         if self.device.type == "cuda":
@@ -138,6 +155,20 @@ class H2DStaging:
             pair.event.record(torch.cuda.current_stream(self.device))
         self.copies += 1
         return dict(layout.device)
+
+    @staticmethod
+    def _pack(fields: Sequence[StagedField], layout: _Layout, pair: _Pair) -> bool:
+        """Pack every field in one host-kernel call; False (nothing written) when there is
+        no kernel or a source it cannot read in place (the fields are copied one by one)."""
+        k = host_index.loaded()
+        if k is None or layout.pack is None:
+            return False
+        sources = [f.tensor for f in fields]
+        if not all(t.is_cpu and t.is_contiguous() for t in sources):
+            return False
+        addresses = (ctypes.c_int64 * len(sources))(*[t.data_ptr() for t in sources])
+        k.pack(len(sources), addresses, layout.pack, pair.host.data_ptr())
+        return True
 
     def _pair(self, total: int) -> _Pair:
         i = self._next

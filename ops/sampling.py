@@ -68,7 +68,7 @@ class SamplingPlan:
     ) -> SamplingPlan:
         sampled = temperatures >= GREEDY_BELOW_TEMPERATURE
         if not bool(sampled.any()):  # every row greedy: no truncation or seed to look at
-            return _ALL_GREEDY
+            return ALL_GREEDY
         ks = top_ks[sampled]
         return cls(
             all_greedy=False,
@@ -81,7 +81,7 @@ class SamplingPlan:
         )
 
 
-_ALL_GREEDY = SamplingPlan(
+ALL_GREEDY = SamplingPlan(
     all_greedy=True,
     any_top_k=False,
     all_top_k=False,

@@ -93,15 +93,31 @@ class SamplingBatch:
 
     @classmethod
     def greedy(cls, bs: int) -> SamplingBatch:
-        """`SamplingParams()` for all `bs` requests, filled directly (fresh tensors each call:
-        a consumer may write into them)."""
+        """`SamplingParams()` for all `bs` requests, filled directly. Shared by every batch of
+        that size (a step builds one per batch without sampling parameters): like the wire's
+        tensors, a host batch's tensors are read, never written."""
+        batch = _GREEDY.get(bs)
+        if batch is None:
+            batch = cls.filled_greedy(bs, torch.device("cpu"))
+            if len(_GREEDY) >= 1024:
+                _GREEDY.clear()
+            _GREEDY[bs] = batch
+        return batch
+
+    def is_shared_greedy(self) -> bool:
+        """This is `greedy(bs)`'s shared batch (every request greedy, nothing to upload)."""
+        return _GREEDY.get(len(self.temperatures)) is self
+
+    @classmethod
+    def filled_greedy(cls, bs: int, device: torch.device) -> SamplingBatch:
+        """`SamplingParams()` for `bs` requests, new tensors filled on `device`."""
         return cls(
-            temperatures=torch.zeros(bs, dtype=torch.float32),
-            top_ps=torch.ones(bs, dtype=torch.float32),
-            top_ks=torch.zeros(bs, dtype=torch.int64),
-            min_ps=torch.zeros(bs, dtype=torch.float32),
-            seeds=torch.zeros(bs, dtype=torch.int64),
-            has_seed=torch.zeros(bs, dtype=torch.bool),
+            temperatures=torch.zeros(bs, dtype=torch.float32, device=device),
+            top_ps=torch.ones(bs, dtype=torch.float32, device=device),
+            top_ks=torch.zeros(bs, dtype=torch.int64, device=device),
+            min_ps=torch.zeros(bs, dtype=torch.float32, device=device),
+            seeds=torch.zeros(bs, dtype=torch.int64, device=device),
+            has_seed=torch.zeros(bs, dtype=torch.bool, device=device),
         )
 
     def to(self, device: torch.device) -> SamplingBatch:
@@ -111,6 +127,9 @@ class SamplingBatch:
                 for f in dataclasses.fields(self)
             }
         )
+
+
+_GREEDY: dict[int, SamplingBatch] = {}
 
 
 def _as_int64(seed: int) -> int:
@@ -209,16 +228,18 @@ class ForwardBatch:
 
     def staged_fields(self) -> list[StagedField]:
         """The host tensors a step uploads (`_DEVICE_FIELDS` and the sampling parameters),
-        for one staged copy (ops.h2d_staging.H2DStaging)."""
+        for one staged copy (ops.h2d_staging.H2DStaging). The shared all-greedy parameters
+        (`SamplingBatch.greedy`) are not uploaded: the device keeps its own copy of them."""
         fields = [
             StagedField(name, value, value.dtype)
             for name in _DEVICE_FIELDS
             if (value := getattr(self, name)) is not None
         ]
-        if self.sampling is not None:
-            for f in dataclasses.fields(self.sampling):
-                value = getattr(self.sampling, f.name)
-                fields.append(StagedField(_SAMPLING_PREFIX + f.name, value, value.dtype))
+        s = self.sampling
+        if s is not None and not s.is_shared_greedy():
+            for name, staged in _SAMPLING_STAGED:
+                value = getattr(s, name)
+                fields.append(StagedField(staged, value, value.dtype))
         return fields
 
     def replace(self, **changes: Any) -> ForwardBatch:
@@ -236,17 +257,37 @@ class ForwardBatch:
         """A copy whose device fields are `views` (from `staged_fields`, staged); host
         mirrors stay on the host."""
         moved: dict[str, Any] = {name: views[name] for name in _DEVICE_FIELDS if name in views}
-        if self.sampling is not None:
-            moved["sampling"] = SamplingBatch(
-                **{
-                    f.name: views[_SAMPLING_PREFIX + f.name]
-                    for f in dataclasses.fields(self.sampling)
-                }
-            )
+        s = self.sampling
+        if s is not None:
+            if s.is_shared_greedy() and _SAMPLING_STAGED[0][1] not in views:
+                moved["sampling"] = _device_greedy(self.batch_size, self.out_cache_loc, views)
+            else:
+                moved["sampling"] = SamplingBatch(
+                    **{name: views[staged] for name, staged in _SAMPLING_STAGED}
+                )
         return self.replace(**moved)
 
 
 _SAMPLING_PREFIX = "sampling."
+_SAMPLING_STAGED = tuple(
+    (f.name, _SAMPLING_PREFIX + f.name) for f in dataclasses.fields(SamplingBatch)
+)
+_DEVICE_GREEDY: dict[tuple[int, torch.device], SamplingBatch] = {}
+
+
+def _device_greedy(bs: int, host: torch.Tensor, views: Mapping[str, torch.Tensor]) -> SamplingBatch:
+    """`SamplingBatch.greedy(bs)` on the staged fields' device, made there once per size (a
+    fill on the device, no upload) and shared, like the host one: never written."""
+    device = views["out_cache_loc"].device if "out_cache_loc" in views else host.device
+    batch = _DEVICE_GREEDY.get((bs, device))
+    if batch is None:
+        batch = SamplingBatch.filled_greedy(bs, device)
+        if len(_DEVICE_GREEDY) >= 1024:
+            _DEVICE_GREEDY.clear()
+        _DEVICE_GREEDY[(bs, device)] = batch
+    return batch
+
+
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
 
 

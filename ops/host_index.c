@@ -1,0 +1,196 @@
+/* Host kernels over a step's small index arrays (ops/host_index.py loads them with ctypes).
+ *
+ * Admission and staging read a batch's few index arrays a dozen ways each step (ranges,
+ * duplicates, the rows' resident lengths, the slot-owner map, the staging copy); in numpy or
+ * torch every one of those is a call of a microsecond or more. Each function here does one
+ * stage's whole pass in one call. The checks only say "every rule holds" (0) or "look closer"
+ * (1): the caller then runs its Python rules, which name the field and the rule, so the
+ * rules' messages live in one place and a batch these kernels pass is one Python passes too.
+ *
+ * Index arrays are int32 or int64 (`es`: their element size in bytes); lengths, tables and
+ * counts are int64. Portable C11, no CPU-specific instructions.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HI_ABI_VERSION 1
+
+int hi_version(void) { return HI_ABI_VERSION; }
+
+static inline int64_t at(const void *p, int es, int64_t i) {
+    return es == 4 ? (int64_t)((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* 1 if some value appears twice (0 otherwise; -1: no memory for the sort). */
+static int has_duplicate(const void *p, int es, int64_t n) {
+    if (n < 2) return 0;
+    if (n <= 64) { /* quadratic, no copy: a decode batch's rows and slots */
+        for (int64_t i = 1; i < n; i++) {
+            int64_t v = at(p, es, i);
+            for (int64_t j = 0; j < i; j++)
+                if (at(p, es, j) == v) return 1;
+        }
+        return 0;
+    }
+    int64_t *copy = malloc((size_t)n * sizeof(int64_t));
+    if (copy == NULL) return -1;
+    for (int64_t i = 0; i < n; i++) copy[i] = at(p, es, i);
+    qsort(copy, (size_t)n, sizeof(int64_t), cmp_i64);
+    int dup = 0;
+    for (int64_t i = 1; i < n && !dup; i++) dup = copy[i] == copy[i - 1];
+    free(copy);
+    return dup;
+}
+
+static int in_range(const void *p, int es, int64_t n, int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = at(p, es, i);
+        if (v < lo || v > hi) return 0;
+    }
+    return 1;
+}
+
+/* The value rules of a DECODE batch of `bs` requests (executor/validation.py, for a batch
+ * without positions, releases or future-slot fields): input ids in [id_lo, id_hi], a negative
+ * id -k only where assigned[k] (NULL: none is); rows in [1, max_reqs] and unique; slots in
+ * [1, kv_slots] and unique; seq_lens in [1, max_ctx]; each row holds seq_lens - 1 tokens
+ * (resident[row]). stats: [max seq_len, sum of seq_lens, negative ids]. 0: every rule holds. */
+int hi_check_decode(int64_t bs, const void *ids, int ids_es, int64_t id_lo, int64_t id_hi,
+                    const uint8_t *assigned, const void *rows, int rows_es, int64_t max_reqs,
+                    const void *slots, int slots_es, int64_t kv_slots, const void *seq,
+                    int seq_es, int64_t max_ctx, const int64_t *resident, int64_t *stats) {
+    int64_t negatives = 0, max_len = 0, sum = 0;
+    for (int64_t i = 0; i < bs; i++) {
+        int64_t id = at(ids, ids_es, i);
+        if (id < id_lo || id > id_hi) return 1;
+        if (id < 0) {
+            if (assigned == NULL || !assigned[-id]) return 1;
+            negatives++;
+        }
+    }
+    if (!in_range(rows, rows_es, bs, 1, max_reqs) || !in_range(slots, slots_es, bs, 1, kv_slots))
+        return 1;
+    if (has_duplicate(rows, rows_es, bs) != 0 || has_duplicate(slots, slots_es, bs) != 0) return 1;
+    for (int64_t i = 0; i < bs; i++) {
+        int64_t len = at(seq, seq_es, i);
+        if (len < 1 || len > max_ctx) return 1;
+        if (len - 1 > resident[at(rows, rows_es, i)]) return 1;
+        if (len > max_len) max_len = len;
+        sum += len;
+    }
+    stats[0] = max_len;
+    stats[1] = sum;
+    stats[2] = negatives;
+    return 0;
+}
+
+/* The sampling parameters' rules (temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
+ * min_p in [0, 1]) and, when they hold, the sampling plan (ops/sampling.py SamplingPlan):
+ * plan = [any sampled, any top_k, all top_k, max top_k, any top_p, any min_p, any seeded],
+ * over the rows whose temperature is >= greedy_below. 0: the rules hold. */
+int hi_sampling(int64_t n, const float *temps, const float *top_ps, const int64_t *top_ks,
+                const float *min_ps, const uint8_t *has_seed, float greedy_below,
+                int64_t *plan) {
+    int64_t sampled = 0, any_k = 0, all_k = 1, max_k = 0, any_p = 0, any_min_p = 0, seeded = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float t = temps[i], p = top_ps[i], m = min_ps[i];
+        if (!isfinite(t) || !(t >= 0.0f)) return 1;
+        if (!(p > 0.0f && p <= 1.0f)) return 1;
+        if (top_ks[i] < 0) return 1;
+        if (!(m >= 0.0f && m <= 1.0f)) return 1;
+        if (!(t >= greedy_below)) continue;
+        if (sampled == 0 || top_ks[i] > max_k) max_k = top_ks[i];
+        sampled++;
+        if (top_ks[i] > 0) any_k = 1; else all_k = 0;
+        if (p < 1.0f) any_p = 1;
+        if (m > 0.0f) any_min_p = 1;
+        if (has_seed[i]) seeded = 1;
+    }
+    plan[0] = sampled > 0;
+    plan[1] = any_k;
+    plan[2] = sampled > 0 && all_k;
+    plan[3] = sampled > 0 ? max_k : 0;
+    plan[4] = any_p;
+    plan[5] = any_min_p;
+    plan[6] = seeded;
+    return 0;
+}
+
+/* A DECODE batch's derived host fields (executor/batch_prep.py complete_batch): positions[i] =
+ * seq[i] - 1 (int64); stats = [max seq_len, sum of seq_lens, negative input ids]. n >= 1. */
+void hi_decode_fields(int64_t n, const void *ids, int ids_es, const void *seq, int seq_es,
+                      int64_t *positions, int64_t *stats) {
+    int64_t max_len = at(seq, seq_es, 0), sum = 0, negatives = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t len = at(seq, seq_es, i);
+        positions[i] = len - 1;
+        if (len > max_len) max_len = len;
+        sum += len;
+        negatives += at(ids, ids_es, i) < 0;
+    }
+    stats[0] = max_len;
+    stats[1] = sum;
+    stats[2] = negatives;
+}
+
+/* The slot-owner check of a write without releases (executor/kv_cache.py SlotOwners): cell i
+ * is (rows[i], cols[i]) = slots[i], the row then holds new_lens[i] tokens. 0 when no cell
+ * overwrites one its row holds, no row is rewound (the step drops no slot) and no new slot is
+ * held by a live row; 1 otherwise. */
+int hi_owners_check(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *new_lens,
+                    const int64_t *slots, const int64_t *resident, const int64_t *refs) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t held = resident[rows[i]];
+        if (cols[i] < held || held > new_lens[i]) return 1;
+        if (slots[i] != 0 && refs[slots[i]] > 0) return 1;
+    }
+    return 0;
+}
+
+/* The owner map takes a step's cells: old[i] = table[rows[i] * stride + cols[i]], then the cell
+ * holds slots[i] and refs[slots[i]] counts one more. */
+void hi_owners_apply(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *slots,
+                     int64_t *table, int64_t stride, int64_t *refs, int64_t *old) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t cell = rows[i] * stride + cols[i];
+        old[i] = table[cell];
+        table[cell] = slots[i];
+        refs[slots[i]]++;
+    }
+}
+
+/* rows[i] * stride + cols[i] (int64) for the flat index of a row-table cell. */
+void hi_cells(int64_t n, const void *rows, int rows_es, const void *cols, int cols_es,
+              int64_t stride, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = at(rows, rows_es, i) * stride + at(cols, cols_es, i);
+}
+
+/* Pack n fields into `base`: field k copies desc[4k + 3] elements from src[k] (element size
+ * desc[4k]) to base + desc[4k + 1] (element size desc[4k + 2]). Equal sizes are copied as bytes
+ * (the caller asks so only for equal dtypes); 8 -> 4 and 4 -> 8 convert int64 <-> int32. */
+void hi_pack(int64_t n, const int64_t *src, const int64_t *desc, uint8_t *base) {
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t *d = desc + 4 * k;
+        const void *from = (const void *)(intptr_t)src[k];
+        int64_t ses = d[0], des = d[2], count = d[3];
+        uint8_t *dst = base + d[1];
+        if (ses == des) {
+            memcpy(dst, from, (size_t)(count * ses));
+        } else if (ses == 8) { /* int64 -> int32 */
+            const int64_t *s = from;
+            int32_t *o = (int32_t *)dst;
+            for (int64_t i = 0; i < count; i++) o[i] = (int32_t)s[i];
+        } else { /* int32 -> int64 */
+            const int32_t *s = from;
+            int64_t *o = (int64_t *)dst;
+            for (int64_t i = 0; i < count; i++) o[i] = s[i];
+        }
+    }
+}
