@@ -16,7 +16,7 @@ import torch
 
 from executor.core.buckets import length_bound
 from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
-from ops import host_index
+from ops import host_kernels
 
 
 def _i64(values: Sequence[int]) -> torch.Tensor:
@@ -113,9 +113,9 @@ def _decode_fields(
     fb: ForwardBatch, seq_lens: torch.Tensor
 ) -> tuple[torch.Tensor, int, int, int] | None:
     """A validated DECODE batch's positions (seq_lens - 1), longest and summed length and
-    future references, in one host-kernel pass (`ops/host_index.py`); None without the
+    future references, in one host-kernel pass (`ops/host_kernels.py`); None without the
     kernel, or for a layout it does not read (the Python path below derives them)."""
-    k = host_index.loaded()
+    k = host_kernels.loaded()
     ids, bs = fb.input_ids, fb.batch_size
     if (
         k is None
@@ -129,7 +129,7 @@ def _decode_fields(
     positions = torch.empty(bs, dtype=torch.int64)
     stats = (ctypes.c_int64 * 3)()
     k.decode_fields(
-        bs, ids.data_ptr(), host_index.element_size(ids), seq_lens.data_ptr(), 8,
+        bs, ids.data_ptr(), host_kernels.element_size(ids), seq_lens.data_ptr(), 8,
         positions.data_ptr(), stats,
     )  # fmt: skip
     return positions, stats[0], stats[1], stats[2]

@@ -1,4 +1,4 @@
-"""The host kernel's pass over a usual batch (`ops/host_index.py`): True means every rule holds.
+"""The host kernel's pass over a usual batch (`ops/host_kernels.py`): True means every rule holds.
 
 `executor/validation.py` asks `plain_decode_holds` first: for a DECODE batch of the usual
 shape (token ids; no positions, releases, future slots or embeddings) one kernel call checks
@@ -18,13 +18,13 @@ import torch
 
 from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from executor.core.limits import BatchLimits
-from ops import host_index
+from ops import host_kernels
 from ops.sampling import GREEDY_BELOW_TEMPERATURE
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-def _host_index(t: object, n: int) -> bool:
+def _index_vector(t: object, n: int) -> bool:
     """A contiguous 1-D host int32/int64 tensor of `n` entries (what the kernel reads)."""
     return (
         isinstance(t, torch.Tensor)
@@ -45,7 +45,7 @@ def plain_decode_holds(
     """True when `fb` is a DECODE batch of the usual shape (token ids, no positions, releases,
     future slots or embeddings) and the host kernel finds every rule of `validate_batch` holds
     for it; False sends it through the rules below, which name what is wrong (or accept it)."""
-    k = host_index.loaded()
+    k = host_kernels.loaded()
     if k is None or fb.forward_mode is not ForwardMode.DECODE:
         return False
     bs = fb.batch_size
@@ -67,10 +67,10 @@ def plain_decode_holds(
         return False
     ids, rows, seq_lens, out_loc = fb.input_ids, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc
     if not (
-        _host_index(ids, bs)
-        and _host_index(rows, bs)
-        and _host_index(seq_lens, bs)
-        and _host_index(out_loc, bs)
+        _index_vector(ids, bs)
+        and _index_vector(rows, bs)
+        and _index_vector(seq_lens, bs)
+        and _index_vector(out_loc, bs)
     ):
         return False
     assert ids is not None
@@ -86,16 +86,16 @@ def plain_decode_holds(
     if limits.future_slots and future_assigned is not None:
         if future_assigned.dtype != np.bool_ or len(future_assigned) != limits.future_slots + 1:
             return False
-        assigned = host_index.address(future_assigned)
+        assigned = host_kernels.address(future_assigned)
     stats = (ctypes.c_int64 * 3)()
     return not k.check_decode(
         bs,
-        ids.data_ptr(), host_index.element_size(ids), -limits.future_slots, limits.vocab_size - 1,
+        ids.data_ptr(), host_kernels.element_size(ids), -limits.future_slots, limits.vocab_size - 1,
         assigned,
-        rows.data_ptr(), host_index.element_size(rows), limits.max_reqs,
-        out_loc.data_ptr(), host_index.element_size(out_loc), limits.kv_slots,
-        seq_lens.data_ptr(), host_index.element_size(seq_lens), limits.max_context_len,
-        host_index.address(resident_lens), stats,
+        rows.data_ptr(), host_kernels.element_size(rows), limits.max_reqs,
+        out_loc.data_ptr(), host_kernels.element_size(out_loc), limits.kv_slots,
+        seq_lens.data_ptr(), host_kernels.element_size(seq_lens), limits.max_context_len,
+        host_kernels.address(resident_lens), stats,
     )  # fmt: skip
 
 
@@ -113,9 +113,9 @@ def sampling_holds(
     s: SamplingBatch, bs: int, plan: ctypes.Array[ctypes.c_int64] | None = None
 ) -> bool:
     """True when the host kernel finds every sampling rule holds for `bs` requests (and
-    fills `plan`, when given, with `hi_sampling`'s plan); False: no kernel, an unusual
+    fills `plan`, when given, with `hk_sampling`'s plan); False: no kernel, an unusual
     layout, or a rule to look at closer (`_check_sampling`)."""
-    k = host_index.loaded()
+    k = host_kernels.loaded()
     if k is None:
         return False
     for name, dtype in _SAMPLING_DTYPES:

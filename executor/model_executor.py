@@ -56,7 +56,7 @@ from executor.sampling import Sampler
 from executor.step.clock import StepClock
 from executor.step.graph_control import GraphControl
 from executor.step.step import Step
-from ops import host_index
+from ops import host_kernels
 from ops.device_scope import device_scope, on_own_device
 from ops.h2d_staging import H2DStaging
 
@@ -99,7 +99,7 @@ class ModelExecutor:
     ) -> None:
         # Admission's and staging's host kernels: built on first use; without them every
         # step takes the (complete, slower) Python path.
-        kernel = host_index.load(resolve_cache_dir(config))
+        kernel = host_kernels.load(resolve_cache_dir(config))
         if isinstance(kernel, str):
             log.warning("host index kernels unavailable; admission runs in Python", reason=kernel)
         dtype_choice = choose_dtype(config, self.device)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ops import host_index
+from ops import host_kernels
 from ops.host_reads import declare_pinned
 from ops.host_transfer import to_device
 
@@ -66,7 +66,7 @@ class _Layout:
     host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
     device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
     used: tuple[torch.Tensor, torch.Tensor]  # the first `total` bytes of both: the one copy
-    # For the host kernel's one-call pack (`ops/host_index.py`): 4 int64 per field (source
+    # For the host kernel's one-call pack (`ops/host_kernels.py`): 4 int64 per field (source
     # element size, offset, element size, count); None when a field needs a conversion the
     # kernel does not make (it copies equal dtypes and converts int32 <-> int64).
     pack: ctypes.Array[ctypes.c_int64] | None
@@ -160,7 +160,7 @@ class H2DStaging:
     def _pack(fields: Sequence[StagedField], layout: _Layout, pair: _Pair) -> bool:
         """Pack every field in one host-kernel call; False (nothing written) when there is
         no kernel or a source it cannot read in place (the fields are copied one by one)."""
-        k = host_index.loaded()
+        k = host_kernels.loaded()
         if k is None or layout.pack is None:
             return False
         sources = [f.tensor for f in fields]

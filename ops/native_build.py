@@ -5,7 +5,7 @@
 flags and `key` (what else the build depends on, e.g. the CPU for `-march=native`): a restart
 finds it in milliseconds, a changed source builds anew, and a half-written file is never
 loaded (the build writes a temporary file and renames it last). Used by the quantized matmul
-(`ops/qmm.py`) and the host index kernels (`ops/host_index.py`).
+(`ops/qmm.py`) and the host kernels (`ops/host_kernels.py`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ops import host_kernels
+
 _U64 = 1 << 64
 # Temperatures below this are greedy: dividing logits by a smaller one overflows float32
 # (1e-38 turns every logit into inf or NaN), and the distribution is already a point mass.
@@ -92,6 +94,26 @@ ALL_GREEDY = SamplingPlan(
 )
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of [n, V] logits; on a CPU device float32 rows go through the
+    host kernel (`ops/host_kernels.py`; same answer: the first maximum, NaN the largest)."""
+    k = host_kernels.loaded()
+    if (
+        k is None
+        or not logits.is_cpu
+        or logits.dtype is not torch.float32
+        or logits.dim() != 2
+        or logits.shape[1] == 0
+        or logits.stride(1) != 1
+        or torch.compiler.is_compiling()
+    ):
+        return logits.argmax(dim=-1)
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    k.argmax_f32(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr())
+    return out
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -103,7 +125,7 @@ def sample_tokens(
 ) -> torch.Tensor:
     """Next token per row of logits [n, V]: argmax where the temperature is below
     GREEDY_BELOW_TEMPERATURE (0 included), else a draw (`draw` from `distribution`)."""
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if plan.all_greedy:
         return greedy_ids
     greedy = temperatures < GREEDY_BELOW_TEMPERATURE

@@ -242,6 +242,20 @@ class ForwardBatch:
                 fields.append(StagedField(staged, value, value.dtype))
         return fields
 
+    @classmethod
+    def create(cls, **fields: Any) -> ForwardBatch:
+        """`ForwardBatch(**fields)` for the codec's path: the defaults, then `fields`, without
+        the generated `__init__`'s per-field work (36 fields, every step). The names must be
+        fields, and the required ones given."""
+        if not (_FIELD_NAMES.issuperset(fields) and _REQUIRED.issubset(fields)):
+            unknown, missing = fields.keys() - _FIELD_NAMES, _REQUIRED - fields.keys()
+            raise TypeError(
+                f"ForwardBatch: unknown field(s) {sorted(unknown)}, missing {sorted(missing)}"
+            )
+        new = object.__new__(cls)
+        new.__dict__.update(_DEFAULTS, **fields)
+        return new
+
     def replace(self, **changes: Any) -> ForwardBatch:
         """`dataclasses.replace(self, **changes)` for the step's path: a shallow copy without
         replace's walk over every field and `__init__` call (a batch is replaced three times
@@ -289,6 +303,12 @@ def _device_greedy(bs: int, host: torch.Tensor, views: Mapping[str, torch.Tensor
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
+_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(ForwardBatch)
+    if f.default is not dataclasses.MISSING
+}
+_REQUIRED = _FIELD_NAMES - _DEFAULTS.keys()
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class StepClock:
         return _Phase(self, name, on_device)
 
     def _check_new(self, name: str) -> None:
-        if name in self._durations or any(p.name == name for p in self._device):
+        if name in self._durations or (self._device and any(p.name == name for p in self._device)):
             raise ValueError(f"phase {name!r} was already recorded for this step")
 
     def record(self, name: str, started_ns: int, duration_ns: int) -> None:

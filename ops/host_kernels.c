@@ -1,4 +1,5 @@
-/* Host kernels over a step's small index arrays (ops/host_index.py loads them with ctypes).
+/* Host kernels of a step (ops/host_kernels.py loads them with ctypes): admission's and
+ * staging's passes over a batch's small index arrays, and the CPU device's greedy pick.
  *
  * Admission and staging read a batch's few index arrays a dozen ways each step (ranges,
  * duplicates, the rows' resident lengths, the slot-owner map, the staging copy); in numpy or
@@ -15,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define HI_ABI_VERSION 1
+#define HK_ABI_VERSION 1
 
-int hi_version(void) { return HI_ABI_VERSION; }
+int hk_version(void) { return HK_ABI_VERSION; }
 
 static inline int64_t at(const void *p, int es, int64_t i) {
     return es == 4 ? (int64_t)((const int32_t *)p)[i] : ((const int64_t *)p)[i];
@@ -62,7 +63,7 @@ static int in_range(const void *p, int es, int64_t n, int64_t lo, int64_t hi) {
  * id -k only where assigned[k] (NULL: none is); rows in [1, max_reqs] and unique; slots in
  * [1, kv_slots] and unique; seq_lens in [1, max_ctx]; each row holds seq_lens - 1 tokens
  * (resident[row]). stats: [max seq_len, sum of seq_lens, negative ids]. 0: every rule holds. */
-int hi_check_decode(int64_t bs, const void *ids, int ids_es, int64_t id_lo, int64_t id_hi,
+int hk_check_decode(int64_t bs, const void *ids, int ids_es, int64_t id_lo, int64_t id_hi,
                     const uint8_t *assigned, const void *rows, int rows_es, int64_t max_reqs,
                     const void *slots, int slots_es, int64_t kv_slots, const void *seq,
                     int seq_es, int64_t max_ctx, const int64_t *resident, int64_t *stats) {
@@ -95,7 +96,7 @@ int hi_check_decode(int64_t bs, const void *ids, int ids_es, int64_t id_lo, int6
  * min_p in [0, 1]) and, when they hold, the sampling plan (ops/sampling.py SamplingPlan):
  * plan = [any sampled, any top_k, all top_k, max top_k, any top_p, any min_p, any seeded],
  * over the rows whose temperature is >= greedy_below. 0: the rules hold. */
-int hi_sampling(int64_t n, const float *temps, const float *top_ps, const int64_t *top_ks,
+int hk_sampling(int64_t n, const float *temps, const float *top_ps, const int64_t *top_ks,
                 const float *min_ps, const uint8_t *has_seed, float greedy_below,
                 int64_t *plan) {
     int64_t sampled = 0, any_k = 0, all_k = 1, max_k = 0, any_p = 0, any_min_p = 0, seeded = 0;
@@ -125,7 +126,7 @@ int hi_sampling(int64_t n, const float *temps, const float *top_ps, const int64_
 
 /* A DECODE batch's derived host fields (executor/batch_prep.py complete_batch): positions[i] =
  * seq[i] - 1 (int64); stats = [max seq_len, sum of seq_lens, negative input ids]. n >= 1. */
-void hi_decode_fields(int64_t n, const void *ids, int ids_es, const void *seq, int seq_es,
+void hk_decode_fields(int64_t n, const void *ids, int ids_es, const void *seq, int seq_es,
                       int64_t *positions, int64_t *stats) {
     int64_t max_len = at(seq, seq_es, 0), sum = 0, negatives = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -144,7 +145,7 @@ void hi_decode_fields(int64_t n, const void *ids, int ids_es, const void *seq, i
  * is (rows[i], cols[i]) = slots[i], the row then holds new_lens[i] tokens. 0 when no cell
  * overwrites one its row holds, no row is rewound (the step drops no slot) and no new slot is
  * held by a live row; 1 otherwise. */
-int hi_owners_check(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *new_lens,
+int hk_owners_check(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *new_lens,
                     const int64_t *slots, const int64_t *resident, const int64_t *refs) {
     for (int64_t i = 0; i < n; i++) {
         int64_t held = resident[rows[i]];
@@ -156,7 +157,7 @@ int hi_owners_check(int64_t n, const int64_t *rows, const int64_t *cols, const i
 
 /* The owner map takes a step's cells: old[i] = table[rows[i] * stride + cols[i]], then the cell
  * holds slots[i] and refs[slots[i]] counts one more. */
-void hi_owners_apply(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *slots,
+void hk_owners_apply(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *slots,
                      int64_t *table, int64_t stride, int64_t *refs, int64_t *old) {
     for (int64_t i = 0; i < n; i++) {
         int64_t cell = rows[i] * stride + cols[i];
@@ -167,15 +168,40 @@ void hi_owners_apply(int64_t n, const int64_t *rows, const int64_t *cols, const 
 }
 
 /* rows[i] * stride + cols[i] (int64) for the flat index of a row-table cell. */
-void hi_cells(int64_t n, const void *rows, int rows_es, const void *cols, int cols_es,
+void hk_cells(int64_t n, const void *rows, int rows_es, const void *cols, int cols_es,
               int64_t stride, int64_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = at(rows, rows_es, i) * stride + at(cols, cols_es, i);
+}
+
+/* Row-wise argmax of a [rows, cols] float32 matrix whose rows start `stride` elements apart:
+ * the index of the first maximal value, a NaN counting as the maximum (torch.argmax's rule).
+ * torch's CPU argmax over a vocabulary-wide row is tens of times slower than this loop. */
+void hk_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        int64_t best_at = 0;
+        float best = row[0];
+        if (!isnan(best)) {
+            for (int64_t j = 1; j < cols; j++) {
+                float v = row[j];
+                if (isnan(v)) {
+                    best_at = j;
+                    break;
+                }
+                if (v > best) {
+                    best = v;
+                    best_at = j;
+                }
+            }
+        }
+        out[r] = best_at;
+    }
 }
 
 /* Pack n fields into `base`: field k copies desc[4k + 3] elements from src[k] (element size
  * desc[4k]) to base + desc[4k + 1] (element size desc[4k + 2]). Equal sizes are copied as bytes
  * (the caller asks so only for equal dtypes); 8 -> 4 and 4 -> 8 convert int64 <-> int32. */
-void hi_pack(int64_t n, const int64_t *src, const int64_t *desc, uint8_t *base) {
+void hk_pack(int64_t n, const int64_t *src, const int64_t *desc, uint8_t *base) {
     for (int64_t k = 0; k < n; k++) {
         const int64_t *d = desc + 4 * k;
         const void *from = (const void *)(intptr_t)src[k];

@@ -1,4 +1,5 @@
-"""Host kernels for a step's admission and staging (`host_index.c`), loaded with ctypes.
+"""Host kernels of a step (`host_kernels.c`), loaded with ctypes: admission, staging, and
+the CPU device's greedy pick.
 
 Admission checks a batch's few index arrays a dozen ways (ranges, duplicates, resident
 lengths, the slot-owner map) and staging packs a dozen small tensors into one buffer; in numpy
@@ -6,7 +7,9 @@ or torch each of those is a call of a microsecond or more, and a step makes abou
 The C file does each stage's pass in one call. Its checks answer only "every rule holds" or
 "look closer": on the second the caller runs its Python rules, which name the field and the
 rule, so a batch the kernels pass is one the Python rules pass too, and the refusals and their
-messages live in one place (`executor/validation.py`, `executor/kv_cache.py`).
+messages live in one place (`executor/validation.py`, `executor/kv_cache.py`). On a CPU
+device, greedy sampling's argmax is one of them too: torch's over a vocabulary-wide row costs
+tens of times more (`ops/sampling.py`).
 
 `load(cache_dir)` builds the library with the system C compiler on first use (`-O2`, no
 CPU-specific flags; `ops/native_build.py`), or takes the prebuilt one shipped beside the
@@ -30,77 +33,78 @@ import torch
 from ops import native_build
 
 ABI_VERSION = 1
-SOURCE = Path(__file__).with_name("host_index.c")
-PREBUILT = SOURCE.with_name("host_index_prebuilt.so")
+SOURCE = Path(__file__).with_name("host_kernels.c")
+PREBUILT = SOURCE.with_name("host_kernels_prebuilt.so")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c11")
 _LOCK = threading.Lock()
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-class HostIndex:
+class HostKernels:
     """The loaded library's functions, declared once (argument types, results)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        lib.hi_version.restype = _int
-        if lib.hi_version() != ABI_VERSION:
+        lib.hk_version.restype = _int
+        if lib.hk_version() != ABI_VERSION:
             raise native_build.NativeBuildError(
-                f"{path} is version {lib.hi_version()}, not {ABI_VERSION}"
+                f"{path} is version {lib.hk_version()}, not {ABI_VERSION}"
             )
         self.path = path
-        self.check_decode = lib.hi_check_decode
+        self.check_decode = lib.hk_check_decode
         self.check_decode.argtypes = [
             _i64, _ptr, _int, _i64, _i64, _ptr, _ptr, _int, _i64, _ptr, _int, _i64, _ptr, _int,
             _i64, _ptr, _ptr,
         ]  # fmt: skip
         self.check_decode.restype = _int
-        self.sampling = lib.hi_sampling
+        self.sampling = lib.hk_sampling
         self.sampling.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr]
         self.sampling.restype = _int
-        self.decode_fields = lib.hi_decode_fields
+        self.decode_fields = lib.hk_decode_fields
         self.decode_fields.argtypes = [_i64, _ptr, _int, _ptr, _int, _ptr, _ptr]
         self.decode_fields.restype = None
-        self.owners_check = lib.hi_owners_check
+        self.owners_check = lib.hk_owners_check
         self.owners_check.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
         self.owners_check.restype = _int
-        self.owners_apply = lib.hi_owners_apply
+        self.owners_apply = lib.hk_owners_apply
         self.owners_apply.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
         self.owners_apply.restype = None
-        self.cells = lib.hi_cells
+        self.cells = lib.hk_cells
         self.cells.argtypes = [_i64, _ptr, _int, _ptr, _int, _i64, _ptr]
         self.cells.restype = None
-        self.pack = lib.hi_pack
+        self.argmax_f32 = lib.hk_argmax_f32
+        self.argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+        self.argmax_f32.restype = None
+        self.pack = lib.hk_pack
         self.pack.argtypes = [_i64, _ptr, _ptr, _ptr]
         self.pack.restype = None
 
 
-_kernel: list[HostIndex] = []  # the process's kernel, once loaded
+_kernel: list[HostKernels] = []  # the process's kernel, once loaded
 _disabled: list[bool] = [False]  # `disabled()`: every thread takes the Python paths
 
 
-def load(cache_dir: Path) -> HostIndex | str:
+def load(cache_dir: Path) -> HostKernels | str:
     """Build (or find) and load the library, once per process; the kernel, or why there is
     none (the callers then run their Python paths)."""
     with _LOCK:
         if _kernel:
             return _kernel[0]
         try:
-            path = native_build.build_library(
-                SOURCE, cache_dir, CFLAGS, what="the host index kernels"
-            )
+            path = native_build.build_library(SOURCE, cache_dir, CFLAGS, what="the host kernels")
         except native_build.NativeBuildError as no_build:
             if not PREBUILT.exists():
                 return str(no_build)
             path = PREBUILT
         try:
-            kernel = HostIndex(path)
+            kernel = HostKernels(path)
         except (OSError, AttributeError, native_build.NativeBuildError) as e:
             return f"loading {path} failed: {e}"
         _kernel.append(kernel)
         return kernel
 
 
-def loaded() -> HostIndex | None:
+def loaded() -> HostKernels | None:
     """The process's kernel; None before `load`, after a failed one, or inside `disabled()`."""
     return None if _disabled[0] or not _kernel else _kernel[0]
 

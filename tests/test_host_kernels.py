@@ -1,0 +1,335 @@
+"""The host kernels (`ops/host_kernels.py`): each answers what its Python path answers.
+
+Every check runs twice on the same input, once with the kernel and once inside
+`host_kernels.disabled()` (the pure-Python path a machine without a compiler takes), and the
+two must agree exactly: the same refusal (type and message) or the same derived fields, the
+same owner map, the same staged bytes, the same sampling plan, the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from executor.batch_prep import complete_batch, make_decode_batch
+from executor.core.forward_batch import ForwardBatch, SamplingBatch, SamplingParams
+from executor.core.limits import BatchLimits
+from executor.kv_cache import ReqToTokenPool
+from executor.sampling import Sampler
+from executor.validation import validate_batch
+from ops import host_kernels, native_build
+from ops.h2d_staging import H2DStaging, StagedField
+from ops.sampling import SamplingPlan, argmax_rows
+
+CPU = torch.device("cpu")
+MAX_CTX = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> host_kernels.HostKernels:
+    loaded = host_kernels.load(tmp_path_factory.mktemp("host-kernels"))
+    assert isinstance(loaded, host_kernels.HostKernels), loaded
+    return loaded
+
+
+def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """`fn()` with the kernel and without it; an exception is returned as (type, message)."""
+
+    def run() -> Any:
+        try:
+            return fn()
+        except Exception as e:
+            return (type(e), str(e))
+
+    with_kernel = run()
+    with host_kernels.disabled():
+        without = run()
+    return with_kernel, without
+
+
+def limits(**overrides: int) -> BatchLimits:
+    values: dict[str, Any] = {
+        "max_batch_size": 8,
+        "max_tokens_per_batch": 64,
+        "max_context_len": MAX_CTX,
+        "max_reqs": 6,
+        "kv_slots": 100,
+        "vocab_size": 50,
+        "hidden_size": 16,
+        "future_slots": 0,
+    }
+    values.update(overrides)
+    return BatchLimits(**values)
+
+
+def decode(rows: list[int], seq_lens: list[int], slots: list[int], **kw: Any) -> ForwardBatch:
+    ids = kw.pop("ids", [3] * len(rows))
+    return make_decode_batch(
+        input_ids=ids, req_pool_indices=rows, seq_lens=seq_lens, out_cache_loc=slots, **kw
+    )
+
+
+def _t(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def _with(fb: ForwardBatch, **changes: Any) -> ForwardBatch:
+    return dataclasses.replace(fb, **changes)
+
+
+def _sampling(*params: SamplingParams, bs: int) -> SamplingBatch:
+    return SamplingBatch.from_params(list(params), bs)
+
+
+RESIDENT = np.array([0, 4, 7, 0, 2, 9, 0], dtype=np.int64)  # rows 1..6 hold these lengths
+GOOD = decode([1, 2, 4], [5, 8, 3], [10, 11, 12])
+
+
+def _cases() -> Iterator[tuple[str, ForwardBatch]]:
+    yield "good", GOOD
+    yield "one request", decode([5], [10], [40])
+    yield (
+        "int32 fields",
+        _with(
+            GOOD,
+            input_ids=_t([3, 4, 5], torch.int32),
+            req_pool_indices=_t([1, 2, 4], torch.int32),
+            seq_lens=_t([5, 8, 3], torch.int32),
+            out_cache_loc=_t([10, 11, 12], torch.int32),
+        ),
+    )
+    yield "row 0", decode([0, 2, 4], [5, 8, 3], [10, 11, 12])
+    yield "row past max_reqs", decode([1, 7, 4], [5, 8, 3], [10, 11, 12])
+    yield "row twice", decode([1, 2, 1], [5, 8, 3], [10, 11, 12])
+    yield "slot 0", decode([1, 2, 4], [5, 8, 3], [10, 0, 12])
+    yield "slot past kv_slots", decode([1, 2, 4], [5, 8, 3], [10, 11, 101])
+    yield "slot twice", decode([1, 2, 4], [5, 8, 3], [10, 12, 12])
+    yield "seq_len 0", decode([1, 2, 4], [5, 0, 3], [10, 11, 12])
+    yield "seq_len past max_context_len", decode([1, 2, 4], [5, 8, MAX_CTX + 1], [10, 11, 12])
+    yield "a row behind its length", decode([1, 2, 4], [6, 8, 3], [10, 11, 12])
+    yield "a fresh row decoding", decode([3], [2], [10])
+    yield "token past vocab", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[3, 50, 4])
+    yield "negative token", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[3, -1, 4])
+    yield "too many requests", decode(list(range(1, 7)) * 2, [1] * 12, list(range(1, 13)))
+    yield "top_logprobs_num", _with(GOOD, top_logprobs_num=99)
+    yield "positions given", _with(GOOD, positions=_t([4, 7, 2]))
+    yield "wrong positions", _with(GOOD, positions=_t([4, 7, 1]))
+    yield "releases", _with(GOOD, released_req_pool_indices=_t([5]))
+    yield "a release of its own row", _with(GOOD, released_req_pool_indices=_t([2]))
+    yield "rows too short", _with(GOOD, req_pool_indices=_t([1, 2]))
+    yield "a float field", _with(GOOD, seq_lens=torch.tensor([5.0, 8.0, 3.0]))
+    yield "a matrix", _with(GOOD, out_cache_loc=_t([10, 11, 12]).reshape(3, 1))
+    yield "a strided view", _with(GOOD, seq_lens=_t([5, 0, 8, 0, 3, 0])[::2])
+    greedy = SamplingParams()
+    hot = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3)
+    yield "sampling", _with(GOOD, sampling=_sampling(greedy, hot, greedy, bs=3))
+    for name, bad in (
+        ("NaN temperature", SamplingParams(temperature=float("nan"))),
+        ("infinite temperature", SamplingParams(temperature=float("inf"))),
+        ("negative temperature", SamplingParams(temperature=-1.0)),
+        ("top_p 0", SamplingParams(top_p=0.0)),
+        ("top_p past 1", SamplingParams(top_p=1.5)),
+        ("negative top_k", SamplingParams(top_k=-1)),
+        ("min_p past 1", SamplingParams(min_p=2.0)),
+    ):
+        yield name, _with(GOOD, sampling=_sampling(hot, bad, greedy, bs=3))
+    yield "sampling of another size", _with(GOOD, sampling=_sampling(hot, hot, bs=2))
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_validation_and_derived_fields_agree(case: int) -> None:
+    fb = CASES[case][1]
+    lim = limits()
+    refused, refused_py = both(lambda: validate_batch(fb, lim, RESIDENT))
+    assert refused == refused_py
+    if refused is not None:
+        return
+    done, done_py = both(
+        lambda: complete_batch(fb, needs_cpu_seq_lens=True, max_context_len=MAX_CTX)
+    )
+    for f in dataclasses.fields(ForwardBatch):
+        a, b = getattr(done, f.name), getattr(done_py, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+        elif isinstance(a, SamplingBatch):
+            assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in vars(a)), f.name
+        else:
+            assert a == b, f.name
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["free slots", "a slot a live row holds"])
+def test_future_references_agree(held: bool) -> None:
+    lim = limits(future_slots=4)
+    assigned = np.array([False, True, False, True, False])
+    fb = decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-1, -3 if held else -2, 4])
+    a, b = both(lambda: validate_batch(fb, lim, RESIDENT, future_assigned=assigned))
+    assert a == b
+    assert (a is None) == held  # slot 2 holds no token: refused
+
+
+def _pool() -> ReqToTokenPool:
+    """Rows 1 and 2 hold 3 and 2 tokens (slots 1-3 and 4-5)."""
+    pool = ReqToTokenPool(4, 16, CPU, kv_slots=32)
+    for rows, seq, slots in (([1, 2], [1, 1], [1, 4]), ([1, 2], [2, 2], [2, 5]), ([1], [3], [3])):
+        pool.write_batch(_done(decode(rows, seq, slots)))
+    return pool
+
+
+def _done(fb: ForwardBatch) -> ForwardBatch:
+    return complete_batch(fb, needs_cpu_seq_lens=False, max_context_len=16)
+
+
+def _pool_state(pool: ReqToTokenPool) -> tuple[Any, ...]:
+    assert pool.owners is not None
+    return (
+        pool.req_to_token.clone(),
+        pool.resident_lens.copy(),
+        pool.owners.table.copy(),
+        pool.owners.refs.copy(),
+    )
+
+
+def _write(rows: list[int], seq: list[int], slots: list[int]) -> list[Any]:
+    """On a fresh pool: the write's dropped slots, the state after it and after its undo; or
+    the refusal."""
+    pool, fb = _pool(), _done(decode(rows, seq, slots))
+    try:
+        plan = pool.check_write(fb)
+    except Exception as e:
+        return [type(e), str(e)]
+    write = pool.write_batch(fb, plan=plan)
+    after = _pool_state(pool)
+    pool.undo(write)
+    return [plan.dropped.tolist(), *after, *_pool_state(pool)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "seq", "slots"),
+    [
+        ([1, 2], [4, 3], [6, 7]),  # appends
+        ([2], [3], [3]),  # a slot row 1 holds: refused
+        ([1], [2], [9]),  # rewinds row 1 (drops slots 2 and 3)
+        ([3], [1], [8]),  # a fresh row
+    ],
+    ids=["append", "held slot", "rewind", "fresh row"],
+)
+def test_the_owner_check_and_write_agree(rows: list[int], seq: list[int], slots: list[int]) -> None:
+    with_kernel, without = both(lambda: _write(rows, seq, slots))
+    assert len(with_kernel) == len(without)
+    for a, b in zip(with_kernel, without, strict=True):
+        if isinstance(a, torch.Tensor | np.ndarray):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+        else:
+            assert a == b
+
+
+def test_the_staged_bytes_agree() -> None:
+    fields = [
+        StagedField("ids", _t([1, 2, 3], torch.int32), torch.int64),
+        StagedField("slots", _t([7, 8, 9]), torch.int32),
+        StagedField("temps", torch.tensor([0.5, 1.0]), torch.float32),
+        StagedField("flags", torch.tensor([True, False, True]), torch.bool),
+        StagedField("empty", _t([]), torch.int64),
+    ]
+    staged = [H2DStaging(CPU).stage(fields)]
+    with host_kernels.disabled():
+        staged.append(H2DStaging(CPU).stage(fields))
+    for name in staged[0]:
+        a, b = staged[0][name], staged[1][name]
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert staged[0]["ids"].tolist() == [1, 2, 3] and staged[0]["slots"].dtype == torch.int32
+
+
+def test_a_non_contiguous_source_is_staged_by_copies() -> None:
+    strided = _t([1, 0, 2, 0, 3, 0])[::2]
+    views = H2DStaging(CPU).stage([StagedField("x", strided, torch.int64)])
+    assert views["x"].tolist() == [1, 2, 3]
+
+
+def test_the_sampling_plans_agree() -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        bs = int(torch.randint(1, 6, (), generator=g))
+        params = [
+            SamplingParams(
+                temperature=float(
+                    torch.tensor([0.0, 1e-6, 1e-5, 0.8])[torch.randint(4, (), generator=g)]
+                ),
+                top_k=int(torch.randint(0, 3, (), generator=g)),
+                top_p=float(torch.tensor([1.0, 0.5])[torch.randint(2, (), generator=g)]),
+                min_p=float(torch.tensor([0.0, 0.2])[torch.randint(2, (), generator=g)]),
+                seed=None if torch.rand((), generator=g) < 0.5 else 7,
+            )
+            for _ in range(bs)
+        ]
+        s = SamplingBatch.from_params(params, bs)
+        plan = Sampler.plan(s)
+        reference = SamplingPlan.from_host(s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.has_seed)
+        assert plan == reference, params
+    assert Sampler.plan(SamplingBatch.greedy(3)).all_greedy
+
+
+def test_the_greedy_pick_agrees_with_torch() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=g)
+    logits[1, 5] = logits[1, 9] = 1e9  # a tie: the first
+    logits[2, 17] = float("nan")  # NaN is the largest
+    logits[2, 40] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 0] = float("nan")
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    view = torch.randn(4, 64, generator=g)[:, :50]  # rows apart by a stride
+    assert torch.equal(argmax_rows(view), view.argmax(-1))
+    with host_kernels.disabled():
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+
+
+def test_without_a_compiler_the_python_paths_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_executor: Callable[..., Any]
+) -> None:
+    """No compiler and no prebuilt library: `load` says why, and a step runs in Python."""
+    monkeypatch.setattr(native_build.shutil, "which", lambda _: None)
+    monkeypatch.setattr(host_kernels, "PREBUILT", tmp_path / "missing.so")
+    monkeypatch.setattr(host_kernels, "_kernel", [])
+    reason = host_kernels.load(tmp_path / "cache")
+    assert isinstance(reason, str) and "no C compiler" in reason
+    assert host_kernels.loaded() is None
+    ex = make_executor()
+    out = ex.forward(decode([1], [1], [1]))
+    assert out.next_token_ids.shape == (1,)
+
+
+def test_the_prebuilt_library_loads_without_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prebuilt = native_build.build_library(host_kernels.SOURCE, tmp_path, host_kernels.CFLAGS)
+    monkeypatch.setattr(native_build.shutil, "which", lambda _: None)
+    monkeypatch.setattr(host_kernels, "PREBUILT", prebuilt)
+    monkeypatch.setattr(host_kernels, "_kernel", [])
+    loaded = host_kernels.load(tmp_path / "cache")
+    assert isinstance(loaded, host_kernels.HostKernels) and loaded.path == prebuilt
+
+
+def test_the_usual_batch_takes_the_kernel_paths() -> None:
+    """The agreement above compares the kernels with Python, not Python with itself."""
+    from executor.batch_prep import _decode_fields
+    from executor.host_checks import plain_decode_holds, sampling_holds
+    from executor.slot_owners import EMPTY
+
+    assert plain_decode_holds(GOOD, limits(), RESIDENT, None)
+    assert _decode_fields(GOOD, GOOD.seq_lens) is not None
+    hot = SamplingParams(temperature=0.7, top_k=5)
+    assert sampling_holds(_sampling(hot, hot, hot, bs=3), 3)
+    pool, fb = _pool(), _done(decode([1, 2], [4, 3], [6, 7]))
+    assert pool._kernel_passes(fb, pool.row_cells(fb), EMPTY)
+    with host_kernels.disabled():
+        assert not plain_decode_holds(GOOD, limits(), RESIDENT, None)
