@@ -143,7 +143,9 @@ def install(rec: Recorder) -> None:
             return _factory(
                 behaviour,
                 request_deserializer=request_deserializer,
-                response_serializer=_wrap(response_serializer, "serialize (SerializeToString)", rec),
+                response_serializer=_wrap(
+                    response_serializer, "serialize (SerializeToString)", rec
+                ),
             )
 
         handlers._FACTORIES[key] = wrapped
