@@ -14,7 +14,6 @@ answered with another batch's output. Only the device thread calls `lookup` and 
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections import OrderedDict
 
 import torch
@@ -28,22 +27,23 @@ from model_executor.v1 import executor_pb2 as pb
 # (embeddings are left out, being large: an id reused for a batch that differs only in its
 # embeddings is not detected).
 _FINGERPRINT_FIELDS = tuple(f for f in WIRE_TENSOR_FIELDS if f != "input_embeds")
-_FINGERPRINT_NAMES = tuple((f, f.encode()) for f in _FINGERPRINT_FIELDS)
-_HEADER = struct.Struct("<iq")  # a tensor's dtype and byte count, before its bytes
 
 
 def fingerprint(msg: pb.ForwardBatch) -> bytes:
     """A digest of the batch's mode and index tensors (16 bytes; embeddings are left out)."""
-    parts = [msg.forward_mode.to_bytes(4, "little")]
-    for name, encoded in _FINGERPRINT_NAMES:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(msg.forward_mode.to_bytes(4, "little"))
+    for name in _FINGERPRINT_FIELDS:
         if msg.HasField(name):
             t = getattr(msg, name)
-            data = t.data
-            parts += (encoded, _HEADER.pack(t.dtype, len(data)), data)
+            h.update(name.encode())
+            h.update(t.dtype.to_bytes(4, "little"))
+            h.update(len(t.data).to_bytes(8, "little"))
+            h.update(t.data)
     # The per-row asks change what the step writes (controls) and answers (outputs).
     for entry in (*msg.row_controls, *msg.row_outputs):
-        parts.append(entry.SerializeToString(deterministic=True))
-    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
+        h.update(entry.SerializeToString(deterministic=True))
+    return h.digest()
 
 
 class AppliedBatches:
