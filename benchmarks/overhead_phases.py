@@ -2,6 +2,7 @@
 
     python benchmarks/overhead_phases.py                      # bs 1 and 32, 300 steps each
     python benchmarks/overhead_phases.py --batch-sizes 1 --steps 500
+    python benchmarks/overhead_phases.py --tree ../old-checkout      # the same, another tree
 
 The executor runs in its own process (`python -m executor serve`, the flags of
 `step_overhead.py`) with timing wrappers around the functions of the step's path; a client in
@@ -219,6 +220,18 @@ def summarize(steps: list[dict[str, Any]], client_us: list[float]) -> list[str]:
         values = [(s["@" + b] - s["@" + a]) / 1e3 for s in steps if "@" + a in s and "@" + b in s]
         if values:
             rows.append(f"| {what} | {statistics.median(values):.1f} | |")
+
+    def per_step(labels: tuple[str, ...], minus: tuple[str, ...] = ()) -> float:
+        values = [
+            sum(s.get(x, (0, 0))[1] for x in labels) - sum(s.get(x, (0, 0))[1] for x in minus)
+            for s in steps
+        ]
+        return statistics.median(values) / 1e3
+
+    rpc = per_step(("deserialize (FromString)", "Forward handler", "serialize (SerializeToString)"))
+    device = per_step(("device: _step",), ("runner.forward (model)",))
+    rows.append(f"| **RPC thread CPU** (deserialize, handler, serialize) | | {rpc:.0f} |")
+    rows.append(f"| **device thread CPU outside the model** | | {device:.0f} |")
     rows.append(f"| (steps) | {n} | |")
     return rows
 
@@ -229,7 +242,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--serve-profiled", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--tree", type=Path, help="serve another checkout's executor (an A/B against it)"
+    )
     args, rest = ap.parse_known_args()
+    if args.tree is not None:  # before anything imports the executor
+        root = args.tree.resolve()
+        sys.path[:0] = [str(root), str(root / "proto")]
     if args.serve_profiled is not None:
         sys.exit(serve_profiled(args.serve_profiled, [a for a in rest if a != "--"]))
 
@@ -247,6 +266,7 @@ def main() -> None:
 
     model, simd = cpu_description()
     print(f"# {model} ({simd}); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"# executor from {(args.tree or Path(__file__).parents[1]).resolve()}")
     for bs in (int(s) for s in args.batch_sizes.split(",")):
         span = PROMPT_LEN + 2 + args.warmup + args.steps
         flags = [
@@ -261,6 +281,8 @@ def main() -> None:
                 sys.executable, __file__, "--serve-profiled", str(out), "--", "--port", str(port),
                 "--metrics-port", "-1", "--log-level", "warning", *flags,
             ]  # fmt: skip
+            if args.tree is not None:
+                cmd[2:2] = ["--tree", str(args.tree)]
             env = {**os.environ, "MODEL_EXECUTOR_OPERATOR_CALLS_OPEN": "1"}
             process = subprocess.Popen(cmd, env=env)
             client = ExecutorClient(f"127.0.0.1:{port}")

@@ -122,8 +122,8 @@ def _decode_fields(
         or ids is None
         or bs < 1
         or ids.dtype not in (torch.int32, torch.int64)
-        or not (ids.dim() == 1 and len(ids) == bs and ids.is_contiguous())
-        or not (seq_lens.dim() == 1 and len(seq_lens) == bs and seq_lens.is_contiguous())
+        or not (ids.dim() == 1 and ids.numel() == bs and ids.is_contiguous())
+        or not (seq_lens.dim() == 1 and seq_lens.numel() == bs and seq_lens.is_contiguous())
     ):
         return None
     positions = torch.empty(bs, dtype=torch.int64)

@@ -31,7 +31,7 @@ def _index_vector(t: object, n: int) -> bool:
         and t.dtype in _INT_DTYPES
         and t.dim() == 1
         and t.is_cpu
-        and len(t) == n
+        and t.numel() == n
         and t.is_contiguous()
     )
 
@@ -125,7 +125,7 @@ def sampling_holds(
             and t.dtype is dtype
             and t.dim() == 1
             and t.is_cpu
-            and len(t) == bs
+            and t.numel() == bs
             and t.is_contiguous()
         ):
             return False

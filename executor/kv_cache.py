@@ -208,7 +208,7 @@ class ReqToTokenPool:
             and owners is not None
             and not released.size
             and not cells.n_shared
-            and len(cells.rows) == fb.batch_size
+            and cells.rows.numel() == fb.batch_size
             and seq_lens.dtype is torch.int64
             and seq_lens.is_contiguous()
             and _kernel_cells(cells)

@@ -37,7 +37,7 @@ class Sampler:
         if host_sampling.is_shared_greedy():
             return ALL_GREEDY
         found = (ctypes.c_int64 * 7)()
-        if sampling_holds(host_sampling, len(host_sampling.temperatures), found):
+        if sampling_holds(host_sampling, host_sampling.temperatures.numel(), found):
             if not found[0]:
                 return ALL_GREEDY
             return SamplingPlan(

@@ -123,7 +123,7 @@ class H2DStaging:
         """Device views of `fields` (same shapes, the asked dtypes) after one copy. The
         views of one call stay valid until the call after next (double-buffered)."""
         signature: Signature = tuple(
-            (f.name, f.tensor.shape, f.dtype, f.tensor.dtype) for f in fields
+            [(f.name, f.tensor.shape, f.dtype, f.tensor.dtype) for f in fields]
         )
         pair = self._pairs[self._next]
         layout = pair.layouts.get(signature) if pair is not None else None
@@ -163,11 +163,14 @@ class H2DStaging:
         k = host_kernels.loaded()
         if k is None or layout.pack is None:
             return False
-        sources = [f.tensor for f in fields]
-        if not all(t.is_cpu and t.is_contiguous() for t in sources):
-            return False
-        addresses = (ctypes.c_int64 * len(sources))(*[t.data_ptr() for t in sources])
-        k.pack(len(sources), addresses, layout.pack, pair.host.data_ptr())
+        addresses = []
+        for f in fields:
+            t = f.tensor
+            if not (t.is_cpu and t.is_contiguous()):
+                return False
+            addresses.append(t.data_ptr())
+        n = len(addresses)
+        k.pack(n, (ctypes.c_int64 * n)(*addresses), layout.pack, pair.host.data_ptr())
         return True
 
     def _pair(self, total: int) -> _Pair:

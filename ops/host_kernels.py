@@ -11,7 +11,7 @@ messages live in one place (`executor/validation.py`, `executor/kv_cache.py`). O
 device, greedy sampling's argmax is one of them too: torch's over a vocabulary-wide row costs
 tens of times more (`ops/sampling.py`).
 
-`load(cache_dir)` builds the library with the system C compiler on first use (`-O2`, no
+`load(cache_dir)` builds the library with the system C compiler on first use (`-O3`, no
 CPU-specific flags; `ops/native_build.py`), or takes the prebuilt one shipped beside the
 source (the container image's), and makes it the process's kernel; `loaded()` is that kernel,
 or None: every caller then takes its pure-Python path, which stays complete and tested
@@ -35,7 +35,7 @@ from ops import native_build
 ABI_VERSION = 1
 SOURCE = Path(__file__).with_name("host_kernels.c")
 PREBUILT = SOURCE.with_name("host_kernels_prebuilt.so")
-CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 _LOCK = threading.Lock()
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 

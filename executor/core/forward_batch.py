@@ -99,14 +99,17 @@ class SamplingBatch:
         batch = _GREEDY.get(bs)
         if batch is None:
             batch = cls.filled_greedy(bs, torch.device("cpu"))
+            batch.shared = True
             if len(_GREEDY) >= 1024:
                 _GREEDY.clear()
             _GREEDY[bs] = batch
         return batch
 
+    shared = False  # not a field: True on `greedy(bs)`'s shared batches only
+
     def is_shared_greedy(self) -> bool:
         """This is `greedy(bs)`'s shared batch (every request greedy, nothing to upload)."""
-        return _GREEDY.get(len(self.temperatures)) is self
+        return self.shared
 
     @classmethod
     def filled_greedy(cls, bs: int, device: torch.device) -> SamplingBatch:

@@ -305,7 +305,7 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
     if ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_cpu and not ids.requires_grad:
         wire = msg.next_token_ids
         wire.dtype = pb.INT64
-        wire.shape.append(len(ids))
+        wire.shape.append(ids.numel())
         wire.data = ids.numpy().astype("<i8", copy=False).tobytes()
     else:
         msg.next_token_ids.CopyFrom(tensor_to_proto(ids))
