@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 DEVICE_PHASES = frozenset({"forward", "sample"})
+_AFTER = {p: f"after {p}" for p in ("total", "validate", "stage", "forward", "sample")}
 
 
 class DeviceEvent(Protocol):
@@ -121,7 +122,7 @@ class _Phase:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._clock.current = f"after {self._name}"
+        self._clock.current = _AFTER.get(self._name) or f"after {self._name}"
         if exc_type is not None:  # recorded on success only
             return
         if self._on_device:
