@@ -22,14 +22,6 @@ from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
 
-def _kernel_cells(cells: RowCells) -> bool:
-    """Cells the host kernel reads in place: contiguous int64 host tensors."""
-    return all(
-        t.dtype is torch.int64 and t.is_cpu and t.is_contiguous()
-        for t in (cells.rows, cells.cols, cells.values)
-    )
-
-
 def _host_i64(t: torch.Tensor) -> np.ndarray:
     """A host index tensor as an int64 numpy array (no copy when it already is one)."""
     return t.numpy().astype(np.int64, copy=False)
@@ -163,6 +155,9 @@ class ReqToTokenPool:
         `cells` are `row_cells(fb)` (computed here when None).
         """
         if cells is None:
+            plan = self._decode_plan(fb)
+            if plan is not None:
+                return plan
             cells = self.row_cells(fb)
         released = (
             _host_i64(fb.released_req_pool_indices)
@@ -191,37 +186,55 @@ class ReqToTokenPool:
                 new_lens=new_lens,
                 lens=lens,
             )
-            if not self._kernel_passes(fb, cells, released):
-                dropped = self.owners.check(owners)
+            dropped = self.owners.check(owners)
         return WritePlan(
             cells, released, released_old, touched, old_lens, new_lens, owners, dropped
         )
 
-    def _kernel_passes(self, fb: ForwardBatch, cells: RowCells, released: np.ndarray) -> bool:
-        """The owner check of a step that releases no row and writes one new cell per
-        request, in the host kernel: True when it drops no slot and every new slot is free
-        (`SlotOwners.check` then has nothing to add); False: run that check."""
+    def _decode_plan(self, fb: ForwardBatch) -> WritePlan | None:
+        """`check_write` of a DECODE batch that releases no row, in one host-kernel pass
+        (cells, old lengths, owner check); None without the kernel or for another batch. A
+        step the kernel cannot pass is checked in Python (`SlotOwners.check`) all the same."""
         k = host_kernels.loaded()
-        owners, seq_lens = self.owners, fb.seq_lens
-        return (
-            k is not None
-            and owners is not None
-            and not released.size
-            and not cells.n_shared
-            and cells.rows.numel() == fb.batch_size
-            and seq_lens.dtype is torch.int64
-            and seq_lens.is_contiguous()
-            and _kernel_cells(cells)
-            and not k.owners_check(
-                fb.batch_size,
-                cells.rows.data_ptr(),
-                cells.cols.data_ptr(),
-                seq_lens.data_ptr(),
-                cells.values.data_ptr(),
-                host_kernels.address(self.resident_lens),
-                host_kernels.address(owners.refs),
+        rows, seq_lens, slots = fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc
+        if (
+            k is None
+            or fb.forward_mode is not ForwardMode.DECODE
+            or fb.released_req_pool_indices is not None
+            or not host_kernels.plain_i64(rows, seq_lens, slots)
+            or not rows.numel() == seq_lens.numel() == slots.numel()
+        ):
+            return None
+        n = rows.numel()
+        cols, old = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        owners = self.owners
+        failed = k.decode_cells(
+            n, rows.data_ptr(), seq_lens.data_ptr(), slots.data_ptr(),
+            host_kernels.address(self.resident_lens), len(self.resident_lens),
+            None if owners is None else host_kernels.address(owners.refs),
+            0 if owners is None else len(owners.refs), cols.data_ptr(), old.data_ptr(),
+        )  # fmt: skip
+        if failed == 2 or (failed and owners is None):
+            return None  # out of the tables' bounds: the Python path says how
+        cells = RowCells(rows, cols, slots, 0)
+        touched, new_lens, old_lens = rows.numpy(), seq_lens.numpy(), old.numpy()
+        step, dropped = None, EMPTY
+        if owners is not None:
+            step = StepCells(
+                rows=touched,
+                cols=cols.numpy(),
+                values=slots.numpy(),
+                n_shared=0,
+                released=EMPTY,
+                released_lens=EMPTY,
+                touched=touched,
+                old_lens=old_lens,
+                new_lens=new_lens,
+                lens=self.resident_lens.copy(),
             )
-        )
+            if failed:
+                dropped = owners.check(step)  # refuses, or names the slots the step drops
+        return WritePlan(cells, EMPTY, EMPTY, touched, old_lens, new_lens, step, dropped)
 
     def write_batch(
         self,

@@ -16,6 +16,17 @@ from ops.host_transfer import to_host_packed
 from ops.sampling import ALL_GREEDY, SamplingPlan, sample_tokens, seeded_uniform
 
 
+_NO_UNIFORMS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_uniforms(device: torch.device) -> torch.Tensor:
+    """The empty uniforms of an all-greedy step, one per device (never written)."""
+    empty = _NO_UNIFORMS.get(device)
+    if empty is None:
+        empty = _NO_UNIFORMS[device] = torch.zeros(0, device=device)
+    return empty
+
+
 class Sampler:
     """Greedy, temperature, top-k, top-p, min-p; per-request seeds; optional logprobs.
 
@@ -86,7 +97,7 @@ class Sampler:
             device_sampling.top_ks,
             device_sampling.top_ps,
             device_sampling.min_ps,
-            uniforms if uniforms is not None else torch.zeros(0, device=logits.device),
+            uniforms if uniforms is not None else _no_uniforms(logits.device),
             plan,
         )
         if return_logprob or top_logprobs_num > 0:

@@ -144,18 +144,26 @@ void hk_decode_fields(int64_t n, const void *ids, int ids_es, const void *seq, i
     stats[2] = negatives;
 }
 
-/* The slot-owner check of a write without releases (executor/kv_cache.py SlotOwners): cell i
- * is (rows[i], cols[i]) = slots[i], the row then holds new_lens[i] tokens. 0 when no cell
- * overwrites one its row holds, no row is rewound (the step drops no slot) and no new slot is
- * held by a live row; 1 otherwise. */
-int hk_owners_check(int64_t n, const int64_t *rows, const int64_t *cols, const int64_t *new_lens,
-                    const int64_t *slots, const int64_t *resident, const int64_t *refs) {
+/* A DECODE batch's row-table cells, without releases: cell i is (rows[i], seq[i] - 1) =
+ * slots[i]. Fills cols[i] = seq[i] - 1 and old_lens[i] = resident[rows[i]] (the row's length
+ * before the step), and checks the slot-owner map (refs NULL: there is none): 0 when no cell
+ * overwrites one its row holds, no row is rewound and no new slot is held by a live row; 1
+ * when the caller must run the full check; 2 (nothing filled) when an index is out of the
+ * tables' bounds. */
+int hk_decode_cells(int64_t n, const int64_t *rows, const int64_t *seq, const int64_t *slots,
+                    const int64_t *resident, int64_t n_resident, const int64_t *refs,
+                    int64_t n_refs, int64_t *cols, int64_t *old_lens) {
+    int pass = 1;
     for (int64_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= n_resident) return 2;
         int64_t held = resident[rows[i]];
-        if (cols[i] < held || held > new_lens[i]) return 1;
-        if (slots[i] != 0 && refs[slots[i]] > 0) return 1;
+        cols[i] = seq[i] - 1;
+        old_lens[i] = held;
+        if (refs == NULL) continue;
+        if (slots[i] < 0 || slots[i] >= n_refs) return 2;
+        if (cols[i] < held || held > seq[i] || (slots[i] != 0 && refs[slots[i]] > 0)) pass = 0;
     }
-    return 0;
+    return !pass;
 }
 
 /* The owner map takes a step's cells: old[i] = table[rows[i] * stride + cols[i]], then the cell

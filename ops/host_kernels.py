@@ -63,9 +63,9 @@ class HostKernels:
         self.decode_fields = lib.hk_decode_fields
         self.decode_fields.argtypes = [_i64, _ptr, _int, _ptr, _int, _ptr, _ptr]
         self.decode_fields.restype = None
-        self.owners_check = lib.hk_owners_check
-        self.owners_check.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
-        self.owners_check.restype = _int
+        self.decode_cells = lib.hk_decode_cells
+        self.decode_cells.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr]
+        self.decode_cells.restype = _int
         self.owners_apply = lib.hk_owners_apply
         self.owners_apply.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
         self.owners_apply.restype = None
