@@ -15,7 +15,6 @@ from executor.host_checks import sampling_holds
 from ops.host_transfer import to_host_packed
 from ops.sampling import ALL_GREEDY, SamplingPlan, sample_tokens, seeded_uniform
 
-
 _NO_UNIFORMS: dict[torch.device, torch.Tensor] = {}
 
 
