@@ -20,9 +20,10 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2
 
 from executor.batch_prep import make_extend_batch
-from executor.client.grpc_client import ExecutorClient
+from executor.client.grpc_client import READINESS_SERVICE, ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
@@ -189,17 +190,24 @@ def test_failed_worker_means_not_serving_unavailable_and_exit_1(
     NOT_SERVING, answers UNAVAILABLE, and it exits 1 within about the timeout; every child,
     the stopped one too, is gone after."""
     with _served(tmp_path) as (served, client, children):
+        # A health Watch, not polling: the server pushes NOT_SERVING the moment it drains,
+        # however briefly the port stays open before `serve` exits.
         readiness: list[str] = []
-        stop = threading.Event()
+        watching = threading.Event()
 
-        def poll() -> None:
-            while not stop.is_set():
-                with contextlib.suppress(grpc.RpcError):
-                    readiness.append(client.health(timeout=1))
-                time.sleep(0.02)
+        def watch() -> None:
+            request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
+            stream = client.health_stub.Watch(
+                request, metadata=client._auth, timeout=TP_TIMEOUT_S * 4
+            )
+            with contextlib.suppress(grpc.RpcError):
+                for resp in stream:
+                    readiness.append(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+                    watching.set()
 
-        poller = threading.Thread(target=poll, daemon=True)
+        poller = threading.Thread(target=watch, daemon=True)
         poller.start()
+        assert watching.wait(30), "the health Watch never answered"
         workers = [p for p in children if _is_spawned_worker(p)]
         assert workers, served.text
         t0 = time.monotonic()
@@ -213,7 +221,6 @@ def test_failed_worker_means_not_serving_unavailable_and_exit_1(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         code = served.proc.wait(timeout=TP_TIMEOUT_S * 3)
         took = time.monotonic() - t0
-        stop.set()
         poller.join(5)
         assert code == 1, served.text
         assert took < TP_TIMEOUT_S * 2, took
