@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,22 +36,27 @@ class RowCells:
     cols: torch.Tensor  # [n] int64
     values: torch.Tensor  # [n] slots (int64 on the host; int32 once on the device)
     n_shared: int  # the first n_shared cells are prefix_cache_loc (shared reads)
+    index: torch.Tensor  # [n] int64: rows * max_context_len + cols, the cells in the flat table
 
     def staged_fields(self) -> list[StagedField]:
-        """For the step's one staged copy; `from_views` rebuilds the device cells."""
+        """For the step's one staged copy; `from_views` gives the device cells."""
         return [
-            StagedField("row_cells.rows", self.rows, torch.int64),
-            StagedField("row_cells.cols", self.cols, torch.int64),
+            StagedField("row_cells.index", self.index, torch.int64),
             StagedField("row_cells.values", self.values, torch.int32),
         ]
 
-    def from_views(self, views: Mapping[str, torch.Tensor]) -> RowCells:
-        return RowCells(
-            views["row_cells.rows"],
-            views["row_cells.cols"],
-            views["row_cells.values"],
-            self.n_shared,
-        )
+    @staticmethod
+    def from_views(views: Mapping[str, torch.Tensor]) -> DeviceCells:
+        return DeviceCells(views["row_cells.index"], views["row_cells.values"])
+
+
+class DeviceCells(NamedTuple):
+    """A step's cells on the device: flat indices into the row table (int64) and slots
+    (int32). The write reads and writes the flattened table by index (`index_select` /
+    `index_copy_`: one op each, where a `[rows, cols]` index parses a tuple first)."""
+
+    index: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs 5x, every step; never changed
@@ -71,8 +77,7 @@ class WritePlan:
 class RowWrite:
     """What one step wrote into the row table, with the old values to undo it."""
 
-    rows: torch.Tensor  # [n] int64 on the device: the cells written
-    cols: torch.Tensor  # [n]
+    index: torch.Tensor  # [n] int64 on the device: the cells written (flat table indices)
     old_values: torch.Tensor  # [n] int32
     touched_rows: np.ndarray  # [bs]
     old_lens: np.ndarray  # [bs] resident lengths before the write (after the releases)
@@ -146,7 +151,7 @@ class ReqToTokenPool:
             seq_lens = fb.seq_lens
             cols = torch.from_numpy(seq_lens.numpy() - 1) if seq_lens.is_cpu else seq_lens - 1
             rows, values = rpi, fb.out_cache_loc
-        return RowCells(rows, cols, values, n_shared)
+        return RowCells(rows, cols, values, n_shared, rows * self.max_context_len + cols)
 
     def check_write(self, fb: ForwardBatch, cells: RowCells | None = None) -> WritePlan:
         """The write a completed host batch makes, checked: refuses (BatchValidationError) a
@@ -206,17 +211,19 @@ class ReqToTokenPool:
         ):
             return None
         n = rows.numel()
-        cols, old = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        out = torch.empty((3, n), dtype=torch.int64)  # cols, flat index, old lengths
+        cols, index, old = out
         owners = self.owners
         failed = k.decode_cells(
             n, rows.data_ptr(), seq_lens.data_ptr(), slots.data_ptr(),
             host_kernels.address(self.resident_lens), len(self.resident_lens),
             None if owners is None else host_kernels.address(owners.refs),
-            0 if owners is None else len(owners.refs), cols.data_ptr(), old.data_ptr(),
+            0 if owners is None else len(owners.refs), self.max_context_len,
+            cols.data_ptr(), index.data_ptr(), old.data_ptr(),
         )  # fmt: skip
         if failed == 2 or (failed and owners is None):
             return None  # out of the tables' bounds: the Python path says how
-        cells = RowCells(rows, cols, slots, 0)
+        cells = RowCells(rows, cols, slots, 0, index)
         touched, new_lens, old_lens = rows.numpy(), seq_lens.numpy(), old.numpy()
         step, dropped = None, EMPTY
         if owners is not None:
@@ -240,7 +247,7 @@ class ReqToTokenPool:
         self,
         fb: ForwardBatch,
         cells: RowCells | None = None,
-        device_cells: RowCells | None = None,
+        device_cells: DeviceCells | None = None,
         plan: WritePlan | None = None,
     ) -> RowWrite:
         """For a completed host batch: first its released rows hold nothing, then
@@ -249,7 +256,7 @@ class ReqToTokenPool:
 
         `plan` is `check_write(fb, cells)` on the current state (checked here when None, which
         may refuse with nothing changed); `cells` are `row_cells(fb)`; `device_cells` the same
-        cells already on the device (the step's staged copy: rows/cols int64, values int32).
+        cells already on the device (the step's staged copy, `RowCells.from_views`).
         Without them the cells are uploaded here (counted, synchronizing uploads).
 
         Cells of one batch never collide (rows and their positions are unique), so the
@@ -263,21 +270,21 @@ class ReqToTokenPool:
             owners = self.owners.apply(
                 plan.owners, plan.dropped, (cells.rows, cells.cols, cells.values)
             )
-        self.resident_lens[plan.released] = 0
+        if plan.released.size:
+            self.resident_lens[plan.released] = 0
         if device_cells is None:
-            device_cells = RowCells(
-                to_device(cells.rows, self.device, "row_table"),
-                to_device(cells.cols, self.device, "row_table"),
+            rows_d = to_device(cells.rows, self.device, "row_table")
+            cols_d = to_device(cells.cols, self.device, "row_table")
+            device_cells = DeviceCells(
+                rows_d * self.max_context_len + cols_d,
                 to_device(cells.values.to(torch.int32), self.device, "row_table"),
-                cells.n_shared,
             )
-        rows_d, cols_d = device_cells.rows, device_cells.cols
-        old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
-        self.req_to_token.index_put_((rows_d, cols_d), device_cells.values)
+        table = self.req_to_token.view(-1)
+        old_values = table.index_select(0, device_cells.index)
+        table.index_copy_(0, device_cells.index, device_cells.values)
         self.resident_lens[plan.touched] = plan.new_lens
         return RowWrite(
-            rows_d,
-            cols_d,
+            device_cells.index,
             old_values,
             plan.touched,
             plan.old_lens,
@@ -288,7 +295,7 @@ class ReqToTokenPool:
 
     def undo(self, write: RowWrite) -> None:
         """Exactly the state before `write_batch` (the releases are undone last)."""
-        self.req_to_token[write.rows, write.cols] = write.old_values
+        self.req_to_token.view(-1).index_copy_(0, write.index, write.old_values)
         self.resident_lens[write.touched_rows] = write.old_lens
         self.resident_lens[write.released_rows] = write.released_old_lens
         if self.owners is not None and write.owners is not None:

@@ -145,19 +145,22 @@ void hk_decode_fields(int64_t n, const void *ids, int ids_es, const void *seq, i
 }
 
 /* A DECODE batch's row-table cells, without releases: cell i is (rows[i], seq[i] - 1) =
- * slots[i]. Fills cols[i] = seq[i] - 1 and old_lens[i] = resident[rows[i]] (the row's length
+ * slots[i]. Fills cols[i] = seq[i] - 1, the cell's flat index (rows[i] * stride + cols[i])
+ * and old_lens[i] = resident[rows[i]] (the row's length
  * before the step), and checks the slot-owner map (refs NULL: there is none): 0 when no cell
  * overwrites one its row holds, no row is rewound and no new slot is held by a live row; 1
  * when the caller must run the full check; 2 (nothing filled) when an index is out of the
  * tables' bounds. */
 int hk_decode_cells(int64_t n, const int64_t *rows, const int64_t *seq, const int64_t *slots,
                     const int64_t *resident, int64_t n_resident, const int64_t *refs,
-                    int64_t n_refs, int64_t *cols, int64_t *old_lens) {
+                    int64_t n_refs, int64_t stride, int64_t *cols, int64_t *index,
+                    int64_t *old_lens) {
     int pass = 1;
     for (int64_t i = 0; i < n; i++) {
         if (rows[i] < 0 || rows[i] >= n_resident) return 2;
         int64_t held = resident[rows[i]];
         cols[i] = seq[i] - 1;
+        index[i] = rows[i] * stride + cols[i];
         old_lens[i] = held;
         if (refs == NULL) continue;
         if (slots[i] < 0 || slots[i] >= n_refs) return 2;
@@ -176,12 +179,6 @@ void hk_owners_apply(int64_t n, const int64_t *rows, const int64_t *cols, const 
         table[cell] = slots[i];
         refs[slots[i]]++;
     }
-}
-
-/* rows[i] * stride + cols[i] (int64) for the flat index of a row-table cell. */
-void hk_cells(int64_t n, const void *rows, int rows_es, const void *cols, int cols_es,
-              int64_t stride, int64_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = at(rows, rows_es, i) * stride + at(cols, cols_es, i);
 }
 
 /* The largest value of a row (a NaN in it: *nan set, the value then meaningless). */

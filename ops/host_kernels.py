@@ -64,14 +64,13 @@ class HostKernels:
         self.decode_fields.argtypes = [_i64, _ptr, _int, _ptr, _int, _ptr, _ptr]
         self.decode_fields.restype = None
         self.decode_cells = lib.hk_decode_cells
-        self.decode_cells.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr]
+        self.decode_cells.argtypes = [
+            _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+        ]  # fmt: skip
         self.decode_cells.restype = _int
         self.owners_apply = lib.hk_owners_apply
         self.owners_apply.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
         self.owners_apply.restype = None
-        self.cells = lib.hk_cells
-        self.cells.argtypes = [_i64, _ptr, _int, _ptr, _int, _i64, _ptr]
-        self.cells.restype = None
         self.argmax_f32 = lib.hk_argmax_f32
         self.argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
         self.argmax_f32.restype = None

@@ -306,7 +306,8 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
         wire = msg.next_token_ids
         wire.dtype = pb.INT64
         wire.shape.append(ids.numel())
-        wire.data = ids.numpy().astype("<i8", copy=False).tobytes()
+        data = ids.numpy()
+        wire.data = (data if _LITTLE_ENDIAN else data.astype("<i8")).tobytes()
     else:
         msg.next_token_ids.CopyFrom(tensor_to_proto(ids))
     st, stats = out.stats, msg.stats
