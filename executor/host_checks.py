@@ -6,7 +6,7 @@ every value rule of `validate_batch` (ranges, duplicates, the rows' resident len
 references) and `sampling_holds` the sampling parameters. True skips the Python rules; False
 (no kernel, another shape, or a rule that fails) runs them, and they name what is wrong. So a
 batch refused is refused by the Python rules, with their messages, and one accepted here is
-one they accept (tests/test_host_checks.py runs both on the same batches).
+one they accept (tests/test_host_kernels.py runs both on the same batches, one for every rule).
 """
 
 from __future__ import annotations

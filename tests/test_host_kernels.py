@@ -8,7 +8,9 @@ same owner map, the same staged bytes, the same sampling plan, the same greedy t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
-from executor.batch_prep import complete_batch, make_decode_batch
-from executor.core.forward_batch import ForwardBatch, SamplingBatch, SamplingParams
+from executor import validation
+from executor.batch_prep import (
+    complete_batch,
+    make_decode_batch,
+    make_extend_batch,
+    make_idle_batch,
+)
+from executor.core.errors import BatchTooLargeError, BatchValidationError
+from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
 from executor.core.limits import BatchLimits
 from executor.kv_cache import ReqToTokenPool
 from executor.sampling import Sampler
@@ -91,7 +101,69 @@ RESIDENT = np.array([0, 4, 7, 0, 2, 9, 0], dtype=np.int64)  # rows 1..6 hold the
 GOOD = decode([1, 2, 4], [5, 8, 3], [10, 11, 12])
 
 
-def _cases() -> Iterator[tuple[str, ForwardBatch]]:
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A batch and the executor state it is validated against."""
+
+    name: str
+    fb: ForwardBatch
+    limits: dict[str, Any] = dataclasses.field(default_factory=dict)  # over `limits()`'s
+    assigned: np.ndarray | None = None  # the future table's held slots
+    resident: np.ndarray = dataclasses.field(default_factory=lambda: RESIDENT)
+
+
+FUTURE = {"future_slots": 4}
+HELD_FUTURE = np.array([False, True, False, True, False])  # slots 1 and 3 hold tokens
+EXTEND = make_extend_batch(input_ids=[[1, 2], [3]], req_pool_indices=[3, 6], out_cache_loc=[[20, 21], [22]])  # fmt: skip
+EMBEDS = _with(GOOD, input_ids=None, input_embeds=torch.zeros(3, 16))
+
+
+def _cases() -> Iterator[Case]:
+    """Valid batches, and for every refusal `validate_batch` can raise a batch that breaks
+    that rule (`test_every_rule_has_a_case` holds the list to the source)."""
+    for name, fb in _decode_cases():
+        yield Case(name, fb)
+    yield Case("more tokens than max_tokens_per_batch", GOOD, {"max_tokens_per_batch": 2})
+    many = {"max_batch_size": 80, "max_tokens_per_batch": 80, "max_reqs": 80}
+    long_rows = np.full(81, 4, dtype=np.int64)  # beyond 64 entries the kernel sorts a copy
+    rows, slots = list(range(1, 81)), list(range(1, 81))
+    yield Case("80 requests", decode(rows, [5] * 80, slots), many, resident=long_rows)
+    yield Case("a slot twice of 80", decode(rows, [5] * 80, slots[:-1] + [7]), many, resident=long_rows)  # fmt: skip
+    yield Case("int32 and a row past max_reqs", _with(GOOD, req_pool_indices=_t([1, 9, 4], torch.int32)))  # fmt: skip
+    yield Case("negative min_p", _with(GOOD, sampling=_sampling(SamplingParams(min_p=-0.5), bs=3)))  # fmt: skip
+    yield Case("not a tensor", _with(GOOD, seq_lens=[5, 8, 3]))
+    yield Case("not on the host", _with(GOOD, seq_lens=torch.empty(3, dtype=torch.int64, device="meta")))  # fmt: skip
+    yield Case("an unknown forward_mode", _with(GOOD, forward_mode="DECODE"))
+    yield Case("a negative batch_size", _with(GOOD, batch_size=-1))
+    yield Case("idle", make_idle_batch())
+    yield Case("idle with future slots", _with(make_idle_batch(), future_token_slots=_t([1])), FUTURE)  # fmt: skip
+    yield Case("idle with requests", _with(GOOD, forward_mode=ForwardMode.IDLE))
+    yield Case("an empty decode", decode([], [], []))
+    yield Case("two tokens for a request", _with(GOOD, input_ids=_t([3] * 4), out_cache_loc=_t([10, 11, 12, 13])))  # fmt: skip
+    yield Case("extend fields on a decode", _with(GOOD, extend_prefix_lens=_t([0, 0, 0])))
+    yield Case("a release out of range", _with(GOOD, released_req_pool_indices=_t([9])))
+    yield Case("future slots on an executor without", _with(GOOD, future_token_slots=_t([1, 2, 4])))  # fmt: skip
+    yield Case("future slots", _with(GOOD, future_token_slots=_t([2, 4, 3])), FUTURE)  # fmt: skip
+    yield Case("a future slot still held", _with(GOOD, future_token_slots=_t([1, 2, 4])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("future references", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-1, -3, 4]), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a reference to an empty slot", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-1, -2, 4]), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a reference past future_slots", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-9, 3, 4]), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("embeddings", EMBEDS)
+    yield Case("embeddings switched off", EMBEDS, {"allow_input_embeds": False})
+    yield Case("no input", _with(GOOD, input_ids=None))
+    yield Case("embeddings of another width", _with(EMBEDS, input_embeds=torch.zeros(3, 8)))
+    yield Case("embeddings with a NaN", _with(EMBEDS, input_embeds=torch.full((3, 16), float("nan"))))  # fmt: skip
+    yield Case("extend", EXTEND)
+    yield Case("extend without extend_seq_lens", _with(EXTEND, extend_seq_lens=None))
+    yield Case("extend_seq_lens 0", _with(EXTEND, extend_seq_lens=_t([2, 0])))
+    yield Case("seq_lens not prefix + extend", _with(EXTEND, seq_lens=_t([3, 1])))
+    yield Case("extend_seq_lens not the tokens", _with(EXTEND, extend_seq_lens=_t([1, 1]), seq_lens=_t([1, 1])))  # fmt: skip
+    shared = make_extend_batch(input_ids=[[1]], req_pool_indices=[1], out_cache_loc=[[30]], prefix_lens=[2], prefix_cache_loc=[[30, 31]])  # fmt: skip
+    yield Case("a prefix slot written again", shared)
+    yield Case("a prefix the row lacks", make_extend_batch(input_ids=[[1]], req_pool_indices=[3], out_cache_loc=[[30]], prefix_lens=[2]))  # fmt: skip
+
+
+def _decode_cases() -> Iterator[tuple[str, ForwardBatch]]:
     yield "good", GOOD
     yield "one request", decode([5], [10], [40])
     yield (
@@ -145,11 +217,12 @@ def _cases() -> Iterator[tuple[str, ForwardBatch]]:
 CASES = list(_cases())
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
-def test_validation_and_derived_fields_agree(case: int) -> None:
-    fb = CASES[case][1]
-    lim = limits()
-    refused, refused_py = both(lambda: validate_batch(fb, lim, RESIDENT))
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_validation_and_derived_fields_agree(case: Case) -> None:
+    fb, lim = case.fb, limits(**case.limits)
+    refused, refused_py = both(
+        lambda: validate_batch(fb, lim, case.resident, future_assigned=case.assigned)
+    )
     assert refused == refused_py
     if refused is not None:
         return
@@ -165,6 +238,33 @@ def test_validation_and_derived_fields_agree(case: int) -> None:
             assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in fields), f.name
         else:
             assert a == b, f.name
+
+
+def _refusal_site(case: Case) -> tuple[int, str] | None:
+    """Where in executor/validation.py the Python rules refuse `case` (None: accepted)."""
+    with host_kernels.disabled():
+        try:
+            validate_batch(
+                case.fb, limits(**case.limits), case.resident, future_assigned=case.assigned
+            )
+        except (BatchValidationError, BatchTooLargeError) as e:
+            frames = traceback.extract_tb(e.__traceback__)
+            last = [f for f in frames if f.filename == validation.__file__][-1]
+            assert last.lineno is not None
+            return last.lineno, str(e)
+    return None
+
+
+def test_every_rule_has_a_case() -> None:
+    """Every `raise` in executor/validation.py is reached by a case above, so a rule added
+    there (for a DECODE batch, which the kernel may pass first) runs through both paths in
+    `test_validation_and_derived_fields_agree`: a kernel that misses it fails that test."""
+    tree = ast.parse(Path(validation.__file__).read_text())
+    raises = {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Raise)}
+    reached = {site[0] for case in CASES if (site := _refusal_site(case)) is not None}
+    assert raises - reached == set(), "rules of validation.py no case breaks (lines)"
+    valid = {c.name for c in CASES if _refusal_site(c) is None}
+    assert {"good", "80 requests", "extend", "idle", "embeddings", "future references"} <= valid
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["free slots", "a slot a live row holds"])
@@ -303,14 +403,18 @@ def test_the_greedy_pick_agrees_with_torch() -> None:
 def test_without_a_compiler_the_python_paths_serve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_executor: Callable[..., Any]
 ) -> None:
-    """No compiler and no prebuilt library: `load` says why, and a step runs in Python."""
+    """No compiler and no prebuilt library: `load` says why, the executor logs it, and a step
+    runs in Python."""
     monkeypatch.setattr(native_build.shutil, "which", lambda _: None)
     monkeypatch.setattr(host_kernels, "PREBUILT", tmp_path / "missing.so")
     monkeypatch.setattr(host_kernels, "_kernel", [])
     reason = host_kernels.load(tmp_path / "cache")
     assert isinstance(reason, str) and "no C compiler" in reason
     assert host_kernels.loaded() is None
-    ex = make_executor()
+    with capture_logs() as logs:
+        ex = make_executor()
+    said = [e for e in logs if "host index kernels unavailable" in e["event"]]
+    assert said and "no C compiler" in said[0]["reason"] and said[0]["log_level"] == "warning"
     out = ex.forward(decode([1], [1], [1]))
     assert out.next_token_ids.shape == (1,)
 
@@ -332,6 +436,8 @@ def test_the_usual_batch_takes_the_kernel_paths() -> None:
     from executor.host_checks import plain_decode_holds, sampling_holds
 
     assert plain_decode_holds(GOOD, limits(), RESIDENT, None)
+    many = next(c for c in CASES if c.name == "80 requests")
+    assert plain_decode_holds(many.fb, limits(**many.limits), many.resident, None)
     assert _decode_fields(GOOD, GOOD.seq_lens) is not None
     hot = SamplingParams(temperature=0.7, top_k=5)
     assert sampling_holds(_sampling(hot, hot, hot, bs=3), 3)
