@@ -55,7 +55,7 @@ class DeviceCells(NamedTuple):
     (int32). The write reads and writes the flattened table by index (`index_select` /
     `index_copy_`: one op each, where a `[rows, cols]` index parses a tuple first)."""
 
-    index: torch.Tensor
+    flat: torch.Tensor  # [n] rows * max_context_len + cols
     values: torch.Tensor
 
 
@@ -280,11 +280,11 @@ class ReqToTokenPool:
                 to_device(cells.values.to(torch.int32), self.device, "row_table"),
             )
         table = self.req_to_token.view(-1)
-        old_values = table.index_select(0, device_cells.index)
-        table.index_copy_(0, device_cells.index, device_cells.values)
+        old_values = table.index_select(0, device_cells.flat)
+        table.index_copy_(0, device_cells.flat, device_cells.values)
         self.resident_lens[plan.touched] = plan.new_lens
         return RowWrite(
-            device_cells.index,
+            device_cells.flat,
             old_values,
             plan.touched,
             plan.old_lens,
