@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # The Python of the GPU machine `make device-wheels` downloads for (3.11: a dry run here).
 DEVICE_PYTHON ?= 3.12
 
-.PHONY: install serve test lint typecheck clean gpu-check device-wheels
+.PHONY: install serve test test-fast lint typecheck clean gpu-check device-wheels
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
@@ -45,9 +45,14 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/model-executor serve --host $(HOST) --port $(PORT)
 
-# Lint and type checks run first: they take seconds and fail fast.
+# Lint and type checks run first: they take seconds and fail fast. `test` is the whole gate
+# (CI runs it); `test-fast` is the developer's loop after each change: the unit tests, without
+# the `slow` ones (model loads, servers, subprocesses, compiles).
 test: install lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 # On a CUDA machine that has torch (and triton): every CUDA path checked against eager, the
 # kernels against float64, latencies, graph memory; one table (docs/gpu.md). Nothing is

@@ -105,6 +105,19 @@ class AttentionBackend(ABC):
             return f"attention backend {self.name!r} does not support graph capture"
         return None
 
+    def compile_fingerprint(self) -> tuple[object, ...]:
+        """What a step traced through this backend reads beyond its batch view: the layout,
+        the cache tensors and the backend's own settings and tensors (a saved compiled step
+        is keyed by it). Scratch state that changes from step to step (lists, objects) is
+        not part of it."""
+        pool = self.kv_pool
+        own = {
+            k: v
+            for k, v in vars(self).items()
+            if isinstance(v, bool | int | float | str | torch.Tensor)
+        }
+        return (self.name, self.layout, pool.k, pool.v, self.req_to_token_pool.req_to_token, own)
+
     # --- eager -------------------------------------------------------------------------
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> Any:

@@ -48,6 +48,8 @@ GPU_TEST_FILES = [
     "tests/test_quantized.py",
     "tests/test_graphs.py",
     "tests/test_triton_kernels.py",
+    "tests/test_memory_release.py",
+    "tests/test_weight_updates.py",
 ]
 # Unmarked tests that run their Triton cases on CUDA where it exists.
 TRITON_TEST_ARGS = [

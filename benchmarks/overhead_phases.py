@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (label, module, attribute path, depth for the table). Functions imported by name are patched
 # where they are called from.
 PHASES: tuple[tuple[str, str, str, int], ...] = (
-    ("deserialize (FromString)", "executor.service.handlers", "decode_forward_request", 0),
     ("Forward handler", "executor.service.servicer", "ExecutorServicer.Forward", 0),
     ("telemetry scope open", "executor.observability.telemetry", "RpcScope.__init__", 1),
     ("access.identity", "executor.service.access", "AccessRules.identity", 1),
@@ -50,37 +49,38 @@ PHASES: tuple[tuple[str, str, str, int], ...] = (
     ("_encode", "executor.service.servicer", "ExecutorServicer._encode", 1),
     ("telemetry scope close", "executor.observability.telemetry", "RpcScope.__exit__", 1),
     ("serialize (SerializeToString)", "", "serializer", 0),
-    ("device: _step", "executor.service.device_worker", "DeviceWorker._step", 0),
-    ("_refusal", "executor.service.device_worker", "DeviceWorker._refusal", 1),
-    ("applied.lookup", "executor.service.applied_batches", "AppliedBatches.lookup", 1),
-    ("ModelExecutor.forward", "executor.model_executor", "ModelExecutor.forward", 1),
-    ("Step.forward", "executor.step.step", "Step.forward", 2),
+    ("device: _serve", "executor.service.device_worker", "DeviceWorker._serve", 0),
+    ("_prepare", "executor.service.device_worker", "DeviceWorker._prepare", 1),
+    ("applied.lookup", "executor.service.applied_batches", "AppliedBatches.lookup", 2),
+    ("prepare", "executor.model_executor", "ModelExecutor.prepare", 2),
     ("admit", "executor.step.step", "Step.admit", 3),
     ("resolve_held_prefix", "executor.step.step", "resolve_held_prefix", 4),
     ("validate_batch", "executor.step.step", "validate_batch", 4),
     ("complete_batch", "executor.step.step", "complete_batch", 4),
-    ("check_write", "executor.kv_cache", "ReqToTokenPool.check_write", 4),
-    ("plan_outputs", "executor.step.step", "plan_outputs", 4),
-    ("controls.admit", "executor.controls.step_controls", "StepControls.admit", 4),
-    ("run", "executor.step.step", "Step.run", 3),
     ("sampler.plan", "executor.sampling", "Sampler.plan", 4),
-    ("_stage", "executor.step.step", "Step._stage", 4),
-    ("staged_fields", "executor.core.forward_batch", "ForwardBatch.staged_fields", 5),
-    ("H2DStaging.stage", "ops.h2d_staging", "H2DStaging.stage", 5),
+    ("row_table.admit", "executor.row_table", "RowTable.admit", 4),
+    ("check_write", "executor.kv_cache", "ReqToTokenPool.check_write", 5),
+    ("controls.admit", "executor.controls.step_controls", "StepControls.admit", 4),
+    ("extras.admit", "executor.extras.feature", "Extras.admit", 4),
+    ("future.admit", "executor.future_tokens.feature", "FutureTokens.admit", 4),
+    ("lora.admit", "executor.lora.rows", "LoraRows.admit", 4),
+    ("stage", "executor.step.step", "Step.stage", 3),
+    ("staged_fields", "executor.core.step_batch", "StepBatch.staged_fields", 4),
+    ("H2DStaging.stage", "ops.h2d_staging", "H2DStaging.stage", 4),
+    ("apply", "executor.core.step_batch", "StepBatch.apply", 4),
+    ("on_device", "executor.core.forward_batch", "ForwardBatch.on_device", 5),
     ("write_batch", "executor.kv_cache", "ReqToTokenPool.write_batch", 5),
-    ("with_device_fields", "executor.core.forward_batch", "ForwardBatch.with_device_fields", 5),
-    ("future.apply", "executor.future_tokens.table", "FutureTokenTable.apply", 4),
-    ("controls.apply", "executor.controls.step_controls", "StepControls.apply", 4),
-    ("record_tokens", "executor.controls.step_controls", "StepControls.record_tokens", 4),
-    ("runner.forward (model)", "executor.model_runner", "ModelRunner.forward", 4),
-    ("_sample", "executor.step.step", "Step._sample", 4),
-    ("controls.logits", "executor.controls.step_controls", "StepControls.logits", 5),
-    ("sampler.sample", "executor.sampling", "Sampler.sample", 5),
-    ("future.store", "executor.future_tokens.table", "FutureTokenTable.store", 4),
+    ("controls.apply", "executor.controls.step_controls", "ControlsPart.apply", 5),
+    ("launch", "executor.model_executor", "ModelExecutor.launch", 1),
+    ("runner.forward (model)", "executor.model_runner", "ModelRunner.forward", 2),
+    ("sampler.draw_step", "executor.sampling", "Sampler.draw_step", 2),
+    ("finish", "executor.model_executor", "ModelExecutor.finish", 1),
+    ("read", "executor.step.step", "Step.read", 2),
     ("_stats", "executor.step.step", "Step._stats", 3),
-    ("applied.store", "executor.service.applied_batches", "AppliedBatches.store", 1),
-    ("_report (metrics)", "executor.service.device_worker", "DeviceWorker._report", 1),
-    ("_resolve (future)", "executor.service.device_worker", "_resolve", 1),
+    ("_done", "executor.service.device_worker", "DeviceWorker._done", 1),
+    ("applied.store", "executor.service.applied_batches", "AppliedBatches.store", 2),
+    ("_report (metrics)", "executor.service.device_worker", "DeviceWorker._report", 2),
+    ("resolve (future)", "executor.service.device_worker", "resolve", 2),
 )
 MARKS = ("submitted", "device_start", "resolved", "woken")
 
@@ -152,19 +152,19 @@ def install(rec: Recorder) -> None:
         handlers._FACTORIES[key] = wrapped
     # Hand-off marks and the step boundary.
     submit = device_worker.DeviceWorker.submit
-    step = device_worker.DeviceWorker._step
+    serve = device_worker.DeviceWorker._serve
     wait = servicer.ExecutorServicer._wait
     forward = servicer.ExecutorServicer.Forward
-    resolve = device_worker._resolve
+    resolve = device_worker.resolve
 
     def submit_marked(self: Any, *a: Any, **k: Any) -> Any:
         job = submit(self, *a, **k)
         rec.mark("submitted")
         return job
 
-    def step_marked(self: Any, job: Any) -> Any:
+    def serve_marked(self: Any, turn: Any, before: Any) -> Any:
         rec.mark("device_start")
-        return step(self, job)
+        return serve(self, turn, before)
 
     def resolve_marked(future: Any, result: Any = None, exc: Any = None) -> Any:
         out = resolve(future, result, exc)
@@ -183,8 +183,8 @@ def install(rec: Recorder) -> None:
             rec.flush()
 
     device_worker.DeviceWorker.submit = submit_marked  # type: ignore[method-assign]
-    device_worker.DeviceWorker._step = step_marked  # type: ignore[method-assign]
-    device_worker._resolve = resolve_marked
+    device_worker.DeviceWorker._serve = serve_marked  # type: ignore[method-assign]
+    device_worker.resolve = resolve_marked
     servicer.ExecutorServicer._wait = wait_marked  # type: ignore[method-assign]
     servicer.ExecutorServicer.Forward = forward_flushed  # type: ignore[method-assign]
 
@@ -229,7 +229,7 @@ def summarize(steps: list[dict[str, Any]], client_us: list[float]) -> list[str]:
         return statistics.median(values) / 1e3
 
     rpc = per_step(("deserialize (FromString)", "Forward handler", "serialize (SerializeToString)"))
-    device = per_step(("device: _step",), ("runner.forward (model)",))
+    device = per_step(("device: _serve",), ("runner.forward (model)",))
     rows.append(f"| **RPC thread CPU** (deserialize, handler, serialize) | | {rpc:.0f} |")
     rows.append(f"| **device thread CPU outside the model** | | {device:.0f} |")
     rows.append(f"| (steps) | {n} | |")

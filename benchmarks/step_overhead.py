@@ -70,7 +70,9 @@ REST = "rpc"  # client wall time outside the step and its queue wait
 
 def canned_response(bs: int) -> pb.ForwardResponse:
     """A DECODE answer shaped like the executor's for `bs` requests (tokens and ForwardStats)."""
-    timings = dict.fromkeys(("validate", "stage", "forward", "sample", "total", "queue"), 10**6)
+    timings = dict.fromkeys(
+        ("validate", "stage", "forward", "sample", "read", "total", "queue"), 10**6
+    )
     return pb.ForwardResponse(
         batch_id=secrets.randbits(62),
         next_token_ids=pb.Tensor(dtype=pb.INT64, shape=[bs], data=bytes(8 * bs)),
@@ -86,6 +88,7 @@ def canned_response(bs: int) -> pb.ForwardResponse:
             fill_tensors=6,
             fill_bytes=48 * bs,
             fill_copy_calls=1,
+            host_gap_ns=10**5,
         ),
     )
 

@@ -34,7 +34,9 @@ import structlog
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
+from executor.core.clock import StepClock
 from executor.core.forward_batch import ForwardBatch, SamplingParams
+from executor.core.step_batch import StepBatch
 from executor.model_executor import ModelExecutor
 from ops.host_transfer import host_transfers, to_device
 
@@ -86,7 +88,9 @@ def _steps() -> list[tuple[str, ForwardBatch]]:
 
 def _before(ex: ModelExecutor, batch: ForwardBatch) -> tuple[int, int]:
     """(host-to-device uploads, device-to-host syncs) of the previous step path."""
-    host = ex.step.complete(batch).batch
+    sb = StepBatch(batch, StepClock())
+    ex.step.complete(sb, batch)
+    host = sb.host
     _, syncs0, _ = host_transfers.totals()
     for field in host.staged_fields():  # ForwardBatch.to + SamplingBatch.to, one per field
         to_device(field.tensor, ex.device, "before:" + field.name, non_blocking=True)

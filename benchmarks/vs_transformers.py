@@ -302,7 +302,7 @@ def write_doc(args: argparse.Namespace, header: str, table: str, results: Result
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
-    doc = ROOT / "docs" / "performance.md"
+    doc = ROOT / "docs" / "vs_transformers.md"
     text = doc.read_text()
     begin, end = "<!-- BEGIN vs_transformers -->", "<!-- END vs_transformers -->"
     command = (
@@ -316,7 +316,7 @@ def write_doc(args: argparse.Namespace, header: str, table: str, results: Result
     if begin in text:
         text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
-        text += f"\n## This executor vs transformers (issue 13)\n\n{block}\n"
+        text += f"\n{block}\n"
     doc.write_text(text)
 
 

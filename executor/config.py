@@ -1,7 +1,8 @@
 """Start-up configuration: one frozen dataclass, validated once, plus what it resolves to.
 
-`ExecutorConfig` holds what the operator asked for ("auto" allowed); `resolve_device` and
-`choose_dtype` turn the "auto" values into concrete ones on this machine.
+`ExecutorConfig` holds what the operator asked for ("auto" allowed); `resolve_device`,
+`choose_dtype` and `resolve_max_context_len` here (and the graph settings' resolvers in
+`executor.graphs.settings`) turn the "auto" values into concrete ones on this machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from attention import BACKEND_NAMES as ATTENTION_BACKEND_NAMES
 from executor.core import names
 from executor.core.limits import BatchLimits
+from executor.core.lora_types import parse_lora_setting
 from executor.core.names import GraphMode, SeqLensPolicy
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ LOADED_QUANTIZATIONS = QUANTIZATION_MODES[1:]
 # What the float linears run on (executor.models.packing).
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 QUANT_KERNELS = ("auto", "qmm", "torch")
+PIPELINE_STEPS = ("auto", "on", "off")
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -48,9 +51,10 @@ def check_digest_setting(value: str) -> None:
         raise ValueError(f"model_sha256 must be 64 lowercase hex digits (sha256), got {value!r}")
 
 
-def setting(default: Any, help: str) -> Any:
-    """A config field with its help text (shown by --help and in docs/configuration.md)."""
-    return field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, *, repeat: bool = False) -> Any:
+    """A config field with its help text (shown by --help and in docs/configuration.md);
+    `repeat`: a list setting, its flag repeatable (the values joined by commas)."""
+    return field(default=default, metadata={"help": help, "repeat": repeat})
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,9 @@ class ExecutorConfig:
     )
     graph_mode: str = setting(
         "auto",
-        "auto (both on CUDA, none on CPU) | none | decode (full graphs) | extend (piecewise) | both; "
-        "a runtime toggle too",
+        "auto (both on CUDA, none on CPU, where a server compiles bs-1 DECODE graphs in the "
+        "background; none with an attention backend that cannot be captured) | none | decode "
+        "(full graphs) | extend (piecewise) | both; a runtime toggle too",
     )
     graph_backend: str = setting(
         "auto",
@@ -128,7 +133,10 @@ class ExecutorConfig:
         "(refused when something needs it); a runtime toggle too",
     )
     cache_dir: str = setting(
-        "", "where dequantized weights and tokenizers are cached; '' = ~/.cache/model-executor"
+        "",
+        "where dequantized weights, tokenizers and compiled code are cached (inductor's and "
+        "Triton's compile caches, the qmm kernel, whole compiled DECODE steps): a restart on "
+        "the same directory loads instead of compiling; '' = ~/.cache/model-executor",
     )
     seed: int = setting(0, "seeds the draws of requests that bring no seed of their own")
     max_top_logprobs: int = setting(
@@ -189,11 +197,41 @@ class ExecutorConfig:
         "run eager steps on the batch's own tensors instead of staging them through the eager "
         "input registry (saves one device copy per staged field per step); a runtime toggle too",
     )
+    pipeline_steps: str = setting(
+        "auto",
+        "auto | on | off: admit and stage the next queued batch while a step runs on the "
+        "device (launch, prepare the next, read); auto = on where the forward runs "
+        "asynchronously (CUDA, simulated_step_ms), off on a CPU device, whose forward is "
+        "synchronous (on there only reorders the host's work: for tests)",
+    )
+    simulated_step_ms: float = setting(
+        0.0,
+        "a stand-in accelerator, for measuring the pipeline (and testing a scheduler's) "
+        "without a GPU: each step's device work takes this many ms after its launch, the host "
+        "free meanwhile, and the model is replaced by a deterministic stand-in (next token = "
+        "(31 * last input id + 7 * position + 11) mod vocab; README); 0 = off",
+    )
     tp_size: int = setting(
         1,
         "tensor-parallel ranks (one device each; gloo on CPU, NCCL on CUDA): serve starts "
         "tp_size - 1 worker processes, or joins the group torchrun set up (RANK, WORLD_SIZE, "
         "MASTER_ADDR, MASTER_PORT)",
+    )
+    lora: str = setting(
+        "",
+        "LoRA adapters loaded at start-up, NAME=PATH (a PEFT adapter directory), repeatable "
+        "(env and file: comma-separated); reported by GetInfo",
+        repeat=True,
+    )
+    max_loras: int = setting(
+        0,
+        "LoRA adapter slots (adapters loaded at once; a batch may mix them all); 0 = one per "
+        "--lora adapter (none: LoRA off, LoadLora refused); reported by GetInfo",
+    )
+    max_lora_rank: int = setting(
+        16,
+        "the largest LoRA rank a slot holds (a larger adapter is refused); a batch with "
+        "adapter rows costs about max_loras x max_lora_rank columns per linear layer",
     )
     tp_timeout_s: int = setting(
         60,
@@ -211,11 +249,19 @@ class ExecutorConfig:
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
         if self.model_sha256:
             check_digest_setting(self.model_sha256)
+        if self.pipeline_steps not in PIPELINE_STEPS:
+            raise ValueError(
+                f"pipeline_steps must be one of {', '.join(PIPELINE_STEPS)}, "
+                f"got {self.pipeline_steps!r}"
+            )
+        if not 0 <= self.simulated_step_ms <= 10_000:
+            raise ValueError(f"simulated_step_ms must be in 0..10000, got {self.simulated_step_ms}")
         if not self.deferred_mask_timeout_s > 0:
             raise ValueError(
                 f"deferred_mask_timeout_s must be > 0, got {self.deferred_mask_timeout_s}"
             )
-        for name in ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s"):
+        positive = ("max_reqs", "kv_slots", "max_tokens_per_batch", "tp_size", "tp_timeout_s")
+        for name in (*positive, "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -225,6 +271,7 @@ class ExecutorConfig:
             "piecewise_max_tokens",
             "max_top_logprobs",
             "future_slots",
+            "max_loras",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = derived), got {getattr(self, name)}")
@@ -253,6 +300,11 @@ class ExecutorConfig:
                 "graph_backend 'compiled_step' needs tp_size 1 (a whole step would hold the "
                 "all-reduces, which run eagerly between compiled functions): use 'compiled', "
                 f"got tp_size={self.tp_size}"
+            )
+        adapters = parse_lora_setting(self.lora)  # ValueError naming the entry
+        if self.max_loras and len(adapters) > self.max_loras:
+            raise ValueError(
+                f"lora names {len(adapters)} adapters, more than max_loras={self.max_loras}"
             )
         if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
             raise ValueError(
@@ -297,6 +349,11 @@ def batch_limits(
         future_slots=resolve_future_slots(config),
         allow_input_embeds=config.allow_input_embeds,
     )
+
+
+def resolve_max_loras(config: ExecutorConfig) -> int:
+    """LoRA adapter slots: the configured number, or one per start-up adapter (0: off)."""
+    return config.max_loras or len(parse_lora_setting(config.lora))
 
 
 def resolve_future_slots(config: ExecutorConfig) -> int:
@@ -367,48 +424,6 @@ DEFAULT_MAX_CONTEXT_LEN = 8192
 def resolve_max_context_len(config: ExecutorConfig, model: ModelConfig) -> int:
     """The configured context length, or the model's own capped at DEFAULT_MAX_CONTEXT_LEN."""
     return config.max_context_len or min(model.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
-
-
-def resolve_graph_mode(config: ExecutorConfig, device: torch.device) -> str:
-    """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
-    where a server then captures `background_graph_mode` while it serves."""
-    if config.graph_mode == "auto":
-        return "both" if device.type == "cuda" else "none"
-    return config.graph_mode
-
-
-def background_graph_mode(config: ExecutorConfig, device: torch.device) -> str | None:
-    """`graph_mode=auto` on a CPU: the mode a server captures in the background once it
-    serves (eager until then), or None. Whole-step compiled DECODE graphs (`compiled_step`)
-    for batch size 1 only: the one path measured faster than eager on a CPU (one inductor
-    graph a step instead of some forty ops a layer); a larger batch is bound by its matmuls,
-    where the layer-half graphs (`compiled`) measured no faster than eager. Each graph takes
-    minutes to compile cold (docs/performance.md), hence in the background; inductor's cache
-    in `cache_dir` keeps the compiled code for the next start. Not under tensor parallelism
-    (ranks capture in step at start-up) nor with another graph backend configured."""
-    if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
-        return None
-    if resolve_graph_backend(config, device) != "compiled_step":
-        return None
-    return "decode"
-
-
-# The DECODE bucket a CPU server compiles in the background (`background_graph_mode`).
-BACKGROUND_DECODE_BUCKETS = "1"
-
-
-def resolve_graph_backend(config: ExecutorConfig, device: torch.device) -> str:
-    """`auto` is `cuda` on CUDA; on a CPU `compiled_step` where a server compiles decode graphs
-    in the background (`graph_mode=auto`, one rank), else `compiled`. CUDA graphs need a CUDA
-    device."""
-    if config.graph_backend == "auto":
-        if device.type == "cuda":
-            return "cuda"
-        background = config.graph_mode == "auto" and config.tp_size == 1
-        return "compiled_step" if background else "compiled"
-    if config.graph_backend == "cuda" and device.type != "cuda":
-        raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got device {device}")
-    return config.graph_backend
 
 
 def resolve_cache_dir(config: ExecutorConfig) -> Path:

@@ -106,7 +106,9 @@ _SAMPLING_DTYPES = (
     ("min_ps", torch.float32),
     ("seeds", torch.int64),
     ("has_seed", torch.bool),
+    ("processed", torch.bool),
 )
+PLAN_SIZE = 9  # `hk_sampling`'s plan: see ops/host_kernels.c
 
 
 def sampling_holds(
@@ -129,9 +131,10 @@ def sampling_holds(
             and t.is_contiguous()
         ):
             return False
-    out = plan if plan is not None else (ctypes.c_int64 * 7)()
+    out = plan if plan is not None else (ctypes.c_int64 * PLAN_SIZE)()
     return not k.sampling(
         bs,
         s.temperatures.data_ptr(), s.top_ps.data_ptr(), s.top_ks.data_ptr(),
-        s.min_ps.data_ptr(), s.has_seed.data_ptr(), GREEDY_BELOW_TEMPERATURE, out,
+        s.min_ps.data_ptr(), s.has_seed.data_ptr(), s.processed.data_ptr(),
+        GREEDY_BELOW_TEMPERATURE, out,
     )  # fmt: skip

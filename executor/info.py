@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import structlog
+import torch
+
+from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
+from executor.core.lora_types import LoraInfo
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.weights.memory import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -42,5 +49,47 @@ class ExecutorInfo:
     deferred_mask_timeout_ms: int = 0  # how long sampling waits for a deferred vocab mask
     kv_layout: KVLayout | None = None  # the KV cache as a transfer sees it (this rank's heads)
     kv_transfer_limits: KVTransferLimits | None = None  # the caps on one KV transfer
+    lora: LoraInfo = field(default_factory=LoraInfo)  # adapters loaded, slots, rank cap
     # What each performance setting became here and why (the start-up log says the same).
     choices: tuple[SettingChoice, ...] = ()
+    weight_version: str = ""  # the weights in use now
+    memory: MemoryReport | None = None  # released tags, KV epoch
+    # What one weight update may carry at most, from the model (the server may cap less).
+    weight_update_max_tensors: int = 0
+    weight_update_max_bytes: int = 0
+
+
+def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoice:
+    """Whether the device thread prepares the next batch while a step runs (`pipeline_steps`)."""
+    if config.pipeline_steps != "auto":
+        return SettingChoice("pipeline_steps", config.pipeline_steps, "configured")
+    if config.simulated_step_ms:
+        return SettingChoice(
+            "pipeline_steps", "on", "auto: the stand-in's steps run asynchronously"
+        )
+    if device.type == "cuda":
+        return SettingChoice("pipeline_steps", "on", "auto: CUDA runs a step asynchronously")
+    return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")
+
+
+def log_ready(info: ExecutorInfo, **extra: Any) -> None:
+    """The start-up's last log lines: `executor ready` with what GetInfo says and `extra` (this
+    rank's runtime state), then one `setting chosen` line per setting choice."""
+    log = structlog.get_logger("executor.model_executor")
+    log.info(
+        "executor ready",
+        model=info.model_name,
+        device=info.device,
+        dtype=info.dtype,
+        quantization=info.quantization,
+        linear_kernel=info.linear_kernel,
+        weight_mib=round(info.weight_bytes / 2**20, 1),
+        attention_backend=info.attention_backend,
+        max_reqs=info.limits.max_reqs,
+        kv_slots=info.limits.kv_slots,
+        max_context_len=info.limits.max_context_len,
+        tp_size=info.tp_size,
+        **extra,
+    )
+    for choice in info.choices:
+        log.info("setting chosen", setting=choice.setting, value=choice.value, reason=choice.reason)

@@ -8,7 +8,7 @@ whose entries are all 0, and padded tokens write their K/V into slot 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,15 +39,17 @@ class RowCells:
     index: torch.Tensor  # [n] int64: rows * max_context_len + cols, the cells in the flat table
 
     def staged_fields(self) -> list[StagedField]:
-        """For the step's one staged copy; `from_views` gives the device cells."""
+        """For the step's one staged copy; `on_device` gives the device cells."""
         return [
             StagedField("row_cells.index", self.index, torch.int64),
             StagedField("row_cells.values", self.values, torch.int32),
         ]
 
     @staticmethod
-    def from_views(views: Mapping[str, torch.Tensor]) -> DeviceCells:
-        return DeviceCells(views["row_cells.index"], views["row_cells.values"])
+    def on_device(staged: Sequence[torch.Tensor]) -> DeviceCells:
+        """The same cells from their staged copies (`staged_fields`' order)."""
+        index, values = staged
+        return DeviceCells(index, values)
 
 
 class DeviceCells(NamedTuple):
@@ -256,7 +258,7 @@ class ReqToTokenPool:
 
         `plan` is `check_write(fb, cells)` on the current state (checked here when None, which
         may refuse with nothing changed); `cells` are `row_cells(fb)`; `device_cells` the same
-        cells already on the device (the step's staged copy, `RowCells.from_views`).
+        cells already on the device (the step's staged copy, `RowCells.on_device`).
         Without them the cells are uploaded here (counted, synchronizing uploads).
 
         Cells of one batch never collide (rows and their positions are unique), so the
@@ -330,7 +332,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        zeroed: bool = True,
     ) -> None:
+        """`zeroed` off: the tensors are allocated and never written (a compile worker traces
+        steps over them; on a CPU their pages are then never made resident)."""
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -338,8 +344,9 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        alloc = torch.zeros if zeroed else torch.empty
+        self.k = alloc(shape, dtype=dtype, device=device)
+        self.v = alloc(shape, dtype=dtype, device=device)
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k[layer_id]  # [num_slots + 1, Hk, D]

@@ -17,48 +17,56 @@ logits. Runtime toggles are broadcast the same way.
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
+from dataclasses import replace
 
 import structlog
+import torch
 
 import executor
 from attention import create_backend, decide_needs_cpu_seq_lens
-from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.config import (
-    DEFAULT_MAX_CONTEXT_LEN,
     ExecutorConfig,
     batch_limits,
-    choose_dtype,
     resolve_cache_dir,
     resolve_device,
-    resolve_graph_backend,
-    resolve_graph_mode,
     resolve_max_context_len,
+    resolve_max_loras,
 )
-from executor.controls.step_controls import CONTROL_NAMES, StepControls
-from executor.core.errors import TestHooks
+from executor.controls.step_controls import CONTROL_NAMES
+from executor.core.clock import StepClock
+from executor.core.errors import LoraStateError, TestHooks
 from executor.core.forward_batch import ForwardBatch
+from executor.core.lora_types import LoadedAdapter, LoraInfo, parse_lora_setting
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver, NullObserver
 from executor.core.outputs import ForwardOutput
+from executor.core.step_batch import StepBatch
 from executor.core.toggles import Toggles
 from executor.future_tokens import FutureTokenTable
-from executor.graphs.settings import graph_settings
-from executor.info import ExecutorInfo, SettingChoice
+from executor.graphs.compile_cache import use_compile_caches
+from executor.graphs.settings import (
+    check_graph_mode,
+    graph_settings,
+    resolve_graph_backend,
+    resolve_graph_mode,
+)
+from executor.info import ExecutorInfo, SettingChoice, log_ready, pipeline_choice
 from executor.kv_cache import KVPool, ReqToTokenPool
-from executor.kv_transfer.engine import KVTransfer
-from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.lora.adapters import LoraAdapters
 from executor.model_runner import ModelRunner
-from executor.models.loader import LoadedModel, load_model, resolve_quantization
+from executor.models.decoder_model import DecoderModel
+from executor.models.loader import LoadedModel, load_model, load_served_model
+from executor.models.standin import StandIn
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
-from executor.sampling import Sampler
-from executor.step.clock import StepClock
+from executor.step.assembly import assemble_step
 from executor.step.graph_control import GraphControl
-from executor.step.step import Step
+from executor.weights.control import WeightsControl
 from ops import host_kernels
 from ops.device_scope import device_scope, on_own_device
-from ops.h2d_staging import H2DStaging
 
 log = structlog.get_logger(__name__)
 
@@ -75,10 +83,13 @@ class ModelExecutor:
         stop: threading.Event | None = None,
         comm: TpComm | None = None,
         local_rank: int = 0,
+        compile_only: bool = False,
     ) -> None:
         """`stop`, when set by the host (a shutdown during start-up), ends graph capture at
         the next bucket with StartupCancelled. `comm`: this rank's tensor-parallel group
-        (required when `config.tp_size` > 1; `executor.parallel.group.init_comm`)."""
+        (required when `config.tp_size` > 1; `executor.parallel.group.init_comm`).
+        `compile_only`: an executor that only compiles graphs for another process (the
+        compile worker): its KV cache is allocated, never written; it captures nothing."""
         self.config = config
         self.comm = comm or TpComm()
         if self.comm.size != config.tp_size:
@@ -92,47 +103,38 @@ class ModelExecutor:
         # Every entry point makes the device current on the calling thread (loader, device
         # worker, runtime captures): CUDA launches and streams follow the current device.
         with device_scope(self.device):
-            self._init_on_device(config, loaded, stop)
+            self._init_on_device(config, loaded, stop, compile_only)
 
     def _init_on_device(
-        self, config: ExecutorConfig, loaded: LoadedModel | None, stop: threading.Event | None
+        self,
+        config: ExecutorConfig,
+        loaded: LoadedModel | None,
+        stop: threading.Event | None,
+        compile_only: bool,
     ) -> None:
+        # Inductor's, Triton's and the kernels' compiled code live under the cache dir, set
+        # before anything here can compile (the qmm kernel at load, graphs at capture).
+        use_compile_caches(resolve_cache_dir(config))
         # Admission's and staging's host kernels: built on first use; without them every
         # step takes the (complete, slower) Python path.
         kernel = host_kernels.load(resolve_cache_dir(config))
         if isinstance(kernel, str):
             log.warning("host index kernels unavailable; admission runs in Python", reason=kernel)
-        dtype_choice = choose_dtype(config, self.device)
-        self.dtype = dtype_choice.dtype
-        log.info(
-            "dtype chosen", dtype=str(self.dtype).removeprefix("torch."), reason=dtype_choice.reason
-        )
-        quantization, why = resolve_quantization(config)
-        if loaded is not None:
-            why = "the caller's loaded model"
-        if loaded is None:
-            loaded = load_model(
-                config.model,
-                device=self.device,
-                dtype=self.dtype,
-                max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
-                cache_dir=resolve_cache_dir(config),
-                quantization=quantization,
-                comm=self.comm,
-                linear_kernel=config.linear_kernel,
-                quant_kernel=config.quant_kernel,
-                sha256=config.model_sha256,
-            )
-        self.loaded = loaded
+        served = load_served_model(config, self.device, self.comm, loaded)
+        self.loaded = loaded = served.loaded
+        self.dtype = served.dtype.dtype
         self.choices = (
             SettingChoice(
                 "device", str(self.device), "configured" if config.device != "auto" else "auto"
             ),
-            SettingChoice("dtype", str(self.dtype).removeprefix("torch."), dtype_choice.reason),
-            SettingChoice("quantization", loaded.quantization, why),
+            SettingChoice("dtype", str(self.dtype).removeprefix("torch."), served.dtype.reason),
+            SettingChoice("quantization", loaded.quantization, served.quantization_reason),
             SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
             SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
+            pipeline_choice(config, self.device),
         )
+        # The device thread prepares the next batch while a step runs (device_worker).
+        self.pipelines = self.choices[-1].value == "on"
         self.model = loaded.model
         mcfg = loaded.config
         max_context_len = resolve_max_context_len(config, mcfg)
@@ -162,6 +164,7 @@ class ModelExecutor:
             mcfg.head_dim,
             self.dtype,
             self.device,
+            zeroed=not compile_only,
         )
         layout = mcfg.attention_layout(plan.num_heads, plan.num_kv_heads)
         self.attn_backend = create_backend(
@@ -171,8 +174,22 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
+        # LoRA: the adapter slots, beside the model's linears before any graph is captured.
+        slots = resolve_max_loras(config)
+        self.lora: LoraAdapters | None = None
+        if slots:
+            self.lora = LoraAdapters(
+                self.model,
+                slots=slots,
+                max_rank=config.max_lora_rank,
+                max_reqs=config.max_reqs,
+                comm=self.comm,
+                lock=threading.Lock(),  # the step lock, once `control` exists
+            )
         # The runtime toggles start from the config; `control` changes them between steps.
-        graph_mode = GraphMode(resolve_graph_mode(config, self.device))
+        refusal = self.attn_backend.graph_capture_refusal()
+        check_graph_mode(config, self.attn_backend.name, refusal)
+        graph_mode = GraphMode(resolve_graph_mode(config, self.device, refusal))
         policy = SeqLensPolicy(config.needs_cpu_seq_lens)
         self.toggles = Toggles(
             graph_mode=graph_mode,
@@ -193,6 +210,9 @@ class ModelExecutor:
             cache_dir=resolve_cache_dir(config),
             stop=stop,
             future_tokens=self.future.tokens,
+            standin=StandIn(mcfg.vocab_size, mcfg.hidden_size, self.dtype, self.future.tokens)
+            if config.simulated_step_ms
+            else None,
         )
         self.control = GraphControl(
             self.toggles,
@@ -203,75 +223,66 @@ class ModelExecutor:
             observer=self.observer,
             comm=self.comm,
         )
-        self.control.start()  # on every rank, in the same order (captures run collectives)
+        if not compile_only:  # on every rank, in the same order (captures run collectives)
+            if self.lora is not None:
+                self.lora.lock = self.control.step_lock
+                for name, path in parse_lora_setting(config.lora):  # every rank reads its cut
+                    self.lora.load(name, path)
+            self.control.start()
         self.hooks = TestHooks()
-        self.step = Step(
-            limits=self.limits,
-            allow_custom_positions=config.allow_custom_positions,
+        parts = assemble_step(
+            config,
+            self.limits,
+            model=self.model,
+            device=self.device,
             pool=self.req_to_token_pool,
             future=self.future,
+            lora=self.lora,
             runner=self.runner,
-            sampler=Sampler(self.device, config.seed),
-            staging=H2DStaging(self.device),
-            controls=StepControls(
-                self.limits,
-                mcfg.eos_token_ids,
-                self.device,
-                deferred_mask_timeout_s=config.deferred_mask_timeout_s,
-            ),
             toggles=self.toggles,
             hooks=self.hooks,
             comm=self.comm,
             observer=self.observer,
             lock=self.control.step_lock,
+            kv_pool=self.kv_pool,
+            max_context_len=max_context_len,
         )
-        # The KV data plane: this rank's heads of a request's K/V, out of and into the pool.
-        self.kv_transfer = KVTransfer(
-            self.req_to_token_pool,
-            self.kv_pool,
-            self.step.controls.slot_tokens,
-            KVLayout(
-                num_layers=mcfg.num_layers,
-                kv_heads=plan.num_kv_heads,
-                kv_heads_total=mcfg.num_kv_heads,
-                head_dim=mcfg.head_dim,
-                dtype=self.dtype,
-                kv_slots=config.kv_slots,
-                tp_size=self.comm.size,
-            ),
-            KVTransferLimits(max_slots=max_context_len, max_runs=max_context_len),
-            self.control.step_lock,
+        self.controls, self.features, self.step = parts.controls, parts.features, parts.step
+        self.kv_transfer = parts.kv_transfer  # the KV data plane (KV calls) over the same pools
+        # Weights and memory changed while serving, between two steps (executor.weights).
+        self.weights = WeightsControl(
+            model=self.model,
+            kv_pool=self.kv_pool,
+            runner=self.runner,
+            toggles=self.toggles,
             comm=self.comm,
+            device=self.device,
+            dtype=self.dtype,
+            step_lock=self.control.step_lock,
+            reload=self._reload_model,
+            empty_rows=self._empty_rows,
+            on_version=self._set_weight_version,
         )
+        self.step.weight_version = self.weights.version
+        self.kv_transfer.guard = self.weights.check_serving
+        self.control.memory_guard = self.weights.check_serving
         self.leader: TpLeader | None = None
         if self.comm.enabled and self.comm.rank == 0:
             # Rank 0 of a group: broadcasts every step and toggle from now on, pings idle workers.
             self.leader = TpLeader(self.comm, heartbeat_s=config.tp_timeout_s / 4)
             self.control.leader = self.step.leader = self.kv_transfer.leader = self.leader
+            self.weights.leader = self.leader
+            if self.lora is not None:
+                self.lora.leader = self.leader
             self.future.keep_host_mirror()
-        log.info(
-            "executor ready",
-            model=mcfg.name,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            quantization=self.loaded.quantization,
-            linear_kernel=self.loaded.linear_kernel,
-            weight_mib=round(self.loaded.weight_bytes / 2**20, 1),
-            attention_backend=self.attn_backend.name,
+        log_ready(
+            self.info,
+            tp_rank=self.comm.rank,
             needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
-            max_reqs=config.max_reqs,
-            kv_slots=config.kv_slots,
-            max_context_len=max_context_len,
             kv_cache_mib=round(self.kv_pool.nbytes / 2**20, 1),
             eager_input_no_copy=config.eager_input_no_copy,
             graph_mode=str(graph_mode),
-            tp_rank=self.comm.rank,
-            tp_size=self.comm.size,
         )
-        for choice in (*self.choices, *self.control.choices()):
-            log.info(
-                "setting chosen", setting=choice.setting, value=choice.value, reason=choice.reason
-            )
 
     @property
     def info(self) -> ExecutorInfo:
@@ -297,7 +308,12 @@ class ModelExecutor:
             deferred_mask_timeout_ms=round(self.config.deferred_mask_timeout_s * 1000),
             kv_layout=self.kv_transfer.layout,
             kv_transfer_limits=self.kv_transfer.limits,
+            lora=self.lora.info() if self.lora is not None else LoraInfo(),
             choices=(*self.choices, *self.control.choices()),
+            weight_version=self.weights.version,
+            memory=self.weights.report(),
+            weight_update_max_tensors=self.weights.catalog.max_tensors,
+            weight_update_max_bytes=self.weights.catalog.max_bytes,
         )
 
     @on_own_device
@@ -316,9 +332,24 @@ class ModelExecutor:
                 input_ids=[0], req_pool_indices=[0], seq_lens=[n + 1], out_cache_loc=[0]
             ),
         ):
-            with self.control.step_lock:
-                admitted = self.step.complete(batch)
-                self.step.run(admitted, StepClock(), return_logits=False, keep_rows=False)
+            self.step.warm(batch)
+
+    @on_own_device
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        """Load the PEFT adapter at `path` as `name` into a free slot (between two steps; the
+        server reads the files on its RPC thread first). Refused with nothing changed:
+        LoraAdapterError (it does not fit), LoraStateError (LoRA off, the name, the slots)."""
+        return self.lora_adapters().load(name, path)
+
+    @on_own_device
+    def unload_lora(self, name: str) -> LoadedAdapter:
+        """Free adapter `name`'s slot; refused (LoraStateError) while live rows use it."""
+        return self.lora_adapters().unload(name)
+
+    def lora_adapters(self) -> LoraAdapters:
+        if self.lora is None:
+            raise LoraStateError("LoRA is off on this executor (start it with max_loras > 0)")
+        return self.lora
 
     def load_tokenizer(self) -> Tokenizer:
         """The model's own tokenizer (the executor itself works on token ids only)."""
@@ -345,9 +376,67 @@ class ModelExecutor:
         `return_logits` adds each request's last-token logits (a host copy) to the output;
         `clock` times the phases (the device worker passes one holding the queue wait).
         """
+        self.weights.check_serving()  # released memory: refused, nothing changes
         return self.step.forward(
             batch, StepClock() if clock is None else clock, return_logits=return_logits
         )
+
+    def _set_weight_version(self, version: str) -> None:
+        self.step.weight_version = version  # under the step lock: between two steps
+
+    def _reload_model(self) -> DecoderModel:
+        """The model file's weights in the served form (ResumeMemory of `weights`)."""
+        loaded = load_model(
+            self.loaded.source.spec,
+            device=self.device,
+            dtype=self.dtype,
+            max_positions=self.model.max_positions,
+            cache_dir=resolve_cache_dir(self.config),
+            quantization=self.loaded.quantization,
+            comm=self.comm,
+            linear_kernel=self.loaded.linear_kernel,
+            quant_kernel=self.loaded.quant_kernel,
+        )
+        return loaded.model
+
+    def _empty_rows(self) -> None:
+        """Release every row, as a batch releases them (ResumeMemory of `kv_cache`)."""
+        rows = torch.arange(1, self.limits.max_reqs + 1, dtype=torch.int64)
+        batch = replace(make_idle_batch(), released_req_pool_indices=rows)
+        self.step.forward(batch, StepClock())
+
+    # The step in halves, for the device thread's pipeline (`executor.service.device_worker`):
+    # prepare N+1 between N's launch and N's read.
+    @on_own_device
+    def prepare(self, batch: ForwardBatch, clock: StepClock) -> StepBatch:
+        """Admit and stage a batch (every refusal first; its state changes applied)."""
+        self.weights.check_serving()  # released memory: refused, nothing changes
+        sb = self.step.admit(batch, clock)
+        self.step.stage(sb)
+        return sb
+
+    @on_own_device
+    def launch(self, sb: StepBatch) -> None:
+        self.step.launch(sb)
+
+    @on_own_device
+    def finish(self, sb: StepBatch) -> ForwardOutput:
+        """Read a launched step: its answer (undone if the read fails)."""
+        return self.step.read(sb)
+
+    @on_own_device
+    def undo(self, sb: StepBatch) -> None:
+        """Undo a staged step that will not launch (the step before it failed)."""
+        self.step.undo(sb)
+
+    @property
+    def step_lock(self) -> AbstractContextManager[bool]:
+        """Held over a whole step (a background capture's buckets wait for it, re-entrant)."""
+        return self.control.step_lock
+
+    def seconds_to_ready(self, sb: StepBatch) -> float:
+        """How long before a launched step's results can be read (0: now)."""
+        return self.step.timeline.seconds_to_ready(sb.launched())
 
     @on_own_device
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:

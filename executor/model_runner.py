@@ -28,11 +28,12 @@ from executor.core.toggles import Toggles
 from executor.eager_inputs import EagerInputs
 from executor.graphs.capture import CaptureReport
 from executor.graphs.decode_runner import DecodeGraphRunner
-from executor.graphs.graph import GraphFactory
+from executor.graphs.factory import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
 from executor.models.blocks import LayerFns, compile_layer_fns
 from executor.models.decoder_model import DecoderModel
+from executor.models.standin import StandIn
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats
 
@@ -68,10 +69,13 @@ class ModelRunner:
         cache_dir: pathlib.Path | None = None,
         stop: threading.Event | None = None,
         future_tokens: torch.Tensor | None = None,
+        standin: StandIn | None = None,
     ) -> None:
         """`future_tokens`: the future-token table (device); every path resolves negative
-        input ids from it before the model reads them (inside the graph on graph paths)."""
+        input ids from it before the model reads them (inside the graph on graph paths).
+        `standin`: the stand-in accelerator's model, run instead of every path."""
         self.model = model
+        self.standin = standin
         self.future_tokens = future_tokens
         self.attn_backend = attn_backend
         self.device = device
@@ -81,20 +85,41 @@ class ModelRunner:
         )
         self.graph_settings = graphs
         self.graph_factory = GraphFactory(
-            device, graph_backend, cache_dir=cache_dir, compiled=self._compiled_model, stop=stop
+            device,
+            graph_backend,
+            cache_dir=cache_dir,
+            compiled=self._compiled_model,
+            compile_halves=self._compile_halves,
+            stop=stop,
         )
         self._compiled_fns: LayerFns | None = None
+        self._fns_lock = threading.Lock()  # the capture thread and the step thread make them
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
 
     # --- graphs --------------------------------------------------------------------------
+    def _layer_fns(self) -> LayerFns:
+        """The compiled layer functions, made once (their compiled code is cached in them)."""
+        with self._fns_lock:
+            if self._compiled_fns is None:
+                self._compiled_fns = compile_layer_fns()
+            return self._compiled_fns
+
     @contextmanager
     def _compiled_model(self) -> Iterator[None]:
         """The model with its layer functions compiled (the `compiled` graph backend)."""
-        if self._compiled_fns is None:
-            self._compiled_fns = compile_layer_fns()
-        with self.model.using_compiled_fns(self._compiled_fns):
+        with self.model.using_compiled_fns(self._layer_fns()):
             yield
+
+    def _compile_halves(self, tokens: int, kind: str) -> None:
+        """Compile the layer functions for `tokens` rows on private inputs, as the `kind`
+        runner (decode | piecewise) calls them (a capture's compile phase: off the step
+        lock, nothing shared is read or written)."""
+        positions = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        bufs = self.model.piece_buffers(tokens, self.device)
+        fns = self._layer_fns()
+        with torch.inference_mode():  # as captures and replays run them
+            self.model.compile_halves(fns, positions, bufs, pieces=kind == "piecewise")
 
     def enable_graphs(self, mode: GraphMode, *, progress: bool = True) -> list[CaptureReport]:
         """Capture and install the runners `mode` needs that were not captured yet (the
@@ -129,42 +154,75 @@ class ModelRunner:
         lock: AbstractContextManager[object] | None = None,
     ) -> CapturedRunners:
         """Build and capture the runners `mode` needs that do not exist yet, without
-        installing them (the current path keeps serving). With `lock`, each bucket is
-        captured holding it, so the steps that take it in between never overlap a capture
-        (a runtime capture on a background thread)."""
+        installing them (the current path keeps serving). With `lock`, each bucket's capture
+        holds it, so the steps that take it never overlap a capture's runs, while its compile
+        phase runs without it (a runtime capture on a background thread)."""
         missing = self._missing(mode)
-        settings = self.graph_settings
         out = CapturedRunners()
         # The runners' registries are built holding `lock` too: building one writes its pooled
         # buffers (e.g. `seq_lens`' fill value), which a live eager step may be reading.
         held = lock or nullcontext()
         if "decode" in missing:
-            assert settings is not None
             with held:
-                out.decode = DecodeGraphRunner(
-                    self.model,
-                    self.attn_backend,
-                    device=self.device,
-                    buckets=settings.decode_buckets,
-                    needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
-                    factory=self.graph_factory,
-                    future_tokens=self.future_tokens,
-                )
+                out.decode = self._decode_runner(self.toggles.needs_cpu_seq_lens)
             out.reports.append(out.decode.capture(progress=progress, lock=lock))
         if "piecewise" in missing:
-            assert settings is not None
             with held:
-                out.piecewise = PiecewiseGraphRunner(
-                    self.model,
-                    self.attn_backend,
-                    device=self.device,
-                    buckets=settings.piecewise_buckets,
-                    max_bs=settings.max_bs,
-                    factory=self.graph_factory,
-                    future_tokens=self.future_tokens,
-                )
+                out.piecewise = self._piecewise_runner()
             out.reports.append(out.piecewise.capture(progress=progress, lock=lock))
         return out
+
+    def _decode_runner(self, needs_cpu_seq_lens: bool) -> DecodeGraphRunner:
+        assert self.graph_settings is not None
+        return DecodeGraphRunner(
+            self.model,
+            self.attn_backend,
+            device=self.device,
+            buckets=self.graph_settings.decode_buckets,
+            needs_cpu_seq_lens=needs_cpu_seq_lens,
+            factory=self.graph_factory,
+            future_tokens=self.future_tokens,
+        )
+
+    def _piecewise_runner(self) -> PiecewiseGraphRunner:
+        settings = self.graph_settings
+        assert settings is not None
+        return PiecewiseGraphRunner(
+            self.model,
+            self.attn_backend,
+            device=self.device,
+            buckets=settings.piecewise_buckets,
+            max_bs=settings.max_bs,
+            factory=self.graph_factory,
+            future_tokens=self.future_tokens,
+        )
+
+    def missing_runners(self, mode: GraphMode) -> tuple[str, ...]:
+        """The runners (decode, piecewise) switching to `mode` captures."""
+        return tuple(self._missing(mode))
+
+    def all_saved(self, runners: tuple[str, ...], lock: AbstractContextManager[object]) -> bool:
+        """Whether what capturing `runners` compiles is all saved whole steps already (then
+        no compile worker is needed). Builds a throwaway decode runner holding `lock` (its
+        registry writes pooled buffers a step reads)."""
+        if runners != ("decode",) or not self.graph_factory.whole_steps:
+            return False
+        with lock:
+            decode = self._decode_runner(self.toggles.needs_cpu_seq_lens)
+        return decode.all_saved()
+
+    def compile_only(
+        self, runners: tuple[str, ...], *, needs_cpu_seq_lens: bool
+    ) -> dict[str, dict[int, str]]:
+        """The compile phase of every bucket of `runners`, nothing captured (the compile
+        worker warms the caches for another process's capture; `needs_cpu_seq_lens` as that
+        process's). The failed buckets by runner kind."""
+        failed: dict[str, dict[int, str]] = {}
+        if "decode" in runners:
+            failed["decode"] = self._decode_runner(needs_cpu_seq_lens).compile_only()
+        if "piecewise" in runners:
+            failed["piecewise"] = self._piecewise_runner().compile_only()
+        return failed
 
     def install(self, captured: CapturedRunners) -> None:
         """Use `captured` (from `capture_for`): between two steps."""
@@ -197,6 +255,8 @@ class ModelRunner:
         """The eager paths gather future tokens only when the batch has references
         (`fb.future_refs`, counted on the host); a captured graph always runs the gather."""
         layers = hidden_layers(fb.row_outputs, self.model.config.num_layers)
+        if self.standin is not None:
+            return self.standin.forward(fb, layers)
         out, fallback = self._graph_path(fb) if not layers else (None, None)
         if out is not None:
             return out

@@ -31,6 +31,11 @@ def run_worker(executor: ModelExecutor) -> None:
         elif command.kind == broadcast.KV_WRITE:
             assert command.payload is not None
             executor.kv_transfer.serve_write(command.kv, command.payload)
+        elif command.kind == broadcast.LORA:
+            assert executor.lora is not None
+            executor.lora.serve(command.lora)
+        elif command.kind == broadcast.WEIGHTS:
+            executor.weights.ranks.serve(command.weights, command.payload)
         elif command.kind == broadcast.PING:
             comm.ping()
         else:

@@ -12,6 +12,8 @@ wire codec applies to a message's size claims before it builds anything.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -398,7 +400,8 @@ def _check_decode(
 
 
 def _check_sampling(s: SamplingBatch, bs: int) -> None:
-    for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "has_seed"):
+    for f in dataclasses.fields(s):
+        name = f.name
         t = getattr(s, name)
         if t.dim() != 1 or t.shape[0] != bs:
             raise BatchValidationError(

@@ -4,7 +4,8 @@ A step's host-side inputs (index fields, sampling parameters, the row-table cell
 otherwise cross as a dozen small copies, each from pageable memory, which on CUDA is a
 stream synchronize apiece. :class:`H2DStaging` packs them into one reusable host buffer
 (pinned on CUDA), copies it to a device buffer with one `non_blocking` copy, and hands back
-views of the device buffer, one per name, with the dtype and shape asked for.
+views of the device buffer, one per field in the order given, with the dtype and shape
+asked for (the names label the fields of a layout; the caller reads the views by position).
 
 Double-buffered: step N packs into buffer N % 2. Before it writes a buffer, it waits for
 the event recorded after that buffer's last copy (step N - 2's), so the host never
@@ -64,7 +65,7 @@ class _Layout:
 
     total: int  # bytes used
     host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
-    device: dict[str, torch.Tensor]  # device views with the fields' shapes and dtypes
+    device: tuple[torch.Tensor, ...]  # device views with the fields' shapes and dtypes
     used: tuple[torch.Tensor, torch.Tensor]  # the first `total` bytes of both: the one copy
     # For the host kernel's one-call pack (`ops/host_kernels.py`): 4 int64 per field (source
     # element size, offset, element size, count); None when a field needs a conversion the
@@ -89,14 +90,14 @@ class _Pair:
         if cached is not None:
             return cached
         host: list[torch.Tensor] = []
-        device: dict[str, torch.Tensor] = {}
+        device: list[torch.Tensor] = []
         desc: list[int] | None = []
         off = 0
-        for name, shape, dtype, source in signature:
+        for _, shape, dtype, source in signature:
             count = math.prod(shape)
             nbytes = count * dtype.itemsize
             host.append(self.host[off : off + nbytes].view(dtype).view(shape))
-            device[name] = self.device[off : off + nbytes].view(dtype).view(shape)
+            device.append(self.device[off : off + nbytes].view(dtype).view(shape))
             if desc is not None and (source is dtype or (source in _INDEX and dtype in _INDEX)):
                 desc += [source.itemsize, off, dtype.itemsize, count]
             else:
@@ -106,7 +107,7 @@ class _Pair:
             del self.layouts[next(iter(self.layouts))]
         used = (self.host[:off], self.device[:off])
         pack = None if desc is None else (ctypes.c_int64 * len(desc))(*desc)
-        layout = self.layouts[signature] = _Layout(off, tuple(host), device, used, pack)
+        layout = self.layouts[signature] = _Layout(off, tuple(host), tuple(device), used, pack)
         return layout
 
 
@@ -119,9 +120,10 @@ class H2DStaging:
         self._next = 0
         self.copies = 0  # calls that copied (for tests)
 
-    def stage(self, fields: Sequence[StagedField]) -> dict[str, torch.Tensor]:
-        """Device views of `fields` (same shapes, the asked dtypes) after one copy. The
-        views of one call stay valid until the call after next (double-buffered)."""
+    def stage(self, fields: Sequence[StagedField]) -> tuple[torch.Tensor, ...]:
+        """Device views of `fields`, in their order (same shapes, the asked dtypes), after
+        one copy. The views of one call stay valid until the call after next
+        (double-buffered)."""
         signature: Signature = tuple(
             [(f.name, f.tensor.shape, f.dtype, f.tensor.dtype) for f in fields]
         )
@@ -134,10 +136,9 @@ class H2DStaging:
                 _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype, _ in signature
             )
             if total == 0:
-                return {
-                    f.name: torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device)
-                    for f in fields
-                }
+                return tuple(
+                    torch.empty(f.tensor.shape, dtype=f.dtype, device=self.device) for f in fields
+                )
             pair = self._pair(total)
         assert pair is not None
         if pair.event is not None:
@@ -154,7 +155,7 @@ class H2DStaging:
             pair.event = torch.cuda.Event()
             pair.event.record(torch.cuda.current_stream(self.device))
         self.copies += 1
-        return dict(layout.device)
+        return layout.device
 
     @staticmethod
     def _pack(fields: Sequence[StagedField], layout: _Layout, pair: _Pair) -> bool:

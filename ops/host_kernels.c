@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define HK_ABI_VERSION 1
+#define HK_ABI_VERSION 2
 
 int hk_version(void) { return HK_ABI_VERSION; }
 
@@ -97,33 +97,43 @@ int hk_check_decode(int64_t bs, const void *ids, int ids_es, int64_t id_lo, int6
 
 /* The sampling parameters' rules (temperature finite and >= 0, top_p in (0, 1], top_k >= 0,
  * min_p in [0, 1]) and, when they hold, the sampling plan (ops/sampling.py SamplingPlan):
- * plan = [any sampled, any top_k, all top_k, max top_k, any top_p, any min_p, any seeded],
- * over the rows whose temperature is >= greedy_below. 0: the rules hold. */
+ * plan = [any truncating, any top_k, all top_k, max top_k, any top_p, any min_p, any seeded,
+ * any sampled, any processed]. A row samples when its temperature is >= greedy_below; it
+ * truncates when it samples or its logprobs are processed (the truncation figures are over
+ * those rows; seeds count on sampled rows). 0: the rules hold. */
 int hk_sampling(int64_t n, const float *temps, const float *top_ps, const int64_t *top_ks,
-                const float *min_ps, const uint8_t *has_seed, float greedy_below,
-                int64_t *plan) {
-    int64_t sampled = 0, any_k = 0, all_k = 1, max_k = 0, any_p = 0, any_min_p = 0, seeded = 0;
+                const float *min_ps, const uint8_t *has_seed, const uint8_t *processed,
+                float greedy_below, int64_t *plan) {
+    int64_t truncating = 0, any_k = 0, all_k = 1, max_k = 0, any_p = 0, any_min_p = 0;
+    int64_t seeded = 0, sampled = 0, any_processed = 0;
     for (int64_t i = 0; i < n; i++) {
         float t = temps[i], p = top_ps[i], m = min_ps[i];
         if (!isfinite(t) || !(t >= 0.0f)) return 1;
         if (!(p > 0.0f && p <= 1.0f)) return 1;
         if (top_ks[i] < 0) return 1;
         if (!(m >= 0.0f && m <= 1.0f)) return 1;
-        if (!(t >= greedy_below)) continue;
-        if (sampled == 0 || top_ks[i] > max_k) max_k = top_ks[i];
-        sampled++;
+        int samples = t >= greedy_below, proc = processed[i] != 0;
+        any_processed |= proc;
+        if (samples) {
+            sampled = 1;
+            if (has_seed[i]) seeded = 1;
+        }
+        if (!samples && !proc) continue;
+        if (truncating == 0 || top_ks[i] > max_k) max_k = top_ks[i];
+        truncating++;
         if (top_ks[i] > 0) any_k = 1; else all_k = 0;
         if (p < 1.0f) any_p = 1;
         if (m > 0.0f) any_min_p = 1;
-        if (has_seed[i]) seeded = 1;
     }
-    plan[0] = sampled > 0;
+    plan[0] = truncating > 0;
     plan[1] = any_k;
-    plan[2] = sampled > 0 && all_k;
-    plan[3] = sampled > 0 ? max_k : 0;
+    plan[2] = truncating > 0 && all_k;
+    plan[3] = truncating > 0 ? max_k : 0;
     plan[4] = any_p;
     plan[5] = any_min_p;
     plan[6] = seeded;
+    plan[7] = sampled;
+    plan[8] = any_processed;
     return 0;
 }
 

@@ -32,7 +32,7 @@ import torch
 
 from ops import native_build
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 SOURCE = Path(__file__).with_name("host_kernels.c")
 PREBUILT = SOURCE.with_name("host_kernels_prebuilt.so")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
@@ -58,7 +58,7 @@ class HostKernels:
         ]  # fmt: skip
         self.check_decode.restype = _int
         self.sampling = lib.hk_sampling
-        self.sampling.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr]
+        self.sampling.argtypes = [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr]
         self.sampling.restype = _int
         self.decode_fields = lib.hk_decode_fields
         self.decode_fields.argtypes = [_i64, _ptr, _int, _ptr, _int, _ptr, _ptr]

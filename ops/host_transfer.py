@@ -97,22 +97,82 @@ def to_host(tensor: torch.Tensor, reason: str, *, non_blocking: bool = False) ->
 def to_host_packed(tensors: list[torch.Tensor], reason: str) -> list[torch.Tensor]:
     """Several device tensors to the host in one counted transfer: their bytes concatenated
     on the device, copied once, and viewed back with each one's dtype and shape."""
+    return to_host_async(tensors, reason).wait()
+
+
+class HostCopy:
+    """Device tensors on their way to the host: one counted transfer, enqueued by
+    :func:`to_host_async`; :meth:`wait` returns the host copies (each one's dtype and shape).
+
+    On CUDA the bytes go into pinned memory with a non-blocking copy and an event recorded
+    after it, so the host is free until it waits; on a CPU device the copy is made at once."""
+
+    def __init__(
+        self,
+        host: torch.Tensor,
+        shapes: list[tuple[torch.dtype, torch.Size, int, int]],
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self._host = host
+        self._shapes = shapes  # (dtype, shape, byte offset, bytes) per tensor
+        self._event = event
+
+    def ready(self) -> bool:
+        """Whether the copy is done (never blocks)."""
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host copies, once the copy is done (CUDA: the step's one wait for the device)."""
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host
+        mark_host(host)  # host data for a guard entered since the copy was enqueued
+        if len(self._shapes) == 1 and host.dtype == self._shapes[0][0]:
+            return [host]
+        out = [host[at : at + n].view(dtype).reshape(shape) for dtype, shape, at, n in self._shapes]
+        for t in out:
+            mark_host(t)
+        return out
+
+
+def to_host_async(tensors: list[torch.Tensor], reason: str) -> HostCopy:
+    """Enqueue the copy of `tensors` to the host in one counted transfer (their bytes
+    concatenated on the device, each part 8-byte aligned); the result is read with
+    :meth:`HostCopy.wait`."""
     if len(tensors) == 1:
-        return [to_host(tensors[0], reason)]
+        t = tensors[0]
+        nbytes = t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            return HostCopy(to_host(t, reason), [(t.dtype, t.shape, 0, nbytes)], None)
+        flat_one = t.contiguous()
+        return _enqueue(flat_one, [(t.dtype, t.shape, 0, nbytes)], reason)
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     pad = [(-f.numel()) % 8 for f in flat]  # every part starts 8-byte aligned
-    parts = []
-    for f, p in zip(flat, pad, strict=True):
+    parts, shapes, at = [], [], 0
+    for t, f, p in zip(tensors, flat, pad, strict=True):
         parts.append(f)
         if p:
             parts.append(f.new_zeros(p))
-    host = to_host(torch.cat(parts), reason)
-    out, at = [], 0
-    for t, f, p in zip(tensors, flat, pad, strict=True):
-        n = f.numel()
-        out.append(host[at : at + n].view(t.dtype).reshape(t.shape))
-        at += n + p
-    return out
+        shapes.append((t.dtype, t.shape, at, f.numel()))
+        at += f.numel() + p
+    packed = torch.cat(parts)
+    if packed.device.type == "cpu":
+        return HostCopy(to_host(packed, reason), shapes, None)
+    return _enqueue(packed, shapes, reason)
+
+
+def _enqueue(
+    device: torch.Tensor, shapes: list[tuple[torch.dtype, torch.Size, int, int]], reason: str
+) -> HostCopy:
+    """CUDA: a non-blocking copy into pinned host memory, and an event after it."""
+    host_transfers.record(reason, device.numel() * device.element_size())
+    with counted_transfer(reason):
+        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+        host.copy_(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device.device))
+    mark_host(host)
+    return HostCopy(host, shapes, event)
 
 
 def to_device(

@@ -49,15 +49,19 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    """Which truncations any row of the batch uses, decided on the host (no device sync)."""
+    """Which truncations any row of the batch uses, decided on the host (no device sync).
 
-    all_greedy: bool
+    The truncating rows are the sampled ones and, with `processed`, the rows whose logprobs
+    are PROCESSED (a greedy one is truncated at temperature 1 for its logprobs)."""
+
+    all_greedy: bool  # no row samples: the draw is the argmax
     any_top_k: bool
-    all_top_k: bool  # every sampled row has top_k > 0: restrict to the top max_k candidates
+    all_top_k: bool  # every truncating row has top_k > 0: restrict to the top max_k candidates
     max_top_k: int
     any_top_p: bool
     any_min_p: bool
     any_seeded: bool = False  # some sampled row brings its own seed
+    any_processed: bool = False  # some row's logprobs are PROCESSED (`processed_logprobs`)
 
     @classmethod
     def from_host(
@@ -67,19 +71,22 @@ class SamplingPlan:
         top_ps: torch.Tensor,
         min_ps: torch.Tensor,
         has_seed: torch.Tensor | None = None,
+        processed: torch.Tensor | None = None,
     ) -> SamplingPlan:
         sampled = temperatures >= GREEDY_BELOW_TEMPERATURE
-        if not bool(sampled.any()):  # every row greedy: no truncation or seed to look at
+        truncating = sampled if processed is None else sampled | processed
+        if not bool(truncating.any()):  # every row greedy: no truncation or seed to look at
             return ALL_GREEDY
-        ks = top_ks[sampled]
+        ks = top_ks[truncating]
         return cls(
-            all_greedy=False,
+            all_greedy=not bool(sampled.any()),
             any_top_k=bool((ks > 0).any()),
             all_top_k=bool(ks.numel() > 0 and (ks > 0).all()),
             max_top_k=int(ks.max()) if ks.numel() else 0,
-            any_top_p=bool((top_ps[sampled] < 1).any()),
-            any_min_p=bool((min_ps[sampled] > 0).any()),
+            any_top_p=bool((top_ps[truncating] < 1).any()),
+            any_min_p=bool((min_ps[truncating] > 0).any()),
             any_seeded=has_seed is not None and bool(has_seed[sampled].any()),
+            any_processed=processed is not None and bool(processed.any()),
         )
 
 
@@ -124,26 +131,42 @@ def sample_tokens(
     plan: SamplingPlan,
 ) -> torch.Tensor:
     """Next token per row of logits [n, V]: argmax where the temperature is below
-    GREEDY_BELOW_TEMPERATURE (0 included), else a draw (`draw` from `distribution`)."""
+    GREEDY_BELOW_TEMPERATURE (0 included), else a draw (`draw` from `truncate`)."""
     greedy_ids = argmax_rows(logits)
     if plan.all_greedy:
         return greedy_ids
+    t = truncate(logits, temperatures, top_ks, top_ps, min_ps, plan)
+    return drawn(t, greedy_ids, temperatures, uniforms)
+
+
+def drawn(
+    t: Truncated, greedy_ids: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """The argmax on greedy rows, a draw from `t` on the others."""
     greedy = temperatures < GREEDY_BELOW_TEMPERATURE
-    probs, cand_ids = distribution(logits, temperatures, top_ks, top_ps, min_ps, plan)
-    return torch.where(greedy, greedy_ids, draw(probs, cand_ids, uniforms))
+    return torch.where(greedy, greedy_ids, draw(t.probs, t.cand_ids, uniforms))
 
 
-def distribution(
+@dataclass(frozen=True)
+class Truncated:
+    """Each row's truncated distribution (`truncate`), on the device."""
+
+    scaled: torch.Tensor  # [n, V] logits / temperature (1 for greedy rows), vocabulary order
+    probs: torch.Tensor  # [n, C] candidates' probabilities, excluded ones 0, not renormalized
+    cand_ids: torch.Tensor | None  # [n, C]; None: the whole vocabulary in vocabulary order
+    excluded: torch.Tensor  # [n, C] bool: the candidates truncation removed
+
+
+def truncate(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
     min_ps: torch.Tensor,
     plan: SamplingPlan,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's sampling distribution: (probs [n, C], cand_ids [n, C] or None when the
-    candidates are the whole vocabulary in vocabulary order). Excluded candidates have
-    probability 0; the rest are not renormalized (`draw` scales by the total).
+) -> Truncated:
+    """Each row's sampling distribution (`Truncated`). Excluded candidates have probability 0;
+    the rest are not renormalized (`draw` scales by the total).
 
     Order: temperature, then top-k, then top-p on the top-k-renormalized distribution, then
     min-p relative to the most likely token. The most likely token is never excluded. Rows
@@ -151,7 +174,10 @@ def distribution(
     """
     vocab = logits.shape[-1]
     greedy = temperatures < GREEDY_BELOW_TEMPERATURE
-    scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
+    scaled_vocab = logits / torch.where(
+        greedy, torch.ones_like(temperatures), temperatures
+    ).unsqueeze(-1)
+    scaled = scaled_vocab
 
     cand_ids: torch.Tensor | None = None  # None: candidates are the whole vocab, in vocab order
     if plan.all_top_k:
@@ -175,13 +201,25 @@ def distribution(
         excluded[:, 0] = False  # sorted: column 0 is the most likely token
     else:
         excluded.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
-    return probs.masked_fill(excluded, 0.0), cand_ids
+    return Truncated(scaled_vocab, probs.masked_fill(excluded, 0.0), cand_ids, excluded)
+
+
+def processed_logprobs(t: Truncated) -> torch.Tensor:
+    """[n, V] float32: each row's log-probabilities under its truncated, renormalized
+    distribution (-inf outside it): the log-softmax of the scaled logits with every excluded
+    token at -inf, in vocabulary order whatever the candidates' order, so a row's values do
+    not depend on which truncation path its batch took."""
+    excluded = t.excluded
+    if t.cand_ids is not None:  # back to vocabulary order; tokens past the top-k: excluded
+        vocab_excluded = torch.ones_like(t.scaled, dtype=torch.bool)
+        excluded = vocab_excluded.scatter_(1, t.cand_ids, t.excluded)
+    return torch.log_softmax(t.scaled.masked_fill(excluded, float("-inf")), dim=-1)
 
 
 def draw(
     probs: torch.Tensor, cand_ids: torch.Tensor | None, uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """The inverse CDF of each row's distribution (`distribution`) at its uniform in [0, 1)."""
+    """The inverse CDF of each row's distribution (`truncate`) at its uniform in [0, 1)."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1]
     # Stay strictly below the total so the search lands on a kept (non-zero) candidate.

@@ -15,8 +15,11 @@ from registry.buffer_registry import BufferRegistry
 from registry.policy import PaddingPolicy
 from registry.slot import FillContext, GraphSlot
 
-INDEX_LIKE_SLOTS = frozenset({"input_ids", "positions", "out_cache_loc", "req_pool_indices"})
-"""Slots whose values index a table (embeddings, rope, KV pool, rows): zero is a safe pad."""
+INDEX_LIKE_SLOTS = frozenset(
+    {"input_ids", "positions", "out_cache_loc", "req_pool_indices", "lora_slots"}
+)
+"""Slots whose values index a table (embeddings, rope, KV pool, rows, adapter slots): zero is
+a safe pad (adapter slot 0 is the base model: a padded token runs no adapter)."""
 
 ZERO_PADDED_VALUE_SLOTS = frozenset({"input_embeds"})
 """The one documented exception to "ZERO means index": a zero embedding row is a harmless
@@ -71,6 +74,12 @@ def _num_token_non_padded_slot() -> GraphSlot:
     )
 
 
+def _lora_slots_slot() -> GraphSlot:
+    # The adapter slot of each token (int32, 0 = the base model); a graph captured with it
+    # runs the adapters, one captured without it runs none (its view carries None).
+    return GraphSlot("lora_slots", _tokens, torch.int32, padding_policy=PaddingPolicy.ZERO)
+
+
 def _input_embeds_slot(hidden_size: int, embed_dtype: torch.dtype | None) -> GraphSlot:
     if hidden_size <= 0 or embed_dtype is None:
         raise ValueError(
@@ -121,6 +130,7 @@ def build_decode_registry(
     embed_dtype: torch.dtype | None = None,
     enable_num_token_non_padded: bool = False,
     needs_cpu_seq_lens: bool = True,
+    register_lora_slots: bool = False,
     share_pool: bool = True,
     source: Any = None,
 ) -> BufferRegistry:
@@ -128,7 +138,8 @@ def build_decode_registry(
 
     Padded requests read row 0 (`req_pool_indices` ZERO) with `seq_len_fill_value` tokens
     and write their one token to slot 0 (`out_cache_loc` ZERO). With `source`, every slot
-    adopts the same-named tensor on it instead of allocating.
+    adopts the same-named tensor on it instead of allocating. `register_lora_slots`: the
+    tokens' adapter slots (LoRA graphs).
     """
     sentinel = PaddingPolicy.FILL_SENTINEL
     slots = [
@@ -168,6 +179,8 @@ def build_decode_registry(
         slots.append(_num_token_non_padded_slot())
     if register_input_embeds:
         slots.append(_input_embeds_slot(hidden_size, embed_dtype))
+    if register_lora_slots:
+        slots.append(_lora_slots_slot())
     return _build(
         slots,
         device=device,
@@ -188,6 +201,7 @@ def build_prefill_registry(
     hidden_size: int = 0,
     embed_dtype: torch.dtype | None = None,
     enable_num_token_non_padded: bool = False,
+    register_lora_slots: bool = False,
     share_pool: bool = True,
     source: Any = None,
 ) -> BufferRegistry:
@@ -206,6 +220,8 @@ def build_prefill_registry(
         slots.append(_input_embeds_slot(hidden_size, embed_dtype))
     if enable_num_token_non_padded:
         slots.append(_num_token_non_padded_slot())
+    if register_lora_slots:
+        slots.append(_lora_slots_slot())
     return _build(
         slots,
         device=device,

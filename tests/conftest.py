@@ -40,6 +40,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo_per_module() -> object:
+    """Each test module starts with dynamo's in-process caches empty. A server process holds
+    one model; a test session builds hundreds, and dynamo keeps every compiled entry of a
+    shared layer function with guards on an earlier model's modules (a quantized model's
+    `mn` buffer, read back while a later model compiles, failed its capture)."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One weights cache per test session (a fresh clone pays the GGUF dequantization once)."""

@@ -57,6 +57,8 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_kv_slots_total": _m("gauge"),
     "model_executor_req_rows_used": _m("gauge"),
     "model_executor_queue_depth": _m("gauge"),
+    "model_executor_forward_occupancy": _m("gauge"),
+    "model_executor_device_idle_seconds_total": _m("counter"),
     "model_executor_ready": _m("gauge"),
     "model_executor_toggle_eager_input_no_copy": _m("gauge"),
     "model_executor_toggle_needs_cpu_seq_lens": _m("gauge"),

@@ -93,6 +93,7 @@ def _batch(row: int) -> object:
     )
 
 
+@pytest.mark.slow
 def test_an_allowed_identity_with_the_token_is_served(
     pki: dict[str, object], guarded: RunningServer
 ) -> None:
@@ -264,6 +265,7 @@ def test_peer_book_forgets_the_oldest() -> None:
     assert book.first("a") and not book.first("c")
 
 
+@pytest.mark.slow
 def test_the_cli_sends_the_call_token_from_its_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -39,6 +39,7 @@ def _compare(case: Case) -> float:
     return float((out - ref).abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
 def test_paged_equals_native_on_random_batches(
@@ -52,6 +53,7 @@ def test_paged_equals_native_on_random_batches(
         assert _compare(case) <= TOL, (prefix, extend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "prefix", "extend"),
     [
@@ -251,6 +253,7 @@ def test_native_refuses_graph_capture() -> None:
 PROMPTS = [[5, 17, 33, 2, 400, 12], [9], list(range(100, 140)), [7, 7, 7]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-random", "tiny-random-qwen2"])
 def test_greedy_generation_is_identical_with_either_backend(
     make_executor: MakeExecutor, model: str

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.config import ExecutorConfig, background_graph_mode
+from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
-from executor.graphs.settings import graph_settings
+from executor.graphs.settings import background_graph_mode, graph_settings
 from executor.model_executor import ModelExecutor
 from executor.models import quant_kernel
 from executor.models.quant_kernel import choose_quantization
@@ -63,9 +63,14 @@ def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecuto
         "quantization",
         "quant_kernel",
         "linear_kernel",
+        "pipeline_steps",
         "graph_mode",
         "graph_backend",
     }
+    assert (choices["pipeline_steps"].value, choices["pipeline_steps"].reason) == (
+        "off",
+        "auto: a CPU device's forward is synchronous",
+    )
     assert (choices["dtype"].value, choices["dtype"].reason) == ("float32", "configured")
     assert choices["quantization"].value == "none"
     assert "float" in choices["quantization"].reason  # tiny-random: float weights
@@ -93,11 +98,14 @@ def test_a_cpu_server_with_auto_graphs_captures_decode_graphs_in_the_background(
     assert background_graph_mode(cfg, torch.device("cuda", 0)) is None
 
 
+@pytest.mark.slow
 def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
-    cache_dir: Path,
+    cache_dir: Path, tmp_path: Path
 ) -> None:
     """`serve` with graph_mode=auto: ready before the compile ends, GetRuntimeConfig says
-    "capturing" until the bs-1 graph is in use, then DECODE runs on it."""
+    "capturing" until the bs-1 graph is in use, then DECODE runs on it. A weight update then
+    lands in that compiled graph, also after the weights' memory moved (a release, and a
+    resume awaiting the update)."""
     from executor.client.grpc_client import ExecutorClient
     from tests.server_util import running_server, tiny_config
 
@@ -113,14 +121,60 @@ def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
                 input_ids=[[5, 6, 7]], req_pool_indices=[1], out_cache_loc=[[1, 2, 3]]
             )
         )
-        deadline = time.monotonic() + 300
+        # The compile worker runs at nice 10: on a machine other processes keep busy it gets
+        # little CPU (minutes for tiny-random at load 11 on 2 cores, seconds when quiet).
+        deadline = time.monotonic() + 900
         while c.get_runtime_config().graph_capture != "idle":
             assert time.monotonic() < deadline, "the background capture did not end"
             time.sleep(0.2)
         assert c.get_runtime_config().graph_mode == "decode"
         assert running.executor is not None
         assert running.executor.control.start_background() is None  # in use: nothing to do
+        # Compiled by the compile worker (its own process), loaded here from the cache dir.
+        decode = running.executor.runner.decode_graphs
+        assert decode is not None
+        assert all(c.graph.loaded for kv in decode.captured.values() for c in kv.values())
+        assert any((cache_dir / "graphs").glob("decode-bs1-*.aot"))
         out = c.forward(
             make_decode_batch(input_ids=[8], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[4])
         )
         assert out.stats.path == "full_graph"
+        _updates_reach_the_compiled_graph(running.executor, c, tmp_path, cache_dir)
+
+
+def _updates_reach_the_compiled_graph(
+    executor: ModelExecutor, client: object, tmp_path: Path, cache_dir: Path
+) -> None:
+    """Two updates (packed linears change under their key, the rest in place), the second
+    after a release of the weights and a resume awaiting it: a prefill and a bs-1 DECODE on
+    the compiled graph give, token and logprob, an eager executor's started on the weights."""
+    from executor.weights.memory import WEIGHTS
+    from tests.weights_util import fresh, new_weights, update
+
+    seen = []
+    for i, (version, seed) in enumerate((("rl-1", 1), ("rl-2", 2))):
+        row, slot = 2 + i, 20 + 10 * i
+        prefill = make_extend_batch(
+            input_ids=[[9, 10, 11, 12]],
+            req_pool_indices=[row],
+            out_cache_loc=[list(range(slot, slot + 4))],
+        )
+        decode = make_decode_batch(
+            input_ids=[13], req_pool_indices=[row], seq_lens=[5], out_cache_loc=[slot + 4]
+        )
+        decode.return_logprob = True
+        if version == "rl-2":
+            executor.weights.release((WEIGHTS,))
+            executor.weights.resume((WEIGHTS,), from_update=True)
+        tensors = new_weights(seed=seed)
+        update(executor, tensors, version)
+        ref = fresh(tmp_path / version, cache_dir, "tiny-random", tensors)
+        client.forward(prefill)  # type: ignore[attr-defined]
+        got = client.forward(decode)  # type: ignore[attr-defined]
+        ref.forward(prefill)
+        want = ref.forward(decode)
+        assert (got.stats.path, got.weight_version) == ("full_graph", version)
+        assert got.next_token_ids.tolist() == want.next_token_ids.tolist()
+        assert torch.allclose(got.next_token_logprobs, want.next_token_logprobs, atol=1e-4)
+        seen.append(float(got.next_token_logprobs[0]))
+    assert seen[0] != seen[1]

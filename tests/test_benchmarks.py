@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
     assert table[2].startswith("| 1 | ") and "| 2.0x |" in table[2]
 
 
+@pytest.mark.slow
 def test_constrained_decode_pairs_runs_of_the_same_shapes(cache_dir: Path) -> None:
     """One constrained/unconstrained pair at bs 2: the unconstrained run steps the lengths the
     constrained one had, every step of the constrained run carried a mask, and the table has
@@ -126,6 +128,7 @@ def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path)
     assert row.startswith("| looping | ") and row.count("|") == speculative.HEADER.count("|") // 2
 
 
+@pytest.mark.slow
 def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     cache_dir: Path,
 ) -> None:
@@ -154,6 +157,7 @@ def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
     assert rows[2].startswith("| 1 | ") and "%)" in rows[2]
 
 
+@pytest.mark.slow
 def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     """A 40-token request moved twice each way between two loopback executors: contiguous
     slots go as one run, pages of 8 as one run per page, and every figure is a rate."""
@@ -186,6 +190,37 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
     assert lines[2].startswith("| contiguous | 40 |") and lines[3].startswith("| pages of 8 | 40 |")
 
 
+@pytest.mark.slow  # the baseline spawns its receiver
+def test_weight_update_times_every_transport_and_the_bare_broadcast(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Tiny-random's whole checkpoint once through each transport and the baseline; every
+    figure is a time, and the executor ends on the last update's version."""
+    from safetensors.torch import save_file
+
+    from benchmarks import weight_update
+    from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+
+    tensors = tiny_random_weights(TINY_CONFIGS["tiny-random"], seed=3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, kv_slots=128)
+    with (
+        running_server(
+            config, weight_update_root=str(tmp_path), weight_group_addresses="127.0.0.1"
+        ) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as client,
+    ):
+        figures = weight_update.measure(client, tensors, "model.safetensors", repeats=1)
+        assert client.info().info.weight_version == "group-1"
+        lines = weight_update.memory(client, os.getpid())
+    assert [f.transport for f in figures] == ["stream", "path", "group", "broadcast"]
+    for f in figures:
+        assert len(f.seconds) == 1 and f.seconds[0] > 0 and f.nbytes == 558336
+        assert f.row().startswith(f"| {f.transport} | 1 |")
+    assert lines[2].startswith("| ReleaseMemory | weights, kv_cache |")
+
+
+@pytest.mark.slow
 def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     """One middle layer of a bs-1 DECODE step on the tiny model, the Triton kernels under
     the interpreter: the torch ops launch about three times what the fused path does, which
@@ -208,6 +243,7 @@ def test_kernel_count_counts_a_decode_layer_with_torch_ops_and_fused() -> None:
     assert table[3].startswith(f"| fused | {fused.total} |")
 
 
+@pytest.mark.slow
 def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     """A few DECODE steps of a served configuration: both batch sizes timed (median >= min),
     readiness timed, the setting choices read, and no background capture waited for."""
@@ -225,6 +261,7 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+@pytest.mark.slow
 def test_hardening_benchmark_measures_access_health_and_headers(
     cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -255,3 +292,28 @@ def test_hardening_benchmark_measures_access_health_and_headers(
     assert len(headers) == 3 and all(ms < 1000 for ms, _, _ in headers.values())
     table = hardening.report(access, health, headers)
     assert "| added by the access check |" in table and table.count("| refuse ") == 3
+
+
+def test_pipeline_runs_count_every_step_and_read_the_occupancy_gauge(cache_dir: Path) -> None:
+    """A few steps of each workload of benchmarks/pipeline.py against a stand-in server
+    (D = 1 ms): every answer counted with its host gap, the tokens the stand-in's rule, the
+    occupancy from the answers in (0, 1], and the gauge read from the metrics port."""
+    from benchmarks import pipeline
+    from executor.models.standin import standin_token
+
+    config = tiny_config(cache_dir, simulated_step_ms=1.0, max_reqs=64, kv_slots=32768)
+    with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as client:
+        vocab = client.info().info.vocab_size
+        run = pipeline.overlap_run(client, bs=2, steps=5)
+        assert run.steps == len(run.gaps_ns) == 6  # the prefill, 4 decodes, the release
+        for r, tokens in enumerate(run.tokens):
+            prompt = [(31 * r + j) % 400 + 5 for j in range(pipeline.PROMPT_LEN)]
+            want = [standin_token(prompt[-1], pipeline.PROMPT_LEN - 1, vocab)]
+            for k in range(4):
+                want.append(standin_token(want[-1], pipeline.PROMPT_LEN + k, vocab))
+            assert tokens == want
+        assert 0 < run.occupancy(1.0) <= 1 and min(run.gaps_ns) >= 0
+        unary = pipeline.unary_run(f"127.0.0.1:{running.port}", clients=2, steps=6)
+        assert unary.steps == 2 * 2 and [len(t) for t in unary.tokens] == [3, 3]
+        assert running.metrics_port is not None
+        assert 0 < pipeline.gauge(running.metrics_port) <= 1

@@ -38,6 +38,7 @@ def _largest_batch() -> ForwardBatch:
     return dataclasses.replace(batch, input_ids=None, input_embeds=torch.randn(TOKENS, 64))
 
 
+@pytest.mark.slow
 def test_a_burst_of_maximum_size_batches_stays_within_the_budget(tmp_path: Path) -> None:
     size = batch_to_proto(_largest_batch()).ByteSize()
     budget_mib = 6  # two of these batches fit, the third does not

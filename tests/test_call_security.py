@@ -83,12 +83,12 @@ def test_clients_without_the_token_hold_no_thread_whatever_they_withhold(
     calls += _stalled(channels, "/model_executor.v1.ModelExecutor/Forward", STALLED // 4)
     calls += _stalled(channels, "/grpc.health.v1.Health/Check", STALLED // 4)
     try:
+        # Stalled callers that held the threads would hold them for good: these would time out
+        # (the deadline is only there so a loaded machine's scheduling cannot fail the test).
         with ExecutorClient(f"127.0.0.1:{guarded.port}", token=TOKEN) as legit:
-            t0 = time.monotonic()
-            assert legit.info(timeout=3).info.vocab_size == 512
-            assert legit.health(timeout=3) == "SERVING"
-            assert legit.forward(make_idle_batch(), timeout=3).next_token_ids.numel() == 0
-            assert time.monotonic() - t0 < 3
+            assert legit.info(timeout=20).info.vocab_size == 512
+            assert legit.health(timeout=20) == "SERVING"
+            assert legit.forward(make_idle_batch(), timeout=20).next_token_ids.numel() == 0
         assert guarded.health_port is not None and _check(guarded.health_port) == "SERVING"
         for _, future in calls:  # refused at once, not left waiting for their body
             err = future.exception(timeout=10)
@@ -100,6 +100,7 @@ def test_clients_without_the_token_hold_no_thread_whatever_they_withhold(
             ch.close()
 
 
+@pytest.mark.slow
 def test_stalled_checks_do_not_starve_the_health_port(guarded: RunningServer) -> None:
     """The health port needs no credentials, so anyone who reaches it may stall Checks: on
     grpc.aio they hold no thread, and the kubelet's probe is still answered."""
@@ -140,6 +141,7 @@ def test_health_watch_streams_hold_no_main_port_thread(guarded: RunningServer) -
         ch.close()
 
 
+@pytest.mark.slow
 def test_late_deferred_masks_do_not_hold_the_device_from_other_callers(
     guarded: RunningServer,
 ) -> None:
@@ -231,6 +233,7 @@ def test_token_files_name_callers_and_reload_on_change(tmp_path: Path) -> None:
     assert tokens.reloads == 1
 
 
+@pytest.mark.slow
 def test_a_rotated_call_token_is_taken_without_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("old-token-value\n")
@@ -246,6 +249,7 @@ def test_a_rotated_call_token_is_taken_without_a_restart(tmp_path: Path) -> None
             c.health()
 
 
+@pytest.mark.slow
 def test_the_operator_calls_are_closed_without_a_credential(tmp_path: Path) -> None:
     with (
         running_server(tiny_config(tmp_path), operator_calls_open=False) as srv,

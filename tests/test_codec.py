@@ -16,6 +16,7 @@ from executor.core.forward_batch import (
     WIRE_TENSOR_FIELDS,
     ForwardBatch,
     ForwardMode,
+    LogprobsMode,
     SamplingParams,
 )
 from executor.core.outputs import ForwardOutput, StepStats
@@ -75,7 +76,7 @@ def test_batch_round_trip_keeps_every_field() -> None:
         prefix_cache_loc=[[5, 6], []],
         sampling=[
             SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**64 - 1),
-            SamplingParams(),
+            SamplingParams(logprobs_mode=LogprobsMode.PROCESSED),
         ],
         return_logprob=True,
         top_logprobs_num=5,
@@ -96,8 +97,9 @@ def test_batch_round_trip_keeps_every_field() -> None:
         assert torch.equal(getattr(back, name), getattr(fb, name)), name
     assert back.positions is None and back.input_embeds is None
     assert back.sampling is not None and fb.sampling is not None
-    for name in ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "has_seed"):
-        assert torch.equal(getattr(back.sampling, name), getattr(fb.sampling, name)), name
+    for f in dataclasses.fields(fb.sampling):
+        assert torch.equal(getattr(back.sampling, f.name), getattr(fb.sampling, f.name)), f.name
+    assert back.sampling.processed.tolist() == [False, True]
     assert back.return_logprob and back.top_logprobs_num == 5
 
 
@@ -111,7 +113,19 @@ def test_proto3_defaults_mean_greedy_and_no_truncation() -> None:
     assert (
         s.temperatures.tolist() == [0.0] and s.top_ps.tolist() == [1.0] and s.top_ks.tolist() == [0]
     )
-    assert not bool(s.has_seed[0])
+    assert not bool(s.has_seed[0]) and not bool(s.processed[0])  # LOGPROBS_MODE_RAW
+
+
+def test_an_unknown_logprobs_mode_is_refused_naming_the_field() -> None:
+    msg = batch_to_proto(
+        make_decode_batch(
+            input_ids=[1, 2], req_pool_indices=[1, 2], seq_lens=[2, 2], out_cache_loc=[2, 3]
+        )
+    )
+    msg.sampling_params.add(logprobs_mode=pb.LOGPROBS_MODE_PROCESSED)
+    msg.sampling_params.add(logprobs_mode=7)  # proto3 enums are open: it decodes
+    with pytest.raises(BatchValidationError, match=r"sampling_params\[1\]\.logprobs_mode"):
+        batch_from_proto(msg)
 
 
 def test_int32_fields_and_input_embeds_decode() -> None:

@@ -15,10 +15,13 @@ import torch
 
 from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
-from executor.config import ExecutorConfig, resolve_graph_backend
+from executor.config import ExecutorConfig
 from executor.core.buckets import kv_bucket
 from executor.core.runner_output import GraphFallback
-from executor.graphs.graph import CompiledGraph, GraphFactory, StepCompiledGraph
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import CompiledGraph
+from executor.graphs.settings import resolve_graph_backend
+from executor.graphs.step_graph import StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
 
@@ -56,6 +59,7 @@ def test_compiled_step_compiles_whole_decode_steps_and_regional_pieces() -> None
     )
 
 
+@pytest.mark.slow
 def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside(
     make_executor: MakeExecutor, tmp_path: Path
 ) -> None:
@@ -126,6 +130,7 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         assert torch.equal(a.next_token_ids, b.next_token_ids), bs
 
 
+@pytest.mark.slow
 def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -139,7 +144,7 @@ def test_decode_graphs_attend_over_the_kv_bucket_the_batch_needs(
     assert kv_bucket(300, 1024) == 1024 and kv_bucket(None, 1024) == 1024
     # One graph per (batch size, KV bucket), its gather as wide as its KV bucket.
     for bs, by_kv in decode.captured.items():
-        for kv, captured in by_kv.items():
+        for (_, kv), captured in by_kv.items():  # keyed (with LoRA, KV bucket)
             assert tuple(captured.view.attn_metadata.kv_slots.shape) == (bs, kv)
 
     replayed: list[int] = []
@@ -176,6 +181,7 @@ def _decode_matches_eager(
     assert torch.equal(a.next_token_ids, b.next_token_ids)
 
 
+@pytest.mark.slow
 def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -199,7 +205,7 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
     )
     decode = graph.runner.decode_graphs
     assert decode is not None and set(decode.captured) == {1, 2}
-    assert all(set(by_kv) == {256, 1024} for by_kv in decode.captured.values())
+    assert all(set(by_kv) == {(False, 256), (False, 1024)} for by_kv in decode.captured.values())
     assert seen and set(seen) == {256}, seen  # no capture run at 1024 keys
 
     for row, context in ((1, 20), (2, 400)):  # 21 keys -> bucket 256; 401 keys -> 1024
@@ -207,6 +213,7 @@ def test_compiled_decode_capture_runs_only_the_smallest_kv_bucket(
         assert seen[-1] == (256 if context < 256 else 1024)  # the graph's step ran last
 
 
+@pytest.mark.slow
 def test_compiled_step_graphs_give_eager_tokens_and_write_the_kv_cache_in_place(
     make_executor: MakeExecutor, tmp_path: Path
 ) -> None:

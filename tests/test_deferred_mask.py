@@ -85,6 +85,7 @@ def test_a_late_mask_gives_the_tokens_of_the_same_mask_inline(client: ExecutorCl
     assert late.stats.control_rows.get("vocab_mask") == 1
 
 
+@pytest.mark.slow
 def test_a_mask_that_never_comes_fails_the_batch_and_applies_nothing(
     server: RunningServer, client: ExecutorClient
 ) -> None:
@@ -212,6 +213,7 @@ def test_a_mask_behind_a_full_window_of_batches_is_routed_when_read(
     session.close()
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_releases_the_device_waiting_for_a_mask(
     server: RunningServer, client: ExecutorClient
 ) -> None:

@@ -108,6 +108,7 @@ def test_every_device_wheel_has_a_pinned_version() -> None:
     assert pins["grpcio"] == pins["grpcio-health-checking"]  # the stubs move with grpcio
 
 
+@pytest.mark.slow
 def test_without_a_gpu_the_check_fails_fast_and_says_so(tmp_path: Path) -> None:
     """Nothing is pretended: off a CUDA machine (and without --dry-run) preflight fails and
     no other stage runs."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
@@ -152,6 +153,7 @@ def _healthcheck_command() -> list[str]:
     return [sys.executable, *command[1:]]
 
 
+@pytest.mark.slow
 def test_healthcheck_asks_a_live_servers_readiness(tmp_path: Path) -> None:
     command = _healthcheck_command()
 

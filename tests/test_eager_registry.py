@@ -24,12 +24,14 @@ from executor.batch_prep import (
 from executor.core.forward_batch import ForwardBatch
 from executor.core.names import EAGER_DECODE, EAGER_EXTEND
 from executor.model_executor import ModelExecutor
+from ops.h2d_staging import StagedField
 from registry import FillStats
 from tests.random_batches import BatchGenerator
 
 MakeExecutor = Callable[..., ModelExecutor]
 
 
+@pytest.mark.slow
 def test_200_random_batches_are_bit_identical_on_the_registry_and_no_copy_paths(
     make_executor: MakeExecutor,
 ) -> None:
@@ -179,9 +181,10 @@ def test_data_pointers_tell_the_registry_path_from_the_no_copy_path(
     read: list[ForwardBatch] = []
     real_stage, real_metadata = ex.step.staging.stage, ex.attn_backend.init_forward_metadata
 
-    def stage(fields: object) -> dict[str, torch.Tensor]:
-        staged.append(real_stage(fields))  # type: ignore[arg-type]
-        return staged[-1]
+    def stage(fields: list[StagedField]) -> tuple[torch.Tensor, ...]:
+        views = real_stage(fields)
+        staged.append({f.name: v for f, v in zip(fields, views, strict=True)})
+        return views
 
     def metadata(fb: ForwardBatch) -> object:
         read.append(fb)

@@ -168,7 +168,7 @@ def test_logprobs_and_stats_come_back(make_executor: MakeExecutor) -> None:
         out.next_token_logprobs, ref.gather(1, out.next_token_ids[:, None])[:, 0]
     )
     assert out.stats.num_tokens == 5 and out.stats.padded_num_tokens == 5
-    assert set(out.stats.timings_ns) == {"validate", "stage", "forward", "sample", "total"}
+    assert set(out.stats.timings_ns) == {"validate", "stage", "forward", "sample", "read", "total"}
 
 
 def test_reference_scheduler_chunks_long_prompts_and_frees_capacity(
@@ -265,7 +265,7 @@ def test_a_failed_step_undoes_its_releases(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample", boom)
+    monkeypatch.setattr(ex.step.sampler, "draw", boom)
     step = make_decode_batch(input_ids=[9], req_pool_indices=[2], seq_lens=[3], out_cache_loc=[12])
     with pytest.raises(RuntimeError, match="device fell over"):
         ex.forward(dataclasses.replace(step, released_req_pool_indices=torch.tensor([1])))

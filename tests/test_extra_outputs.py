@@ -17,6 +17,7 @@ from executor.config import ExecutorConfig
 from executor.core.errors import BatchTooLargeError
 from executor.core.extras_types import HiddenAsk, Pooling, RowOutputs
 from executor.core.forward_batch import ForwardBatch
+from executor.extras.feature import Extras
 from executor.model_executor import ModelExecutor
 from tests.server_util import running_server
 from tests.test_model_families import SMALL, _randomize
@@ -73,6 +74,7 @@ def _extend(
     return dataclasses.replace(fb, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "extend"])
 def test_prompt_logprobs_equal_transformers_in_one_batch_and_in_chunks(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path, graph_mode: str
@@ -150,6 +152,7 @@ def test_scores_and_hidden_states_of_each_layer_equal_transformers(
     assert out.stats.path == "eager"
 
 
+@pytest.mark.slow
 def test_mean_pooled_embeddings_over_chunks_and_on_the_decode_graph(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path
 ) -> None:
@@ -186,6 +189,7 @@ def test_mean_pooled_embeddings_over_chunks_and_on_the_decode_graph(
         )
 
 
+@pytest.mark.slow
 def test_oversized_asks_are_refused_and_asking_nothing_costs_nothing(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -203,7 +207,8 @@ def test_oversized_asks_are_refused_and_asking_nothing_costs_nothing(
     )
     assert asked.stats.d2h_syncs == 1 and asked.stats.h2d_copies == 1  # one transfer each way
     small = dataclasses.replace(ex.limits, max_hidden_bytes=100)
-    ex.step.limits = small
+    extras = next(f for f in ex.features if isinstance(f, Extras))
+    extras.limits = small
     lens = ex.req_to_token_pool.resident_lens.copy()
     with pytest.raises(BatchTooLargeError, match="max_hidden_bytes"):
         ex.forward(
@@ -266,6 +271,7 @@ def test_the_retry_memory_is_bounded_in_bytes() -> None:
     assert len(memory) == 1 and memory.bytes == 800
 
 
+@pytest.mark.slow
 def test_perplexity_through_grpc_equals_transformers_and_the_cli_scores_files(
     qwen2: tuple[Path, torch.nn.Module],
     cache_dir: Path,
@@ -299,7 +305,7 @@ def test_perplexity_through_grpc_equals_transformers_and_the_cli_scores_files(
             torch.tensor(vector), hidden[LAYERS].mean(0), rtol=1e-4, atol=1e-4
         )
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     text = tmp_path / "a.txt"
     text.write_text("hello there, a short text to score")
     args = [

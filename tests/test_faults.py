@@ -79,6 +79,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 CASES = [("forward", 0), ("forward", 3), ("sampler", 0), ("sampler", 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "site", "fault_step"), [(i, *c) for i, c in enumerate(CASES)])
 def test_a_fault_inside_the_step_is_internal_and_leaves_nothing_behind(
     server: RunningServer, expected: list[list[int]], case: int, site: str, fault_step: int

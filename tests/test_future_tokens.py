@@ -119,6 +119,7 @@ def _steps(ex: ModelExecutor, by_reference: bool) -> list[ForwardOutput]:
     return [second, third]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_path_reads_references_as_the_tokens_they_name(
     make_executor: MakeExecutor, path: str
@@ -162,6 +163,7 @@ def test_cuda_paths_read_references_as_the_tokens_they_name(
         assert [s.stats.path for s in by_ref] == ["full_graph", "piecewise"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["eager", "eager_no_copy", "full_graph"])
 def test_resolution_reads_nothing_on_the_host(make_executor: MakeExecutor, path: str) -> None:
     """Under the host-read guard, a step with references makes the same one counted transfer
@@ -333,6 +335,7 @@ def _outputs(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "seeded"),
     [("eager", False), ("eager", True), ("eager_no_copy", True), ("full_graph", False)],
@@ -368,6 +371,7 @@ def test_overlap_gives_the_tokens_of_the_plain_scheduler(
     assert ex.req_to_token_pool.rows_in_use() == 0 and ex.future.slots_in_use() == 0
 
 
+@pytest.mark.slow
 def test_overlap_over_forward_stream_matches_unary_and_counts_resolved_tokens(
     tmp_path: Path,
 ) -> None:
@@ -411,12 +415,13 @@ def test_future_slots_default_to_four_per_row() -> None:
         ExecutorConfig(future_slots=-1)
 
 
+@pytest.mark.slow
 def test_cli_generate_overlap_prints_what_generate_prints(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "there", "--model", "tiny-random", "--max-new-tokens", "6"]
     args += ["--cache-dir", str(tmp_path), "--max-reqs", "4"]
     # stdout may carry the embedded server's log lines too: compare the answers only.

@@ -25,6 +25,7 @@ KV_KINDS = {"kv_export", "kv_import", "kv_import_chunks", "kv_push"}
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 77, 250, 12, 9, 31]]
 
 
+@pytest.mark.slow
 def test_fuzzed_batches_are_refused_cleanly_and_leave_the_server_correct(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
     dead = f"127.0.0.1:{free_port()}"  # a listed peer where nothing listens

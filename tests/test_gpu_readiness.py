@@ -25,7 +25,8 @@ from executor.core.errors import ToggleRefusedError
 from executor.core.forward_batch import SamplingParams
 from executor.core.runner_output import GraphFallback
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
-from executor.graphs.graph import CpuGraph, GraphCapturePoisoned, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import CpuGraph, GraphCapturePoisoned
 from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
 from executor.models.blocks import DecoderLayer
@@ -34,6 +35,7 @@ from ops import h2d_staging
 from ops.h2d_staging import H2DStaging, StagedField
 from ops.host_reads import declare_pinned
 from ops.host_transfer import host_transfers, to_device
+from tests.lock_util import is_held
 
 MakeExecutor = Callable[..., ModelExecutor]
 
@@ -57,6 +59,7 @@ def _in_thread(fn: Callable[[], Any], name: str) -> Any:
 
 
 # --- the device is current on every thread ------------------------------------------------
+@pytest.mark.slow
 def test_every_thread_runs_device_work_inside_the_executors_device_scope(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,6 +136,7 @@ def test_device_scope_makes_cuda_n_current_and_launch_checks_refuse_without_it(
 
 
 # --- capture failures: poisoned (stop for good) vs a clean out-of-memory (skip one) --------
+@pytest.mark.slow
 def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,6 +175,7 @@ def test_a_clean_oom_skips_only_its_bucket_and_its_batches_replay_a_larger_one(
     )
 
 
+@pytest.mark.slow
 def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,11 +219,11 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
 def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from executor.graphs import graph as graph_module
+    from executor.graphs import factory as factory_module
     from executor.graphs.capture import capture_buckets
 
     # The poisoning is process-wide on CUDA: keep it to this test.
-    monkeypatch.setattr(graph_module, "_cuda_poisoned", [])
+    monkeypatch.setattr(factory_module, "_cuda_poisoned", [])
 
     device = torch.device("cuda", torch.cuda.current_device())
     with ds.device_scope(device):
@@ -324,19 +329,20 @@ def test_staging_packs_dtypes_and_shapes_and_double_buffers() -> None:
             StagedField("empty", torch.zeros(0, dtype=torch.int64), torch.int64),
         ]
     )
-    assert torch.equal(first["a"], a) and first["a32"].dtype == torch.int32
-    assert first["a32"].tolist() == [0, 1, 2, 3, 4]
-    assert torch.equal(first["b"], b) and torch.equal(first["c"], c)
-    assert first["empty"].shape == (0,)
-    assert all(v.data_ptr() % h2d_staging.ALIGN == 0 for v in first.values() if v.numel())
+    a64, a32, b2, c2, empty = first  # the views come back in the fields' order
+    assert torch.equal(a64, a) and a32.dtype == torch.int32
+    assert a32.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(b2, b) and torch.equal(c2, c)
+    assert empty.shape == (0,)
+    assert all(v.data_ptr() % h2d_staging.ALIGN == 0 for v in first if v.numel())
     # The next step writes the other buffer: the first step's views stay intact.
-    second = staging.stage([StagedField("a", a + 100, torch.int64)])
-    assert torch.equal(first["a"], a) and torch.equal(second["a"], a + 100)
-    assert first["a"].untyped_storage().data_ptr() != second["a"].untyped_storage().data_ptr()
+    (second,) = staging.stage([StagedField("a", a + 100, torch.int64)])
+    assert torch.equal(a64, a) and torch.equal(second, a + 100)
+    assert a64.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
     # A step larger than the buffer grows it.
     big = torch.arange(10_000, dtype=torch.int64)
-    third = staging.stage([StagedField("big", big, torch.int64)])
-    assert torch.equal(third["big"], big) and staging.copies == 3
+    (third,) = staging.stage([StagedField("big", big, torch.int64)])
+    assert torch.equal(third, big) and staging.copies == 3
 
 
 def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
@@ -344,7 +350,7 @@ def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
     and each call still copies that call's values; a new shape gets its own layout."""
     staging = H2DStaging(torch.device("cpu"))
 
-    def step(i: int, n: int = 3) -> dict[str, torch.Tensor]:
+    def step(i: int, n: int = 3) -> tuple[torch.Tensor, ...]:
         ids = torch.arange(n, dtype=torch.int64) + 10 * i
         lens = torch.full((n,), i, dtype=torch.int32)
         return staging.stage(
@@ -353,12 +359,13 @@ def test_staging_reuses_a_signature_layout_and_repacks_every_call() -> None:
 
     views = [step(i) for i in range(6)]
     for i in (4, 5):  # the last two calls' views hold their own values
-        assert views[i]["ids"].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
-        assert views[i]["lens"].tolist() == [i] * 3 and views[i]["lens"].dtype == torch.int64
+        ids, lens = views[i]
+        assert ids.tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
+        assert lens.tolist() == [i] * 3 and lens.dtype == torch.int64
     pairs = [p for p in staging._pairs if p is not None]
     assert len(pairs) == 2 and all(len(p.layouts) == 1 for p in pairs)
     wider = step(7, n=5)
-    assert wider["ids"].tolist() == [70, 71, 72, 73, 74]
+    assert wider[0].tolist() == [70, 71, 72, 73, 74]
     assert sum(len(p.layouts) for p in pairs) == 3
 
 
@@ -397,7 +404,7 @@ def test_cuda_staged_copy_is_one_async_copy_from_pinned_memory() -> None:
         assert (syncs1 - syncs0, copies1 - copies0) == (0, 4)
         torch.cuda.synchronize(device)
         # Buffers alternate: the last two steps' views hold their own values.
-        assert torch.equal(views[2]["a"].cpu(), a + 2) and torch.equal(views[3]["a"].cpu(), a + 3)
+        assert torch.equal(views[2][0].cpu(), a + 2) and torch.equal(views[3][0].cpu(), a + 3)
         pair = staging._pairs[0]
         assert pair is not None and pair.host.is_pinned()
 
@@ -463,6 +470,7 @@ def _gated_executor(make_executor: MakeExecutor) -> tuple[ModelExecutor, _Betwee
     return ex, gate
 
 
+@pytest.mark.slow
 def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     make_executor: MakeExecutor,
 ) -> None:
@@ -497,6 +505,7 @@ def test_a_runtime_graph_mode_captures_in_the_background_while_eager_serves(
     assert out.stats.path == "piecewise"
 
 
+@pytest.mark.slow
 def test_a_background_capture_builds_its_registries_holding_the_step_lock(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -513,7 +522,7 @@ def test_a_background_capture_builds_its_registries_holding_the_step_lock(
         real = getattr(module, name)
 
         def recording(*args: object, _real=real, _name=name, **kwargs: object) -> object:
-            held.append((_name, ex.control.step_lock.locked()))
+            held.append((_name, is_held(ex.control.step_lock)))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, recording)
@@ -523,6 +532,7 @@ def test_a_background_capture_builds_its_registries_holding_the_step_lock(
     assert held == [("build_decode_registry", True), ("build_prefill_registry", True)]
 
 
+@pytest.mark.slow
 def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8,16")
     [report] = ex.control.capture_reports
@@ -531,6 +541,7 @@ def test_the_start_up_report_counts_piecewise_graphs(make_executor: MakeExecutor
 
 
 # --- torch_paged refuses DECODE graphs on CUDA ----------------------------------------------
+@pytest.mark.slow
 def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -549,6 +560,7 @@ def test_torch_paged_refuses_cuda_decode_graphs_with_the_reason(
     assert ex.runner.decode_graphs is None
 
 
+@pytest.mark.slow
 def test_the_runtime_config_says_capturing_until_the_background_capture_ends(
     make_executor: MakeExecutor,
 ) -> None:

@@ -133,6 +133,7 @@ def _generate(server: RunningServer, *, stream: bool) -> list[tuple[dict[str, An
     return [(schema, str(r.finish_reason), tok.decode(r.output_ids)) for schema, r in reqs]
 
 
+@pytest.mark.slow
 def test_json_schema_generation_through_grpc_parses_and_validates(server: RunningServer) -> None:
     """Unary batches carry their masks inline; on a stream with overlap each mask follows its
     batch (deferred) while the step runs. Both give JSON the schema accepts, the same tokens."""
@@ -168,7 +169,8 @@ def test_grammar_and_controls_together_in_process(make_executor: Any) -> None:
 
 
 def test_generate_flags_parse_into_sampling_controls() -> None:
-    from executor.client.cli import build_parser, sampling_controls
+    from executor.client.cli import build_parser
+    from executor.client.cli_controls import sampling_controls
     from executor.core.controls_types import SamplingControls
 
     parser = build_parser()
@@ -196,6 +198,7 @@ def test_generate_flags_parse_into_sampling_controls() -> None:
             sampling_controls(parser.parse_args(["generate", "hi", *bad]))
 
 
+@pytest.mark.slow
 def test_cli_generate_with_a_json_schema_and_controls(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,7 +206,7 @@ def test_cli_generate_with_a_json_schema_and_controls(
     accepts; a bad flag fails before any model loads."""
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMAS[2]))
     args = ["generate", "hi", "there", "--model", "tiny-random", "--max-new-tokens", "60"]

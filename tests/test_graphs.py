@@ -82,6 +82,7 @@ def test_replay_reads_the_static_buffers_of_the_moment() -> None:
 
 
 # --- equality with eager -----------------------------------------------------------------
+@pytest.mark.slow
 def test_every_decode_batch_size_equals_eager(make_executor: MakeExecutor) -> None:
     eager = make_executor(graph_mode="none")
     graph = make_executor(graph_mode="decode", **GRAPHS)
@@ -110,6 +111,7 @@ def test_every_decode_batch_size_equals_eager(make_executor: MakeExecutor) -> No
         assert torch.equal(a.next_token_ids, b.next_token_ids), f"bs={bs}"
 
 
+@pytest.mark.slow
 def test_100_random_steps_match_eager_on_graph_paths(make_executor: MakeExecutor) -> None:
     eager = make_executor(graph_mode="none", kv_slots=4096)
     graph = make_executor(graph_mode="both", kv_slots=4096, **GRAPHS)
@@ -152,6 +154,7 @@ def _changed_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
     return set(diff.nonzero().flatten().tolist())
 
 
+@pytest.mark.slow
 def test_padded_decode_rows_write_only_slot_zero(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="decode", graph_batch_sizes="4")
     locs = _prefill(ex, [1, 2, 3], [5, 6, 7], first_slot=10)
@@ -172,6 +175,7 @@ def test_padded_decode_rows_write_only_slot_zero(make_executor: MakeExecutor) ->
     assert locs  # the prefill's slots are untouched (not in the changed set above)
 
 
+@pytest.mark.slow
 def test_padded_piecewise_tokens_never_write_kv(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="extend", piecewise_token_sizes="8")
     ex.kv_pool.k[:, 0] = 99.0
@@ -188,6 +192,7 @@ def test_padded_piecewise_tokens_never_write_kv(make_executor: MakeExecutor) -> 
 
 
 # --- capture failures fall back to eager ---------------------------------------------------
+@pytest.mark.slow
 def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -230,6 +235,7 @@ def test_a_capture_unsafe_op_fails_capture_by_name_and_runs_eagerly(
 
 
 # --- capture and replay agree on num_token_non_padded ------------------------------------
+@pytest.mark.slow
 def test_capture_and_replay_agree_on_num_token_non_padded(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,6 +292,7 @@ def test_capture_and_replay_agree_on_num_token_non_padded(
 
 
 # --- dispatch, fallbacks and the runtime switch --------------------------------------------
+@pytest.mark.slow
 def test_fallback_reasons(make_executor: MakeExecutor) -> None:
     ex = make_executor(graph_mode="both", graph_batch_sizes="1,2", piecewise_token_sizes="4")
     _prefill(ex, [1, 2, 3], [2, 2, 2], first_slot=1)
@@ -300,20 +307,17 @@ def test_fallback_reasons(make_executor: MakeExecutor) -> None:
         input_ids=[[1] * 6], req_pool_indices=[4], out_cache_loc=[list(range(30, 36))]
     )
     assert ex.forward(long).stats.graph_fallback == GraphFallback("piecewise", "batch_too_large")
-    native = make_executor(
-        attention_backend="torch_native", graph_mode="decode", graph_batch_sizes="1,2"
-    )
-    assert native.control.capture_reports == []  # nothing to capture with a backend that cannot be
-    _prefill(native, [1], [2], first_slot=1)
-    out = native.forward(
-        make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[3], out_cache_loc=[9])
-    )
-    assert (out.stats.path, out.stats.graph_fallback) == (
-        "eager",
-        GraphFallback("decode", "backend_unsupported"),
-    )
+    # DECODE graphs with a backend that cannot be captured: refused at start-up, naming both.
+    for mode in ("decode", "both"):
+        with pytest.raises(ValueError, match=f"graph_mode={mode} and attention_backend=torch_n"):
+            make_executor(attention_backend="torch_native", graph_mode=mode)
+    native = make_executor(attention_backend="torch_native", graph_mode="auto")
+    assert native.toggles.graph_mode == "none" and native.control.capture_reports == []
+    [reason] = [c.reason for c in native.info.choices if c.setting == "graph_mode"]
+    assert "torch_native cannot be captured" in reason
 
 
+@pytest.mark.slow
 def test_graph_mode_switches_at_runtime_and_refuses_what_it_cannot_honour(
     make_executor: MakeExecutor,
 ) -> None:

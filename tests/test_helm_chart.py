@@ -138,6 +138,7 @@ def test_every_rendered_object_validates(
             validate(obj, kube_version)
 
 
+@pytest.mark.slow
 def test_validation_is_strict(default: Rendered) -> None:
     """The validator is not vacuous: an unknown or mistyped field fails."""
     deployment = json.loads(json.dumps(default.one("Deployment")))

@@ -22,6 +22,7 @@ from tests.parity_util import check_parity
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
     [

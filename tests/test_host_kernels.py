@@ -28,7 +28,13 @@ from executor.batch_prep import (
     make_idle_batch,
 )
 from executor.core.errors import BatchTooLargeError, BatchValidationError
-from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from executor.core.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LogprobsMode,
+    SamplingBatch,
+    SamplingParams,
+)
 from executor.core.limits import BatchLimits
 from executor.kv_cache import ReqToTokenPool
 from executor.sampling import Sampler
@@ -344,16 +350,16 @@ def test_the_staged_bytes_agree() -> None:
     staged = [H2DStaging(CPU).stage(fields)]
     with host_kernels.disabled():
         staged.append(H2DStaging(CPU).stage(fields))
-    for name in staged[0]:
-        a, b = staged[0][name], staged[1][name]
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert staged[0]["ids"].tolist() == [1, 2, 3] and staged[0]["slots"].dtype == torch.int32
+    for f, a, b in zip(fields, *staged, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f.name
+    ids, slots = staged[0][:2]
+    assert ids.tolist() == [1, 2, 3] and slots.dtype == torch.int32
 
 
 def test_a_non_contiguous_source_is_staged_by_copies() -> None:
     strided = _t([1, 0, 2, 0, 3, 0])[::2]
-    views = H2DStaging(CPU).stage([StagedField("x", strided, torch.int64)])
-    assert views["x"].tolist() == [1, 2, 3]
+    (x,) = H2DStaging(CPU).stage([StagedField("x", strided, torch.int64)])
+    assert x.tolist() == [1, 2, 3]
 
 
 def test_the_sampling_plans_agree() -> None:
@@ -369,12 +375,17 @@ def test_the_sampling_plans_agree() -> None:
                 top_p=float(torch.tensor([1.0, 0.5])[torch.randint(2, (), generator=g)]),
                 min_p=float(torch.tensor([0.0, 0.2])[torch.randint(2, (), generator=g)]),
                 seed=None if torch.rand((), generator=g) < 0.5 else 7,
+                logprobs_mode=LogprobsMode.PROCESSED
+                if torch.rand((), generator=g) < 0.3
+                else LogprobsMode.RAW,
             )
             for _ in range(bs)
         ]
         s = SamplingBatch.from_params(params, bs)
         plan = Sampler.plan(s)
-        reference = SamplingPlan.from_host(s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.has_seed)
+        reference = SamplingPlan.from_host(
+            s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.has_seed, s.processed
+        )
         assert plan == reference, params
     assert Sampler.plan(SamplingBatch.greedy(3)).all_greedy
 

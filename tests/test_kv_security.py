@@ -348,6 +348,7 @@ def test_peer_lists_parse_and_match_exactly() -> None:
 # --- H-5: KV calls are bounded in time and bytes -------------------------------------------
 
 
+@pytest.mark.slow
 def test_kv_calls_end_at_their_server_side_deadline(
     server: RunningServer, silent: tuple[socket.socket, list[socket.socket]]
 ) -> None:

@@ -64,7 +64,7 @@ def cache_digest(executor: ModelExecutor) -> str:
     owners and each slot's token. Call while the server is idle."""
     pool, kv = executor.req_to_token_pool, executor.kv_pool
     h = hashlib.sha256()
-    for t in (kv.k, kv.v, pool.req_to_token, executor.step.controls.slot_tokens.tokens):
+    for t in (kv.k, kv.v, pool.req_to_token, executor.controls.slot_tokens.tokens):
         h.update(t.cpu().contiguous().view(-1).numpy().view(np.uint8).tobytes())
     h.update(pool.resident_lens.tobytes())
     assert pool.owners is not None
@@ -510,7 +510,7 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     from executor.client.cli import main
 
     a, b = pair
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "there", "--max-new-tokens", "6", "--ignore-eos"]
     args += ["--cache-dir", str(tmp_path)]
 
@@ -527,6 +527,7 @@ def test_cli_generate_with_a_prefill_target_prints_what_one_executor_prints(
     assert main([*args, "--prefill-target", f"127.0.0.1:{a.port}"]) == 2  # no decode target
 
 
+@pytest.mark.slow
 def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -551,7 +552,7 @@ def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
     def tls(cert: Issued) -> dict[str, str]:
         return {"tls_cert_file": str(cert.cert_file), "tls_key_file": str(cert.key_file)}
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     with (
         running_server(tiny_config(cache), **guarded, **tls(cert_b)) as b,  # type: ignore[arg-type]
         running_server(
@@ -580,6 +581,7 @@ def test_cli_disaggregated_generate_with_tokens_and_mtls_on(
         assert b.executor is not None and b.executor.req_to_token_pool.rows_in_use() == 0
 
 
+@pytest.mark.slow
 def test_a_push_between_mtls_executors_uses_the_servers_own_identity(tmp_path: Path) -> None:
 
     ca, other = TestCA(tmp_path, "fleet"), TestCA(tmp_path, "other")
@@ -684,7 +686,7 @@ def test_a_write_that_fails_part_way_restores_everything(
     ex.kv_transfer.slot_tokens = SimpleNamespace(tokens=FailsOnce())  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="device write failed"):
         ex.kv_transfer.apply_import(staging)
-    ex.kv_transfer.slot_tokens = ex.step.controls.slot_tokens
+    ex.kv_transfer.slot_tokens = ex.controls.slot_tokens
     assert cache_digest(ex) == before
     result = ex.kv_transfer.apply_import(staging)  # nothing was remembered: it applies now
     assert not result.replayed and ex.req_to_token_pool.resident_lens[2] == 9
@@ -791,6 +793,7 @@ def test_a_push_whose_source_read_fails_mid_stream_writes_nothing_on_the_peer(
     assert cache_digest(b.executor) == before
 
 
+@pytest.mark.slow
 def test_kv_calls_have_their_own_limit_apart_from_forward(tmp_path: Path) -> None:
     """KV calls take their own places (max_kv_calls): with every Forward place held by open
     streams a KV call still runs, and with every KV place held by stalled imports a KV call

@@ -258,6 +258,7 @@ def test_the_engine_is_what_the_layout_says() -> None:
     assert len(top_level) <= 12, f"executor/ holds {len(top_level)} modules: {top_level}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", engine_modules())
 def test_engine_module_never_reaches_the_service_side(module: str) -> None:
     chain = _reaches(module, ENGINE_FORBIDDEN)

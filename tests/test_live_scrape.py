@@ -70,6 +70,7 @@ def _traffic(client: ExecutorClient, round_: int) -> None:
         )
 
 
+@pytest.mark.slow
 def test_dashboards_and_alerts_evaluate_against_a_live_executor(
     prometheus_binaries: PrometheusBinaries, tmp_path: Path
 ) -> None:

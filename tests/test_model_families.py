@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
-from executor.graphs.graph import GraphFactory
+from executor.graphs.factory import GraphFactory
 from executor.model_executor import ModelExecutor
 from executor.models.config import AttentionConfig, ModelConfig
 from executor.models.gguf_loader import load_gguf
@@ -136,6 +136,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 @pytest.mark.parametrize(
     ("graph_mode", "path"),
@@ -155,6 +156,7 @@ def test_family_matches_transformers_on_each_path(
     assert paths[path] > 0, paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_family_at_tp2_gives_transformers_tokens(
     hf_model: Callable[[str], tuple[Path, object]], cache_dir: Path, family: str
@@ -173,6 +175,7 @@ def test_family_at_tp2_gives_transformers_tokens(
         assert_greedy_matches(b, ref, gaps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_served_family_answers_with_transformers_tokens(
     hf_model: Callable[[str], tuple[Path, object]], tmp_path: Path, family: str
@@ -258,6 +261,7 @@ def test_experts_run_grouped_and_dense_alike_and_capture_safely() -> None:
     torch.testing.assert_close(out, reference)
 
 
+@pytest.mark.slow
 def test_experts_compile_in_the_compiled_graph_backend(cache_dir: Path) -> None:
     """Under torch.compile (float32 on CPU) the experts take the dense form the compiler
     traces; the full-graph path then gives the eager tokens."""

@@ -84,6 +84,7 @@ def test_store_kv_writes_only_the_given_slots_of_the_given_layer() -> None:
     assert bool((k_pool[untouched] == 0).all()) and bool((v_pool[untouched] == 0).all())
 
 
+@pytest.mark.slow
 def test_store_kv_inside_a_compiled_graph_writes_the_pool_in_place_without_copying_it() -> None:
     """Under torch.compile the write is an `index_put_` on the whole pool, which inductor
     turns into a scatter of the new rows: only the given slots of the given layer change, in

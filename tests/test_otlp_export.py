@@ -9,6 +9,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from executor.batch_prep import make_extend_batch
@@ -46,6 +47,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         ]
 
 
+@pytest.mark.slow
 def test_forward_spans_reach_an_otlp_collector_under_the_callers_trace(tmp_path: Path) -> None:
     receiver = Receiver()
     collector = grpc.server(futures.ThreadPoolExecutor(max_workers=2))

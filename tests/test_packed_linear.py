@@ -46,6 +46,7 @@ def test_packed_linear_equals_f_linear(n: int, k: int, rows: int) -> None:
     assert layer(x3).shape == (1, rows, n)
 
 
+@pytest.mark.slow
 def test_compiled_halves_call_the_packed_op_once_for_every_layer() -> None:
     """Each layer's key is a graph input, so layers of one shape share one compiled graph
     (no recompile per layer) and each gets its own weight."""
@@ -66,6 +67,7 @@ def test_compiled_halves_call_the_packed_op_once_for_every_layer() -> None:
     assert graphs == 1, f"{graphs} graphs for 3 layers x 2 row counts"
 
 
+@pytest.mark.slow
 def test_packed_weights_go_with_their_owners() -> None:
     gc.collect()
     before = packed_weights_alive()

@@ -99,6 +99,7 @@ def test_the_layer_matches_the_torch_int4_layer(kernel: qmm.QmmKernel) -> None:
         assert (out - exact).norm() / exact.norm() < 0.02
 
 
+@pytest.mark.slow
 def test_a_compiled_graph_calls_the_kernel_as_an_op(kernel: qmm.QmmKernel) -> None:
     torch.manual_seed(1)
     layer = GroupQmmLinear(quantize_int4(torch.randn(32, 64)), None, device=CPU)

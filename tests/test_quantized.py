@@ -209,13 +209,14 @@ def test_cli_refuses_a_bad_combination_before_serving(
     from executor.client.cli import main
 
     # The CLI configures logging process-wide onto this test's captured stderr; keep it out.
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
 
     assert main(["generate", "hi", "--model", "tiny-random", "--quantization", "gguf"]) == 2
     err = capsys.readouterr().err
     assert "model-executor: error: quantization=gguf keeps a GGUF file's own blocks" in err
 
 
+@pytest.mark.slow
 def test_cli_generates_with_quantized_weights(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,7 +224,7 @@ def test_cli_generates_with_quantized_weights(
     GGUFs carry no vocabulary; SmolLM2's `gguf` run is in docs/performance.md)."""
     from executor.client.cli import main
 
-    monkeypatch.setattr("executor.client.cli.configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr("executor.client.cli_session.configure_logging", lambda *a, **k: None)
     args = ["generate", "hi", "--model", "tiny-random", "--max-new-tokens", "4", "--ignore-eos"]
     assert main([*args, "--cache-dir", str(tmp_path), "--quantization", "int8"]) == 0
     assert capsys.readouterr().out.strip()
@@ -369,6 +370,7 @@ def test_cuda_int4_linear_equals_f_linear(qtype: Q) -> None:
 GRAPH_LOGIT_TOLERANCE = {"torch": ROUNDED_TOL, "qmm": 0.05}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_kernel", ["qmm"])  # torch's kernels: the whole-step test below
 def test_quantized_layers_run_on_the_graph_paths(
     tmp_path: Path, cache_dir: Path, quant_kernel: str
@@ -412,6 +414,7 @@ def test_quantized_layers_run_on_the_graph_paths(
     assert {"full_graph", "piecewise"} <= paths, paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_kernel", ["qmm", "torch"])
 def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
     tmp_path: Path, cache_dir: Path, quant_kernel: str
@@ -447,6 +450,7 @@ def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
     assert graph.forward(step).stats.path == "full_graph"
 
 
+@pytest.mark.slow
 def test_packed_model_is_cached_and_reloaded_without_the_gguf_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

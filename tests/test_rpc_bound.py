@@ -17,6 +17,7 @@ from model_executor.v1 import executor_pb2_grpc as pb_grpc
 from tests.server_util import running_server, tiny_config
 
 
+@pytest.mark.slow
 def test_calls_beyond_the_bound_are_refused_at_once(tmp_path: Path) -> None:
     stop = threading.Event()
 

@@ -82,6 +82,7 @@ def test_off_is_refused_where_a_backend_reads_host_lengths(make_executor: MakeEx
     assert ex.runner.toggles.needs_cpu_seq_lens is True
 
 
+@pytest.mark.slow
 def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> None:
     ex = make_executor(attention_backend="torch_paged", graph_mode="extend")
     assert ex.toggles.needs_cpu_seq_lens is True
@@ -90,6 +91,7 @@ def test_off_is_refused_with_the_piecewise_path(make_executor: MakeExecutor) -> 
     assert (ex.toggles.seq_lens_policy, ex.toggles.needs_cpu_seq_lens) == ("auto", True)
 
 
+@pytest.mark.slow
 def test_graph_mode_toggles_capture_on_first_use_and_report_it(make_executor: MakeExecutor) -> None:
     captures: list[tuple[str, bool]] = []
 
@@ -282,13 +284,13 @@ def test_a_change_waits_for_the_running_batch(
     assert server.worker is not None
     worker = server.worker
     gate = threading.Event()
-    real_forward = worker.executor.forward
+    real_prepare = worker.executor.prepare
 
-    def held(batch, **kw):  # type: ignore[no-untyped-def]
+    def held(batch, clock):  # type: ignore[no-untyped-def]
         gate.wait(30)
-        return real_forward(batch, **kw)
+        return real_prepare(batch, clock)
 
-    worker.executor.forward = held  # type: ignore[method-assign]
+    worker.executor.prepare = held  # type: ignore[method-assign]
     try:
         results: dict[str, object] = {}
         first = make_extend_batch(
@@ -309,7 +311,7 @@ def test_a_change_waits_for_the_running_batch(
         t2.join(30)
     finally:
         gate.set()
-        worker.executor.forward = real_forward  # type: ignore[method-assign]
+        worker.executor.prepare = real_prepare  # type: ignore[method-assign]
     assert results["batch"].stats.path == "eager"  # type: ignore[attr-defined]
     assert results["config"].eager_input_no_copy is True  # type: ignore[attr-defined]
     second = make_decode_batch(
@@ -429,7 +431,13 @@ def test_the_step_vocabulary_is_the_wire_and_metric_vocabulary() -> None:
     from executor.core.toggles import CaptureState, Toggles
     from executor.service import info_codec as codec
 
-    assert [str(p) for p in Path] == ["eager", "eager_no_copy", "full_graph", "piecewise"]
+    assert [str(p) for p in Path] == [
+        "eager",
+        "eager_no_copy",
+        "full_graph",
+        "piecewise",
+        "simulated",
+    ]
     assert set(codec._GRAPH_MODE) == set(GraphMode)
     assert set(codec._NEEDS_CPU_SEQ_LENS) == set(SeqLensPolicy)
     assert [m for m in GraphMode if m.decode_graphs] == ["decode", "both"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from executor.core.forward_batch import SamplingBatch, SamplingParams
-from executor.sampling import Sampler
+from executor.core.outputs import ForwardOutput, StepStats
+from executor.sampling import SampledDraw, Sampler
+from ops.host_transfer import to_host_async
 from ops.sampling import SamplingPlan, sample_tokens, seeded_uniform
 
 MASK64 = (1 << 64) - 1
@@ -39,7 +41,7 @@ def _run(
     sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], seq_lens: list[int]
 ) -> list[int]:
     batch = SamplingBatch.from_params(params, len(params))
-    out, _ = sampler.sample(
+    draw = sampler.draw(
         logits,
         Sampler.plan(batch),
         batch,
@@ -47,7 +49,12 @@ def _run(
         return_logprob=False,
         top_logprobs_num=0,
     )
-    return out.next_token_ids.tolist()
+    return _output(draw).next_token_ids.tolist()
+
+
+def _output(draw: SampledDraw) -> ForwardOutput:
+    """The answer a step builds from the draw's host copy."""
+    return draw.output(to_host_async(draw.device, "sampled_tokens").wait(), StepStats())
 
 
 def test_seeded_draws_are_reproducible_and_independent_of_batch_composition() -> None:
@@ -176,7 +183,7 @@ def test_plan_is_decided_from_host_values() -> None:
 def test_logprobs_are_the_model_log_softmax() -> None:
     logits = torch.randn(3, 20)
     batch = SamplingBatch.greedy(3)
-    out, _ = Sampler(torch.device("cpu"), 0).sample(
+    draw = Sampler(torch.device("cpu"), 0).draw(
         logits,
         Sampler.plan(batch),
         batch,
@@ -184,6 +191,7 @@ def test_logprobs_are_the_model_log_softmax() -> None:
         return_logprob=True,
         top_logprobs_num=4,
     )
+    out = _output(draw)
     ref = torch.log_softmax(logits, -1)
     assert out.next_token_ids.tolist() == logits.argmax(-1).tolist()
     torch.testing.assert_close(out.next_token_logprobs, ref.max(-1).values)

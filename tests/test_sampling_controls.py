@@ -247,7 +247,7 @@ def test_a_refused_or_failed_batch_leaves_the_row_state(
     ex = make_executor()
     d = Driver(ex)
     d.prefill({1: PROMPT}, {1: CONTROLS["bias"]})
-    state = ex.step.controls.state
+    state = ex.controls.state
 
     def snapshot() -> list[np.ndarray]:
         return (
@@ -277,7 +277,7 @@ def test_a_refused_or_failed_batch_leaves_the_row_state(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample", boom)
+    monkeypatch.setattr(ex.step.sampler, "draw", boom)
     ok = dataclasses.replace(
         bad, out_cache_loc=torch.tensor([900]), row_controls=new, released_req_pool_indices=None
     )
@@ -313,6 +313,7 @@ def test_vocab_mask_rows_and_empty_mask_refusal(make_executor: MakeExecutor) -> 
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["decode", "extend"])
 def test_controls_apply_on_the_graph_paths(make_executor: MakeExecutor, graph_mode: str) -> None:
     c = CONTROLS["all_penalties"]
@@ -436,6 +437,7 @@ def test_a_deferred_mask_is_awaited_at_sampling_and_a_late_one_undoes_the_step(
 # --- over gRPC -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_controls_over_grpc_getinfo_caps_retries_and_metrics(tmp_path: Path) -> None:
     with (
         running_server(tiny_config(tmp_path)) as srv,
@@ -447,7 +449,7 @@ def test_controls_over_grpc_getinfo_caps_retries_and_metrics(tmp_path: Path) -> 
         assert (info.max_logit_bias, info.max_control_token_ids) == (300, 4096)
         assert info.deferred_mask_timeout_ms == 5000
 
-        state = srv.worker.executor.step.controls.state
+        state = srv.worker.executor.controls.state
         fb = make_extend_batch(
             input_ids=[PROMPT],
             req_pool_indices=[3],
@@ -498,7 +500,7 @@ def test_an_idle_release_clears_a_rows_controls(make_executor: MakeExecutor) -> 
     ex = make_executor()
     d = Driver(ex)
     d.prefill({4: PROMPT}, {4: CONTROLS["all_penalties"]})
-    state = ex.step.controls.state
+    state = ex.controls.state
     assert state.active[4]
     ex.forward(dataclasses.replace(make_idle_batch(), released_req_pool_indices=torch.tensor([4])))
     assert not state.active[4]

@@ -212,6 +212,7 @@ def test_a_bad_batch_ends_only_its_own_stream(
     assert client.forward(good).next_token_ids.shape == (1,)
 
 
+@pytest.mark.slow
 def test_eight_concurrent_clients_fifty_steps_each(server: RunningServer, tmp_path: Path) -> None:
     def run(worker: int) -> list[int]:
         row, base = 1 + worker, 1 + worker * 100
@@ -254,13 +255,13 @@ def test_full_queue_answers_resource_exhausted(tmp_path: Path) -> None:
     with running_server(tiny_config(tmp_path), queue_size=1) as srv:
         assert srv.worker is not None
         gate = threading.Event()
-        real_forward = srv.worker.executor.forward
+        real_prepare = srv.worker.executor.prepare
 
-        def blocked_forward(batch, **kw):  # type: ignore[no-untyped-def]
+        def blocked_prepare(batch, clock):  # type: ignore[no-untyped-def]
             gate.wait(10)
-            return real_forward(batch, **kw)
+            return real_prepare(batch, clock)
 
-        srv.worker.executor.forward = blocked_forward  # type: ignore[method-assign]
+        srv.worker.executor.prepare = blocked_prepare  # type: ignore[method-assign]
         batches = [
             make_extend_batch(input_ids=[[1]], req_pool_indices=[r], out_cache_loc=[[r]])
             for r in (1, 2, 3)
@@ -303,6 +304,7 @@ def test_reference_scheduler_through_the_server_equals_in_process(
     assert [streamed[r.rid] for r in reqs] == expected  # tokens were streamed back as they came
 
 
+@pytest.mark.slow
 def test_rows_the_scheduler_releases_stop_counting_as_used(tmp_path: Path) -> None:
     with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
         remote = c.info()

@@ -57,13 +57,13 @@ def test_health_moves_not_serving_serving_not_serving(
         # Hold one batch on the device so that the drain has something to wait for.
         device_gate = threading.Event()
         assert running.worker is not None
-        real_forward = running.worker.executor.forward
+        real_prepare = running.worker.executor.prepare
 
-        def held(b, **kw):  # type: ignore[no-untyped-def]
+        def held(b, clock):  # type: ignore[no-untyped-def]
             device_gate.wait(30)
-            return real_forward(b, **kw)
+            return real_prepare(b, clock)
 
-        running.worker.executor.forward = held  # type: ignore[method-assign]
+        running.worker.executor.prepare = held  # type: ignore[method-assign]
         with ThreadPoolExecutor(2) as pool:
             in_flight = pool.submit(c.forward, batch)
             while not running.worker._in_flight:
@@ -85,6 +85,7 @@ def test_health_moves_not_serving_serving_not_serving(
             assert drained.result(timeout=30) is True
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "server.log"
@@ -157,6 +158,7 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
     assert drained["finished"] is True
 
 
+@pytest.mark.slow
 def test_the_health_port_answers_while_the_data_plane_is_saturated(tmp_path: Path) -> None:
     """Every handler thread of the main port held by calls that never finish (idle streams,
     reflection streams, unary calls whose body never arrives): the health-only server, with

@@ -185,6 +185,7 @@ CASES = [
 WINDOWS = [4, 16, 1000]  # smaller than every context, in between, larger than all
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize(("mode", "prefix", "extend"), CASES)
 @pytest.mark.parametrize("window", WINDOWS)
@@ -206,6 +207,7 @@ def test_eager_matches_the_float32_reference(
         torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch_native"])
 @pytest.mark.parametrize("window", [4, 1000])
 def test_captured_decode_matches_the_reference(backend: str, window: int) -> None:
@@ -218,6 +220,7 @@ def test_captured_decode_matches_the_reference(backend: str, window: int) -> Non
         torch.testing.assert_close(out.float(), ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize(("mode", "prefix", "extend"), [CASES[0], CASES[2]])  # cached prefixes
 def test_a_windowed_layer_never_reads_keys_outside_its_window(
@@ -246,6 +249,7 @@ def test_plain_layouts_build_no_window_metadata() -> None:
     assert paged.init_forward_metadata_capture(2, 2, view, 256).windows == {}
 
 
+@pytest.mark.slow
 def test_the_compiled_step_decode_path_matches_the_reference() -> None:
     """`compiled_step` traces torch_paged's DECODE as indexing, products and sums."""
     case = _case(ForwardMode.DECODE, [0, 30, 199], [1, 1, 1], _layout(8, CAP))
@@ -262,6 +266,7 @@ def test_the_compiled_step_decode_path_matches_the_reference() -> None:
         torch.testing.assert_close(step(layer_id), refs[layer_id], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_backend", ["compiled", "compiled_step"])
 def test_windowed_model_decodes_alike_on_the_compiled_graph_backends(
     make_executor: Callable[..., ModelExecutor], graph_backend: str

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.server_util import tiny_config
 from tests.soak import soak
 
 
+@pytest.mark.slow
 def test_a_short_soak_is_error_free_replays_equal_and_releases_everything(tmp_path: Path) -> None:
     result = soak(tiny_config(tmp_path), streams=6, unary=2, seconds=4.0, rss_every_s=1.0)
     assert result.errors == []

@@ -115,6 +115,7 @@ def test_ngram_lookup_matches_the_reference() -> None:
                 assert got[i].tolist() == ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "extend"])
 def test_greedy_speculation_equals_plain_greedy(
     make_executor: MakeExecutor, graph_mode: str
@@ -149,7 +150,7 @@ def test_executor_drafts_by_prompt_lookup_and_truncates(make_executor: MakeExecu
     ex = make_executor()
     spec = Spec(ex, row=2, prompt=prompt, first_slot=1)
     drafted = accepted = 0
-    slot_tokens = ex.step.controls.slot_tokens.tokens
+    slot_tokens = ex.controls.slot_tokens.tokens
     while len(spec.tokens) - len(prompt) < 20:
         expected = ngram_lookup_reference(spec.tokens, 3, 4)
         spec.step([0, 0, 0, 0], ngram=3)  # the executor replaces these
@@ -275,6 +276,7 @@ def test_verify_refusals_change_nothing(make_executor: MakeExecutor) -> None:
         ex.forward(dataclasses.replace(plain, ngram_draft=torch.tensor([2], dtype=torch.int32)))
 
 
+@pytest.mark.slow
 def test_verify_over_grpc_returns_ragged_tokens_and_counts_metrics(tmp_path: Path) -> None:
     with (
         running_server(tiny_config(tmp_path)) as srv,
@@ -308,6 +310,7 @@ def test_verify_over_grpc_returns_ragged_tokens_and_counts_metrics(tmp_path: Pat
         assert scrape.get("model_executor_accepted_length_count") == 2
 
 
+@pytest.mark.slow
 def test_pipelined_verify_steps_continue_from_what_the_row_holds(tmp_path: Path) -> None:
     """Step N+1 is sent before step N's answer: its input is step N's bonus by future-token
     reference and its prefix -1 ("what the row holds now"); over a ForwardStream the tokens

@@ -70,6 +70,7 @@ class Counting:
         return self.ex.forward(batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "extend"])
 def test_greedy_speculation_equals_plain_greedy_and_releases_everything(
     make_executor: MakeExecutor, graph_mode: str

@@ -43,6 +43,7 @@ def _serve(tmp_path: Path, port: int, graphs: bool) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["loading", "capturing"])
 def test_sigterm_during_start_up_exits_zero_never_serving(tmp_path: Path, when: str) -> None:
     port = free_port()

@@ -109,15 +109,15 @@ def test_a_cancelled_stream_is_cancelled_at_info_not_internal(server: RunningSer
 def test_a_passed_deadline_is_deadline_exceeded_not_internal(server: RunningServer) -> None:
     assert server.worker is not None
     executor = server.worker.executor
-    real_forward, started, gate = executor.forward, threading.Event(), threading.Event()
+    real_prepare, started, gate = executor.prepare, threading.Event(), threading.Event()
 
-    def slow(batch: Any, **kw: Any) -> Any:
+    def slow(batch: Any, clock: Any) -> Any:
         started.set()
         gate.wait(30)
-        return real_forward(batch, **kw)
+        return real_prepare(batch, clock)
 
     before = _count(server, "Forward", "DEADLINE_EXCEEDED")
-    executor.forward = slow  # type: ignore[method-assign]
+    executor.prepare = slow  # type: ignore[method-assign]
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, capture_logs() as logs:
             raw = channel.unary_unary(FORWARD)
@@ -128,7 +128,7 @@ def test_a_passed_deadline_is_deadline_exceeded_not_internal(server: RunningServ
             gate.set()
             _wait_for(lambda: _count(server, "Forward", "DEADLINE_EXCEEDED") == before + 1)
     finally:
-        executor.forward = real_forward  # type: ignore[method-assign]
+        executor.prepare = real_prepare  # type: ignore[method-assign]
         gate.set()
     gone = [line for line in logs if line["event"] == "caller gone"]
     assert [(g["log_level"], g["code"]) for g in gone] == [("info", "DEADLINE_EXCEEDED")]
@@ -138,13 +138,13 @@ def test_a_passed_deadline_is_deadline_exceeded_not_internal(server: RunningServ
 def test_a_real_bug_is_internal_with_its_stack_trace(server: RunningServer) -> None:
     assert server.worker is not None
     executor = server.worker.executor
-    real_forward = executor.forward
+    real_prepare = executor.prepare
 
-    def broken(batch: Any, **kw: Any) -> Any:
+    def broken(batch: Any, clock: Any) -> Any:
         raise ZeroDivisionError("a bug")
 
     before = _count(server, "Forward", "INTERNAL")
-    executor.forward = broken  # type: ignore[method-assign]
+    executor.prepare = broken  # type: ignore[method-assign]
     try:
         with (
             grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
@@ -153,7 +153,7 @@ def test_a_real_bug_is_internal_with_its_stack_trace(server: RunningServer) -> N
         ):
             channel.unary_unary(FORWARD)(_request(41, row=5), timeout=30)
     finally:
-        executor.forward = real_forward  # type: ignore[method-assign]
+        executor.prepare = real_prepare  # type: ignore[method-assign]
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert _count(server, "Forward", "INTERNAL") == before + 1
     [line] = [line for line in logs if line["event"] == "request failed"]

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from executor.step.clock import StepClock
+from executor.core.clock import StepClock
 
 
 class FakeEvent:

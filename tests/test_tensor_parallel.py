@@ -23,7 +23,13 @@ from executor.models.registry import shard_plan
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.broadcast import STEP, Command, receive, send
 from executor.parallel.comm import TpComm
-from tests.tp_util import PickleUsedError, generate_tp, pickle_forbidden, run_generations
+from tests.tp_util import (
+    PickleUsedError,
+    generate_tp,
+    leave_group_tp,
+    pickle_forbidden,
+    run_generations,
+)
 
 TINY = TINY_CONFIGS["tiny-random"]
 PROMPTS = [[5, 17, 33, 2, 400, 12], [9], list(range(100, 140)), [7, 7, 7]]
@@ -165,6 +171,7 @@ def _tiny(**changes: object) -> ExecutorConfig:
     return ExecutorConfig(**values)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_tiny_random_tp2_matches_tp1() -> None:
     """Greedy and seeded sampling at tp 2 give tp 1's tokens, eagerly; a refused batch changes
     nothing on any rank; and, after a runtime toggle (broadcast to the worker, which captures
@@ -185,6 +192,14 @@ def test_tiny_random_tp2_matches_tp1() -> None:
     assert [paths for _, paths in got][:3] == [["eager"], ["eager"], []]
     for _, paths in got[3:]:
         assert {"full_graph", "piecewise"} <= set(paths), paths
+
+
+def test_every_rank_leaves_with_its_group_and_its_threads_gone() -> None:
+    """torch._dynamo imported after the group exists (the model's load imports it) bound the
+    group as a default argument (`torch.distributed.nn.functional`), so leaving freed
+    nothing: gloo's and the TCPStore's threads met the interpreter's teardown and a rank
+    exited -6 now and then. Leaving now frees the group and joins its threads on every rank."""
+    assert leave_group_tp() == [(0, True, []), (1, True, [])]
 
 
 @pytest.mark.slow
@@ -252,6 +267,7 @@ def test_an_executor_of_tp_size_2_needs_its_process_group() -> None:
         ModelExecutor(_tiny(tp_size=2))
 
 
+@pytest.mark.slow
 def test_sampling_controls_at_tp2_match_tp1() -> None:
     """Rank 0 keeps the controls and samples; the workers run the same steps without them."""
     from tests.test_sampling_controls import overlap_batches
@@ -266,6 +282,21 @@ def test_sampling_controls_at_tp2_match_tp1() -> None:
     got = generate_tp(config.replace(tp_size=2), PROMPTS, runs)
     assert got == want
     assert all(t[1] in (3, 40, 41) for t in want[0][0])
+
+
+@pytest.mark.slow
+def test_pipelined_steps_at_tp2_match_serial_tp1() -> None:
+    """Rank 0 admits and stages each step while the one before runs, broadcasts it at its
+    launch; the workers follow. Future references, controls and releases: the tokens of
+    tp 1 one step at a time."""
+    from tests.test_sampling_controls import overlap_batches
+
+    controls = {1: SamplingControls(repetition_penalty=1.5, logit_bias=((40, 2.0),))}
+    batches = overlap_batches(controls, 4)
+    config = _tiny(graph_mode="none", pipeline_steps="on")
+    want = run_generations(ModelExecutor(_tiny(graph_mode="none")), PROMPTS, [{"batches": batches}])
+    got = generate_tp(config.replace(tp_size=2), PROMPTS, [{"pipelined": batches}])
+    assert got == want
 
 
 def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
@@ -295,6 +326,7 @@ def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
         )
 
 
+@pytest.mark.slow
 def test_tp_steps_run_with_pickle_forbidden_on_every_rank() -> None:
     """Every way into pickle raises on both ranks while steps, refusals and a toggle are
     broadcast: the generation still matches tp 1, so nothing on the path pickles."""
@@ -332,6 +364,7 @@ def test_nothing_on_the_tp_broadcast_path_unpickles() -> None:
     assert not hasattr(TpComm, "broadcast_object")
 
 
+@pytest.mark.slow
 def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
     """Rank 1 loses decode bucket 2 and piecewise bucket 16 (an injected out-of-memory
     capture); after start-up both ranks keep the intersection (rank 0 drops them too), so
@@ -351,12 +384,13 @@ def test_ranks_serve_only_the_graph_buckets_every_rank_captured() -> None:
     assert {"full_graph", "piecewise"} <= set(paths), paths
 
 
+@pytest.mark.slow
 def test_capture_takes_the_groups_outcome_of_each_bucket() -> None:
     """The capture loop follows the group: a bucket another rank failed is dropped here
     (`drop`) and reported, and a poisoned capture elsewhere poisons this factory and ends
     the pass (no later bucket is tried, as on the poisoned rank)."""
     from executor.graphs.capture import capture_buckets
-    from executor.graphs.graph import GraphFactory
+    from executor.graphs.factory import GraphFactory
     from executor.parallel.agreement import CaptureOutcome, GroupOutcome
 
     group = {

@@ -166,6 +166,7 @@ def _install(issued: Issued, cert_file: Path, key_file: Path) -> None:
         os.replace(tmp, dst)
 
 
+@pytest.mark.slow
 def test_rotation_on_a_live_server_new_connections_see_the_new_cert_and_no_rpc_fails(
     pki: dict[str, object], tmp_path: Path
 ) -> None:
@@ -241,6 +242,7 @@ def test_a_half_written_rotation_keeps_the_previous_certificate(served: Served) 
     assert any(line["event"].startswith("tls files unreadable") for line in logs)
 
 
+@pytest.mark.slow
 def test_plaintext_on_a_non_loopback_address_warns_once(tmp_path: Path) -> None:
     with capture_logs() as logs, running_server(tiny_config(tmp_path), host="0.0.0.0"):
         pass
@@ -262,6 +264,7 @@ def test_tls_settings_are_checked() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
 
 
+@pytest.mark.slow
 def test_a_key_that_does_not_match_the_certificate_is_not_served(served: Served) -> None:
     port, ca_file = served.server.port, served.ca.cert_file
     newer = served.ca.issue("executor", stem="newer")

@@ -31,6 +31,7 @@ def smollm2_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokeni
     return ours, theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_ids_match_transformers_and_round_trip(
     smollm2_tokenizers: tuple[Tokenizer, object], text: str
@@ -61,6 +62,7 @@ def test_chat_template_matches_transformers(smollm2_tokenizers: tuple[Tokenizer,
     assert ours.apply_chat_template(messages) == expected
 
 
+@pytest.mark.slow
 def test_cached_tokenizer_is_identical(tmp_path: Path) -> None:
     source = resolve_model_spec("smollm2")
     first = load_tokenizer(source, 49152, 1, (2,), tmp_path)

@@ -20,10 +20,9 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2
 
 from executor.batch_prep import make_extend_batch
-from executor.client.grpc_client import READINESS_SERVICE, ExecutorClient
+from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
@@ -196,17 +195,13 @@ def test_failed_worker_means_not_serving_unavailable_and_exit_1(
         watching = threading.Event()
 
         def watch() -> None:
-            request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
-            stream = client.health_stub.Watch(
-                request, metadata=client._auth, timeout=TP_TIMEOUT_S * 4
-            )
             with contextlib.suppress(grpc.RpcError):
-                for resp in stream:
-                    readiness.append(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+                for status in client.watch_health(timeout=TP_TIMEOUT_S * 4):
+                    readiness.append(status)
                     watching.set()
 
-        poller = threading.Thread(target=watch, daemon=True)
-        poller.start()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         assert watching.wait(30), "the health Watch never answered"
         workers = [p for p in children if _is_spawned_worker(p)]
         assert workers, served.text
@@ -221,7 +216,7 @@ def test_failed_worker_means_not_serving_unavailable_and_exit_1(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         code = served.proc.wait(timeout=TP_TIMEOUT_S * 3)
         took = time.monotonic() - t0
-        poller.join(5)
+        watcher.join(5)
         assert code == 1, served.text
         assert took < TP_TIMEOUT_S * 2, took
         assert "NOT_SERVING" in readiness, readiness

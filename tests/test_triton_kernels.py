@@ -87,6 +87,7 @@ def test_kv_indices_are_built_on_device_from_the_row_table() -> None:
     assert out[expected.numel() :].tolist() == [-1] * 5  # nothing past the end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("geometry", [(8, 2, 64), (4, 4, 32), (16, 1, 48)])
 def test_split_kv_decode_matches_native(geometry: tuple[int, int, int]) -> None:
     # Lengths around the block (32/64) and split (128) sizes; 1025 leaves its last split empty.
@@ -112,6 +113,7 @@ def test_decode_with_a_single_split_matches_native() -> None:
     assert diff <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("prefix", "extend"),
     [
@@ -131,6 +133,7 @@ def test_extend_matches_native(
     assert diff <= TOL
 
 
+@pytest.mark.slow
 def test_capture_then_replay_equals_eager_and_leaves_nothing_stale() -> None:
     layout = make_layout(8, 2, 32)
     a = make_case(
@@ -197,6 +200,7 @@ def _triton_executor(make_executor: MakeExecutor) -> ModelExecutor:
     return ex
 
 
+@pytest.mark.slow
 def test_greedy_generation_through_the_executor_matches_native(make_executor: MakeExecutor) -> None:
     prompts = [[5, 17, 33, 2, 400, 12], [9], list(range(100, 140))]
     ex = _triton_executor(make_executor)
@@ -206,6 +210,7 @@ def test_greedy_generation_through_the_executor_matches_native(make_executor: Ma
     assert ours == ref
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_gpu_targets(tmp_path: Path) -> None:
     """Lower every kernel to cubin for sm_80 and sm_90 (no GPU needed): catches what the
     lenient interpreter would let through, and shared-memory overruns."""

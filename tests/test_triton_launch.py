@@ -12,6 +12,7 @@ import torch
 from attention.triton import launch
 
 
+@pytest.mark.slow
 def test_importing_the_project_does_not_import_triton() -> None:
     """A fresh interpreter: the executor, every backend class and selection load without triton."""
     code = (

@@ -337,7 +337,7 @@ def test_a_failure_inside_the_model_undoes_the_row_table(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(ex.step.sampler, "sample", boom)
+    monkeypatch.setattr(ex.step.sampler, "draw", boom)
     with pytest.raises(RuntimeError, match="device fell over"):
         ex.forward(good_decode(first))
     monkeypatch.undo()

@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient
+from executor.core.clock import StepClock
 from executor.core.errors import InjectedFault
 from executor.service.watchdog import DeviceWatchdog, RunningStep, is_sticky_device_error
-from executor.step.clock import StepClock
 from tests.server_util import running_server, tiny_config
 
 BOUND_S = 0.5
@@ -52,6 +52,7 @@ def _batch(row: int) -> object:
     )
 
 
+@pytest.mark.slow
 def test_a_stuck_step_turns_the_server_not_serving_within_the_bound(tmp_path: Path) -> None:
     hang = _Hang()
     # A deferred-mask wait counts as step time: its timeout must stay below the bound.
@@ -96,6 +97,7 @@ def test_a_stuck_step_turns_the_server_not_serving_within_the_bound(tmp_path: Pa
         assert not srv.device_fatal.is_set()  # a hang: liveness restarts the pod
 
 
+@pytest.mark.slow
 def test_a_sticky_device_error_ends_serving_and_marks_exit(tmp_path: Path) -> None:
     poisoned = RuntimeError("CUDA error: an illegal memory access was encountered")
     with running_server(tiny_config(tmp_path), health_port=0) as srv:
@@ -114,6 +116,7 @@ def test_a_sticky_device_error_ends_serving_and_marks_exit(tmp_path: Path) -> No
             assert later.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow
 def test_an_ordinary_step_error_keeps_serving(tmp_path: Path) -> None:
     with running_server(tiny_config(tmp_path), health_port=0) as srv:
         assert srv.executor is not None

@@ -49,25 +49,25 @@ class DeviceGate:
     def __init__(self, srv: RunningServer) -> None:
         assert srv.worker is not None
         self.worker = srv.worker
-        self.real = srv.worker.executor.forward
+        self.real = srv.worker.executor.prepare
         self.open = threading.Event()
         self.entered = threading.Event()
         self.calls = 0
 
     def __enter__(self) -> DeviceGate:
-        def held(batch: ForwardBatch, **kw: Any) -> Any:
+        def held(batch: ForwardBatch, clock: Any) -> Any:
             self.calls += 1
             self.entered.set()
             self.open.wait(30)
-            return self.real(batch, **kw)
+            return self.real(batch, clock)
 
-        self.worker.executor.forward = held  # type: ignore[method-assign]
+        self.worker.executor.prepare = held  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.open.set()
         self.worker.wait_idle(30)
-        self.worker.executor.forward = self.real  # type: ignore[method-assign]
+        self.worker.executor.prepare = self.real  # type: ignore[method-assign]
 
 
 def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -300,6 +300,7 @@ def test_batch_id_zero_opts_out_of_the_retry_memory(server: RunningServer) -> No
 # --- 3. drain -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_drain_answers_what_is_left_at_the_end_of_the_grace_and_returns(tmp_path: Path) -> None:
     """A step outlives the grace with four jobs queued behind it: each queued one is answered
     UNAVAILABLE (not run), the running one's caller stops waiting, and drain() returns
@@ -327,6 +328,7 @@ def test_drain_answers_what_is_left_at_the_end_of_the_grace_and_returns(tmp_path
             gate.open.set()
 
 
+@pytest.mark.slow
 def test_a_batch_decoded_while_the_drain_starts_is_answered_not_stranded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -507,6 +509,7 @@ def test_a_tiny_temperature_is_greedy(tmp_path: Path) -> None:
 # --- 7. KV slot ownership and positions -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_new_token_may_not_overwrite_a_slot_a_live_row_holds(tmp_path: Path) -> None:
     """The issue's reproduction: a token written into another live request's prefix slot
     was accepted and changed that request's next token. Now refused, naming slot and
@@ -590,6 +593,7 @@ class ModelExecutorRef:
         return [int(t) for t in out.next_token_ids]
 
 
+@pytest.mark.slow
 def test_explicit_positions_must_be_the_derived_ones(tmp_path: Path) -> None:
     """`positions=[900]` with `seq_lens=[5]` was accepted and changed the token."""
     with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
@@ -688,6 +692,7 @@ def test_open_streams_never_starve_health_or_get_info(tmp_path: Path) -> None:
         assert c.forward(_extend(1, 1, 1)).next_token_ids.shape == (1,)  # places are given back
 
 
+@pytest.mark.slow
 def test_an_idle_stream_is_closed_and_a_busy_one_is_not(tmp_path: Path) -> None:
     with (
         running_server(tiny_config(tmp_path), stream_idle_timeout_s=0.5) as srv,
@@ -726,6 +731,7 @@ def test_unary_back_pressure_fires_when_the_device_is_behind(tmp_path: Path) -> 
         assert _resident(srv)[2] == 0 and gate.calls == 1
 
 
+@pytest.mark.slow
 def test_the_reference_scheduler_retries_with_the_same_batch_id(tmp_path: Path) -> None:
     """Every step's first answer is lost to a deadline while the step runs; the scheduler's
     retries under the same batch_id get the stored answers: the same tokens as in process,
@@ -738,15 +744,15 @@ def test_the_reference_scheduler_retries_with_the_same_batch_id(tmp_path: Path) 
     expected = generate(ex.forward, ex.limits, prompts, max_new_tokens=4, ignore_eos=True)
     with running_server(tiny_config(tmp_path)) as srv, ExecutorClient(f"127.0.0.1:{srv.port}") as c:
         assert srv.worker is not None
-        real = srv.worker.executor.forward
+        real = srv.worker.executor.prepare
         applied: list[int] = []
 
-        def slow(batch: ForwardBatch, **kw: Any) -> Any:
+        def slow(batch: ForwardBatch, clock: Any) -> Any:
             applied.append(batch.batch_size)
             time.sleep(0.4)  # longer than the call's deadline: the first answer is lost
-            return real(batch, **kw)
+            return real(batch, clock)
 
-        srv.worker.executor.forward = slow  # type: ignore[method-assign]
+        srv.worker.executor.prepare = slow  # type: ignore[method-assign]
         remote = c.info()
         sched = ReferenceScheduler(
             c.retrying(timeout=0.25, attempts=8, backoff_s=0.05),

@@ -49,8 +49,10 @@ def pickle_forbidden() -> Iterator[None]:
 def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]]) -> list[Any]:
     """`generate(...)` once per kwargs of `runs`: [(tokens, sorted paths the steps took)];
     a run `{"toggles": {...}}` applies runtime toggles instead (broadcast to every rank),
-    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error, and
-    `{"batches": [...]}` runs prebuilt batches: the tokens of each."""
+    `{"refuse": batch}` sends a batch that must be refused (never broadcast): its error,
+    `{"batches": [...]}` runs prebuilt batches: the tokens of each, `{"pipelined": [...]}`
+    the same, all queued at once behind the device thread (rank 0 pipelines, workers follow),
+    and `{"weights": {...}}` updates the weights (`tests.weights_util.transport_update`)."""
     from executor.client.scheduler import generate
     from executor.core.errors import BatchValidationError
 
@@ -59,8 +61,12 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
         if "toggles" in kw:
             ex.control.apply_toggles(**kw["toggles"])
             continue
-        if "batches" in kw:  # prebuilt batches, in order: the tokens and extra outputs of each
-            outs = [ex.forward(b) for b in kw["batches"]]
+        if "batches" in kw or "pipelined" in kw:  # prebuilt batches: tokens and extra outputs
+            outs = (
+                [ex.forward(b) for b in kw["batches"]]
+                if "batches" in kw
+                else _through_worker(ex, kw["pipelined"])
+            )
             extras = [
                 None
                 if o.extras is None
@@ -68,6 +74,11 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
                 for o in outs
             ]
             results.append(([o.next_token_ids.tolist() for o in outs], extras))
+            continue
+        if "weights" in kw:  # new weights, staged as a transport stages them
+            from tests.weights_util import transport_update
+
+            results.append(transport_update(ex, **kw["weights"]))
             continue
         if "captured" in kw:  # the graph buckets this rank serves: (decode, piecewise)
             runner = ex.runner
@@ -94,6 +105,18 @@ def run_generations(ex: Any, prompts: list[list[int]], runs: list[dict[str, Any]
 
         results.append((generate(forward, ex.limits, prompts, **kw), sorted(paths)))
     return results
+
+
+def _through_worker(ex: Any, batches: list[Any]) -> list[Any]:
+    """`batches` queued before the device thread starts, so each step finds the next waiting."""
+    from executor.service.device_worker import DeviceWorker
+
+    worker = DeviceWorker(ex, queue_size=len(batches) + 1)
+    jobs = [worker.submit(b, i + 1) for i, b in enumerate(batches)]
+    worker.start()
+    assert worker.wait_idle(120)
+    worker.stop(10)
+    return [job.future.result() for job in jobs]
 
 
 def fail_captures(skip: dict[str, int]) -> None:
@@ -157,8 +180,63 @@ def _rank_main(
         out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
         raise
     finally:
-        if comm is not None:
-            close_comm(comm)
+        # Every rank leaves with its group freed (its gloo and TCPStore threads joined
+        # here): a group that outlives it meets the interpreter's teardown (exit -6).
+        if comm is not None and not close_comm(comm):
+            raise AssertionError(f"rank {rank}: the process group outlived close_comm")
+
+
+GROUP_THREADS = ("gloo", "tcpstore")  # the C++ threads of a gloo group (prefixes, /proc names)
+
+
+def thread_names() -> list[str]:
+    """This process's threads, as the kernel names them (C++ threads included)."""
+    names = []
+    for task in sorted(os.listdir("/proc/self/task")):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+def _leave_group(rank: int, port: int, out: Any) -> None:
+    """Join a group of 2, import torch._dynamo after it exists (as the model's load does),
+    run collectives, leave: whether the group was freed, and the group threads left."""
+    import torch
+
+    from executor.parallel.group import close_comm, init_comm
+
+    comm = init_comm(TpEndpoint(rank, 2, "127.0.0.1", port, 60), torch.device("cpu"))
+    import torch._dynamo  # after the group exists, as the model's load imports it
+
+    one = torch.ones(3)
+    for _ in range(3):
+        comm.all_reduce_(one)
+        comm.ping()
+    freed = close_comm(comm)
+    left = [n for n in thread_names() if any(g in n for g in GROUP_THREADS)]
+    out.put((rank, freed, left))
+
+
+def leave_group_tp() -> list[tuple[int, bool, list[str]]]:
+    """`_leave_group` on 2 spawned ranks: each rank's (rank, freed, group threads left),
+    after checking both exited 0."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_leave_group, args=(r, port, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
 
 
 def generate_tp(

@@ -4,6 +4,7 @@
     model-executor generate "The capital of France is" --max-new-tokens 16
     model-executor generate --chat "Name three colours." --target 127.0.0.1:50051
     model-executor generate --speculate 4 "Rewrite: ..."   # prompt-lookup drafts, same output
+    model-executor generate --json --logprobs --logprobs-mode processed --temperature 0.8 "Hi"
     model-executor generate "A user:" --json-schema user.json --repetition-penalty 1.1 \
         --logit-bias 13=-100 --min-tokens 4 --ban-ids 7,8
     model-executor info --target 127.0.0.1:50051
@@ -25,111 +26,36 @@ import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from executor.client.cli_controls import (
-    add_control_arguments,
-    json_schema,
-    sampling_controls,
-    sampling_params,
+from executor.client.cli_generate import add_generate_command
+from executor.client.cli_lora import add_lora_commands
+from executor.client.cli_session import (
+    DEFAULT_TARGET,
+    add_tls_arguments,
+    configs,
+    connect,
+    session,
 )
-from executor.client.speculation import DEFAULT_NGRAM
-from executor.config import ExecutorConfig, resolve_cache_dir
+from executor.client.cli_weights import add_weight_commands
+from executor.config import ExecutorConfig
 from executor.observability.logs import configure_logging
 from executor.service import settings
 from executor.service.auth import read_token
 from executor.service.runtime_config import parse_assignments
 from executor.service.server_config import ServerConfig
 
-if TYPE_CHECKING:
-    from executor.client.grpc_client import ExecutorClient, RemoteInfo
-    from executor.models.tokenizer import Tokenizer
-
-DEFAULT_TARGET = "127.0.0.1:50051"
-
-
-def _configs(args: argparse.Namespace) -> tuple[ExecutorConfig, ServerConfig]:
-    values = vars(args)
-    file_values = settings.load_file(values.get("config"))
-    env = dict(os.environ)
-    executor_cfg = settings.build(
-        ExecutorConfig, args=values, env=env, file_values=file_values.get("executor", {})
-    )
-    server_cfg = settings.build(
-        ServerConfig, args=values, env=env, file_values=file_values.get("server", {})
-    )
-    return executor_cfg, server_cfg
-
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from executor.service.server import serve
 
-    executor_cfg, server_cfg = _configs(args)
+    executor_cfg, server_cfg = configs(args)
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     return serve(executor_cfg, server_cfg)
 
 
-def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """A client's TLS flags: for a server started with --tls-cert-file (and mTLS)."""
-    group = parser.add_argument_group("TLS and credentials (for a guarded server)")
-    group.add_argument(
-        "--tls-ca-file",
-        dest="client_tls_ca_file",
-        default=None,
-        help="PEM CA bundle that signed the server's certificate; turns TLS on "
-        "(default: plaintext, or the system roots when a client certificate is given)",
-    )
-    # dest names that are no ServerConfig field: `generate` builds one from the same namespace.
-    group.add_argument(
-        "--tls-cert-file",
-        dest="client_tls_cert_file",
-        default=None,
-        help="PEM client certificate (mTLS)",
-    )
-    group.add_argument(
-        "--tls-key-file",
-        dest="client_tls_key_file",
-        default=None,
-        help="PEM key of --tls-cert-file",
-    )
-    group.add_argument(
-        "--kv-token-file",
-        dest="client_kv_token_file",
-        default="",
-        help="file with the KV data plane's bearer token (the server's kv_token_file), sent "
-        "on KV calls in place of --token-file's (generate --prefill-target's pushes)",
-    )
-    group.add_argument(
-        "--token-file",
-        default=os.environ.get("MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE", ""),
-        help="file with a bearer token sent on every call: the server's call_token_file, or "
-        "its runtime-config secret (needed by `config`; default: env "
-        "MODEL_EXECUTOR_RUNTIME_CONFIG_TOKEN_FILE)",
-    )
-
-
-def _client(args: argparse.Namespace, target: str, token: str | None = None) -> ExecutorClient:
-    from executor.client.grpc_client import ExecutorClient
-    from executor.service.tls import channel_credentials
-
-    ca, cert, key = args.client_tls_ca_file, args.client_tls_cert_file, args.client_tls_key_file
-    credentials = (
-        channel_credentials(ca or "", cert or "", key or "") if (ca or cert or key) else None
-    )
-    if token is None:
-        secret = read_token(args.token_file, "--token-file")
-        token = secret.decode() if secret else None
-    kv_secret = read_token(getattr(args, "client_kv_token_file", ""), "--kv-token-file")
-    return ExecutorClient(
-        target,
-        token=token,
-        kv_token=kv_secret.decode() if kv_secret else None,
-        credentials=credentials,
-    )
-
-
 def cmd_info(args: argparse.Namespace) -> int:
-    with _client(args, args.target) as client:
+    with connect(args, args.target) as client:
         remote = client.info()
         info = asdict(remote.info)
         info["model_spec"] = remote.model_spec
@@ -149,7 +75,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         raise ValueError("config get takes no key=value")
     update = parse_assignments(args.assignments) if args.action == "set" else None
     token = read_token(args.token_file)
-    with _client(args, args.target, token.decode() if token else None) as client:
+    with connect(args, args.target, token.decode() if token else None) as client:
         try:
             if update is None:
                 config = client.get_runtime_config()
@@ -162,45 +88,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session(
-    args: argparse.Namespace, stack: ExitStack
-) -> tuple[ExecutorClient, RemoteInfo, Tokenizer]:
-    """A client of `args.target`, or of an embedded server on a free loopback port (stopped
-    with `stack`), its GetInfo, and the model's tokenizer. Logs go to stderr."""
-    from executor.models.loader import resolve_model_spec
-    from executor.models.tokenizer import load_tokenizer
-    from executor.service.server import start_server
-
-    executor_cfg, server_cfg = _configs(args)
-    configure_logging(
-        args.log_level_generate, "console" if sys.stderr.isatty() else "json", stream=sys.stderr
-    )
-    target = args.target
-    if target is None:
-        running = start_server(
-            executor_cfg,
-            ServerConfig(host="127.0.0.1", port=0, metrics_port=-1, log_level=server_cfg.log_level),
-        )
-        stack.callback(running.drain)
-        running.wait_ready(timeout=args.ready_timeout)  # raises if the model failed to load
-        target = f"127.0.0.1:{running.port}"
-    client = stack.enter_context(_client(args, target))
-    client.wait_ready(timeout=args.ready_timeout)
-    remote = client.info()
-    tok = load_tokenizer(
-        resolve_model_spec(args.tokenizer or remote.model_spec),
-        remote.info.vocab_size,
-        remote.info.bos_token_id,
-        remote.info.eos_token_ids,
-        resolve_cache_dir(executor_cfg),
-    )
-    return client, remote, tok
-
-
 def cmd_score(args: argparse.Namespace) -> int:
     """One JSON line per file: its token count, mean negative log-likelihood, perplexity."""
     with ExitStack() as stack:
-        client, _, tok = _session(args, stack)
+        client, _, tok = session(args, stack)
         for path in args.files:
             with open(path, encoding="utf-8") as f:
                 tokens = tok.encode(f.read(), add_special_tokens=False)
@@ -215,7 +106,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
     texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with ExitStack() as stack:
-        client, _, tok = _session(args, stack)
+        client, _, tok = session(args, stack)
         for text in texts:
             vector = client.embed(
                 tok.encode(text, add_special_tokens=False),
@@ -223,85 +114,6 @@ def cmd_embed(args: argparse.Namespace) -> int:
                 layer=args.layer,
             )
             print(json.dumps({"text": text, "embedding": vector}))
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from executor.client.scheduler import ReferenceScheduler, Request
-
-    # stdout carries the generated text only; logs go to stderr.
-    controls = sampling_controls(args)  # flags first: a bad one fails before any model loads
-    schema = json_schema(args.json_schema)
-    prompts = list(args.prompts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    if not prompts:
-        print("generate: give prompts as arguments or on stdin", file=sys.stderr)
-        return 2
-    if args.prefill_target is not None:
-        from executor.client.cli_disaggregated import generate_disaggregated
-
-        return generate_disaggregated(args, prompts, controls, schema)
-    with ExitStack() as stack:
-        client, remote, tok = _session(args, stack)
-        texts = prompts
-        if args.chat:
-            texts = []
-            for p in prompts:
-                messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                    {"role": "user", "content": p}
-                ]
-                texts.append(tok.apply_chat_template(messages))
-        sampling = sampling_params(args)
-        pipe = None
-        if args.overlap:  # one step in flight on a ForwardStream, tokens fed back by reference
-            pipe = client.open_stream()
-            stack.callback(pipe.close)
-        grammars = None
-        if schema is not None:  # xgrammar is loaded only here
-            from executor.client.grammar import Grammars
-
-            grammars = Grammars(tok, remote.info.vocab_size)
-        # Masks: inline in each unary batch; with --overlap, each follows its batch on the
-        # stream (computed while the step runs).
-        scheduler = ReferenceScheduler(
-            client.retrying(),
-            remote.info.limits,
-            remote.info.eos_token_ids,
-            overlap=args.overlap,
-            pipe=pipe,
-            grammars=grammars,
-        )
-        streaming = len(prompts) == 1 and sys.stdout.isatty()
-        printed = [""]
-
-        def on_token(req: Request, token: int) -> None:  # incremental detokenization
-            text = tok.decode(req.output_ids)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(printed[0]) :])
-                sys.stdout.flush()
-                printed[0] = text
-
-        reqs = [
-            scheduler.add_request(
-                tok.encode(t),
-                max_new_tokens=args.max_new_tokens,
-                sampling=sampling,
-                ignore_eos=args.ignore_eos,
-                on_token=on_token if streaming else None,
-                speculate=args.speculate,
-                ngram=args.ngram,
-                controls=controls,
-                json_schema=schema,
-            )
-            for t in texts
-        ]
-        scheduler.run()
-        if streaming:
-            print()
-        else:
-            for i, req in enumerate(reqs):
-                if len(reqs) > 1:
-                    print(f"--- [{i}] {req.finish_reason}")
-                print(tok.decode(req.output_ids))
     return 0
 
 
@@ -319,78 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_arguments(serve, ServerConfig)
     serve.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="prompts -> text through the reference scheduler")
-    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
-    gen.add_argument(
-        "--target",
-        default=None,
-        help="host:port of a running executor (default: start one in-process)",
-    )
-    gen.add_argument(
-        "--prefill-target",
-        default=None,
-        metavar="HOST:PORT",
-        help="disaggregated: prefill each prompt on this executor, push its KV to --target "
-        "and decode there",
-    )
-    gen.add_argument(
-        "--kv-peer-address",
-        default=None,
-        metavar="HOST:PORT",
-        help="with --prefill-target: --target as the prefill executor reaches it (default: "
-        "--target)",
-    )
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument(
-        "--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed"
-    )
-    gen.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
-    )
-    gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument(
-        "--ignore-eos", action="store_true", help="do not stop at the model's EOS tokens"
-    )
-    gen.add_argument(
-        "--tokenizer",
-        default=None,
-        help="model spec whose tokenizer to use (default: the server's)",
-    )
-    gen.add_argument(
-        "--overlap",
-        action="store_true",
-        help="overlap scheduling: send step N+1 over a ForwardStream before step N's tokens "
-        "return (future-token references); same output",
-    )
-    gen.add_argument(
-        "--speculate",
-        type=int,
-        default=0,
-        metavar="K",
-        help="speculative decoding: K draft tokens per step by prompt lookup, verified in one "
-        "step (greedy output unchanged; switched off per request while drafts are rarely "
-        "accepted); 0 = off; not with --overlap",
-    )
-    gen.add_argument(
-        "--ngram",
-        type=int,
-        default=DEFAULT_NGRAM,
-        metavar="N",
-        help="with --speculate: the n-gram size prompt lookup matches",
-    )
-    add_control_arguments(gen)
-    gen.add_argument("--ready-timeout", type=float, default=300.0)
-    gen.add_argument("--log-level-generate", default="warning", help="log level on stderr")
-    gen.add_argument("--config", help="TOML file for the embedded server")
-    # --seed above is the requests' sampling seed (dest sampling_seed); the executor's own seed
-    # keeps its default here.
-    settings.add_arguments(gen, ExecutorConfig, exclude=frozenset({"seed"}))
-    _add_tls_arguments(gen)
-    gen.set_defaults(func=cmd_generate)
+    add_generate_command(sub)
 
     score = sub.add_parser(
         "score", help="files -> one JSON line each: tokens, mean NLL and perplexity of the text"
@@ -414,13 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--log-level-generate", default="warning", help="log level on stderr")
         p.add_argument("--config", help="TOML file for the embedded server")
         settings.add_arguments(p, ExecutorConfig)
-        _add_tls_arguments(p)
+        add_tls_arguments(p)
     score.set_defaults(func=cmd_score)
     embed.set_defaults(func=cmd_embed)
 
     info = sub.add_parser("info", help="print a running executor's GetInfo as JSON")
     info.add_argument("--target", default=DEFAULT_TARGET)
-    _add_tls_arguments(info)
+    add_tls_arguments(info)
     info.set_defaults(func=cmd_info)
 
     config = sub.add_parser("config", help="read or change a running executor's runtime toggles")
@@ -434,8 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
         "trace_sample_ratio=0..1",
     )
     config.add_argument("--target", default=DEFAULT_TARGET)
-    _add_tls_arguments(config)
+    add_tls_arguments(config)
     config.set_defaults(func=cmd_config)
+    add_lora_commands(sub, add_tls_arguments)
+    add_weight_commands(sub, DEFAULT_TARGET, add_tls_arguments, connect)
     return parser
 
 

@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from executor.client.cli_output import logprobs_mode
 from executor.core.controls_types import SamplingControls
 from executor.core.forward_batch import SamplingParams
 
@@ -111,11 +112,13 @@ def json_schema(path: str | None) -> str | None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The per-request sampling of `generate`'s flags (temperature, top-p/k, min-p, seed)."""
+    """The per-request sampling of `generate`'s flags (temperature, top-p/k, min-p, seed,
+    logprobs mode)."""
     return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
         seed=args.sampling_seed,
+        logprobs_mode=logprobs_mode(args),
     )

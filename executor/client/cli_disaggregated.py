@@ -8,8 +8,9 @@ from contextlib import ExitStack
 
 import grpc
 
-from executor.client.cli import _client, _session
 from executor.client.cli_controls import sampling_params
+from executor.client.cli_output import print_results
+from executor.client.cli_session import connect, prompt_texts, session
 
 
 def generate_disaggregated(
@@ -22,23 +23,25 @@ def generate_disaggregated(
     if args.target is None:
         print("generate: --prefill-target needs --target (the decode executor)", file=sys.stderr)
         return 2
-    if args.overlap or args.speculate or controls is not None or schema is not None:
+    if (
+        args.overlap
+        or args.speculate
+        or controls is not None
+        or schema is not None
+        or args.lora_names
+        or args.logprobs
+    ):
         print(
             "generate: --prefill-target does not combine with --overlap, --speculate, "
-            "sampling controls or --json-schema",
+            "sampling controls, --json-schema, --logprobs or --lora",
             file=sys.stderr,
         )
         return 2
     with ExitStack() as stack:
-        decode, remote, tok = _session(args, stack)
-        prefill = stack.enter_context(_client(args, args.prefill_target))
+        decode, remote, tok = session(args, stack)
+        prefill = stack.enter_context(connect(args, args.prefill_target))
         prefill.wait_ready(timeout=args.ready_timeout)
-        texts = prompts
-        if args.chat:
-            system = [{"role": "system", "content": args.system}] if args.system else []
-            texts = [
-                tok.apply_chat_template([*system, {"role": "user", "content": p}]) for p in prompts
-            ]
+        texts = prompt_texts(args, tok, prompts)
         scheduler = DisaggregatedScheduler(
             prefill, decode, args.kv_peer_address or args.target, remote.info.eos_token_ids
         )
@@ -60,8 +63,5 @@ def generate_disaggregated(
         except grpc.RpcError as exc:  # a refused push call (a missing KV credential, ...)
             print(f"model-executor: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-        for i, req in enumerate(reqs):
-            if len(reqs) > 1:
-                print(f"--- [{i}] {req.finish_reason}")
-            print(tok.decode(req.output_ids))
+        print_results(reqs, tok.decode, args, sys.stdout)
     return 0

@@ -6,6 +6,7 @@
         out = client.forward(batch)            # one step, unary
         for out in client.stream(batches): ... # many steps, pipelined over one stream
         client.update_runtime_config(RuntimeConfigUpdate(eager_input_no_copy=True))
+        client.weights.update(model.named_parameters(), version="step-100")
 
 Batches are the same `ForwardBatch` objects the in-process executor takes, and results the
 same `ForwardOutput`s, so a scheduler runs unchanged in-process or remote. Tensors travel
@@ -31,9 +32,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from executor.client.allocator import FutureSlotAllocator
 from executor.client.kv_client import KVClient
 from executor.client.scoring import TextScore, embed_tokens, score_tokens
+from executor.client.weights_client import WeightsClient
 from executor.core.controls_types import VocabMask
 from executor.core.extras_types import Pooling
 from executor.core.forward_batch import ForwardBatch
+from executor.core.lora_types import LoadedAdapter
 from executor.core.outputs import ForwardOutput
 from executor.info import ExecutorInfo
 from executor.service.codec import (
@@ -44,6 +47,7 @@ from executor.service.codec import (
     runtime_update_to_proto,
     tensor_to_proto,
 )
+from executor.service.lora_codec import adapter_from_proto
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
@@ -114,6 +118,15 @@ class ExecutorClient:
         )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
+    def watch_health(
+        self, service: str = READINESS_SERVICE, timeout: float | None = None
+    ) -> Iterator[str]:
+        """Each status of `service` as the server pushes it (health Watch): the first at once,
+        then every change, until the stream ends (an RpcError) or `timeout` passes."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        for resp in self.health_stub.Watch(request, timeout=timeout, metadata=self._auth):
+            yield str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.2) -> None:
         """Block until readiness reports SERVING (the model is loaded and warmed up)."""
         deadline = time.monotonic() + timeout
@@ -144,6 +157,21 @@ class ExecutorClient:
             pb.GetRuntimeConfigRequest(), timeout=timeout, metadata=self._auth
         )
         return runtime_config_from_proto(msg)
+
+    def load_lora(self, name: str, path: str, timeout: float | None = 300.0) -> LoadedAdapter:
+        """Load the PEFT adapter directory `path` (on the executor's filesystem) as `name`; an
+        operator call (the runtime-config token). A refusal raises grpc.RpcError."""
+        msg = self.stub.LoadLora(
+            pb.LoadLoraRequest(name=name, path=path), timeout=timeout, metadata=self._auth
+        )
+        return adapter_from_proto(msg.adapter)
+
+    def unload_lora(self, name: str, timeout: float | None = 60.0) -> LoadedAdapter:
+        """Unload adapter `name` (refused while live rows use it); an operator call."""
+        msg = self.stub.UnloadLora(
+            pb.UnloadLoraRequest(name=name), timeout=timeout, metadata=self._auth
+        )
+        return adapter_from_proto(msg.adapter)
 
     def update_runtime_config(
         self, update: RuntimeConfigUpdate, timeout: float | None = 60.0
@@ -225,6 +253,12 @@ class ExecutorClient:
         return embed_tokens(
             self.retrying(), self.info().info.limits, tokens, pooling=pooling, layer=layer
         )
+
+    @property
+    def weights(self) -> WeightsClient:
+        """Weight updates and memory calls (`executor.client.weights_client`): operator
+        calls, which need the runtime-config token as `token`."""
+        return WeightsClient(self.channel, self.stub, self._auth)
 
     @property
     def kv(self) -> KVClient:

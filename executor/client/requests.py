@@ -32,7 +32,12 @@ class Request:
     on_token: Callable[[Request, int], None] | None = None
     controls: SamplingControls | None = None  # sent with the batch that starts the request
     grammar: RequestGrammar | None = None  # constrains every token it generates
+    lora: str = ""  # its LoRA adapter's name ("" = the base model), set when it starts
     output_ids: list[int] = field(default_factory=list)
+    # Whether each step asks for the request's logprobs (of the mode in `sampling`), and
+    # those of output_ids, in order.
+    logprobs: bool = False
+    output_logprobs: list[float] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a step in flight)
@@ -51,6 +56,27 @@ class Request:
     @property
     def prefilled(self) -> bool:
         return self.num_computed >= len(self.prompt_ids)
+
+
+def append_token(req: Request, token: int, logprob: float | None = None) -> None:
+    """A generated token read back: a stop id finishes the request (not kept); otherwise the
+    grammar takes it, it is kept (with its logprob when asked) and streamed, and the grammar's
+    end or the budget finishes the request."""
+    if token in req.stop_token_ids:
+        req.finish_reason = "stop"
+        return
+    if req.grammar is not None:
+        req.grammar.accept(token)
+    req.output_ids.append(token)
+    if req.logprobs:
+        assert logprob is not None, "the step asked for logprobs"
+        req.output_logprobs.append(logprob)
+    if req.on_token is not None:
+        req.on_token(req, token)
+    if req.grammar is not None and req.grammar.terminated:
+        req.finish_reason = "stop"  # the JSON is complete
+    elif len(req.output_ids) >= req.max_new_tokens:
+        req.finish_reason = "length"
 
 
 def check_request(prompt_ids: Sequence[int], max_new_tokens: int, limits: BatchLimits) -> None:

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.batch_prep import make_idle_batch
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
 from executor.client.grammar import Grammars, masked_positions, step_mask
 from executor.client.pipes import ForwardFn, InlinePipe, MaskPipe, StepPipe, StepResult
-from executor.client.requests import Request, _Flight, check_request
+from executor.client.requests import Request, _Flight, append_token, check_request
 from executor.client.speculation import (
     DEFAULT_NGRAM,
     DraftState,
@@ -52,7 +52,8 @@ from executor.client.speculation import (
     plan_verify,
     token_runs,
 )
-from executor.core.controls_types import DeferredMask, RowControl, SamplingControls, VocabMask
+from executor.client.step_batches import asking_logprobs, decode_batch, extend_batch
+from executor.core.controls_types import DeferredMask, SamplingControls, VocabMask
 from executor.core.forward_batch import ForwardBatch, SamplingParams
 from executor.core.limits import BatchLimits
 
@@ -116,11 +117,16 @@ class ReferenceScheduler:
         ngram: int = DEFAULT_NGRAM,
         controls: SamplingControls | None = None,
         json_schema: str | dict[str, Any] | None = None,
+        lora: str = "",
+        logprobs: bool = False,
     ) -> Request:
         """`speculate=K`: VERIFY steps of K prompt-lookup drafts (n-gram `ngram`) while they
         pay. `controls`: for the request's life (`prompt_len` set here; min_tokens also
         suppresses its stop ids). `json_schema`: JSON output (needs `grammars`). Controls and
-        schemas do not combine with `speculate` yet (VERIFY takes no controls)."""
+        schemas do not combine with `speculate` yet (VERIFY takes no controls). `lora`: a
+        loaded adapter's name ("" = the base model), set with the batch that starts it.
+        `logprobs`: each step asks for the request's logprobs (`sampling.logprobs_mode`):
+        `output_logprobs`."""
         check_speculate(speculate, ngram, self.limits, self.overlap)
         if speculate and (controls is not None or json_schema is not None):
             raise ValueError("speculate does not combine with controls or json_schema yet")
@@ -149,6 +155,8 @@ class ReferenceScheduler:
             draft=DraftState(speculate, ngram, self.speculation) if speculate else None,
             controls=controls,
             grammar=grammar,
+            lora=lora,
+            logprobs=logprobs,
         )
         self.waiting.append(req)
         return req
@@ -218,6 +226,7 @@ class ReferenceScheduler:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
         produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
+        batch = asking_logprobs(batch, members)
         out = self._forward(batch, members, masked_positions(members, produces))
         runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
@@ -228,8 +237,8 @@ class ReferenceScheduler:
             if req.draft is not None:
                 req.draft.record(req.draft.sent, len(run) - 1)
                 req.draft.sent = 0
-            for token in run:  # tokens after a stop or past the budget are dropped
-                self._append(req, token)
+            for token, logprob in run:  # tokens after a stop or past the budget are dropped
+                append_token(req, token, logprob)
                 if req.finished:
                     break
             if req.finished:
@@ -254,54 +263,15 @@ class ReferenceScheduler:
     def _next_batch(self) -> tuple[ForwardBatch | None, list[Request], list[int]]:
         prefill = [r for r in self.running if not r.prefilled]
         if prefill:
-            return self._extend_batch(prefill)
+            return extend_batch(prefill, self.max_prefill_tokens)
         decode = self.running
         if not decode:
             return None, [], []
         verify = plan_verify(decode, self.limits.max_tokens_per_batch)
         if verify is not None:  # one VERIFY step for all (k = 0 for those not drafting)
             return verify, list(decode), [r.num_computed + 1 for r in decode]
-        batch = make_decode_batch(
-            input_ids=[r.output_ids[-1] for r in decode],
-            req_pool_indices=[r.row for r in decode],
-            seq_lens=[r.num_computed + 1 for r in decode],
-            out_cache_loc=[r.slots[r.num_computed] for r in decode],
-            sampling=[r.sampling for r in decode],
-        )
+        batch = decode_batch(decode, [r.output_ids[-1] for r in decode])
         return batch, list(decode), [r.num_computed + 1 for r in decode]
-
-    def _extend_batch(
-        self, prefill: list[Request]
-    ) -> tuple[ForwardBatch, list[Request], list[int]]:
-        """One EXTEND batch of waiting chunks within the token budget, and each chunk's end."""
-        budget = self.max_prefill_tokens
-        members, ids, locs, prefix, ends = [], [], [], [], []
-        for req in prefill:
-            if budget == 0:
-                break
-            start = req.num_computed
-            end = min(len(req.prompt_ids), start + budget)
-            budget -= end - start
-            members.append(req)
-            ids.append(req.prompt_ids[start:end])
-            locs.append(req.slots[start:end])
-            prefix.append(start)
-            ends.append(end)
-        batch = make_extend_batch(
-            input_ids=ids,
-            req_pool_indices=[r.row for r in members],
-            out_cache_loc=locs,
-            prefix_lens=prefix,
-            sampling=[r.sampling for r in members],
-        )
-        starting = [
-            RowControl(r.row, r.controls)
-            for r, start in zip(members, prefix, strict=True)
-            if start == 0 and r.controls is not None and not r.controls.neutral
-        ]
-        if starting:  # the request's controls, once: they stay with its row
-            batch = dataclasses.replace(batch, row_controls=tuple(starting))
-        return batch, members, ends
 
     # --- overlap ---------------------------------------------------------------------------
     def _step_overlap(self) -> list[Request]:
@@ -332,6 +302,7 @@ class ReferenceScheduler:
             self.future.release(released_future)  # nothing sent: they go with the next one
             return False
         batch, members, produces = built
+        batch = asking_logprobs(batch, members)
         slots = self.future.alloc(len(members))
         for req, slot, produced in zip(members, slots, produces, strict=True):
             req.in_flight += 1
@@ -369,7 +340,7 @@ class ReferenceScheduler:
     def _prefill_batch(
         self, prefill: list[Request]
     ) -> tuple[ForwardBatch, list[Request], list[bool]]:
-        batch, members, ends = self._extend_batch(prefill)
+        batch, members, ends = extend_batch(prefill, self.max_prefill_tokens)
         produces = []
         for req, end in zip(members, ends, strict=True):
             req.num_computed = end
@@ -381,13 +352,7 @@ class ReferenceScheduler:
     ) -> tuple[ForwardBatch, list[Request], list[bool]]:
         """Each request feeds its newest token by reference: `-future_slot`."""
         assert self.future is not None
-        batch = make_decode_batch(
-            input_ids=[-r.future_slot for r in decode],
-            req_pool_indices=[r.row for r in decode],
-            seq_lens=[r.num_computed + 1 for r in decode],
-            out_cache_loc=[r.slots[r.num_computed] for r in decode],
-            sampling=[r.sampling for r in decode],
-        )
+        batch = decode_batch(decode, [-r.future_slot for r in decode])
         # Read by this batch: released with the next one.
         self.future.release([r.future_slot for r in decode])
         for req in decode:
@@ -400,12 +365,12 @@ class ReferenceScheduler:
         self._send_masks()  # the step read now must have its mask (an InlinePipe runs it then)
         flight = self.in_flight.popleft()
         out = self.pipe.recv()
-        tokens = [int(t) for t in out.next_token_ids]  # type: ignore[attr-defined]
+        runs = token_runs(out, len(flight.members))
         finished: list[Request] = []
-        for req, token, produced in zip(flight.members, tokens, flight.produces, strict=True):
+        for req, run, produced in zip(flight.members, runs, flight.produces, strict=True):
             req.in_flight -= 1
             if produced and not req.finished:  # a stopped request's extra token is dropped
-                self._append(req, token)
+                append_token(req, *run[0])
                 if req.finished:
                     finished.append(req)
         self._send_masks()  # first: the step in flight may wait for them at sampling
@@ -417,21 +382,6 @@ class ReferenceScheduler:
                 self.future.release([req.future_slot])  # its last token, never read
                 req.future_slot = 0
         return finished
-
-    @staticmethod
-    def _append(req: Request, token: int) -> None:
-        if token in req.stop_token_ids:
-            req.finish_reason = "stop"
-            return
-        if req.grammar is not None:
-            req.grammar.accept(token)
-        req.output_ids.append(token)
-        if req.on_token is not None:
-            req.on_token(req, token)
-        if req.grammar is not None and req.grammar.terminated:
-            req.finish_reason = "stop"  # the JSON is complete
-        elif len(req.output_ids) >= req.max_new_tokens:
-            req.finish_reason = "length"
 
 
 def generate(
@@ -448,10 +398,15 @@ def generate(
     speculate: int = 0,
     ngram: int = DEFAULT_NGRAM,
     speculation: SpeculationPolicy | None = None,
+    lora: str | Sequence[str] = "",
 ) -> list[list[int]]:
     """Generate for every prompt concurrently; the new token ids of each, in prompt order.
     `overlap`: one step in flight, tokens fed back by future-token reference. `speculate`:
-    K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on."""
+    K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on. `lora`:
+    one adapter name for every prompt, or one per prompt ("" = the base model)."""
+    loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
+    if len(loras) != len(prompts):
+        raise ValueError(f"lora: {len(loras)} names for {len(prompts)} prompts")
     scheduler = ReferenceScheduler(
         forward, limits, eos_token_ids, overlap=overlap, pipe=pipe, speculation=speculation
     )
@@ -463,8 +418,9 @@ def generate(
             ignore_eos=ignore_eos,
             speculate=speculate,
             ngram=ngram,
+            lora=name,
         )
-        for p in prompts
+        for p, name in zip(prompts, loras, strict=True)
     ]
     scheduler.run()
     return [r.output_ids for r in reqs]

@@ -227,14 +227,20 @@ def make_verify_batch(
     )
 
 
-def token_runs(out: object, bs: int) -> list[list[int]]:
-    """Each row's new tokens: VERIFY's accepted drafts and bonus, otherwise the one token."""
+def token_runs(out: object, bs: int) -> list[list[tuple[int, float | None]]]:
+    """Each row's new tokens with their logprobs (None where the step returned none):
+    VERIFY's accepted drafts and bonus, otherwise the one token."""
     lengths = getattr(out, "accepted_lengths", None)
     if lengths is None:
-        return [[int(t)] for t in out.next_token_ids]  # type: ignore[attr-defined]
+        tokens = out.next_token_ids.tolist()  # type: ignore[attr-defined]
+        lp = getattr(out, "next_token_logprobs", None)
+        logprobs = [None] * len(tokens) if lp is None else lp.tolist()
+        return [[(t, p)] for t, p in zip(tokens, logprobs, strict=True)]
     flat = out.accepted_tokens.tolist()  # type: ignore[attr-defined]
+    lp = getattr(out, "accepted_logprobs", None)
+    flat_lp = [None] * len(flat) if lp is None else lp.tolist()
     runs, at = [], 0
     for n in lengths.tolist()[:bs]:
-        runs.append(flat[at : at + n])
+        runs.append(list(zip(flat[at : at + n], flat_lp[at : at + n], strict=True)))
         at += n
     return runs

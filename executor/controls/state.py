@@ -5,13 +5,13 @@ the output start and min-tokens length, the logit bias (ids and values, padded t
 the min-tokens suppression set (EOS and stop ids, as a bitmask) and the allowed-token set
 (allowed minus banned, as a bitmask; all ones when the request restricts nothing). Every
 entry starts neutral. A step writes the rows its batch sets or releases (:meth:`apply`,
-from the step's staged upload) and can put them back (:meth:`undo`); the host mirror holds
+from the step's staged upload, in the order of `RowValues.staged_fields`) and can put them back (:meth:`undo`); the host mirror holds
 what admission needs to decide, without reading the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,17 +41,17 @@ class RowValues:
     has_bias: np.ndarray
     has_token_mask: np.ndarray
 
-    # The device tensors, in the order of `_DEVICE`, as staged fields.
+    # The rows, then the device tensors in the order of `DEVICE_FIELDS`, as staged fields.
     def staged_fields(self) -> list[StagedField]:
         fields = [StagedField(PREFIX + "rows", torch.from_numpy(self.rows), torch.int64)]
-        for name in _DEVICE:
+        for name in DEVICE_FIELDS:
             value = torch.from_numpy(getattr(self, name))
             fields.append(StagedField(PREFIX + name, value, value.dtype))
         return fields
 
 
 # Each device tensor of the state, by its RowValues name.
-_DEVICE = (
+DEVICE_FIELDS = (
     "repetition",
     "frequency",
     "presence",
@@ -88,7 +88,7 @@ class RowControlState:
         self.max_logit_bias = max_logit_bias
         self.device: dict[str, torch.Tensor] = {}
         neutral = self.neutral(np.arange(n, dtype=np.int64))
-        for name in _DEVICE:
+        for name in DEVICE_FIELDS:
             self.device[name] = torch.from_numpy(getattr(neutral, name).copy()).to(device)
         self.host: dict[str, np.ndarray] = {name: getattr(neutral, name).copy() for name in _HOST}
         self.active = np.zeros(n, dtype=bool)  # the row uses any control
@@ -114,17 +114,19 @@ class RowControlState:
             has_token_mask=no.copy(),
         )
 
-    def apply(self, values: RowValues, views: Mapping[str, torch.Tensor]) -> StateUndo:
-        """Write `values` (their staged device copies in `views`); returns the undo."""
-        rows = views[PREFIX + "rows"]
+    def apply(
+        self, values: RowValues, rows: torch.Tensor, device_values: Sequence[torch.Tensor]
+    ) -> StateUndo:
+        """Write `values`: on the device from their staged copies (`rows`, then one tensor per
+        `DEVICE_FIELDS` name, in that order), in the host mirror from `values`; the undo."""
         undo = StateUndo(
             rows=rows,
             device={name: t.index_select(0, rows) for name, t in self.device.items()},
             host_rows=values.rows,
             host={name: a[values.rows].copy() for name, a in self.host.items()},
         )
-        for name, t in self.device.items():
-            t.index_copy_(0, rows, views[PREFIX + name])
+        for name, staged in zip(DEVICE_FIELDS, device_values, strict=True):
+            self.device[name].index_copy_(0, rows, staged)
         for name, a in self.host.items():
             a[values.rows] = getattr(values, name)
         self._refresh_active(values.rows)

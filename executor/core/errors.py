@@ -43,21 +43,25 @@ class RuntimeConfigError(ValueError):
 
 
 # --- fault injection (tests only) -------------------------------------------------------
-# Fault injection for tests: make a chosen call of the model's forward, the sampler or the
-# response encoder raise, to prove a failed step leaves nothing behind.
+# Fault injection for tests: make a chosen call of a step's phase (admission, staging, the
+# model's forward, the sampler, the read of its results) or of the response encoder raise, to
+# prove a refused or failed step leaves nothing behind.
 #
 # Not reachable from the wire: no setting, environment variable or RPC arms it. A test builds a
-# `FaultInjector`, hands it to `ModelExecutor.hooks.faults` (sites `forward`, `sampler`) and
+# `FaultInjector`, hands it to `ModelExecutor.hooks.faults` (sites `admit`, `stage`, `forward`,
+# `sampler`, `read`) and
 # `ExecutorServicer.faults` (site `encoder`) in-process, and arms one site for a chosen call:
 #
 #     faults = FaultInjector()
 #     executor.hooks.faults = faults
 #     faults.arm("sampler", on_call=1)   # the next step's sampling raises InjectedFault
 #
-# Each armed fault fires once. The `forward` fault is raised after the model ran (its K/V
-# writes for the new tokens are done), the `sampler` fault before the tokens are drawn; both
-# inside the step, so the row table write is undone like for any failed step.
-FAULT_SITES = ("forward", "sampler", "encoder")
+# Each armed fault fires once. `admit` is raised as admission begins (a refusal: nothing
+# changed), `stage` after every feature applied its part, `forward` after the model ran (its
+# K/V writes for the new tokens are done), `sampler` before the tokens are drawn (both in the
+# launch), `read` once the results are on the host, before any commit; each after `admit` is
+# undone like any failed step.
+FAULT_SITES = ("admit", "stage", "forward", "sampler", "read", "encoder")
 
 
 class InjectedFault(RuntimeError):
@@ -95,8 +99,8 @@ class FaultInjector:
 class TestHooks:
     """What tests install into the step (nothing in production sets them).
 
-    `faults` raises at the step's `forward` / `sampler` sites; `device_step_guard` wraps the
-    device part of every step (tests install `executor.graphs.capture_rules.HostReadGuard` there to
+    `faults` raises at the step's sites (`FAULT_SITES`); `device_step_guard` wraps the
+    device part of every step (its launch and its read) (tests install `executor.graphs.capture_rules.HostReadGuard` there to
     prove every host read is counted).
     """
 
@@ -119,3 +123,33 @@ class KVStateError(RuntimeError):
 class KVChecksumError(ValueError):
     """A KV chunk whose bytes do not match its checksum or its declared size: the data was
     damaged on the way; nothing was changed. Maps to DATA_LOSS."""
+
+
+class LoraAdapterError(ValueError):
+    """An adapter that does not fit the model (wrong shapes, an unknown target module, a rank
+    over the cap, a PEFT option it cannot apply) or files that are not a PEFT LoRA adapter;
+    nothing was changed. Maps to INVALID_ARGUMENT."""
+
+
+class LoraStateError(RuntimeError):
+    """A load or unload the adapters' state forbids (LoRA off, a name already loaded, an
+    adapter live rows use); nothing was changed. Maps to FAILED_PRECONDITION."""
+
+
+class LoraNotFoundError(LoraStateError):
+    """An unload of a name no loaded adapter has. Maps to NOT_FOUND."""
+
+
+class LoraSlotsFullError(LoraStateError):
+    """A load with every adapter slot taken. Maps to RESOURCE_EXHAUSTED."""
+
+
+class ModelStateError(RuntimeError):
+    """A call the model's state forbids now: its memory is released, its weights await an
+    update, a quantized tensor cannot take the new values, another weight or memory call is
+    in progress; nothing was changed. Maps to FAILED_PRECONDITION."""
+
+
+class WeightChunkError(ValueError):
+    """A weight-update chunk whose checksum, size or place is wrong: the data was damaged on
+    the way; nothing was changed. Maps to DATA_LOSS."""

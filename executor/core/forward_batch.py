@@ -8,7 +8,7 @@ derived fields (:func:`executor.batch_prep.complete_batch`), then moved to the d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -18,6 +18,7 @@ import torch
 from executor.core.controls_types import DeferredMask, RowControl, VocabMask
 from executor.core.errors import BatchValidationError
 from executor.core.extras_types import RowOutputs
+from executor.core.lora_types import RowAdapter
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
 
@@ -44,6 +45,14 @@ class ForwardMode(IntEnum):
         return self is ForwardMode.IDLE
 
 
+class LogprobsMode(IntEnum):
+    """Which distribution a request's logprobs come from. Values match the wire enum
+    `model_executor.v1.LogprobsMode`."""
+
+    RAW = 0  # the model's: log-softmax of its logits
+    PROCESSED = 1  # the one the sampler drew from (ops.sampling.processed_logprobs)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling parameters. Temperature 0 (or below 1e-5) means greedy."""
@@ -53,6 +62,7 @@ class SamplingParams:
     top_k: int = 0  # 0: disabled
     min_p: float = 0.0  # 0: disabled
     seed: int | None = None  # draws depend only on (seed, position) when set
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
 
 @dataclass
@@ -68,6 +78,7 @@ class SamplingBatch:
     min_ps: torch.Tensor  # [bs] float32
     seeds: torch.Tensor  # [bs] int64
     has_seed: torch.Tensor  # [bs] bool
+    processed: torch.Tensor  # [bs] bool: the request's logprobs are PROCESSED
 
     @classmethod
     def from_params(
@@ -89,6 +100,9 @@ class SamplingBatch:
             min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
             seeds=torch.tensor([_as_int64(s) for s in seeds], dtype=torch.int64),
             has_seed=torch.tensor([p.seed is not None for p in params], dtype=torch.bool),
+            processed=torch.tensor(
+                [p.logprobs_mode is LogprobsMode.PROCESSED for p in params], dtype=torch.bool
+            ),
         )
 
     @classmethod
@@ -121,6 +135,7 @@ class SamplingBatch:
             min_ps=torch.zeros(bs, dtype=torch.float32, device=device),
             seeds=torch.zeros(bs, dtype=torch.int64, device=device),
             has_seed=torch.zeros(bs, dtype=torch.bool, device=device),
+            processed=torch.zeros(bs, dtype=torch.bool, device=device),
         )
 
     def to(self, device: torch.device) -> SamplingBatch:
@@ -200,6 +215,11 @@ class ForwardBatch:
     # and the top-k alternatives per scored prompt position.
     row_outputs: tuple[RowOutputs, ...] = ()
     prompt_top_logprobs_num: int = 0
+    # LoRA (executor.lora), host only: the adapter each named row uses from now on. Derived
+    # at admission (the LoRA feature): [T] int32, the adapter slot of every token (0: the base
+    # model); None when no row of the batch has an adapter (the step runs no LoRA work).
+    row_adapters: tuple[RowAdapter, ...] = ()
+    lora_slots: torch.Tensor | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # Set by the graph runners' registries: [1] int32, the real token count of a padded batch
@@ -217,7 +237,7 @@ class ForwardBatch:
 
         One counted upload per field (ops.host_transfer.to_device; syncs from pageable
         memory): for in-process use. The executor's step stages them all in one copy
-        (`staged_fields` / `with_device_fields`)."""
+        (`staged_fields` / `on_device`)."""
         if device.type == "cpu":
             return dataclasses.replace(self)
         moved: dict[str, Any] = {}
@@ -240,9 +260,9 @@ class ForwardBatch:
         ]
         s = self.sampling
         if s is not None and not s.is_shared_greedy():
-            for name, staged in _SAMPLING_STAGED:
+            for name in _SAMPLING_FIELDS:
                 value = getattr(s, name)
-                fields.append(StagedField(staged, value, value.dtype))
+                fields.append(StagedField(_SAMPLING_PREFIX + name, value, value.dtype))
         return fields
 
     @classmethod
@@ -270,32 +290,32 @@ class ForwardBatch:
         new.__dict__.update(self.__dict__, **changes)
         return new
 
-    def with_device_fields(self, views: Mapping[str, torch.Tensor]) -> ForwardBatch:
-        """A copy whose device fields are `views` (from `staged_fields`, staged); host
-        mirrors stay on the host."""
-        moved: dict[str, Any] = {name: views[name] for name in _DEVICE_FIELDS if name in views}
+    def on_device(self, views: Sequence[torch.Tensor]) -> ForwardBatch:
+        """A copy whose device fields are `views`: the staged copies of `staged_fields()`, in
+        its order; host mirrors stay on the host. The shared all-greedy parameters, never
+        staged, become the device's own copy of them."""
+        it = iter(views)
+        moved: dict[str, Any] = {
+            name: next(it) for name in _DEVICE_FIELDS if getattr(self, name) is not None
+        }
         s = self.sampling
         if s is not None:
-            if s.is_shared_greedy() and _SAMPLING_STAGED[0][1] not in views:
-                moved["sampling"] = _device_greedy(self.batch_size, self.out_cache_loc, views)
+            if s.is_shared_greedy():
+                device = views[0].device if views else s.temperatures.device
+                moved["sampling"] = _device_greedy(self.batch_size, device)
             else:
-                moved["sampling"] = SamplingBatch(
-                    **{name: views[staged] for name, staged in _SAMPLING_STAGED}
-                )
+                moved["sampling"] = SamplingBatch(*(next(it) for _ in _SAMPLING_FIELDS))
         return self.replace(**moved)
 
 
-_SAMPLING_PREFIX = "sampling."
-_SAMPLING_STAGED = tuple(
-    (f.name, _SAMPLING_PREFIX + f.name) for f in dataclasses.fields(SamplingBatch)
-)
+_SAMPLING_PREFIX = "sampling."  # a label of the staged layout (ops.h2d_staging)
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingBatch))
 _DEVICE_GREEDY: dict[tuple[int, torch.device], SamplingBatch] = {}
 
 
-def _device_greedy(bs: int, host: torch.Tensor, views: Mapping[str, torch.Tensor]) -> SamplingBatch:
-    """`SamplingBatch.greedy(bs)` on the staged fields' device, made there once per size (a
-    fill on the device, no upload) and shared, like the host one: never written."""
-    device = views["out_cache_loc"].device if "out_cache_loc" in views else host.device
+def _device_greedy(bs: int, device: torch.device) -> SamplingBatch:
+    """`SamplingBatch.greedy(bs)` on `device`, made there once per size (a fill on the
+    device, no upload) and shared, like the host one: never written."""
     batch = _DEVICE_GREEDY.get((bs, device))
     if batch is None:
         batch = SamplingBatch.filled_greedy(bs, device)
@@ -342,6 +362,7 @@ TENSOR_FIELDS = (
     TensorField("future_token_slots", wire=True, device=True),
     TensorField("released_future_slots", wire=True, device=False),
     TensorField("ngram_draft", wire=True, device=True),
+    TensorField("lora_slots", wire=False, device=True),  # derived (the LoRA feature's admit)
 )
 WIRE_TENSOR_FIELDS = tuple(f.name for f in TENSOR_FIELDS if f.wire)
 _DEVICE_FIELDS = tuple(f.name for f in TENSOR_FIELDS if f.device)

@@ -20,6 +20,7 @@ class Path(StrEnum):
     EAGER_NO_COPY = "eager_no_copy"
     FULL_GRAPH = "full_graph"
     PIECEWISE = "piecewise"
+    SIMULATED = "simulated"  # the stand-in accelerator (`simulated_step_ms`): no model ran
 
 
 class GraphMode(StrEnum):

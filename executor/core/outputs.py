@@ -19,7 +19,8 @@ class StepStats:
     padded_batch_size: int = 0
     num_tokens: int = 0
     padded_num_tokens: int = 0
-    # Per phase (queue, validate, stage, forward, sample) and `total`: the step clock's records.
+    # Per phase (queue, validate, stage, forward, sample, read) and `total`: the step clock's
+    # records.
     timings_ns: dict[str, int] = field(default_factory=dict)
     mode: str = ""  # decode | extend | idle
     # What the eager path's registry received this step: its inputs' one device copy (the
@@ -46,7 +47,12 @@ class StepStats:
     control_rows: dict[str, int] = field(default_factory=dict)
     draft_tokens: int = 0  # VERIFY: drafts scored (sum of k_i)
     accepted_drafts: int = 0  # VERIFY: drafts accepted (sum of a_i)
+    lora_rows: int = 0  # rows of the step that ran a LoRA adapter
     accept_lengths: tuple[int, ...] = ()  # VERIFY: tokens each row gained (a_i + 1); not sent
+    # The device's idle time before this step while the step was queued: the host's part
+    # (admission, staging, the answer before it).
+    host_gap_ns: int = 0
+    device_busy_ns: int = 0  # the device's time on this step (occupancy); not sent
 
 
 @dataclass
@@ -73,3 +79,4 @@ class ForwardOutput:
     accepted_lengths: torch.Tensor | None = None
     accepted_logprobs: torch.Tensor | None = None  # [sum(lengths)] float32
     extras: ExtraOutputs | None = None  # RowOutputs results (prompt logprobs, scores, hidden)
+    weight_version: str = ""  # the weights every logit of this step came from

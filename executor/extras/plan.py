@@ -3,6 +3,7 @@ host. :func:`plan_outputs` changes nothing; None when no row asks anything."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from executor.core.forward_batch import ForwardBatch
 from executor.core.limits import BatchLimits
 from ops.h2d_staging import StagedField
 
-PREFIX = "extras."
+PREFIX = "extras."  # a label of the staged layout (ops.h2d_staging)
 
 
 @dataclass(frozen=True)
@@ -46,21 +47,19 @@ class OutputsPlan:
     hidden_lengths: np.ndarray  # [bs] int32
     rows: np.ndarray  # [bs] the batch's rows (for the pooled counts)
 
-    def staged_fields(self) -> list[StagedField]:
-        fields = []
-        for name in (
-            "prompt_tokens",
-            "prompt_target_at",
-            "prompt_target_value",
-            "score_positions",
-            "score_ids",
-        ):
-            value = getattr(self, name)
-            if len(value):
-                fields.append(StagedField(PREFIX + name, torch.from_numpy(value), torch.int64))
+    def staged_arrays(self) -> list[tuple[str, np.ndarray]]:
+        """The int64 host arrays the step stages, each by its `StagedOutputs` field name, in
+        a fixed order; empty ones are left out."""
+        arrays = [
+            ("prompt_tokens", self.prompt_tokens),
+            ("prompt_target_at", self.prompt_target_at),
+            ("prompt_target_value", self.prompt_target_value),
+            ("score_positions", self.score_positions),
+            ("score_ids", self.score_ids),
+        ]
         if self.hidden is not None:
             h = self.hidden
-            for name, value in (
+            arrays += [
                 ("hidden_positions", h.positions),
                 ("last_token", h.last_token),
                 ("mean_tokens", h.mean_tokens),
@@ -68,10 +67,37 @@ class OutputsPlan:
                 ("hidden_layers", np.asarray(h.layers, dtype=np.int64)),
                 ("hidden_flags", h.mean.astype(np.int64) | (h.restart.astype(np.int64) << 1)),
                 ("hidden_counts", np.maximum(h.new_counts, 1)),
-            ):
-                if len(value):
-                    fields.append(StagedField(PREFIX + name, torch.from_numpy(value), torch.int64))
-        return fields
+            ]
+        return [(name, value) for name, value in arrays if len(value)]
+
+    def staged_fields(self) -> list[StagedField]:
+        return [
+            StagedField(PREFIX + name, torch.from_numpy(value), torch.int64)
+            for name, value in self.staged_arrays()
+        ]
+
+
+@dataclass(frozen=True)
+class StagedOutputs:
+    """The device copies of an `OutputsPlan`'s staged arrays (None: empty, not staged)."""
+
+    prompt_tokens: torch.Tensor | None = None
+    prompt_target_at: torch.Tensor | None = None
+    prompt_target_value: torch.Tensor | None = None
+    score_positions: torch.Tensor | None = None
+    score_ids: torch.Tensor | None = None
+    hidden_positions: torch.Tensor | None = None
+    last_token: torch.Tensor | None = None
+    mean_tokens: torch.Tensor | None = None
+    mean_of: torch.Tensor | None = None
+    hidden_layers: torch.Tensor | None = None
+    hidden_flags: torch.Tensor | None = None
+    hidden_counts: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, plan: OutputsPlan, staged: Sequence[torch.Tensor]) -> StagedOutputs:
+        names = [name for name, _ in plan.staged_arrays()]
+        return cls(**dict(zip(names, staged, strict=True)))
 
 
 def plan_outputs(

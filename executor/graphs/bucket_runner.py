@@ -2,8 +2,9 @@
 
 A runner keeps one captured entry per bucket size (a batch size for full-graph DECODE, a token
 count for piecewise EXTEND). Capture and replay stage their inputs through the same registry
-`fill_from`, here in one place, so capture and replay cannot disagree. A subclass says how one bucket is captured,
-which size picks a batch's bucket, and how a replay runs.
+`fill_from`, here in one place, so capture and replay cannot disagree. A subclass says how one
+bucket is compiled (no device state: off the step lock) and captured, which size picks a
+batch's bucket, and how a replay runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from executor.core.buckets import pad_to_bucket
 from executor.core.forward_batch import ForwardBatch
 from executor.core.runner_output import RunnerOutput
 from executor.graphs.capture import CaptureReport, capture_buckets
-from executor.graphs.graph import GraphFactory
+from executor.graphs.factory import GraphFactory
 from executor.models.decoder_model import DecoderModel
 from executor.parallel.agreement import agree_on_capture
 from registry import BufferRegistry, FillStats
@@ -54,7 +55,8 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
         self, *, progress: bool = True, lock: AbstractContextManager[object] | None = None
     ) -> CaptureReport:
         """Capture every bucket, largest first; a failed bucket is left out (eager for it).
-        With `lock`, the preparation and each bucket hold it (a background capture)."""
+        With `lock`, the preparation and each bucket's capture hold it (a background
+        capture); each bucket's compile phase runs without it."""
         with lock or nullcontext():
             self._prepare_capture()
             self.factory.prepare(len(self.buckets))
@@ -70,6 +72,7 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
                 self.buckets,
                 self._capture_one,
                 self.factory,
+                compile_one=self._compile_one,
                 progress=progress,
                 lock=lock,
                 graphs_per_bucket=self.graphs_per_bucket(),
@@ -77,6 +80,21 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
                 drop=lambda size: self.keep_only([s for s in self.captured if s != size]),
             )
         return self.report
+
+    def compile_only(self) -> dict[int, str]:
+        """Every bucket's compile phase and nothing else (no capture, nothing kept): what
+        the compile worker does, so that a capture elsewhere finds the compiled code in the
+        caches. The buckets that failed, with the reason."""
+        self._prepare_capture()
+        self.factory.prepare(len(self.buckets))
+        failed: dict[int, str] = {}
+        with self.factory.capturing():
+            for size in sorted(self.buckets, reverse=True):
+                try:
+                    self._compile_one(size)
+                except Exception as e:  # the server's own capture fails it again, eagerly
+                    failed[size] = f"{type(e).__name__}: {e}"
+        return failed
 
     def keep_only(self, buckets: Sequence[int]) -> None:
         """Drop every captured bucket not in `buckets` (its batches then replay a larger
@@ -91,6 +109,12 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
 
     def _prepare_capture(self) -> None:
         """Runs once before the first bucket is captured (e.g. the backend's graph buffers)."""
+
+    def _compile_one(self, size: int) -> None:
+        """The compile phase of bucket `size`, without the step lock: it must not run the
+        model on shared buffers nor write any. By default the compiled layer halves for
+        `size` rows (nothing for the backends that do not compile)."""
+        self.factory.compile_halves(size, self.kind)
 
     @abstractmethod
     def _capture_one(self, size: int) -> None:

@@ -1,4 +1,10 @@
-"""The capture loop both graph runners share: largest bucket first, one failure per bucket."""
+"""The capture loop both graph runners share: largest bucket first, one failure per bucket.
+
+Each bucket is captured in two phases: its compile (`compile_one`: no device state, so it runs
+without the step lock: inductor's work, or the load of a saved compile) and its capture
+(`capture_one`: warm-up runs, checks, recording), which holds the lock. A background capture
+(`lock` given) therefore blocks steps only for the runs, not for the compile.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ import structlog
 from tqdm import tqdm
 
 from executor.core.errors import StartupCancelled
-from executor.graphs.graph import GraphCapturePoisoned, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import GraphCapturePoisoned
 from executor.parallel.agreement import CaptureOutcome, GroupOutcome
 
 log = structlog.get_logger(__name__)
@@ -25,6 +32,9 @@ class CaptureReport:
     captured: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # Under the step lock (a background capture): the longest hold of one bucket, and in all.
+    held_max_seconds: float = 0.0
+    held_seconds: float = 0.0
     memory_bytes: int = 0
     graphs_per_bucket: int = 1  # piecewise: layers + 1 pieces per token count
 
@@ -44,6 +54,7 @@ def capture_buckets(
     capture_one: Callable[[int], None],
     factory: GraphFactory,
     *,
+    compile_one: Callable[[int], None] | None = None,
     progress: bool = True,
     lock: AbstractContextManager[object] | None = None,
     graphs_per_bucket: int = 1,
@@ -56,8 +67,9 @@ def capture_buckets(
     capture (GraphCapturePoisoned) poisons the factory and ends the pass: no later bucket,
     and no later pass, is captured.
 
-    With `lock`, each bucket is captured holding it (a background capture: the steps that
-    take it run between two buckets).
+    `compile_one(size)` runs first, without `lock`: a bucket's compile phase, which touches
+    no device state. With `lock`, each bucket's `capture_one` holds it (a background capture:
+    the steps that take it run during the compiles and between two buckets).
 
     With `agree` (tensor parallelism: `executor.parallel.agreement.agree_on_capture` on
     this rank's group), every bucket's outcome is the group's: a bucket captured here but
@@ -85,8 +97,16 @@ def capture_buckets(
             t = time.perf_counter()
             outcome = CaptureOutcome.CAPTURED
             try:
+                if compile_one is not None:
+                    compile_one(size)
                 with lock or nullcontext():
-                    capture_one(size)
+                    held = time.perf_counter()
+                    try:
+                        capture_one(size)
+                    finally:
+                        held = time.perf_counter() - held
+                        report.held_seconds += held
+                        report.held_max_seconds = max(report.held_max_seconds, held)
             except GraphCapturePoisoned as e:
                 report.failed[size] = report.poisoned = f"{type(e).__name__}: {e}"
                 factory.poison(report.poisoned)
@@ -99,7 +119,13 @@ def capture_buckets(
                 outcome = CaptureOutcome.POISONED
             except Exception as e:
                 report.failed[size] = f"{type(e).__name__}: {e}"
-                log.warning("graph capture failed", kind=kind, size=size, error=report.failed[size])
+                log.warning(
+                    "graph capture failed",
+                    kind=kind,
+                    size=size,
+                    error=report.failed[size],
+                    exc_info=True,
+                )
                 outcome = CaptureOutcome.FAILED
             if agree is not None:
                 outcome = _follow_group(kind, size, outcome, agree, drop, factory, report)
@@ -109,7 +135,11 @@ def capture_buckets(
                 continue
             report.captured.append(size)
             log.info(
-                "graph captured", kind=kind, size=size, seconds=round(time.perf_counter() - t, 4)
+                "graph captured",
+                kind=kind,
+                size=size,
+                seconds=round(time.perf_counter() - t, 4),
+                capture_seconds=round(held, 4),
             )
     report.seconds = time.perf_counter() - t0
     report.memory_bytes = factory.memory_bytes() - mem_before
@@ -120,6 +150,7 @@ def capture_buckets(
         graphs=report.graphs,
         failed=len(report.failed),
         seconds=round(report.seconds, 3),
+        held_max_seconds=round(report.held_max_seconds, 4),
         memory_mib=round(report.memory_bytes / 2**20, 1),
     )
     return report

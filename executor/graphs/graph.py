@@ -9,24 +9,24 @@ On CPU, `CpuGraph` keeps the callable and calls it again at replay. Its capture 
 the host-read guard in capture mode, which refuses what CUDA capture refuses - host reads of
 tensor data (`.item()`, `.cpu()`, `.tolist()`, `bool()`), counted transfers, and ops whose
 output size depends on data - so a capture-unsafe change fails in CI, not first on a GPU.
+
+A capture has two phases: `compile`, which runs nothing and touches no device state (so a
+background capture runs it off the step lock: inductor's trace, code generation and C++
+compile, or the load of a saved compile), and `capture`, which runs the callable (warm-up,
+checks, recording) between two steps. The graph backends and their factory:
+`executor.graphs.factory`; the whole-step compiled graph: `executor.graphs.step_graph`.
 """
 
 from __future__ import annotations
 
-import gc
-import os
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from executor.core.names import GRAPH_BACKENDS
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
-from executor.graphs.compile_compat import compile_isolated, raise_recompile_limits
 from ops.device_scope import check_device
 
 WARMUP_RUNS = 2
@@ -46,11 +46,6 @@ class GraphCapturePoisoned(GraphCaptureError):
     this factory (on CUDA: in this process), and its graphs are no longer replayed."""
 
 
-# CUDA's caching allocator and capture state are process-wide: once one CUDA capture is
-# poisoned, no factory in the process captures or replays again. Set once, never cleared.
-_cuda_poisoned: list[str] = []
-
-
 class Graph(ABC):
     @abstractmethod
     def capture(self, fn: Callable[[], None]) -> None:
@@ -58,6 +53,12 @@ class Graph(ABC):
 
     @abstractmethod
     def replay(self) -> None: ...
+
+    def compile(self, fn: Callable[[], None]) -> None:
+        """Before `capture`, off the step lock: what capturing `fn` can do without running it
+        or touching device state (a compile from its inputs' shapes, or a load of the
+        compiled code). Nothing by default: capture does it all."""
+        return None
 
     def capture_twin(self, fn: Callable[[], None], twin: Graph) -> None:
         """Record `fn`, which runs the same code as the captured `twin` on buffers of other
@@ -133,6 +134,12 @@ class CompiledGraph(Graph):
             raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
         self._fn = fn
 
+    def compile(self, fn: Callable[[], None]) -> None:
+        """Before `capture`, off the step lock: what capturing `fn` can do without running it
+        or touching device state (a compile from its inputs' shapes, or a load of the
+        compiled code). Nothing by default: capture does it all."""
+        return None
+
     def capture_twin(self, fn: Callable[[], None], twin: Graph) -> None:
         if not isinstance(twin, CompiledGraph) or twin._fn is None:
             self.capture(fn)
@@ -144,42 +151,6 @@ class CompiledGraph(Graph):
             raise RuntimeError("replay before capture")
         with self._compiled():
             self._fn()
-
-
-class StepCompiledGraph(Graph):
-    """The whole captured callable compiled as one inductor graph (`compiled_step`, DECODE).
-
-    `CompiledGraph` compiles the layer halves and runs attention between them, so a step is
-    two compiled calls a layer, each paying dynamo's guard check and the wrapper's prologue.
-    Here the captured callable - embedding, every layer, attention, the KV write (an
-    `index_put_` on the pool) - is one graph: one call a step, with its fused kernels.
-
-    The price is compiling per bucket: a graph holds one (batch size, KV bucket) with every
-    layer unrolled (compile times: docs/performance.md).
-
-    Replay runs what was captured without dynamo's guards, as a CUDA graph replays: the
-    callable reads only static buffers that live as long as the graph (`isolate_recompiles`
-    gives each graph its own cache entry, so no graph can pick up another's code).
-    """
-
-    def __init__(self) -> None:
-        self._fn: Callable[[], None] | None = None
-
-    def capture(self, fn: Callable[[], None]) -> None:
-        check_capture_rules(fn)  # eagerly, as the stand-in does
-        try:
-            compiled = compile_isolated(fn)
-            compiled()  # compiles (or loads inductor's cached code)
-        except torch.OutOfMemoryError as e:
-            raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
-        except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
-            raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
-        self._fn = compiled
-
-    def replay(self) -> None:
-        if self._fn is None:
-            raise RuntimeError("replay before capture")
-        self._fn()
 
 
 class CudaGraph(Graph):
@@ -236,101 +207,3 @@ class CudaGraph(Graph):
         if self._graph is None:
             raise RuntimeError("replay before capture")
         self._graph.replay()
-
-
-class GraphFactory:
-    """Makes graphs of one backend for one device: `cuda` (every graph shares one memory pool
-    and one capture stream, captured largest first so smaller graphs reuse the larger ones'
-    memory), `compiled` (inductor; its caches under `cache_dir`), `compiled_step` (whole
-    DECODE steps compiled one by one; other graphs as `compiled`) or `standin`."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        backend: str = "standin",
-        *,
-        cache_dir: Path | None = None,
-        compiled: Callable[[], AbstractContextManager[object]] = nullcontext,
-        stop: threading.Event | None = None,
-    ) -> None:
-        if backend not in GRAPH_BACKENDS:
-            raise ValueError(
-                f"graph backend must be one of {', '.join(GRAPH_BACKENDS)}, got {backend!r}"
-            )
-        if backend == "cuda" and device.type != "cuda":
-            raise ValueError(f"graph backend 'cuda' needs a CUDA device, got {device}")
-        self.device = device
-        self.backend = backend
-        self.cache_dir = cache_dir
-        self.compiled = compiled  # `compiled`: the context in which the model runs compiled
-        # Set by the host to interrupt a capture pass at the next bucket (shutdown at start-up).
-        self.stop = stop or threading.Event()
-        self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
-        self._poisoned: str | None = None
-        if backend == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(device=device)
-
-    def new(self, *, whole_step: bool = False) -> Graph:
-        """A graph for one bucket. `whole_step`: the callable is a whole model step (the
-        DECODE runner's), which `compiled_step` compiles as one graph."""
-        if self.backend == "cuda":
-            assert self._stream is not None
-            return CudaGraph(self._pool, self._stream, self.device)
-        if self.backend == "compiled_step" and whole_step:
-            return StepCompiledGraph()
-        if self.backend in ("compiled", "compiled_step"):
-            return CompiledGraph(self.compiled)
-        return CpuGraph()
-
-    @property
-    def shares_twin_captures(self) -> bool:
-        """Whether `capture_twin` of a whole step costs nothing here (compiled), so a runner
-        captures the smallest of a set of twins fully and the others as its twins."""
-        return self.backend == "compiled"
-
-    def prepare(self, graphs: int) -> None:
-        """Before capturing `graphs` more graphs. For `compiled`: room in dynamo's recompile
-        limit (the compiled halves are one code object with one entry per shape, two where
-        the first layer's residual differs), and inductor's on-disk caches under
-        `cache_dir`, so a restart with the same model and buckets loads compiled code
-        instead of compiling it again."""
-        if self.backend not in ("compiled", "compiled_step"):
-            return
-        raise_recompile_limits(2 * graphs, 4 * graphs)
-        if self.cache_dir is not None:
-            # NOTE: process-wide; inductor reads it whenever it looks for a cached artifact.
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir / "inductor")
-
-    @contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Around a whole capture pass: a collected, frozen heap, so a GC pause cannot land
-        inside a capture, and no autograd state."""
-        gc.collect()
-        gc.freeze()
-        try:
-            with torch.inference_mode():
-                yield
-        finally:
-            gc.unfreeze()
-
-    @property
-    def poisoned(self) -> str | None:
-        """Why capturing (and replaying) stopped for good, or None."""
-        if self.backend == "cuda" and _cuda_poisoned:
-            return _cuda_poisoned[0]
-        return self._poisoned
-
-    def poison(self, reason: str) -> None:
-        """Stop capturing and replaying with this factory (on CUDA: in this process)."""
-        if self._poisoned is None:
-            self._poisoned = reason
-        if self.backend == "cuda" and not _cuda_poisoned:
-            _cuda_poisoned.append(reason)
-
-    def memory_bytes(self) -> int:
-        """Device memory the CUDA caching allocator holds for this device (reserved, not
-        allocated: a graph's pool is reserved while its tensors are freed after capture);
-        0 on CPU."""
-        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0

@@ -8,6 +8,9 @@ batch, so padded tokens never reach the KV cache. The token fields are padded th
 `build_prefill_registry` (all ZERO: a padded token is token 0 at position 0), and the LM
 head runs outside on each request's last real token.
 
+With LoRA on, each bucket's pieces are captured twice: without LoRA (base rows only) and
+with the adapters (reading the registry's per-token `lora_slots`, padded with 0, the base).
+
 Every bucket shares one set of maximum-size activation buffers (q, k, v, residual, attention
 output, hidden): replays run one at a time and each piece finishes with the buffers it
 consumed before writing them.
@@ -25,13 +28,14 @@ from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.core.names import GRAPH_EXTEND
 from executor.core.runner_output import RunnerOutput
 from executor.graphs.bucket_runner import BucketGraphRunner
-from executor.graphs.graph import Graph, GraphFactory
+from executor.graphs.factory import GraphFactory
+from executor.graphs.graph import Graph
 from executor.models.decoder_model import DecoderModel, PieceBuffers
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_prefill_registry
 
 
-class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
+class PiecewiseGraphRunner(BucketGraphRunner[dict[bool, list[Graph]]]):
     kind = "piecewise"
 
     def __init__(
@@ -49,11 +53,13 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
         # The future-token table: piece 0 gathers referenced tokens from it.
         self.future_tokens = future_tokens
         self.max_tokens = buckets[-1]
+        self.lora_variants = (False, True) if model.lora is not None else (False,)
         self.registry = build_prefill_registry(
             device=device,
             max_bs=max_bs,
             max_num_tokens=self.max_tokens,
             enable_num_token_non_padded=True,
+            register_lora_slots=model.lora is not None,
         )
         self.acts: PieceBuffers = model.piece_buffers(self.max_tokens, device)
 
@@ -82,9 +88,9 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
                 return input_ids
             return resolve_future_tokens(input_ids, self.future_tokens)  # in piece 0
 
-        return self.model.pieces(n, ids, positions, self.acts)
+        return self.model.pieces(n, ids, positions, self.acts, view.lora_slots)
 
-    def _synthetic_batch(self, n: int) -> ForwardBatch:
+    def _synthetic_batch(self, n: int, lora: bool) -> ForwardBatch:
         zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
         one = torch.ones(1, dtype=torch.int64, device=self.device)
         return ForwardBatch(
@@ -98,19 +104,23 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
             extend_prefix_lens=one * 0,
             extend_seq_lens=one * n,
             extend_start_loc=one * 0,
+            lora_slots=zeros.to(torch.int32) if lora else None,
         )
 
     def graphs_per_bucket(self) -> int:
-        return len(self.model.decoder_layers) + 1
+        return (len(self.model.decoder_layers) + 1) * len(self.lora_variants)
 
     def _capture_one(self, n: int) -> None:
-        view, _ = self._stage_tokens(self._synthetic_batch(n), n, n)
-        graphs = []
-        for piece in self._pieces(n, view):
-            graph = self.factory.new()
-            graph.capture(piece)
-            graphs.append(graph)
-        self.captured[n] = graphs
+        variants: dict[bool, list[Graph]] = {}
+        for lora in self.lora_variants:
+            view, _ = self._stage_tokens(self._synthetic_batch(n, lora), n, n)
+            graphs = []
+            for piece in self._pieces(n, view):
+                graph = self.factory.new()
+                graph.capture(piece)
+                graphs.append(graph)
+            variants[lora] = graphs
+        self.captured[n] = variants
 
     def replay(self, fb: ForwardBatch) -> RunnerOutput:
         n = fb.num_tokens
@@ -119,7 +129,7 @@ class PiecewiseGraphRunner(BucketGraphRunner[list[Graph]]):
         _, stats = self._stage_tokens(fb, n, padded)
         # Attention plans and runs on the real batch: real shapes, real slots only.
         real = dataclasses.replace(fb, attn_metadata=self.attn_backend.init_forward_metadata(fb))
-        graphs, a = self.captured[padded], self.acts
+        graphs, a = self.captured[padded][fb.lora_slots is not None], self.acts
         graphs[0].replay()
         for layer_id, graph in enumerate(graphs[1:]):
             out = self.attn_backend.forward(a.q[:n], a.k[:n], a.v[:n], layer_id, real)

@@ -1,4 +1,6 @@
-"""`GraphSettings`: the bucket lists of the two graph runners, from the config and the limits.
+"""The graph settings: what `graph_mode` and `graph_backend` resolve to (`auto`: by device and
+tensor parallelism; the mode a CPU server captures in the background), and `GraphSettings`,
+the bucket lists of the two graph runners, from the config and the limits.
 
 The lists themselves come from :mod:`executor.core.buckets`; this module only picks the
 ladder (GPU or CPU), applies the config's explicit lists and caps, and never lets a bucket
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.config import BACKGROUND_DECODE_BUCKETS, ExecutorConfig, background_graph_mode
+from executor.config import ExecutorConfig
 from executor.core.buckets import (
     CPU_GRAPH_MAX_BS,
     CPU_PIECEWISE_MAX_TOKENS,
@@ -22,6 +24,70 @@ from executor.core.buckets import (
     parse_bucket_list,
 )
 from executor.core.limits import BatchLimits
+
+
+def resolve_graph_mode(
+    config: ExecutorConfig, device: torch.device, capture_refusal: str | None = None
+) -> str:
+    """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
+    where a server then captures `background_graph_mode` while it serves; `none` wherever the
+    attention backend cannot be captured (`capture_refusal`: its reason)."""
+    if config.graph_mode != "auto":
+        return config.graph_mode
+    if capture_refusal is not None:
+        return "none"
+    return "both" if device.type == "cuda" else "none"
+
+
+def check_graph_mode(
+    config: ExecutorConfig, attention_backend: str, capture_refusal: str | None
+) -> None:
+    """Refuse at start-up (ValueError naming both settings) a configured graph mode with
+    DECODE graphs that the attention backend cannot be captured in."""
+    if config.graph_mode in ("decode", "both") and capture_refusal is not None:
+        raise ValueError(
+            f"graph_mode={config.graph_mode} and attention_backend={attention_backend} do not "
+            f"go together: DECODE graphs cannot capture this backend ({capture_refusal}); use "
+            "graph_mode=extend, none or auto, or another attention_backend"
+        )
+
+
+def background_graph_mode(
+    config: ExecutorConfig, device: torch.device, capture_refusal: str | None = None
+) -> str | None:
+    """`graph_mode=auto` on a CPU: the mode a server captures in the background once it
+    serves (eager until then), or None. Whole-step compiled DECODE graphs (`compiled_step`)
+    for batch size 1 only: the one path measured faster than eager on a CPU (one inductor
+    graph a step instead of some forty ops a layer); a larger batch is bound by its matmuls,
+    where the layer-half graphs (`compiled`) measured no faster than eager. Each graph takes
+    minutes to compile cold (docs/performance.md), hence in the background, in a compile
+    worker; `cache_dir` keeps the compiled code for the next start. Not under tensor
+    parallelism (ranks capture in step at start-up), nor with another graph backend
+    configured, nor with an attention backend that cannot be captured (`capture_refusal`)."""
+    if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
+        return None
+    if capture_refusal is not None or resolve_graph_backend(config, device) != "compiled_step":
+        return None
+    return "decode"
+
+
+# The DECODE bucket a CPU server compiles in the background (`background_graph_mode`).
+BACKGROUND_DECODE_BUCKETS = "1"
+
+
+def resolve_graph_backend(config: ExecutorConfig, device: torch.device) -> str:
+    """`auto` is `cuda` on CUDA; on a CPU `compiled_step` where a server compiles decode graphs
+    in the background (`graph_mode=auto`, one rank), else `compiled`. CUDA graphs need a CUDA
+    device."""
+    if config.graph_backend == "auto":
+        if device.type == "cuda":
+            return "cuda"
+        background = config.graph_mode == "auto" and config.tp_size == 1
+        return "compiled_step" if background else "compiled"
+    if config.graph_backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"graph_backend 'cuda' needs a CUDA device, got device {device}")
+    return config.graph_backend
+
 
 # The default caps on a GPU (sglang's defaults); the CPU caps live with the CPU ladders.
 GPU_GRAPH_MAX_BS = 160

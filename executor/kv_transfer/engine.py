@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,7 @@ class KVTransfer:
         slot_tokens: SlotTokens,
         layout: KVLayout,
         limits: KVTransferLimits,
-        lock: threading.Lock,
+        lock: threading.RLock,
         *,
         comm: TpComm | None = None,
     ) -> None:
@@ -80,11 +81,14 @@ class KVTransfer:
         self.comm = comm or TpComm()
         self.rank = self.comm.rank
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
+        # Raises when the cache may not be read or written now (its memory is released).
+        self.guard: Callable[[], None] = lambda: None
         self._applied: OrderedDict[int, tuple[bytes, ImportResult]] = OrderedDict()
 
     # --- export -----------------------------------------------------------------------------
     def check_export(self, slots: np.ndarray) -> None:
         """Refuse exporting a slot no live row holds (its bytes mean nothing)."""
+        self.guard()
         owners = self.pool.owners
         if owners is None:
             return
@@ -107,6 +111,7 @@ class KVTransfer:
         Device thread (rank 0)."""
         part = slots[spec.first : spec.first + spec.count]
         with self.lock, device_scope(self.kv.device):
+            self.guard()
             if self.leader is None:
                 local = self._read_local(part, spec.layer, spec.kind)
                 return [to_host(local, "kv_export").numpy().tobytes()]
@@ -144,6 +149,7 @@ class KVTransfer:
     def check_import(self, header: ImportHeader, slots: np.ndarray) -> ImportResult | None:
         """The stored result when this is a retry of an applied import; raises when the cache's
         state forbids it. Changes nothing."""
+        self.guard()
         seen = self._applied.get(header.transfer_id)
         if seen is not None:
             fp, result = seen

@@ -26,6 +26,7 @@ from torch import nn
 
 from executor.models.config import ModelConfig
 from executor.models.layers import Linear, RMSNorm
+from executor.models.lora_layers import LoraSite
 from executor.models.sharding import ShardPlan
 from executor.parallel.comm import TpComm
 from ops.activation import silu_and_mul
@@ -174,6 +175,9 @@ class RotaryAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, **dd
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, **dd)
+        # The adapters of each linear (`<linear>_lora`), attached when LoRA is on.
+        self.qkv_proj_lora: LoraSite | None = None
+        self.o_proj_lora: LoraSite | None = None
         # Over head_dim, so every rank holds them whole.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **dd) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, **dd) if qk_norm else None
@@ -182,7 +186,10 @@ class RotaryAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], rotated."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_proj_lora is not None:
+            qkv = self.qkv_proj_lora(x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -194,7 +201,9 @@ class RotaryAttention(nn.Module):
 
     def out(self, attn_out: torch.Tensor) -> torch.Tensor:
         """attn_out [T, Hq, D] -> [T, hidden] (this rank's partial sum under tensor parallelism)."""
-        return self.o_proj(attn_out.reshape(-1, self.q_size))
+        x = attn_out.reshape(-1, self.q_size)
+        out = self.o_proj(x)
+        return out if self.o_proj_lora is None else self.o_proj_lora(x, out)
 
 
 class GatedMLP(nn.Module):
@@ -215,9 +224,16 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = Linear(intermediate_size, hidden_size, False, device=device, dtype=dtype)
         self.act_and_mul = act_and_mul
+        self.gate_up_proj_lora: LoraSite | None = None  # attached when LoRA is on
+        self.down_proj_lora: LoraSite | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_proj_lora is not None:
+            gate_up = self.gate_up_proj_lora(x, gate_up)
+        h = self.act_and_mul(gate_up)
+        out = self.down_proj(h)
+        return out if self.down_proj_lora is None else self.down_proj_lora(h, out)
 
 
 class DecoderLayer(nn.Module):

@@ -6,7 +6,7 @@ it, builds its layers (`make_layer`) and carries its checkpoint-name tables besi
 - `FUSED_LINEARS`: each fused linear of a layer (its module path) and the Hugging Face
   projections concatenated into it, in order. Every other parameter loads from the
   checkpoint tensor of its own name (`model.` + its path; `lm_head.weight`), and a module
-  with a `load_checkpoint` method gathers its own tensors (grouped expert weights).
+  with a `checkpoint_targets` method lists its own tensors (grouped expert weights).
 - `TP_SPLITS`: Hugging Face name patterns (fnmatch) -> (axis, range) for tensor
   parallelism (`ShardPlan`); a tensor no pattern names is replicated on every rank.
 - `GGUF_NAMES`: GGUF layer tensor names -> Hugging Face layer tensor names (`{e}` in the
@@ -35,6 +35,7 @@ from executor.core.forward_batch import ForwardMode
 from executor.models.blocks import DecoderLayer, LayerBuild, LayerFns
 from executor.models.config import ModelConfig
 from executor.models.layers import Embedding, Linear, RMSNorm
+from executor.models.lora_layers import LoraBatch
 from executor.models.sharding import ShardPlan, SplitRows
 from executor.parallel.comm import TpComm
 from ops.rotary import RotaryEmbedding
@@ -113,6 +114,9 @@ class DecoderModel(nn.Module, ABC):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, device=device
         )
+        # LoRA (executor.lora attaches the layers' sites): every forward and piece sets the
+        # mask of its tokens' adapters first (None: the sites do nothing).
+        self.lora: LoraBatch | None = None
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -150,6 +154,30 @@ class DecoderModel(nn.Module, ABC):
         finally:
             for layer, old in zip(self.decoder_layers, previous, strict=True):
                 layer.compiled_fns = old
+
+    def compile_halves(
+        self, fns: LayerFns, positions: torch.Tensor, bufs: PieceBuffers, *, pieces: bool
+    ) -> None:
+        """Call every layer's halves through `fns` once, as `forward` (`pieces` off) or
+        `pieces` calls them, on private activations of `positions`' length: compiled
+        functions compile (or load their caches) for that shape without reading or writing
+        any buffer a step uses (the KV cache, the static graph buffers). Call it inside
+        inference mode with `positions` and `bufs` made outside it, as the registry's and
+        the pieces' buffers are: dynamo's guards tell the two kinds of tensor apart. The
+        model's own functions stay as they are."""
+        hidden = torch.zeros_like(bufs.hidden)  # as an embedding's output
+        residual: torch.Tensor | None = None
+        for layer in self.decoder_layers:
+            _, _, _, residual = fns.pre(layer, positions, hidden, residual, self.rotary)
+            attn_out, res = (
+                (bufs.attn_out, bufs.residual)
+                if pieces
+                else (torch.zeros_like(bufs.attn_out), residual)
+            )
+            if self.comm.enabled:  # the two pieces around the all-reduces
+                fns.mlp(layer, fns.attn_proj(layer, attn_out), res)
+            else:
+                fns.post(layer, attn_out, res)
 
     # --- the body -------------------------------------------------------------------------
     def embed(
@@ -189,7 +217,10 @@ class DecoderModel(nn.Module, ABC):
     ) -> torch.Tensor:
         """-> final-normed hidden states [T, hidden] for every token of the batch. `keep`:
         its keys are hidden states to record, numbered as transformers' output_hidden_states
-        (0 the embeddings, i the residual stream after layer i); filled in place."""
+        (0 the embeddings, i the residual stream after layer i); filled in place. The
+        adapter of each token is `fb.lora_slots`' (None: no LoRA)."""
+        if self.lora is not None:
+            self.lora.set(fb.lora_slots)
         hidden = self.embed(input_ids, input_embeds)
         if keep is not None and 0 in keep:
             keep[0] = hidden
@@ -223,12 +254,15 @@ class DecoderModel(nn.Module, ABC):
         input_ids: Callable[[], torch.Tensor],
         positions: torch.Tensor,
         bufs: PieceBuffers,
+        lora_slots: torch.Tensor | None = None,
     ) -> list[Callable[[], None]]:
         """The L + 1 pieces of `forward` for an `n`-token bucket, over `bufs`: piece 0 embeds
         `input_ids()` and runs layer 0's pre half into q/k/v/residual; piece i (1..L-1) runs
         layer i-1's post half on `attn_out` and layer i's pre half; piece L the last post
-        half and the final norm into `hidden`. The caller runs attention between pieces."""
+        half and the final norm into `hidden`. The caller runs attention between pieces.
+        `lora_slots`: the tokens' adapter slots (a static buffer), None: no LoRA."""
         layers = self.decoder_layers
+        lora = self.lora
         q, k, v = bufs.q[:n], bufs.k[:n], bufs.v[:n]
         residual, attn_out = bufs.residual[:n], bufs.attn_out[:n]
 
@@ -239,17 +273,23 @@ class DecoderModel(nn.Module, ABC):
             residual.copy_(out[3])
 
         def first() -> None:
+            if lora is not None:
+                lora.set(lora_slots)
             hidden = self.embed(input_ids(), None)
             write_qkv(layers[0].pre_attention(positions, hidden, None, self.rotary))
 
         def middle(i: int) -> Callable[[], None]:
             def run() -> None:
+                if lora is not None:
+                    lora.set(lora_slots)
                 hidden, res = layers[i - 1].post_attention(attn_out, residual)
                 write_qkv(layers[i].pre_attention(positions, hidden, res, self.rotary))
 
             return run
 
         def last() -> None:
+            if lora is not None:
+                lora.set(lora_slots)
             hidden, res = layers[-1].post_attention(attn_out, residual)
             bufs.hidden[:n].copy_(self.final_norm(hidden, res))
 

@@ -42,6 +42,17 @@ def _weight_files(path: Path) -> list[Path]:
     return shards
 
 
+def safetensors_files(path: Path) -> list[Path]:
+    """A `.safetensors` file, or a directory's shards (as the loader finds them), each header
+    checked."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path.name} is not a .safetensors file")
+        check_safetensors_header(path)
+        return [path]
+    return _weight_files(path)
+
+
 def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 

@@ -18,8 +18,11 @@ import structlog
 import torch
 
 from executor.config import (
+    DEFAULT_MAX_CONTEXT_LEN,
     LOADED_QUANTIZATIONS,
+    DtypeChoice,
     ExecutorConfig,
+    choose_dtype,
     resolve_cache_dir,
     resolve_device,
     resolve_max_context_len,
@@ -311,3 +314,36 @@ def load_model(
         linear_kernel_reason=kernel.reason,
         quant_kernel_reason=quant.reason,
     )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    loaded: LoadedModel
+    dtype: DtypeChoice  # the dtype and why (`auto`: by device and CPU)
+    quantization_reason: str  # why the loaded form (GetInfo's setting choice)
+
+
+def load_served_model(
+    config: ExecutorConfig, device: torch.device, comm: TpComm, loaded: LoadedModel | None = None
+) -> ServedModel:
+    """The model as an executor serves it: the dtype chosen for `device`, then the model file
+    loaded in the resolved quantization (this rank's shard), unless the caller passes
+    `loaded`."""
+    dtype = choose_dtype(config, device)
+    log.info("dtype chosen", dtype=str(dtype.dtype).removeprefix("torch."), reason=dtype.reason)
+    if loaded is not None:
+        return ServedModel(loaded, dtype, "the caller's loaded model")
+    quantization, why = resolve_quantization(config)
+    loaded = load_model(
+        config.model,
+        device=device,
+        dtype=dtype.dtype,
+        max_positions=config.max_context_len or DEFAULT_MAX_CONTEXT_LEN,
+        cache_dir=resolve_cache_dir(config),
+        quantization=quantization,
+        comm=comm,
+        linear_kernel=config.linear_kernel,
+        quant_kernel=config.quant_kernel,
+        sha256=config.model_sha256,
+    )
+    return ServedModel(loaded, dtype, why)

@@ -19,15 +19,13 @@ routing. The router is replicated, so the ranks route identically.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from executor.models.config import MoeConfig
 from executor.models.layers import Linear
-from executor.models.weights import assign
+from executor.models.weights import CheckpointTarget
 from ops.activation import silu_and_mul
 
 # `F.grouped_mm` is newer than the oldest torch the project runs on (>= 2.5): dense without it.
@@ -36,7 +34,7 @@ HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 class GroupedExperts(nn.Module):
     """This rank's part of every expert's weights, stacked; loads them itself from the
-    per-expert checkpoint tensors (`load_checkpoint`)."""
+    per-expert checkpoint tensors (`checkpoint_targets`)."""
 
     def __init__(
         self,
@@ -57,15 +55,15 @@ class GroupedExperts(nn.Module):
             torch.empty(e, h, i, device=device, dtype=dtype), requires_grad=False
         )
 
-    def load_checkpoint(self, take: Callable[[str], torch.Tensor], prefix: str) -> None:
-        """Fill from `{prefix}{e}.{gate,up,down}_proj.weight` (Hugging Face's per-expert
-        names), each as `take` shards it."""
+    def checkpoint_targets(self, path: str, prefix: str) -> list[CheckpointTarget]:
+        """Each expert's entries of `gate_up` (Hugging Face's `{prefix}{e}.gate_proj.weight`
+        then `up_proj`) and `down` (`down_proj`); `path` is this module's."""
+        targets = []
         for e in range(self.num_experts):
-            gate = take(f"{prefix}{e}.gate_proj.weight")
-            up = take(f"{prefix}{e}.up_proj.weight")
-            assign(self.gate_up[e], torch.cat([gate, up], dim=0), f"{prefix}{e}.gate_up_proj")
-            name = f"{prefix}{e}.down_proj.weight"
-            assign(self.down[e], take(name), name)
+            gate_up = (f"{prefix}{e}.gate_proj.weight", f"{prefix}{e}.up_proj.weight")
+            targets.append(CheckpointTarget(path, "gate_up", e, gate_up))
+            targets.append(CheckpointTarget(path, "down", e, (f"{prefix}{e}.down_proj.weight",)))
+        return targets
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids / weights [T, k] -> sum over k of weight * expert(x): [T, H]."""

@@ -55,6 +55,7 @@ class PackedWeight:
             raise ValueError(f"a linear weight is [out, in], got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.nbytes = weight.nbytes  # what the packed copy holds (the same values, blocked)
+        self.batch_hint = batch_hint
         self.tensor = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().contiguous(), batch_hint
         )
@@ -63,6 +64,23 @@ class PackedWeight:
         _PACKED[ptr] = self.tensor
         # The entry goes when the PackedWeight does, before its key can be freed and reused.
         weakref.finalize(self, _PACKED.pop, ptr, None)
+
+    def release(self) -> None:
+        """Free the packed weight (memory released by tag); the key stays, so compiled code
+        that names it finds the weight again after `restore`. Not to be run meanwhile."""
+        _PACKED.pop(self.key.data_ptr(), None)
+        self.tensor = torch.empty(0)
+
+    def restore(self, packed: torch.Tensor) -> None:
+        """Hold `packed` (a packed weight of this shape) under the same key again."""
+        self.tensor = packed
+        _PACKED[self.key.data_ptr()] = packed
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [N, K] packed the way this one is (not installed: `restore` or copy it)."""
+        return torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), self.batch_hint
+        )
 
 
 def packed_weights_alive() -> int:

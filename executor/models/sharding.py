@@ -122,14 +122,28 @@ class ShardPlan:
             return start, start + self.expert_intermediate_size
         return self.vocab_start, self.vocab_start + self.vocab_per_rank
 
+    def split_rule(self, name: str) -> tuple[int, str] | None:
+        """(axis, range) the family's table gives HF tensor `name`, at any size; None: the
+        table names it not (kept whole on every rank)."""
+        for pattern, axis, which in self.splits:
+            if fnmatchcase(name, pattern):
+                return axis, which
+        return None
+
+    def extent(self, which: str) -> int:
+        """How many rows (or columns) of range `which` this rank holds (vocab: padded)."""
+        start, stop = self._range(which)
+        return stop - start
+
     def split_of(self, name: str) -> tuple[int, int, int] | None:
         """(axis, start, stop) of this rank's part of HF tensor `name`; None: kept whole."""
         if self.size == 1:
             return None
-        for pattern, axis, which in self.splits:
-            if fnmatchcase(name, pattern):
-                return (axis, *self._range(which))
-        return None
+        rule = self.split_rule(name)
+        if rule is None:
+            return None
+        axis, which = rule
+        return (axis, *self._range(which))
 
     def take(self, name: str, source: Any) -> torch.Tensor:
         """This rank's part of `source` (a tensor, or a lazy slice with `get_shape()` and

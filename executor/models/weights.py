@@ -3,8 +3,10 @@
 Every loader (GGUF, HF directory, tiny-random) produces tensors under Hugging Face names.
 What they map onto is the family's business (`DecoderModel`): its `FUSED_LINEARS`
 concatenate projections (QKV, gate/up) along the output rows; a module with a
-`load_checkpoint(take, prefix)` method gathers its own tensors (grouped expert weights);
+`checkpoint_targets(path, prefix)` method lists its own tensors (grouped expert weights);
 every other parameter is the tensor of its own name (`model.` + its path, `lm_head.weight`).
+`checkpoint_targets` is that map, made once: the loader fills it, and a weight update while
+serving (`executor.weights`) writes into it.
 
 A tensor-parallel model (`model.plan` of size > 1) takes only its rank's part of each
 tensor (`ShardPlan.take`); a loader may hand lazy slices (safetensors' `get_slice`) instead
@@ -14,13 +16,14 @@ of tensors, so that only that part is read.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from executor.models.decoder_model import DecoderModel
-from executor.models.layers import Embedding, Linear
+from executor.models.layers import Embedding
 
 # Checkpoint entries that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -55,6 +58,65 @@ class _Source:
         return self.plan.take(name, self.tensors[name])
 
 
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """One tensor of the model and the checkpoint tensors that fill it: `parts` (Hugging Face
+    names, each as this rank's shard plan cuts it) concatenated along the first axis."""
+
+    module: str  # the owning module's path in the model, e.g. layers.0.self_attn.qkv_proj
+    attr: str  # the tensor's attribute on it: weight, bias, gate_up, ...
+    index: int | None  # an entry of a stacked tensor (one expert's), None: the whole tensor
+    parts: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """What messages call it: the module path, attribute and entry."""
+        entry = "" if self.index is None else f"[{self.index}]"
+        return f"{hf_name(self.module)}.{self.attr}{entry}"
+
+    def tensor(self, model: nn.Module) -> torch.Tensor:
+        """The destination in `model` (a float model: every target is a tensor there)."""
+        value = getattr(model.get_submodule(self.module), self.attr)
+        return value if self.index is None else value[self.index]
+
+
+def checkpoint_targets(model: DecoderModel) -> list[CheckpointTarget]:
+    """Every tensor the checkpoint fills, in load order: each layer's fused linears (by the
+    family's `FUSED_LINEARS`, whatever module sits there now), the tensors of modules that
+    list their own (`checkpoint_targets(path, prefix)`: grouped experts), then every other
+    parameter under its own name."""
+    targets: list[CheckpointTarget] = []
+    done: set[str] = set()  # module paths whose tensors are listed (or not the checkpoint's)
+    for i, layer in enumerate(model.decoder_layers):
+        for path, parts in model.FUSED_LINEARS.items():
+            linear = layer_submodule(layer, path)
+            if linear is None:
+                continue
+            full = f"layers.{i}.{path}"
+            done.add(full)
+            prefix = hf_name(f"layers.{i}.")
+            targets.append(
+                CheckpointTarget(full, "weight", None, tuple(f"{prefix}{p}.weight" for p in parts))
+            )
+            if getattr(linear, "bias", None) is not None:
+                targets.append(
+                    CheckpointTarget(full, "bias", None, tuple(f"{prefix}{p}.bias" for p in parts))
+                )
+    for path, module in model.named_modules():
+        own = getattr(module, "checkpoint_targets", None)
+        if own is not None and path:
+            targets.extend(own(path, hf_name(path) + "."))
+            done.add(path)
+    if not isinstance(model.embed_tokens, Embedding):
+        done.add("embed_tokens")
+    for path, _ in model.named_parameters():
+        owner, _, attr = path.rpartition(".")
+        if any(owner == d or owner.startswith(d + ".") for d in done):
+            continue
+        targets.append(CheckpointTarget(owner, attr, None, (hf_name(path),)))
+    return targets
+
+
 def assign(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(value.shape):
         raise ValueError(
@@ -64,46 +126,27 @@ def assign(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
         param.copy_(value.to(param.dtype))
 
 
-def _load_fused(
-    src: _Source, linear: Linear, prefix: str, path: str, parts: tuple[str, ...]
-) -> None:
-    weight = [src.take(f"{prefix}{part}.weight") for part in parts]
-    assign(linear.weight, torch.cat(weight, dim=0), f"{prefix}{path}.weight")
-    if linear.bias is not None:
-        bias = [src.take(f"{prefix}{part}.bias") for part in parts]
-        assign(linear.bias, torch.cat(bias, dim=0), f"{prefix}{path}.bias")
-
-
 def load_hf_weights(model: DecoderModel, tensors: Mapping[str, Any]) -> None:
     """Copy every parameter of `model` from `tensors` (tensors, or lazy slices with
     `get_shape()` and slicing); raise on a missing or mis-shaped one."""
     src = _Source(tensors, model)
-    done: set[str] = set()  # module paths whose parameters are filled (or not ours to fill)
-    for i, layer in enumerate(model.decoder_layers):
-        prefix = f"layers.{i}."
-        for path, parts in model.FUSED_LINEARS.items():
-            linear = layer_submodule(layer, path)
-            if linear is None:
-                continue
-            done.add(prefix + path)
-            # Modules that are not our float layers were quantized and filled by
-            # executor.models.quantize; they take nothing from `tensors`.
-            if isinstance(linear, Linear):
-                _load_fused(src, linear, hf_name(prefix), path, parts)
-    for path, module in model.named_modules():
-        load = getattr(module, "load_checkpoint", None)
-        if load is not None:
-            load(src.take, hf_name(path) + ".")
-            done.add(path)
-    if not isinstance(model.embed_tokens, Embedding):
-        done.add("embed_tokens")
+    for target in checkpoint_targets(model):
+        # A fused linear that is no float `Linear` was quantized and filled by
+        # executor.models.quantize (its tensors are buffers, not parameters): it takes
+        # nothing from `tensors`.
+        module = model.get_submodule(target.module)
+        if target.index is None and not isinstance(
+            getattr(module, target.attr, None), nn.Parameter
+        ):
+            continue
+        value = [src.take(part) for part in target.parts]
+        assign(
+            target.tensor(model),
+            value[0] if len(value) == 1 else torch.cat(value, dim=0),
+            target.parts[0] if len(value) == 1 else target.name,
+        )
     if model.lm_head is None and "lm_head.weight" in tensors:
         src.used.add("lm_head.weight")  # tied: some checkpoints store the copy anyway
-    for path, param in model.named_parameters():
-        owner = path.rpartition(".")[0]
-        if any(owner == d or owner.startswith(d + ".") for d in done):
-            continue
-        assign(param, src.take(hf_name(path)), hf_name(path))
     unused = [n for n in tensors if n not in src.used and not n.endswith(_IGNORED_SUFFIXES)]
     if unused:
         raise ValueError(f"checkpoint has tensors the model does not use: {sorted(unused)[:5]}")

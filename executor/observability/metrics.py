@@ -33,6 +33,7 @@ from prometheus_client import (
 from executor.config import RUNTIME_GRAPH_MODES
 from executor.core.controls_types import CONTROL_ROWS
 from executor.core.names import FILL_REGISTRIES, MODES, Path
+from executor.observability.occupancy import Occupancy
 from executor.observability.scrape_metrics import PREFIX, LiveSources, ScrapeTimeCollector
 from executor.observability.single_writer_metrics import (
     CounterChild,
@@ -40,6 +41,7 @@ from executor.observability.single_writer_metrics import (
     SingleWriterCounter,
     SingleWriterHistogram,
 )
+from executor.observability.weight_metrics import WeightMetrics
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -162,6 +164,12 @@ class ExecutorMetrics:
             "VERIFY: tokens a row gained per step (accepted drafts plus the bonus token).",
             (), SIZE_BUCKETS,
         )  # fmt: skip
+        self.device_idle_seconds = step_counter(
+            "device_idle_seconds",
+            "Time the device waited for the host with a batch queued: the host gap before each "
+            "step (admission, staging, the answer before it, where no step ran to hide them).",
+            (),
+        )
         self.fill_copy_calls = step_counter(
             "fill_copy_calls", "Copy calls made by input staging (one grouped copy counts once), "
             "by registry.", ("registry",),
@@ -251,8 +259,11 @@ class ExecutorMetrics:
         self.toggle_graph_mode_info = gauge(
             "toggle_graph_mode_info", "1 for the current graph mode, 0 for the others.", ("mode",)
         )
+        self.weights = WeightMetrics(r)  # weight updates, version, released memory
         self._scrape_time = ScrapeTimeCollector()
         r.register(self._scrape_time)
+        self.occupancy = Occupancy()  # model_executor_forward_occupancy, read at scrape time
+        r.register(self.occupancy)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
         # Series children resolved once per label set. NOTE: no lock: `labels()` is
@@ -270,6 +281,7 @@ class ExecutorMetrics:
         for path in PATHS:
             self.padding_tokens.labels(path)
         self._queue_wait = self.queue_wait_seconds.labels()
+        self._device_idle = self.device_idle_seconds.labels()
         self._future_resolved = self.future_tokens_resolved.labels()
         for control in CONTROL_ROWS:
             self.sampling_control_rows.labels(control)
@@ -298,6 +310,8 @@ class ExecutorMetrics:
         queue = timings.get("queue")
         if queue is not None:
             self._queue_wait.observe(queue * 1e-9)
+        self._device_idle.inc(stats.host_gap_ns * 1e-9)
+        self.occupancy.record(stats.device_busy_ns, stats.host_gap_ns)
         if stats.future_refs:
             self._future_resolved.inc(stats.future_refs)
         if stats.draft_tokens or stats.mode == "verify":

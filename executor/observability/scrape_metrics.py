@@ -23,6 +23,9 @@ class LiveSources:
     queue_depth: Callable[[], int]
     kv_slots_used: Callable[[], int]
     req_rows_used: Callable[[], int]
+    # LoRA (None: LoRA off): live rows per loaded adapter; loads and unloads by outcome.
+    lora_running_rows: Callable[[], dict[str, int]] | None = None
+    lora_operations: Callable[[], dict[str, int]] | None = None
 
 
 class ScrapeTimeCollector(Collector):
@@ -85,3 +88,29 @@ class ScrapeTimeCollector(Collector):
                 h2d_copies.add_metric([reason], copy_counts[reason])
         yield h2d_syncs
         yield h2d_copies
+        yield from _lora_families(src)
+
+
+LORA_OPERATIONS = ("loaded", "load_refused", "unloaded", "unload_refused")
+
+
+def _lora_families(src: LiveSources | None) -> Iterator[Metric]:
+    running = GaugeMetricFamily(
+        PREFIX + "lora_running_rows",
+        "Live (unreleased) request rows per loaded LoRA adapter (0 for a loaded, idle one).",
+        labels=["adapter"],
+    )
+    ops = CounterMetricFamily(
+        PREFIX + "lora_operations",
+        "LoRA adapter loads and unloads (start-up, LoadLora, UnloadLora), by outcome.",
+        labels=["operation"],
+    )
+    if src is not None and src.lora_running_rows is not None:
+        for name, rows in sorted(src.lora_running_rows().items()):
+            running.add_metric([name], float(rows))
+    if src is not None and src.lora_operations is not None:
+        counts = src.lora_operations()
+        for op in LORA_OPERATIONS:
+            ops.add_metric([op], counts.get(op, 0))
+    yield running
+    yield ops

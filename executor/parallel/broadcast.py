@@ -4,8 +4,11 @@ Every command rank 0 sends is one `Command`: `step` (a validated, completed host
 whether its row-table write stays), `toggles` (a runtime-config change, applied between two
 steps on every rank), `kv_read` / `kv_write` (the KV data plane: every rank reads its heads
 of a chunk for rank 0 to gather, or writes its heads of a checked import, `payload` holding
-every rank's bytes), `ping` (the idle heartbeat: proves the workers are alive and keeps
-their wait for the next command inside the collective timeout) and `stop`.
+every rank's bytes), `lora` (an adapter load or unload: every rank writes its cut of the slot,
+`executor.lora.adapters`), `weights` (a weight update's or memory call's part on every rank,
+`executor.weights.ranks`; `payload`: a stream's tensors), `ping` (the idle heartbeat: proves
+the workers are alive and keeps their wait for the next command inside the collective
+timeout) and `stop`.
 
 The batch travels as a header (field names, shapes, dtypes, host scalars and lists) encoded
 as JSON and broadcast as bytes, then one flat buffer per dtype through `broadcast_` (a
@@ -28,8 +31,9 @@ from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from executor.parallel.comm import TpComm
 
 STEP, TOGGLES, PING, STOP = "step", "toggles", "ping", "stop"
-KV_READ, KV_WRITE = "kv_read", "kv_write"
-COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE)
+KV_READ, KV_WRITE, LORA = "kv_read", "kv_write", "lora"
+WEIGHTS = "weights"
+COMMANDS = (STEP, TOGGLES, PING, STOP, KV_READ, KV_WRITE, LORA, WEIGHTS)
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Command:
     toggles: dict[str, Any] = field(default_factory=dict)  # TOGGLES: apply_toggles' arguments
     kv: dict[str, Any] = field(default_factory=dict)  # KV_READ / KV_WRITE: slots, chunk, row
     payload: torch.Tensor | None = None  # KV_WRITE: every rank's staged bytes (uint8, flat)
+    lora: dict[str, Any] = field(default_factory=dict)  # LORA: op, name, path, slot
+    weights: dict[str, Any] = field(default_factory=dict)  # WEIGHTS: the call's header
 
     def __post_init__(self) -> None:
         if self.kind not in COMMANDS:
@@ -54,6 +60,7 @@ _LOCAL_FIELDS = (
     "row_controls",
     "vocab_mask",
     "deferred_mask",
+    "row_adapters",  # rank 0's: the workers get the per-token `lora_slots`
 )
 _WIRE_DTYPES = {torch.bool: torch.uint8}  # gloo reduces/broadcasts bool as bytes
 _DTYPES = {
@@ -112,6 +119,8 @@ def send(comm: TpComm, command: Command) -> None:
         "keep_rows": command.keep_rows,
         "toggles": command.toggles,
         "kv": command.kv,
+        "lora": command.lora,
+        "weights": command.weights,
         "payload": 0 if command.payload is None else int(command.payload.numel()),
     }
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -169,4 +178,6 @@ def receive(comm: TpComm) -> Command:
         toggles=header["toggles"],
         kv=header.get("kv", {}),
         payload=payload,
+        lora=header.get("lora", {}),
+        weights=header.get("weights", {}),
     )

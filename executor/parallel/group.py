@@ -10,15 +10,20 @@ plus a gloo group for the host-side broadcast of batches.
 
 from __future__ import annotations
 
+import gc
 import socket
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+import structlog
 import torch
 import torch.distributed as dist
 
 from executor.parallel.comm import TpComm
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def init_comm(endpoint: TpEndpoint, device: torch.device) -> TpComm:
     """Join the group (blocks until every rank arrives, at most the timeout)."""
+    # `torch.distributed.nn.functional` binds `group.WORLD` as the default argument of its
+    # collectives when it is imported; torch._dynamo imports it. Imported after the group
+    # exists (the model's first compile-related import), it holds the default group for
+    # good: `destroy_process_group` then frees nothing, gloo's worker and TCP-loop threads
+    # (and rank 0's TCPStore server thread) live on into the interpreter's teardown, and a
+    # rank aborted there, now and then ("terminate called without an active exception",
+    # exit -6). Imported first, the defaults hold None.
+    import torch.distributed.nn.functional
+
     timeout = timedelta(seconds=endpoint.timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -95,7 +109,20 @@ def init_comm(endpoint: TpEndpoint, device: torch.device) -> TpComm:
     )
 
 
-def close_comm(comm: TpComm) -> None:
-    """Leave the group (a no-op for size 1 or when it was never joined)."""
-    if comm.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+def close_comm(comm: TpComm) -> bool:
+    """Leave the group (a no-op for size 1 or when it was never joined). True if the group
+    is gone with its threads (gloo's, the TCPStore's), joined here; False (logged) when
+    something still holds it, so that its threads would meet the interpreter's teardown."""
+    if not (comm.enabled and dist.is_initialized()):
+        return True
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    if group() is not None:
+        gc.collect()  # a reference cycle through the group
+    if group() is None:
+        return True
+    log.warning(
+        "the process group outlived destroy_process_group: its threads stop at exit",
+        referrers=len(gc.get_referrers(group())),
+    )
+    return False

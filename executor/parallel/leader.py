@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import structlog
 
+from executor.core.forward_batch import ForwardBatch
 from executor.parallel import broadcast
 from executor.parallel.broadcast import Command
 from executor.parallel.comm import TpComm, TpGroupError
@@ -32,6 +33,7 @@ class TpLeader:
         self.heartbeat_s = heartbeat_s
         self.lock = threading.Lock()
         self._last = time.monotonic()
+        self._step_held = False  # a step holds the group from its launch to its read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True)
         self._thread.start()
@@ -39,11 +41,32 @@ class TpLeader:
     @contextmanager
     def holding(self) -> Iterator[None]:
         """Around one command and the collectives that follow it."""
-        with self.lock:
-            try:
-                yield
-            finally:
-                self._last = time.monotonic()
+        self.hold()
+        try:
+            yield
+        finally:
+            self.free()
+
+    def hold(self) -> None:
+        self.lock.acquire()
+
+    def free(self) -> None:
+        self._last = time.monotonic()
+        self.lock.release()
+
+    def send_step(self, step: ForwardBatch, *, keep_rows: bool) -> None:
+        """Broadcast a step at its launch and hold the group (no heartbeat) until `end_step`,
+        after its read: the step's collectives run in between."""
+        self.hold()
+        self._step_held = True
+        self.send(Command(broadcast.STEP, step, keep_rows=keep_rows))
+
+    def end_step(self) -> None:
+        """The step's read is over (or it failed): the group is free again (a no-op when no
+        step holds it)."""
+        if self._step_held:
+            self._step_held = False
+            self.free()
 
     def send(self, command: Command) -> None:
         """Broadcast `command` (call inside `holding`)."""

@@ -9,8 +9,9 @@ Three classes, each with its own rule (`AccessRules`):
   `kv_transfer` is on; then `kv_token_file` in place of the call token and
   `allowed_kv_identities` in place of the client allowlist (each falls back to the call rule's
   when unset);
-- **operator calls** (GetRuntimeConfig, UpdateRuntimeConfig; later the weight, adapter and
-  memory calls: add their names to OPERATOR_METHODS): the runtime-config token or
+- **operator calls** (GetRuntimeConfig, UpdateRuntimeConfig, the weight and memory calls,
+  LoadLora, UnloadLora; a later call that changes the model for every caller adds its name to
+  OPERATOR_METHODS): the runtime-config token or
   `allowed_operator_identities`; with neither they are closed (PERMISSION_DENIED), unless
   `operator_calls_open` (loopback only).
 
@@ -42,7 +43,22 @@ log = structlog.get_logger(__name__)
 
 SERVICE_PREFIX = "/model_executor.v1.ModelExecutor/"
 KV_METHODS = frozenset({"ExportKV", "ImportKV", "PushKV"})
-OPERATOR_METHODS = frozenset({"GetRuntimeConfig", "UpdateRuntimeConfig"})
+# Calls that change the model (or read its config) for every caller.
+OPERATOR_METHODS = frozenset(
+    {
+        "GetRuntimeConfig",
+        "UpdateRuntimeConfig",
+        "UpdateWeights",
+        "UpdateWeightsFromPath",
+        "InitWeightsGroup",
+        "UpdateWeightsFromGroup",
+        "DestroyWeightsGroup",
+        "ReleaseMemory",
+        "ResumeMemory",
+        "LoadLora",
+        "UnloadLora",
+    }
+)
 OWNER_KEY = "x-model-executor-kv-owner"  # an import's row owner, sent by a pushing executor
 
 

@@ -20,6 +20,7 @@ from executor.core.forward_batch import (
     WIRE_TENSOR_FIELDS,
     ForwardBatch,
     ForwardMode,
+    LogprobsMode,
     SamplingBatch,
     SamplingParams,
 )
@@ -44,6 +45,11 @@ from executor.service.info_codec import (  # re-exported: GetInfo and the toggle
     runtime_config_to_proto,
     runtime_update_from_proto,
     runtime_update_to_proto,
+)
+from executor.service.lora_codec import (
+    adapters_from_proto,
+    add_adapters_to_proto,
+    check_lora_claims,
 )
 from executor.validation import INPUT_EMBEDS_OFF, check_request_count, check_token_count
 from model_executor.v1 import executor_pb2 as pb
@@ -144,11 +150,24 @@ def sampling_from_proto(params: Any, bs: int) -> SamplingBatch | None:
                 top_k=p.top_k,
                 min_p=p.min_p,
                 seed=p.seed if p.HasField("seed") else None,
+                logprobs_mode=_logprobs_mode(p.logprobs_mode, i),
             )
-            for p in params
+            for i, p in enumerate(params)
         ],
         bs,
     )
+
+
+def _logprobs_mode(value: int, i: int) -> LogprobsMode:
+    if value not in _LOGPROBS_MODES:
+        raise BatchValidationError(
+            f"sampling_params[{i}].logprobs_mode",
+            f"must be LOGPROBS_MODE_RAW or LOGPROBS_MODE_PROCESSED, got {value}",
+        )
+    return LogprobsMode(value)
+
+
+_LOGPROBS_MODES = frozenset(int(m) for m in LogprobsMode)
 
 
 def _element_count(msg: pb.Tensor) -> int:
@@ -188,6 +207,8 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
             check_token_count(name, _element_count(getattr(msg, name)), limits)
     if msg.row_controls or msg.HasField("vocab_mask"):
         check_control_claims(msg, limits)
+    if msg.row_adapters:
+        check_lora_claims(msg, limits)
     if msg.row_outputs:
         tokens = _element_count(msg.input_ids) if msg.HasField("input_ids") else 0
         check_output_claims(msg, limits, tokens)
@@ -250,6 +271,8 @@ def batch_from_proto(
         fields.update(controls_fields(msg, batch_id, tensor_from_proto))
     if msg.row_outputs or msg.prompt_top_logprobs_num:
         fields.update(outputs_from_proto(msg))
+    if msg.row_adapters:
+        fields["row_adapters"] = adapters_from_proto(msg)
     return ForwardBatch.create(
         forward_mode=mode,
         batch_size=bs,
@@ -284,15 +307,21 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
             s.min_ps.tolist(),
             s.seeds.tolist(),
             s.has_seed.tolist(),
+            s.processed.tolist(),
             strict=True,
         )
-        for temperature, top_p, top_k, min_p, seed, has_seed in columns:
+        for temperature, top_p, top_k, min_p, seed, has_seed, processed in columns:
             p = msg.sampling_params.add(
-                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                logprobs_mode=int(LogprobsMode.PROCESSED if processed else LogprobsMode.RAW),
             )
             if has_seed:
                 p.seed = seed % (1 << 64)
     add_controls_to_proto(fb, msg, tensor_to_proto)
+    add_adapters_to_proto(fb, msg)
     add_outputs_to_proto(fb, msg)
     return msg
 
@@ -329,6 +358,10 @@ def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
         stats.control_rows.update(st.control_rows)
     stats.draft_tokens = st.draft_tokens
     stats.accepted_drafts = st.accepted_drafts
+    stats.lora_rows = st.lora_rows
+    stats.host_gap_ns = st.host_gap_ns
+    if out.weight_version:
+        msg.weight_version = out.weight_version
     if out.extras is not None:
         extras_to_proto(out.extras, msg, tensor_to_proto)
     if out.accepted_tokens is not None and out.accepted_lengths is not None:
@@ -371,6 +404,8 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
             control_rows=dict(st.control_rows),
             draft_tokens=st.draft_tokens,
             accepted_drafts=st.accepted_drafts,
+            lora_rows=st.lora_rows,
+            host_gap_ns=st.host_gap_ns,
         ),
         next_token_logprobs=opt("next_token_logprobs"),
         top_logprob_ids=opt("top_logprob_ids"),
@@ -379,6 +414,7 @@ def response_from_proto(msg: pb.ForwardResponse) -> ForwardOutput:
         accepted_lengths=_ragged_lengths(msg, "accepted_tokens"),
         accepted_logprobs=_ragged_values(msg, "accepted_logprobs"),
         extras=extras_from_proto(msg, tensor_from_proto),
+        weight_version=msg.weight_version,
     )
 
 

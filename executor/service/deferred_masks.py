@@ -40,7 +40,7 @@ from executor.core.errors import BatchValidationError
 from executor.core.limits import BatchLimits
 from executor.service.codec import tensor_from_proto
 from executor.service.controls_codec import check_mask_claim, mask_from_proto
-from executor.service.device_worker import Job, StreamFailedError
+from executor.service.jobs import Job, StreamFailedError
 
 log = structlog.get_logger(__name__)
 

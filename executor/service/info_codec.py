@@ -11,7 +11,9 @@ from executor.core.errors import BatchValidationError, RuntimeConfigError
 from executor.core.limits import BatchLimits
 from executor.info import ExecutorInfo, SettingChoice
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.service.lora_codec import add_lora_info_to_proto, lora_info_from_proto
 from executor.service.runtime_config import RuntimeConfig, RuntimeConfigUpdate
+from executor.weights.memory import MemoryReport
 from model_executor.v1 import executor_pb2 as pb
 
 _KV_DTYPES = {pb.FLOAT32: torch.float32, pb.BFLOAT16: torch.bfloat16, pb.FLOAT16: torch.float16}
@@ -108,6 +110,16 @@ def info_to_proto(
     )
     if info.kv_layout is not None and info.kv_transfer_limits is not None:
         msg.kv_layout.CopyFrom(layout_to_proto(info.kv_layout, info.kv_transfer_limits))
+    add_lora_info_to_proto(info.lora, msg)
+    msg.weight_version = info.weight_version
+    if info.memory is not None:
+        msg.memory.CopyFrom(
+            pb.MemoryState(
+                released=list(info.memory.released),
+                kv_epoch=info.memory.kv_epoch,
+                weights_await_update=info.memory.awaiting_update,
+            )
+        )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id
     if runtime_config is not None:
@@ -159,6 +171,13 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         kv_layout=layout_from_proto(msg.kv_layout, "kv_layout") if has_kv else None,
         kv_transfer_limits=limits_from_proto(msg.kv_layout) if has_kv else None,
         choices=tuple(SettingChoice(c.setting, c.value, c.reason) for c in msg.setting_choices),
+        lora=lora_info_from_proto(msg),
+        weight_version=msg.weight_version,
+        memory=MemoryReport(
+            tuple(msg.memory.released), msg.memory.kv_epoch, msg.memory.weights_await_update
+        ),
+        weight_update_max_tensors=msg.weight_update_limits.max_tensors,
+        weight_update_max_bytes=msg.weight_update_limits.max_update_bytes,
     )
     return info, msg.model_spec
 

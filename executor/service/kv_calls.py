@@ -31,8 +31,12 @@ class KVDeadline:
         idle_s: float | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        total_setting: str = "kv_call_timeout_s",
+        idle_setting: str = "kv_chunk_timeout_s",
     ) -> None:
+        """`total_setting` / `idle_setting`: the settings a cancellation names."""
         self._cancel = cancel
+        self._names = (total_setting, idle_setting)
         self._clock = clock
         self._end = clock() + total_s
         self.total_s = total_s
@@ -53,10 +57,10 @@ class KVDeadline:
         self._done.set()
 
     def _next(self) -> tuple[float, str]:
-        due, why = self._end, f"it ran past kv_call_timeout_s ({self.total_s:g} s)"
+        due, why = self._end, f"it ran past {self._names[0]} ({self.total_s:g} s)"
         if self.idle_s is not None and self._last + self.idle_s < due:
             due = self._last + self.idle_s
-            why = f"it sent no message for kv_chunk_timeout_s ({self.idle_s:g} s)"
+            why = f"it sent no message for {self._names[1]} ({self.idle_s:g} s)"
         return due, why
 
     def _watch(self) -> None:

@@ -12,7 +12,7 @@ import grpc
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.service.access import OWNER_KEY, AccessRules
 from executor.service.admission import CallLimit, CapacityError
-from executor.service.device_worker import RpcEndedError
+from executor.service.jobs import RpcEndedError
 from executor.service.kv_calls import KVDeadline
 from executor.service.kv_service import KVService
 from executor.service.status import abort

@@ -44,8 +44,9 @@ from executor.service.access import OWNER_KEY
 from executor.service.admission import ByteBudget
 from executor.service.auth import TokenFile
 from executor.service.codec import tensor_to_proto
-from executor.service.device_worker import DeviceWorker, RpcEndedError
+from executor.service.device_worker import DeviceWorker
 from executor.service.info_codec import layout_to_proto
+from executor.service.jobs import RpcEndedError
 from executor.service.kv_calls import KVDeadline
 from executor.service.kv_codec import (
     chunk_from_proto,

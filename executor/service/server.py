@@ -53,6 +53,7 @@ from executor.service.tenancy import RowTenants
 from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
 from executor.service.watchdog import DeviceWatchdog, RunningStep
+from executor.service.weights_service import weights_service
 from executor.service.wire_limits import MESSAGE_SLACK, batch_budget_bytes, message_limits
 
 log = structlog.get_logger(__name__)
@@ -250,7 +251,9 @@ def start_server(
         kv_calls=CallLimit(server_config.max_kv_calls, "KV data-plane calls", "max_kv_calls"),
         kv_call_timeout_s=server_config.kv_call_timeout_s,
         kv_chunk_timeout_s=server_config.kv_chunk_timeout_s,
+        weight_update_timeout_s=server_config.weight_update_timeout_s,
     )
+    servicer.weights = weights_service(servicer, server_config, metrics)
     add_executor_servicer(servicer, server)
     health_servicer = MirroredHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -366,13 +369,15 @@ def start_server(
                 set_trace_sample_ratio=tracing.set_sample_ratio,
                 on_change=metrics.set_runtime_config,
             )
-            pool = executor.req_to_token_pool
+            pool, lora = executor.req_to_token_pool, executor.lora
             metrics.set_executor(
                 executor.info,
                 LiveSources(
                     queue_depth=lambda: worker.depth,
                     kv_slots_used=pool.slots_in_use,
                     req_rows_used=pool.rows_in_use,
+                    lora_running_rows=lora.running_rows if lora is not None else None,
+                    lora_operations=(lambda: dict(lora.counts)) if lora is not None else None,
                 ),
             )
             # graph_mode=auto on a CPU: compile decode graphs while serving eagerly.

@@ -160,6 +160,29 @@ class ServerConfig:
         "longest an ImportKV stream may go without sending its next message; then it is "
         "cancelled and nothing is written",
     )
+    weight_update_root: str = setting(
+        "",
+        "directory UpdateWeightsFromPath may read safetensors from (symlinks resolved; any "
+        "path outside it is PERMISSION_DENIED); '' = path updates off",
+    )
+    max_weight_update_mib: int = setting(
+        0,
+        "the most MiB one weight update may carry (its header's tensors at their dtypes), "
+        "refused from the header (RESOURCE_EXHAUSTED); staged on the host while steps run; "
+        "0 = the model's own size in float32",
+    )
+    weight_group_addresses: str = setting(
+        "",
+        "comma-separated glob patterns of the master_address a trainer's weights group may "
+        "rendezvous at (InitWeightsGroup dials it and the members it names); others are "
+        "PERMISSION_DENIED before anything is dialed; '' = InitWeightsGroup off",
+    )
+    weight_update_timeout_s: float = setting(
+        600.0,
+        "longest an UpdateWeights stream may take to arrive (then it is cancelled and the "
+        "weights stay as they were), and the most InitWeightsGroup's timeout_s may ask (a "
+        "weights group's bound on each collective)",
+    )
     refusal_log_interval_s: float = setting(
         10.0,
         "refused calls and batches log one line per reason per this many seconds, with the "
@@ -256,6 +279,14 @@ class ServerConfig:
             raise ValueError(
                 "operator_calls_open is for development on a loopback host; on "
                 f"{self.host!r} set runtime_config_token_file or allowed_operator_identities"
+            )
+        if self.max_weight_update_mib < 0:
+            raise ValueError(
+                f"max_weight_update_mib must be >= 0, got {self.max_weight_update_mib}"
+            )
+        if not self.weight_update_timeout_s > 0:
+            raise ValueError(
+                f"weight_update_timeout_s must be > 0, got {self.weight_update_timeout_s}"
             )
         if self.refusal_log_interval_s < 0:
             raise ValueError(

@@ -6,8 +6,10 @@
 | StreamIdleError, DeferredMaskTimeout   | DEADLINE_EXCEEDED   |
 | BatchValidationError, RuntimeConfigError | INVALID_ARGUMENT  |
 | UndecodableRequestError (bytes that are not a ForwardRequest) | INVALID_ARGUMENT, a warning line |
-| ToggleRefusedError, KVStateError      | FAILED_PRECONDITION |
-| KVChecksumError (a damaged KV chunk)   | DATA_LOSS           |
+| ToggleRefusedError, KVStateError, ModelStateError, LoraStateError | FAILED_PRECONDITION |
+| LoraAdapterError (an adapter that does not fit) | INVALID_ARGUMENT |
+| LoraNotFoundError / LoraSlotsFullError | NOT_FOUND / RESOURCE_EXHAUSTED |
+| KVChecksumError, WeightChunkError (a damaged chunk) | DATA_LOSS |
 | UnauthenticatedError                   | UNAUTHENTICATED     |
 | not ready / draining, WorkerClosedError | UNAVAILABLE        |
 | RpcEndedError (deadline / cancelled)   | DEADLINE_EXCEEDED / CANCELLED (not run) |
@@ -24,7 +26,8 @@ passed) ends the RPC as CANCELLED or DEADLINE_EXCEEDED with an info line: its do
 failure of the executor (the error-ratio alert leaves both out).
 
 Every handler runs inside `Telemetry.rpc` (server span, RPC latency, status-code count). The
-KV data plane's handlers (ExportKV, ImportKV, PushKV) delegate to `kv_service.py`.
+KV data plane's handlers (ExportKV, ImportKV, PushKV) delegate to `kv_service.py`, the weight
+and memory calls' to `weights_service.py`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from executor.core.errors import FaultInjector
 from executor.core.outputs import ForwardOutput
 from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
+from executor.service import lora_calls
 from executor.service.access import AccessRules, Rule
 from executor.service.admission import ByteBudget, CallLimit, CapacityError, StreamIdleError
 from executor.service.applied_batches import fingerprint
@@ -60,16 +64,16 @@ from executor.service.deferred_masks import (
     refuse_on_unary,
     stream_over,
 )
-from executor.service.device_worker import (
-    DeviceWorker,
-    Job,
-    StreamState,
-)
+from executor.service.device_worker import DeviceWorker
 from executor.service.handlers import UndecodableRequest
+from executor.service.jobs import Job, StreamState
 from executor.service.kv_handlers import KVHandlers
 from executor.service.kv_service import KVService
 from executor.service.runtime_config import RuntimeControl
 from executor.service.status import NotServingError, abort
+from executor.service.weights_codec import limits_to_proto
+from executor.service.weights_handlers import WeightsHandlers
+from executor.service.weights_service import WeightsService
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -82,7 +86,7 @@ class _StreamStep:
     span: SpanScope  # the batch's `step` span under the stream's
 
 
-class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
+class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorServicer):
     def __init__(
         self,
         model_spec: str,
@@ -98,6 +102,7 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         kv_calls: CallLimit | None = None,
         kv_call_timeout_s: float = 120.0,
         kv_chunk_timeout_s: float = 10.0,
+        weight_update_timeout_s: float = 600.0,
     ) -> None:
         self.model_spec = model_spec
         self.stream_window = stream_window
@@ -124,6 +129,9 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
         self.faults: FaultInjector | None = None
         # The KV data plane (start_server sets its TLS, peers, limits and tenants).
         self.kv = KVService(self._accepting, byte_budget=self.byte_budget)
+        # Weights and memory (start_server sets their settings and metrics).
+        self.weights = WeightsService(self._accepting)
+        self.weight_update_timeout_s = weight_update_timeout_s
 
     def attach(self, worker: DeviceWorker, runtime: RuntimeControl) -> None:
         """The model is loaded and warmed up: start taking batches."""
@@ -397,7 +405,10 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                 raise  # unreachable: abort raises
             # The runtime config only to a caller that could read it with GetRuntimeConfig.
             config = runtime.current() if self.access.may_operate(context) else None
-            return info_to_proto(worker.executor.info, self.model_spec, config)
+            msg = info_to_proto(worker.executor.info, self.model_spec, config)
+            limits = self.weights.limits(worker.executor.weights)
+            msg.weight_update_limits.CopyFrom(limits_to_proto(limits))
+            return msg
 
     def GetRuntimeConfig(
         self, request: pb.GetRuntimeConfigRequest, context: grpc.ServicerContext
@@ -424,3 +435,13 @@ class ExecutorServicer(KVHandlers, pb_grpc.ModelExecutorServicer):
                 abort(context, exc, rpc)
                 raise  # unreachable: abort raises
             return runtime_config_to_proto(config)
+
+    def LoadLora(
+        self, request: pb.LoadLoraRequest, context: grpc.ServicerContext
+    ) -> pb.LoadLoraResponse:
+        return lora_calls.load_lora(self, request, context)
+
+    def UnloadLora(
+        self, request: pb.UnloadLoraRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadLoraResponse:
+        return lora_calls.unload_lora(self, request, context)

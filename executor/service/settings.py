@@ -62,7 +62,15 @@ def add_arguments(
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{help_text} (env {env_name(f.name)}; default {default!r})".strip()
-        if _field_type(f) is bool:
+        if f.metadata.get("repeat"):
+            group.add_argument(
+                flag_name(f.name),
+                action="append",
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=help_text,
+            )
+        elif _field_type(f) is bool:
             group.add_argument(
                 flag_name(f.name),
                 action=argparse.BooleanOptionalAction,
@@ -106,11 +114,15 @@ def build(
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in args:
             raw = args[f.name]
+            if isinstance(raw, list):  # a repeated flag: its values, comma-separated
+                raw = ",".join(str(v) for v in raw)
             values[f.name] = parse_value(f, raw, flag_name(f.name)) if isinstance(raw, str) else raw
         elif env_name(f.name) in env:
             values[f.name] = parse_value(f, env[env_name(f.name)], env_name(f.name))
         elif f.name in file_values:
             value = file_values[f.name]
+            if isinstance(value, list) and f.metadata.get("repeat"):  # a TOML array
+                value = ",".join(str(v) for v in value)
             values[f.name] = (
                 parse_value(f, str(value), f"config file key {f.name!r}")
                 if isinstance(value, str)

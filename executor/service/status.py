@@ -13,8 +13,14 @@ from executor.core.errors import (
     BatchValidationError,
     KVChecksumError,
     KVStateError,
+    LoraAdapterError,
+    LoraNotFoundError,
+    LoraSlotsFullError,
+    LoraStateError,
+    ModelStateError,
     RuntimeConfigError,
     ToggleRefusedError,
+    WeightChunkError,
 )
 from executor.observability.telemetry import RpcScope, caller_gone
 from executor.observability.tracing import SpanScope
@@ -22,13 +28,13 @@ from executor.parallel.comm import TpGroupError
 from executor.service.access import PermissionDeniedError
 from executor.service.admission import CapacityError, StreamIdleError
 from executor.service.auth import UnauthenticatedError
-from executor.service.device_worker import (
+from executor.service.handlers import UndecodableRequestError
+from executor.service.jobs import (
     QueueFullError,
     RpcEndedError,
     StreamFailedError,
     WorkerClosedError,
 )
-from executor.service.handlers import UndecodableRequestError
 
 log = structlog.get_logger(__name__)
 
@@ -38,13 +44,21 @@ class NotServingError(RuntimeError):
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, LoraNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, LoraSlotsFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, LoraAdapterError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, LoraStateError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, BatchTooLargeError | QueueFullError | CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, BatchValidationError | RuntimeConfigError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, KVChecksumError):
+    if isinstance(exc, KVChecksumError | WeightChunkError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
-    if isinstance(exc, ToggleRefusedError | KVStateError):
+    if isinstance(exc, ToggleRefusedError | KVStateError | ModelStateError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)

@@ -1,26 +1,30 @@
-"""`Speculation`: what the step calls for a VERIFY batch, in the step's order.
+"""`Speculation`: VERIFY as a step feature (`executor.core.features`), in the step's order.
 
-check (host rules, before anything changes) -> prepare (drafts written into the input ids on
-the device, future references resolved) -> sample (accept, bonus, one device-to-host copy)
--> the rows truncated to what was accepted (`ReqToTokenPool.truncate`, the step's last act).
+admit (host rules, before anything changes) -> launch (drafts written into the input ids on
+the device, future references resolved) -> draw (accept, bonus; in the step's one
+device-to-host copy) -> commit (the rows truncated to what was accepted,
+`ReqToTokenPool.truncate`, the step's last act).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from executor.controls.slot_tokens import SlotTokens
 from executor.core.errors import BatchValidationError
+from executor.core.features import FeatureStep
 from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.core.limits import BatchLimits
-from executor.core.outputs import ForwardOutput
+from executor.core.outputs import ForwardOutput, StepStats
+from executor.core.step_batch import StepBatch
+from executor.kv_cache import ReqToTokenPool
 from executor.speculative.ngram import Drafter, NgramDrafter
 from executor.speculative.verify import verify_drafts
 from ops.future_tokens import resolve_future_tokens
-from ops.host_transfer import to_host
 from ops.sampling import SamplingPlan
 
 
@@ -94,15 +98,39 @@ def check_not_verify(fb: ForwardBatch) -> None:
 
 
 class Speculation:
-    """`vocab_size`: a drafted id outside the vocabulary (an unknown slot's -1, an imported
-    id) becomes the input token, as an unmatched lookup does; the embedding never sees it."""
+    """VERIFY as a step feature (`executor.core.features`). `vocab_size`: a drafted id
+    outside the vocabulary (an unknown slot's -1, an imported id) becomes the input token, as
+    an unmatched lookup does; the embedding never sees it."""
 
     def __init__(
-        self, slot_tokens: SlotTokens, vocab_size: int, drafter: Drafter | None = None
+        self,
+        slot_tokens: SlotTokens,
+        limits: BatchLimits,
+        *,
+        pool: ReqToTokenPool,
+        future_table: torch.Tensor,
+        tp_size: int,
+        generator: torch.Generator,
+        drafter: Drafter | None = None,
     ) -> None:
+        """`generator`: the sampler's, for the bonus tokens' unseeded draws."""
         self.slot_tokens = slot_tokens
-        self.vocab_size = vocab_size
+        self.generator = generator
+        self.limits = limits
+        self.vocab_size = limits.vocab_size
+        self.pool = pool
+        self.future_table = future_table
+        self.tp_size = tp_size
         self.drafter: Drafter = drafter or NgramDrafter()
+
+    def admit(self, sb: StepBatch) -> VerifyStep | None:
+        """The VERIFY rules beyond an EXTEND's (BatchValidationError); None for other modes
+        (which may not bring drafts' fields)."""
+        if not sb.host.forward_mode.is_verify():
+            check_not_verify(sb.host)
+            return None
+        check_verify(sb.host, self.limits, tp_size=self.tp_size)
+        return VerifyStep(self)
 
     def prepare(
         self,
@@ -149,16 +177,15 @@ class Speculation:
         use = (j >= 1) & (fb.ngram_draft[row] > 0) & in_vocab
         return torch.where(use, drafted.to(ids.dtype), ids)
 
-    def sample(
+    def draw(
         self,
         logits: torch.Tensor,
         host: ForwardBatch,
         fb: ForwardBatch,
         plan: SamplingPlan,
-        generator: torch.Generator,
-    ) -> ForwardOutput:
-        """Accept and draw; the step's one device-to-host copy (accepted counts, tokens and
-        logprobs packed as float64, which holds token ids exactly)."""
+    ) -> VerifyDraw:
+        """Accept and draw on the device; the accepted counts, tokens and logprobs packed as
+        float64 (which holds token ids exactly) for the step's one device-to-host copy."""
         assert host.extend_seq_lens_cpu is not None and fb.extend_start_loc is not None
         assert fb.input_ids is not None and fb.positions is not None and fb.sampling is not None
         assert fb.extend_seq_lens is not None
@@ -172,26 +199,69 @@ class Speculation:
             positions=fb.positions,
             sampling=fb.sampling,
             plan=plan,
-            generator=generator,
+            generator=self.generator,
             return_logprob=host.return_logprob,
         )
         parts = [v.accepted.unsqueeze(1).double(), v.tokens.double()]
         if v.logprobs is not None:
             parts.append(v.logprobs.double())
-        packed = to_host(torch.cat(parts, dim=1), "sampled_tokens")
+        drafts = int(sum(host.extend_seq_lens_cpu)) - host.batch_size
+        return VerifyDraw(
+            v.bonus, [torch.cat(parts, dim=1)], kmax + 1, v.logprobs is not None, drafts
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyDraw:
+    """A VERIFY step's draw (`executor.core.features.Draw`)."""
+
+    ids: torch.Tensor  # the bonus tokens, on the device (the future-token table stores them)
+    device: list[torch.Tensor]
+    width: int  # kmax + 1
+    logprobs: bool
+    draft_tokens: int
+
+    def output(self, host: list[torch.Tensor], stats: StepStats) -> ForwardOutput:
+        packed = host[0]
         accepted = packed[:, 0].long()
-        width = kmax + 1
-        tokens = packed[:, 1 : 1 + width].long()
-        keep = torch.arange(width).unsqueeze(0) <= accepted.unsqueeze(1)
+        tokens = packed[:, 1 : 1 + self.width].long()
+        keep = torch.arange(self.width).unsqueeze(0) <= accepted.unsqueeze(1)
         out = ForwardOutput(
             next_token_ids=tokens.gather(1, accepted.unsqueeze(1)).squeeze(1),
-            device_token_ids=v.bonus,
+            stats=stats,
+            device_token_ids=self.ids,
             accepted_tokens=tokens[keep],
             accepted_lengths=(accepted + 1).to(torch.int32),
         )
-        if v.logprobs is not None:
-            out.accepted_logprobs = packed[:, 1 + width :].float()[keep]
-        out.stats.draft_tokens = int(sum(host.extend_seq_lens_cpu)) - host.batch_size
-        out.stats.accepted_drafts = int(accepted.sum())
-        out.stats.accept_lengths = tuple((accepted + 1).tolist())
+        if self.logprobs:
+            out.accepted_logprobs = packed[:, 1 + self.width :].float()[keep]
+        stats.draft_tokens = self.draft_tokens
+        stats.accepted_drafts = int(accepted.sum())
+        stats.accept_lengths = tuple((accepted + 1).tolist())
         return out
+
+
+@dataclass(eq=False)
+class VerifyStep(FeatureStep):
+    """launch: drafts into the device batch's input ids; draw: acceptance instead of the
+    sampler; commit: the rows truncated to what was accepted (their rejected drafts' slots
+    free again), which the next admission reads: `settles_at_read`."""
+
+    spec: Speculation
+    settles_at_read = True
+
+    def launch(self, sb: StepBatch) -> None:
+        spec = self.spec
+        sb.device = spec.prepare(
+            sb.host, sb.staged_device(), spec.future_table, spec.pool.req_to_token
+        )
+
+    def draw(self, sb: StepBatch, logits: torch.Tensor) -> VerifyDraw:
+        assert sb.sampling is not None
+        return self.spec.draw(logits, sb.host, sb.staged_device(), sb.sampling)
+
+    def commit(self, sb: StepBatch, out: ForwardOutput, host: list[torch.Tensor]) -> None:
+        assert out.accepted_lengths is not None and sb.host.extend_prefix_lens_cpu is not None
+        rows = sb.host.req_pool_indices.numpy().astype(np.int64)
+        prefix = np.asarray(sb.host.extend_prefix_lens_cpu, dtype=np.int64)
+        self.spec.pool.truncate(rows, prefix + out.accepted_lengths.numpy().astype(np.int64))

@@ -3,7 +3,7 @@
 Row r brings tokens x_0, d_1 .. d_k (k = k_r) at token indices start_r .. start_r + k; the
 logits at index start_r + j predict the token after x_j, so draft d_{j+1} is checked against
 them. Greedy rows accept d while it equals the argmax. Sampled rows accept d with probability
-p(d) under the row's sampling distribution (ops.sampling.distribution); at the first
+p(d) under the row's sampling distribution (ops.sampling.truncate); at the first
 rejection the bonus is drawn from p with d removed, after k acceptances from p itself
 (the rejection rule for one-hot drafts: the output is distributed as plain sampling). Seeded
 rows draw their uniforms from (seed, position of the predicted token): the acceptance test
@@ -21,9 +21,10 @@ from executor.core.forward_batch import SamplingBatch
 from ops.sampling import (
     GREEDY_BELOW_TEMPERATURE,
     SamplingPlan,
-    distribution,
     draw,
+    processed_logprobs,
     seeded_uniform,
+    truncate,
 )
 
 _BONUS_STREAM = 0x2545F4914F6CDD1D  # xor'd into a seed: the bonus draw's own uniform stream
@@ -32,7 +33,8 @@ _BONUS_STREAM = 0x2545F4914F6CDD1D  # xor'd into a seed: the bonus draw's own un
 @dataclass
 class Verified:
     """Device tensors: `accepted` [bs] (a_r), `tokens` [bs, kmax + 1] (accepted drafts, the
-    bonus at column a_r, -1 after it) and their raw logprobs when asked."""
+    bonus at column a_r, -1 after it) and their logprobs when asked (RAW, or PROCESSED: under
+    the target distribution at each token's position)."""
 
     accepted: torch.Tensor
     tokens: torch.Tensor
@@ -62,19 +64,18 @@ def verify_drafts(
     nxt = torch.cat([input_ids[1:], input_ids[:1]]).long()  # the draft each token's logits check
     has_draft = j < k[row]
     argmax = logits.argmax(dim=-1)
+    temps = sampling.temperatures[row]
+    truncated = None
+    if not plan.all_greedy or (plan.any_processed and return_logprob):  # draw, or logprobs
+        truncated = truncate(
+            logits, temps, sampling.top_ks[row], sampling.top_ps[row], sampling.min_ps[row], plan
+        )
     if plan.all_greedy:
         match = argmax == nxt
         probs = cand = None
     else:
-        temps = sampling.temperatures[row]
-        probs, cand = distribution(
-            logits,
-            temps,
-            sampling.top_ks[row],
-            sampling.top_ps[row],
-            sampling.min_ps[row],
-            plan,
-        )
+        assert truncated is not None
+        probs, cand = truncated.probs, truncated.cand_ids
         p_draft = _prob_of(probs, cand, nxt) / probs.sum(dim=-1)
         predicted = positions.long() + 1
         u_accept = _uniforms(sampling, row, predicted, generator, plan, stream=0)
@@ -116,6 +117,10 @@ def verify_drafts(
     out = Verified(accepted=accepted, tokens=tokens, bonus=bonus)
     if return_logprob:
         logp = torch.log_softmax(logits, dim=-1)
+        if plan.any_processed:  # the target distribution itself, on PROCESSED rows
+            assert truncated is not None
+            processed = sampling.processed[row].unsqueeze(1)
+            logp = torch.where(processed, processed_logprobs(truncated), logp)
         src = (start.unsqueeze(1) + width).clamp(max=num_tokens - 1)
         out.logprobs = logp[src, tokens.clamp(min=0)]
     return out

@@ -1,6 +1,6 @@
-"""The step and its controls: one batch from admission to sampled tokens.
+"""The step, the engine's roof: one batch from admission to sampled tokens.
 
-`step.py` runs a batch (`Step.forward`); `clock.py` times its phases once; `outputs.py`
-holds what a step and the executor report; `paths.py` the vocabulary of paths and toggles;
-`toggles.py` the runtime toggles' one home and `graph_control.py` their one writer.
+`step.py` runs a batch (`Step`: admit, stage, launch, read); `graph_control.py` is the
+runtime toggles' one writer. The step's vocabulary (`StepBatch`, the feature protocol, its
+clock and outputs) is in `executor.core`.
 """

@@ -3,8 +3,10 @@
 It is the only writer of :class:`executor.core.toggles.Toggles`. Every change is checked first
 and refused with `ToggleRefusedError` (nothing changed) when the executor cannot honour it;
 then it is applied whole. A graph mode that needs a capture captures now, or with
-`background` on a thread of its own, bucket by bucket under the step lock, while steps keep
-running on the current path; the new mode is installed between two steps.
+`background` on a thread of its own while steps keep running on the current path: the
+compiles first, in a compile worker process (`executor.compile_worker`) when the graph
+backend compiles, then each bucket's load and compile phase without the step lock, and only
+its capture runs (warm-up, checks) under it; the new mode is installed between two steps.
 
 Under tensor parallelism rank 0 broadcasts each change (every rank captures in step, since
 a capture runs collectives) and the workers apply it through the same `apply_toggles`.
@@ -20,12 +22,14 @@ import torch
 
 from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
-from executor.config import ExecutorConfig, background_graph_mode, resolve_graph_mode
+from executor.config import ExecutorConfig
 from executor.core.errors import ToggleRefusedError
 from executor.core.names import GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
 from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
+from executor.graphs.compile_job import CompileJob, compile_in_worker
+from executor.graphs.settings import background_graph_mode, resolve_graph_mode
 from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
 from executor.parallel import broadcast
@@ -59,29 +63,32 @@ class GraphControl:
         self.comm = comm
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
         # A step and a background capture's bucket never overlap: both hold it.
-        self.step_lock = threading.Lock()
+        # Re-entrant: the device thread holds it over a whole step (and the next batch's
+        # staging while the step runs), taking it again in each phase.
+        self.step_lock = threading.RLock()
         self.capture_reports: list[CaptureReport] = []
         # Called (on the capture thread) when a background capture ends, either way.
         self.graph_mode_listener: Callable[[], None] | None = None
         self._capture_thread: threading.Thread | None = None
+        # Raises when the model may not run now (its memory is released): no capture then.
+        self.memory_guard: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         """Capture what the start-up graph mode needs (on every rank, in the same order)."""
         mode = self.toggles.graph_mode
         if mode is not GraphMode.NONE:
             self._record_captures(self.runner.enable_graphs(mode))
-        if mode.decode_graphs and (refusal := self.attn_backend.graph_capture_refusal()):
-            log.warning(
-                "decode graphs refused: DECODE runs eagerly",
-                attention_backend=self.attn_backend.name,
-                reason=refusal,
-            )
+
+    def _background_mode(self) -> str | None:
+        return background_graph_mode(
+            self.config, self.device, self.attn_backend.graph_capture_refusal()
+        )
 
     def start_background(self) -> str | None:
         """`graph_mode=auto` on a CPU: capture `background_graph_mode` on a thread of its own
         while steps run eagerly; installed between two steps once every bucket is compiled.
         Returns the mode it captures, or None (nothing to do)."""
-        target = background_graph_mode(self.config, self.device)
+        target = self._background_mode()
         if target is None or self.toggles.graph_mode is not GraphMode.NONE:
             return None
         self.apply_toggles(graph_mode=target, background_capture=True)
@@ -91,9 +98,15 @@ class GraphControl:
         """What graph_mode and graph_backend became here, and why (GetInfo)."""
         cfg = self.config
         backend = self.runner.graph_factory.backend
-        background = background_graph_mode(cfg, self.device)
+        background = self._background_mode()
+        refusal = self.attn_backend.graph_capture_refusal()
         if cfg.graph_mode != "auto":
             mode_reason = "configured"
+        elif refusal is not None:
+            mode_reason = (
+                f"auto: none, attention_backend={self.attn_backend.name} cannot be captured in "
+                f"a graph ({refusal}): every step runs eagerly"
+            )
         elif background is not None:
             mode_reason = (
                 f"auto: on a CPU, none at start-up, then {background} captured in the "
@@ -112,9 +125,14 @@ class GraphControl:
             buckets = (
                 self.runner.graph_settings.decode_buckets if self.runner.graph_settings else []
             )
+            when = (
+                "compiled in the background"
+                if background is not None
+                else "when a runtime graph_mode turns DECODE graphs on"
+            )
             backend_reason = (
                 f"auto: whole-step inductor graphs for DECODE batch sizes {buckets}, the CPU "
-                "path measured faster than eager (compiled in the background)"
+                f"path measured faster than eager ({when})"
             )
         else:
             backend_reason = "auto: inductor's layer halves on a CPU"
@@ -185,6 +203,11 @@ class GraphControl:
             needs = self.check_needs_cpu_seq_lens(self.toggles.seq_lens_policy, target)
         except ToggleRefusedError as e:
             raise ToggleRefusedError(f"graph_mode={target}: {e}") from e
+        if self.runner.needs_capture(target):
+            try:
+                self.memory_guard()
+            except RuntimeError as e:
+                raise ToggleRefusedError(f"graph_mode={target}: {e}") from e
         if background and self.runner.needs_capture(target):
             self._capture_in_background(target, needs)
             return []
@@ -194,7 +217,11 @@ class GraphControl:
 
     def _resolve_graph_mode(self, mode: str) -> GraphMode:
         if mode == "auto":
-            mode = resolve_graph_mode(self.config.replace(graph_mode="auto"), self.device)
+            mode = resolve_graph_mode(
+                self.config.replace(graph_mode="auto"),
+                self.device,
+                self.attn_backend.graph_capture_refusal(),
+            )
         try:
             return GraphMode(mode)
         except ValueError:
@@ -217,6 +244,7 @@ class GraphControl:
         def body() -> None:
             with device_scope(self.device):
                 try:
+                    self._compile_in_worker(mode)
                     captured = self.runner.capture_for(mode, progress=False, lock=self.step_lock)
                 except BaseException as e:  # a shutdown (StartupCancelled) or a bug
                     self.toggles.capture_error = f"{type(e).__name__}: {e}"
@@ -232,6 +260,32 @@ class GraphControl:
 
         self._capture_thread = threading.Thread(target=body, name="graph-capture", daemon=True)
         self._capture_thread.start()
+
+    def _compile_in_worker(self, mode: GraphMode) -> None:
+        """A compiling graph backend: compile `mode`'s buckets in a worker process into the
+        caches, which the capture then loads. If the worker fails, the capture compiles in
+        this process (off the step lock still, but sharing this process's CPU and GIL)."""
+        factory = self.runner.graph_factory
+        settings = self.runner.graph_settings
+        runners = self.runner.missing_runners(mode)
+        if not factory.compiles or settings is None or not runners:
+            return
+        if self.runner.all_saved(runners, self.step_lock):
+            log.info("compiled graphs saved in the cache dir: loading them", runners=runners)
+            return
+        job = CompileJob(
+            self.config.replace(
+                graph_mode="none",
+                graph_backend=factory.backend,
+                graph_batch_sizes=",".join(map(str, settings.decode_buckets)),
+                piecewise_token_sizes=",".join(map(str, settings.piecewise_buckets)),
+            ),
+            runners,
+            self.toggles.needs_cpu_seq_lens,
+        )
+        reason = compile_in_worker(job, factory.stop)
+        if reason is not None:
+            log.warning("compile worker failed: the capture compiles here", reason=reason)
 
     def wait_for_capture(self, timeout: float | None = None) -> bool:
         """Wait for a background capture to end; False if it is still running. Any thread."""

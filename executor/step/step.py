@@ -1,70 +1,57 @@
-"""`Step`: one batch from admission to sampled tokens, with the row table undone on failure.
+"""`Step`: one batch from admission to sampled tokens, as five calls on one `StepBatch`.
 
-:meth:`Step.forward` is the whole step: admit the batch (every refusal, before anything is
-uploaded or written), stage it (one host-to-device copy, the row-table write), run the
-model on the path the runner picks, sample. A failure after the write undoes it.
-The clock's phases: `validate` is the admission (rules, derived fields, the owner check),
-`stage` the upload and the write, then `forward` and `sample`; `total` spans them.
-It is not thread-safe: one thread owns the device; a background graph capture takes
-`lock` bucket by bucket.
+    sb = step.admit(batch, clock)   # every refusal, on host data; each feature's part
+    step.stage(sb)                  # one upload; each part applies (row table, controls, ...)
+    step.launch(sb)                 # forward, logits, draw, the copy of the results: enqueued
+    out = step.read(sb)             # wait for the copy; each part commits; the answer
 
-Tensor parallel: rank 0 admits and broadcasts each accepted step to the workers, which run
-:meth:`Step.run_shard` on it: every rank stages, writes its row table and runs the same path.
+`forward` runs them in a row. Between `launch` and `read` the host is free (CUDA, the
+stand-in accelerator): the device thread admits and stages the next batch there, against the
+state this one leaves (`executor.service.device_worker`). The features take part through
+`executor.core.features` (the hooks' order and rules are there); `Step` never names one. A
+failure after `apply` undoes every applied part, in reverse (`undo`), so a refused or failed
+batch leaves the executor as it was.
+
+The clock's phases: `validate` (admission), `stage`, `forward` and `sample` (the launch),
+`read` (the wait for the results and the commits), `total` from admission to the answer.
+It is not thread-safe: one thread owns the device; a background graph capture takes `lock`
+between two phases.
+
+Tensor parallel: rank 0 admits, and broadcasts each step at its launch, holding the group
+until its read; the other ranks run :meth:`Step.run_shard` on it (staging, their row table,
+their part of the model and its collectives; rank 0 samples).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
-
-import numpy as np
-import torch
+import time
+from functools import partial
+from itertools import chain
 
 from executor.batch_prep import complete_batch
-from executor.controls.admission import ControlsStep
-from executor.controls.step_controls import StepControls
-from executor.core.errors import BatchValidationError, TestHooks
+from executor.core.clock import StepClock
+from executor.core.errors import TestHooks
+from executor.core.features import StepFeature
 from executor.core.forward_batch import ForwardBatch
 from executor.core.limits import BatchLimits
 from executor.core.names import MODE_NAMES
 from executor.core.observer import ExecutorObserver
 from executor.core.outputs import ForwardOutput, StepStats
-from executor.core.runner_output import RunnerOutput
+from executor.core.step_batch import InFlight, StepBatch
 from executor.core.toggles import Toggles
-from executor.extras.compute import Computed, PooledSums, assemble, compute, finish
-from executor.extras.plan import OutputsPlan, plan_outputs
 from executor.future_tokens import FutureTokenTable
-from executor.kv_cache import ReqToTokenPool, RowWrite, WritePlan
 from executor.model_runner import ModelRunner
-from executor.parallel import broadcast
 from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
+from executor.row_table import RowTable
 from executor.sampling import Sampler
-from executor.speculative.speculation import (
-    Speculation,
-    check_not_verify,
-    check_verify,
-    resolve_held_prefix,
-)
-from executor.step.clock import StepClock
+from executor.speculative.speculation import resolve_held_prefix
+from executor.step.timeline import DeviceTimeline
 from executor.validation import validate_batch
-from ops.future_tokens import resolve_future_tokens
 from ops.h2d_staging import H2DStaging
-from ops.host_transfer import host_transfers, to_host
-from ops.sampling import SamplingPlan
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A batch the step accepted: completed with its derived fields, and its row-table
-    write checked against the slot owners. Nothing was changed to admit it."""
-
-    batch: ForwardBatch
-    write: WritePlan
-    controls: ControlsStep | None = None  # the sampling controls' work, None: none
-    outputs: OutputsPlan | None = None  # the extra outputs' work, None: none
+from ops.host_transfer import host_transfers, to_host, to_host_async
 
 
 class Step:
@@ -73,269 +60,195 @@ class Step:
         *,
         limits: BatchLimits,
         allow_custom_positions: bool,
-        pool: ReqToTokenPool,
+        row_table: RowTable,
         future: FutureTokenTable,
+        features: list[StepFeature],
         runner: ModelRunner,
         sampler: Sampler,
         staging: H2DStaging,
-        controls: StepControls,
         toggles: Toggles,
         hooks: TestHooks,
         comm: TpComm,
         observer: ExecutorObserver,
-        lock: threading.Lock,
+        lock: threading.RLock,
+        timeline: DeviceTimeline,
     ) -> None:
+        """`features`: the executor's one feature list, in hook order (the row table first)."""
         self.limits = limits
-        self.allow_custom_positions = allow_custom_positions
-        self.pool = pool
+        self.row_table = row_table
+        self.pool = row_table.pool
         self.future = future
+        self.features = features
         self.runner = runner
         self.sampler = sampler
         self.staging = staging
-        self.controls = controls
-        self.speculation = Speculation(controls.slot_tokens, limits.vocab_size)
-        config = runner.model.config
-        self.pooled = PooledSums(limits.max_reqs, config.hidden_size, controls.device)
         self.toggles = toggles
         self.hooks = hooks
         self.comm = comm
         self.observer = observer
         self.lock = lock
+        self.timeline = timeline  # when the device had each step (occupancy, the stand-in)
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
+        # The weights' version; changed only holding `lock`, between two steps.
+        self.weight_version = ""
+        # The batch's rules, against the live row lengths and future slots.
+        self.validate = partial(
+            validate_batch,
+            limits=limits,
+            resident_lens=self.pool.resident_lens,
+            allow_custom_positions=allow_custom_positions,
+            future_assigned=future.assigned,
+        )
 
     def forward(
         self, batch: ForwardBatch, clock: StepClock, *, return_logits: bool = False
     ) -> ForwardOutput:
         """Run one step. A refused or failed batch leaves the executor as it was."""
-        transfers = host_transfers.totals()
+        sb = self.admit(batch, clock, return_logits=return_logits)
+        with self.lock:  # one step between two background-capture buckets
+            self.stage(sb)
+            self.launch(sb)
+            return self.read(sb)
+
+    def admit(
+        self, batch: ForwardBatch, clock: StepClock, *, return_logits: bool = False
+    ) -> StepBatch:
+        """Every refusal, on host data, before anything changes (BatchValidationError): the
+        batch's rules, then each feature's, against the state the steps before left."""
+        sb = StepBatch(batch, clock, return_logits=return_logits)
         clock.use_device_events(self.runner.device)  # CUDA: forward and sample on events
-        self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
-        with clock.phase("total"):
-            with clock.phase("validate"):
-                admitted = self.admit(batch)
-            with self.lock, self._group():
-                ran, out = self.run(admitted, clock, return_logits=return_logits, keep_rows=True)
-                self.comm.settle()  # the device is done (the D2H read): a failed NCCL call raises
-        sampled = out.stats  # the sampler's part of the stats
-        out.stats = self._stats(admitted.batch, ran, clock, transfers)
-        out.stats.control_rows = sampled.control_rows
-        out.stats.draft_tokens = sampled.draft_tokens
-        out.stats.accepted_drafts = sampled.accepted_drafts
-        out.stats.accept_lengths = sampled.accept_lengths
-        if ran.graph_fallback is not None:
-            self.observer.on_graph_fallback(ran.graph_fallback.kind, ran.graph_fallback.reason)
+        with clock.phase("validate"):
+            self.hooks.check("admit")
+            batch = resolve_held_prefix(batch, self.pool.resident_lens)
+            self.validate(batch)
+            self.complete(sb, batch)
+            for feature in self.features:
+                if (part := feature.admit(sb)) is not None:
+                    sb.work.append(part)
+        return sb
+
+    def stage(self, sb: StepBatch) -> None:
+        """One upload of the batch's and its parts' staged fields; each part applies."""
+        with sb.clock.phase("stage"), self.lock, _Counted(sb):
+            views = self.staging.stage(sb.staged_fields())
+            try:
+                sb.apply(views)
+                self.hooks.check("stage")
+            except BaseException:
+                sb.undo()
+                raise
+
+    def launch(self, sb: StepBatch) -> None:
+        """Enqueue the device work: the parts' launch, the forward, their logits, the draw
+        and the copy of every result to the host (CUDA, the stand-in: the host is free)."""
+        clock = sb.clock
+        with self.lock, self.hooks.device_step_guard(), _Counted(sb):
+            try:
+                launched_ns, start = time.perf_counter_ns(), self.timeline.launching()
+                self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
+                with clock.phase("forward"):
+                    if self.leader is not None:  # every rank runs what rank 0 accepted
+                        step = self.future.resolved_for_workers(sb.host)
+                        self.leader.send_step(step, keep_rows=sb.keep_rows)
+                    sb.launch_parts()
+                    sb.ran = self.runner.forward(sb.staged_device())
+                    self.hooks.check("forward")
+                with clock.phase("sample"):
+                    logits = sb.logits(sb.ran.logits)
+                    self.hooks.check("sampler")
+                    draw = sb.draw(logits) or self.sampler.draw_step(sb, logits)
+                    outputs = sb.outputs()
+                    copy = to_host_async([*draw.device, *chain(*outputs)], "sampled_tokens")
+                parts, kept = [len(o) for o in outputs], logits if sb.return_logits else None
+                sb.flight = InFlight(draw, copy, parts, kept, launched_ns, start=start)
+                self.timeline.launched(sb.flight)
+            except BaseException:
+                self._end_group()
+                sb.undo()
+                raise
+
+    def read(self, sb: StepBatch) -> ForwardOutput:
+        """Wait for the step's results (CUDA: its one sync); each part commits; the answer."""
+        flight = sb.launched()
+        with sb.clock.phase("read"), self.lock, self.hooks.device_step_guard():
+            try:
+                with _Counted(sb):
+                    self.timeline.wait(flight)  # the stand-in: D ms after the launch
+                    host = flight.copy.wait()
+                    self.timeline.read(sb, sb.clock.queued_ns or sb.started_ns)
+                    self.comm.settle()  # the device is done: a failed NCCL call raises
+                    self.hooks.check("read")
+                    logits = None if flight.logits is None else to_host(flight.logits, "logits")
+            except BaseException:
+                sb.undo()
+                raise
+            finally:
+                self._end_group()
+            at = len(flight.draw.device)
+            out = flight.draw.output(host[:at], StepStats())
+            sb.commit(out, host[at:], flight.parts)
+            out.logits = logits
+            if not sb.keep_rows:  # warm-up
+                sb.undo()
+        out.stats = self._stats(sb, out.stats)
+        out.weight_version = self.weight_version  # changed only between two steps (the lock)
         return out
 
-    def admit(self, batch: ForwardBatch) -> Admitted:
-        """Every refusal a decoded batch can meet, in one place, on host data, before
-        anything is uploaded or written (BatchValidationError; nothing changed): the batch's
-        rules, then its row-table write against the slots live rows hold."""
-        batch = resolve_held_prefix(batch, self.pool.resident_lens)
-        validate_batch(
-            batch,
-            self.limits,
-            self.pool.resident_lens,
-            allow_custom_positions=self.allow_custom_positions,
-            future_assigned=self.future.assigned,
-        )
-        if batch.forward_mode.is_verify():
-            check_verify(batch, self.limits, tp_size=self.comm.size)
-        else:
-            check_not_verify(batch)
-        admitted = self.complete(batch)
-        outputs = plan_outputs(
-            admitted.batch,
-            self.limits,
-            num_layers=self.runner.model.config.num_layers,
-            pooled=self.pooled.counts,
-            tp_size=self.comm.size,
-        )
-        controls = self.controls.admit(admitted.batch)
-        if controls is not None and batch.forward_mode.is_verify():
-            raise BatchValidationError(
-                "req_pool_indices", "VERIFY rows may not have sampling controls set"
-            )
-        if controls is None and outputs is None:
-            return admitted
-        return replace(admitted, controls=controls, outputs=outputs)
+    def undo(self, sb: StepBatch) -> None:
+        """A staged step that will not run (the step before it failed): its parts undone."""
+        with self.lock:
+            sb.undo()
 
-    def complete(self, batch: ForwardBatch) -> Admitted:
-        """The derived fields of a batch and its checked row-table write (warm-up, on the
-        reserved row 0, skips the batch rules)."""
-        host = complete_batch(
+    def complete(self, sb: StepBatch, batch: ForwardBatch) -> None:
+        """The derived fields of a batch and its sampling plan (warm-up, on the reserved
+        row 0, skips the batch rules and takes the row table's part only)."""
+        sb.host = complete_batch(
             batch,
             needs_cpu_seq_lens=self.toggles.needs_cpu_seq_lens,
             max_context_len=self.limits.max_context_len,
         )
-        return Admitted(host, self.pool.check_write(host))
+        assert sb.host.sampling is not None
+        sb.sampling = self.sampler.plan(sb.host.sampling)
 
-    def run(
-        self, admitted: Admitted, clock: StepClock, *, return_logits: bool, keep_rows: bool
-    ) -> tuple[RunnerOutput, ForwardOutput]:
-        """Stage, run, sample; the row-table write is undone if anything fails (or always,
-        with `keep_rows=False`)."""
-        host = admitted.batch
-        assert host.sampling is not None
-        with clock.phase("stage"):
-            plan = self.sampler.plan(host.sampling)
-            fb, write, views = self._stage(admitted, keep_rows=keep_rows)
-            future = self.future.apply(host) if keep_rows else None
-            controls = self.controls.apply(admitted.controls, views)
-        try:
-            with self.hooks.device_step_guard():
-                with clock.phase("forward"):
-                    if host.forward_mode.is_verify():  # drafts in, references resolved
-                        fb = self.speculation.prepare(
-                            host, fb, self.future.tokens, self.pool.req_to_token
-                        )
-                    self.controls.record_tokens(fb, self.future.tokens)
-                    ran = self.runner.forward(fb)  # full graph, piecewise or eager
-                    self.hooks.check("forward")
-                with clock.phase("sample"):
-                    out, extras = self._sample(
-                        admitted, fb, views, ran, plan, return_logits=return_logits
-                    )
-                    if future is not None:  # last: nothing after it can fail the step
-                        self.future.store(
-                            fb.future_token_slots,
-                            out.device_token_ids,
-                            host.future_token_slots,
-                            out.next_token_ids,
-                        )
-                    if out.accepted_lengths is not None:  # VERIFY: rejected drafts' slots freed
-                        self._truncate(host, out.accepted_lengths)
-                    if keep_rows:
-                        self.pooled.release(host.released_req_pool_indices)
-                        if extras is not None and admitted.outputs is not None:
-                            finish(admitted.outputs, extras, self.pooled)
-        except BaseException:
-            self.pool.undo(write)
-            if future is not None:
-                self.future.undo(future)
-            self.controls.undo(controls)
-            raise
-        if not keep_rows:
-            self.pool.undo(write)
-            self.controls.undo(controls)
-        return ran, out
-
-    def _truncate(self, host: ForwardBatch, accepted_lengths: torch.Tensor) -> None:
-        assert host.extend_prefix_lens_cpu is not None
-        rows = host.req_pool_indices.numpy().astype(np.int64)
-        prefix = np.asarray(host.extend_prefix_lens_cpu, dtype=np.int64)
-        self.pool.truncate(rows, prefix + accepted_lengths.numpy().astype(np.int64))
-
-    def _sample(
-        self,
-        admitted: Admitted,
-        fb: ForwardBatch,
-        views: Mapping[str, torch.Tensor],
-        ran: RunnerOutput,
-        plan: SamplingPlan,
-        *,
-        return_logits: bool,
-    ) -> tuple[ForwardOutput, Computed | None]:
-        """The next tokens (and logprobs, and the extra outputs) from the step's logits,
-        after the sampling controls: one host transfer, plus the logits themselves when
-        asked."""
-        self.hooks.check("sampler")
-        host = admitted.batch
-        assert fb.sampling is not None
-        if host.forward_mode.is_verify():
-            out = self.speculation.sample(ran.logits, host, fb, plan, self.sampler.generator)
-            if return_logits:
-                out.logits = to_host(ran.logits, "logits")
-            return out, None
-        extras = None
-        if admitted.outputs is not None:
-            ids = fb.input_ids
-            if ids is not None and fb.future_refs:
-                ids = resolve_future_tokens(ids, self.future.tokens)
-            extras = compute(
-                admitted.outputs,
-                ran,
-                self.runner.model,
-                views,
-                ids,
-                fb.req_pool_indices,
-                self.pooled,
-            )
-        logits, controls = self.controls.logits(
-            ran.logits, admitted.controls, host, fb, views, self.pool.req_to_token
-        )
-        out, host_extras = self.sampler.sample(
-            logits,
-            plan,
-            fb.sampling,
-            fb.seq_lens,
-            return_logprob=host.return_logprob,
-            top_logprobs_num=host.top_logprobs_num,
-            raw_logits=ran.logits,
-            extra=None if extras is None else extras.tensors,
-        )
-        if extras is not None and admitted.outputs is not None:
-            out.extras = assemble(admitted.outputs, host_extras)
-        if controls is not None:
-            out.stats.control_rows = controls.control_rows
-        if return_logits:
-            out.logits = to_host(logits, "logits")  # what sampling drew from
-        return out, extras
-
-    def _stage(
-        self, admitted: Admitted, *, keep_rows: bool
-    ) -> tuple[ForwardBatch, RowWrite, Mapping[str, torch.Tensor]]:
-        """One staged host-to-device copy of the batch's device fields, its sampling
-        parameters, its row-table cells and its controls (ops.h2d_staging); the row-table
-        write from the staged cells; and, on rank 0 of a group, the step's broadcast."""
-        host, cells = admitted.batch, admitted.write.cells
-        views = self.staging.stage(
-            host.staged_fields()
-            + cells.staged_fields()
-            + self.controls.staged_fields(admitted.controls)
-            + ([] if admitted.outputs is None else admitted.outputs.staged_fields())
-        )
-        # IDLE too: it may release rows.
-        write = self.pool.write_batch(
-            host, device_cells=cells.from_views(views), plan=admitted.write
-        )
-        if self.leader is not None:  # every rank runs what rank 0 accepted
-            try:
-                step = self.future.resolved_for_workers(host)  # workers keep no future table
-                self.leader.send(broadcast.Command(broadcast.STEP, step, keep_rows=keep_rows))
-            except BaseException:
-                self.pool.undo(write)
-                raise
-        return host.with_device_fields(views), write, views
+    def warm(self, batch: ForwardBatch) -> None:
+        """One step on the reserved row 0, everything undone after it (the warm-up)."""
+        sb = StepBatch(batch, StepClock(), keep_rows=False)
+        self.complete(sb, batch)
+        sb.work.append(self.row_table.admit(sb))
+        self.stage(sb)
+        self.launch(sb)
+        self.read(sb)
 
     def run_shard(self, host: ForwardBatch, *, keep_rows: bool) -> None:
         """A worker rank: a step rank 0 admitted and broadcast (staging, row-table write,
         this rank's part of the model and its collectives; rank 0 samples)."""
         self.comm.settle()  # the previous step's collectives (done before rank 0 sent this one)
-        fb, write, _ = self._stage(Admitted(host, self.pool.check_write(host)), keep_rows=keep_rows)
+        sb = StepBatch(host, StepClock(), keep_rows=keep_rows)
+        sb.work.append(self.row_table.admit(sb))
+        self.stage(sb)
         try:
-            self.runner.forward(fb)  # references resolved by rank 0
+            self.runner.forward(sb.staged_device())  # references resolved by rank 0
         except BaseException:
-            self.pool.undo(write)
+            self.undo(sb)
             raise
         if not keep_rows:
-            self.pool.undo(write)
+            self.undo(sb)
         self.comm.take_allreduce_ns()
 
-    def _group(self) -> AbstractContextManager[object]:
-        """Rank 0 of a group: no heartbeat between a step's broadcast and its collectives."""
-        return self.leader.holding() if self.leader is not None else nullcontext()
+    def _end_group(self) -> None:
+        if self.leader is not None:
+            self.leader.end_step()
 
-    def _stats(
-        self,
-        host: ForwardBatch,
-        ran: RunnerOutput,
-        clock: StepClock,
-        transfers: tuple[int, int, int],
-    ) -> StepStats:
-        d2h, h2d_syncs, h2d_copies = (
-            now - then for now, then in zip(host_transfers.totals(), transfers, strict=True)
-        )
-        return StepStats(
+    def _stats(self, sb: StepBatch, parts: StepStats) -> StepStats:
+        """The step's stats; `parts` holds what the draw and the parts wrote."""
+        host, ran, clock = sb.host, sb.ran, sb.clock
+        assert ran is not None
+        clock.record("total", sb.started_wall_ns, time.perf_counter_ns() - sb.started_ns)
+        if ran.graph_fallback is not None:
+            self.observer.on_graph_fallback(ran.graph_fallback.kind, ran.graph_fallback.reason)
+        d2h, h2d_syncs, h2d_copies = sb.transfers
+        return dataclasses.replace(
+            parts,
             path=ran.path,
             batch_size=host.batch_size,
             padded_batch_size=ran.padded_batch_size,
@@ -354,4 +267,25 @@ class Step:
             future_refs=host.future_refs,
             started_ns=clock.started_ns,
             allreduce_ns=self.comm.take_allreduce_ns(),
+            host_gap_ns=sb.host_gap_ns,
+            device_busy_ns=sb.device_busy_ns,
         )
+
+
+class _Counted:
+    """Adds the host<->device transfers made inside the block to the step's own counts (the
+    process-wide totals also move for the next batch, staged between this one's phases)."""
+
+    __slots__ = ("_before", "_sb")
+
+    def __init__(self, sb: StepBatch) -> None:
+        self._sb = sb
+
+    def __enter__(self) -> None:
+        self._before = host_transfers.totals()
+
+    def __exit__(self, *exc: object) -> None:
+        after = host_transfers.totals()
+        t = self._sb.transfers
+        for i in range(3):
+            t[i] += after[i] - self._before[i]

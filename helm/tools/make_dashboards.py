@@ -478,6 +478,31 @@ def overview() -> dict[str, Any]:
                     [Target(f"model_executor_queue_depth{{{SEL}}}", "{{instance}}")],
                 ),
                 Panel(
+                    "Device occupancy",
+                    "model_executor_forward_occupancy per executor: the device's busy time over "
+                    "its time with a batch queued, over the last 10 s (1: it never waited for "
+                    "the host while work was queued); the ModelExecutorOccupancyLow alert fires "
+                    "below 0.8.",
+                    [Target(f"model_executor_forward_occupancy{{{SEL}}}", "{{instance}}")],
+                    unit="percentunit",
+                    threshold=0.8,
+                    min=0,
+                    max=1,
+                ),
+                Panel(
+                    "Device idle with work queued",
+                    "Seconds per second the device waited for the host with a batch queued "
+                    "(the host gap before each step: admission, staging, the answer before it).",
+                    [
+                        Target(
+                            f"rate(model_executor_device_idle_seconds_total{{{SEL}}}[{RATE}])",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="percentunit",
+                    min=0,
+                ),
+                Panel(
                     "Queue wait",
                     "Time a batch waited for the device: p50 and p99.",
                     [

@@ -24,6 +24,11 @@ class ForwardMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IDLE: _ClassVar[ForwardMode]
     VERIFY: _ClassVar[ForwardMode]
 
+class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
+
 class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     POOLING_LAST: _ClassVar[Pooling]
@@ -59,6 +64,8 @@ EXTEND: ForwardMode
 DECODE: ForwardMode
 IDLE: ForwardMode
 VERIFY: ForwardMode
+LOGPROBS_MODE_RAW: LogprobsMode
+LOGPROBS_MODE_PROCESSED: LogprobsMode
 POOLING_LAST: Pooling
 POOLING_MEAN: Pooling
 KV_KIND_K: KvKind
@@ -92,21 +99,23 @@ class Ragged(_message.Message):
     def __init__(self, values: _Optional[_Union[Tensor, _Mapping]] = ..., lengths: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs_mode")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     min_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs_mode: LogprobsMode
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred", "ngram_draft", "row_outputs", "prompt_top_logprobs_num")
+    __slots__ = ("forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens", "prefix_cache_loc", "input_embeds", "sampling_params", "return_logprob", "top_logprobs_num", "released_req_pool_indices", "future_token_slots", "released_future_slots", "row_controls", "vocab_mask", "vocab_mask_rows", "vocab_mask_deferred", "ngram_draft", "row_outputs", "prompt_top_logprobs_num", "row_adapters")
     FORWARD_MODE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +139,7 @@ class ForwardBatch(_message.Message):
     NGRAM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     ROW_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
+    ROW_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     forward_mode: ForwardMode
     input_ids: Tensor
     req_pool_indices: Tensor
@@ -153,7 +163,58 @@ class ForwardBatch(_message.Message):
     ngram_draft: Tensor
     row_outputs: _containers.RepeatedCompositeFieldContainer[RowOutputs]
     prompt_top_logprobs_num: int
-    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ..., ngram_draft: _Optional[_Union[Tensor, _Mapping]] = ..., row_outputs: _Optional[_Iterable[_Union[RowOutputs, _Mapping]]] = ..., prompt_top_logprobs_num: _Optional[int] = ...) -> None: ...
+    row_adapters: _containers.RepeatedCompositeFieldContainer[RowAdapter]
+    def __init__(self, forward_mode: _Optional[_Union[ForwardMode, str]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., out_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Union[Tensor, _Mapping]] = ..., extend_prefix_lens: _Optional[_Union[Tensor, _Mapping]] = ..., extend_seq_lens: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_cache_loc: _Optional[_Union[Tensor, _Mapping]] = ..., input_embeds: _Optional[_Union[Tensor, _Mapping]] = ..., sampling_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., released_req_pool_indices: _Optional[_Union[Tensor, _Mapping]] = ..., future_token_slots: _Optional[_Union[Tensor, _Mapping]] = ..., released_future_slots: _Optional[_Union[Tensor, _Mapping]] = ..., row_controls: _Optional[_Iterable[_Union[RowControls, _Mapping]]] = ..., vocab_mask: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_rows: _Optional[_Union[Tensor, _Mapping]] = ..., vocab_mask_deferred: _Optional[bool] = ..., ngram_draft: _Optional[_Union[Tensor, _Mapping]] = ..., row_outputs: _Optional[_Iterable[_Union[RowOutputs, _Mapping]]] = ..., prompt_top_logprobs_num: _Optional[int] = ..., row_adapters: _Optional[_Iterable[_Union[RowAdapter, _Mapping]]] = ...) -> None: ...
+
+class RowAdapter(_message.Message):
+    __slots__ = ("req_pool_index", "adapter")
+    REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    req_pool_index: int
+    adapter: str
+    def __init__(self, req_pool_index: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "slot", "rank", "target_modules", "load_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    slot: int
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    load_seconds: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., slot: _Optional[int] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class HiddenOutput(_message.Message):
     __slots__ = ("pooling", "layer", "dtype")
@@ -239,7 +300,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., batch: _Optional[_Union[ForwardBatch, _Mapping]] = ..., deferred_mask: _Optional[_Union[DeferredMask, _Mapping]] = ...) -> None: ...
 
 class ForwardStats(_message.Message):
-    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts")
+    __slots__ = ("path", "batch_size", "padded_batch_size", "num_tokens", "padded_num_tokens", "timings_ns", "mode", "fill_registry", "fill_tensors", "fill_bytes", "fill_copy_calls", "d2h_syncs", "h2d_syncs", "h2d_copies", "control_rows", "draft_tokens", "accepted_drafts", "lora_rows", "host_gap_ns")
     class TimingsNsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +332,8 @@ class ForwardStats(_message.Message):
     CONTROL_ROWS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HOST_GAP_NS_FIELD_NUMBER: _ClassVar[int]
     path: str
     batch_size: int
     padded_batch_size: int
@@ -288,10 +351,12 @@ class ForwardStats(_message.Message):
     control_rows: _containers.ScalarMap[str, int]
     draft_tokens: int
     accepted_drafts: int
-    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
+    lora_rows: int
+    host_gap_ns: int
+    def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., lora_rows: _Optional[int] = ..., host_gap_ns: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states")
+    __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states", "weight_version")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +370,7 @@ class ForwardResponse(_message.Message):
     PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_SCORES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     next_token_ids: Tensor
     next_token_logprobs: Tensor
@@ -318,14 +384,15 @@ class ForwardResponse(_message.Message):
     prompt_top_logprob_ids: Ragged
     token_scores: Ragged
     hidden_states: Ragged
-    def __init__(self, batch_id: _Optional[int] = ..., next_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[ForwardStats, _Mapping]] = ..., accepted_tokens: _Optional[_Union[Ragged, _Mapping]] = ..., accepted_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprob_ids: _Optional[_Union[Ragged, _Mapping]] = ..., token_scores: _Optional[_Union[Ragged, _Mapping]] = ..., hidden_states: _Optional[_Union[Ragged, _Mapping]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, batch_id: _Optional[int] = ..., next_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[ForwardStats, _Mapping]] = ..., accepted_tokens: _Optional[_Union[Ragged, _Mapping]] = ..., accepted_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprob_ids: _Optional[_Union[Ragged, _Mapping]] = ..., token_scores: _Optional[_Union[Ragged, _Mapping]] = ..., hidden_states: _Optional[_Union[Ragged, _Mapping]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices", "loras", "max_loras", "max_lora_rank", "max_lora_name_bytes", "lora_target_modules", "weight_version", "weight_update_limits", "memory")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +431,14 @@ class GetInfoResponse(_message.Message):
     ALLOW_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SETTING_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_NAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATE_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -402,7 +477,49 @@ class GetInfoResponse(_message.Message):
     allow_input_embeds: bool
     kv_layout: KvLayout
     setting_choices: _containers.RepeatedCompositeFieldContainer[SettingChoice]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_loras: int
+    max_lora_rank: int
+    max_lora_name_bytes: int
+    lora_target_modules: _containers.RepeatedScalarFieldContainer[str]
+    weight_version: str
+    weight_update_limits: WeightUpdateLimits
+    memory: MemoryState
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_name_bytes: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., weight_update_limits: _Optional[_Union[WeightUpdateLimits, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
+
+class WeightUpdateLimits(_message.Message):
+    __slots__ = ("max_update_bytes", "chunk_bytes", "max_tensors", "max_name_bytes", "max_version_bytes", "path_updates", "group_updates", "max_group_timeout_s")
+    MAX_UPDATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PATH_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    max_update_bytes: int
+    chunk_bytes: int
+    max_tensors: int
+    max_name_bytes: int
+    max_version_bytes: int
+    path_updates: bool
+    group_updates: bool
+    max_group_timeout_s: float
+    def __init__(self, max_update_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_tensors: _Optional[int] = ..., max_name_bytes: _Optional[int] = ..., max_version_bytes: _Optional[int] = ..., path_updates: _Optional[bool] = ..., group_updates: _Optional[bool] = ..., max_group_timeout_s: _Optional[float] = ...) -> None: ...
+
+class MemoryState(_message.Message):
+    __slots__ = ("released", "kv_epoch", "weights_await_update", "bytes", "seconds")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_AWAIT_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    released: _containers.RepeatedScalarFieldContainer[str]
+    kv_epoch: int
+    weights_await_update: bool
+    bytes: int
+    seconds: float
+    def __init__(self, released: _Optional[_Iterable[str]] = ..., kv_epoch: _Optional[int] = ..., weights_await_update: _Optional[bool] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SettingChoice(_message.Message):
     __slots__ = ("setting", "value", "reason")
@@ -577,6 +694,126 @@ class KvPushResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[KvTransferResult]
     def __init__(self, results: _Optional[_Iterable[_Union[KvTransferResult, _Mapping]]] = ...) -> None: ...
+
+class WeightTensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WeightUpdateHeader(_message.Message):
+    __slots__ = ("weight_version", "tensors")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    tensors: _containers.RepeatedCompositeFieldContainer[WeightTensorSpec]
+    def __init__(self, weight_version: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[WeightTensorSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data", "crc32")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class WeightUpdateRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: WeightUpdateHeader
+    chunk: WeightChunk
+    def __init__(self, header: _Optional[_Union[WeightUpdateHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...
+
+class WeightUpdateResponse(_message.Message):
+    __slots__ = ("weight_version", "num_tensors", "bytes", "stage_seconds", "swap_seconds")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    num_tensors: int
+    bytes: int
+    stage_seconds: float
+    swap_seconds: float
+    def __init__(self, weight_version: _Optional[str] = ..., num_tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
+
+class UpdateWeightsFromPathRequest(_message.Message):
+    __slots__ = ("path", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    weight_version: str
+    def __init__(self, path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class InitWeightsGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "backend", "group_name", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str
+    group_name: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightsGroupResponse(_message.Message):
+    __slots__ = ("rank", "world_size", "backend")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    backend: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsFromGroupRequest(_message.Message):
+    __slots__ = ("weight_version", "tensors", "src_rank")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    tensors: _containers.RepeatedCompositeFieldContainer[WeightTensorSpec]
+    src_rank: int
+    def __init__(self, weight_version: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[WeightTensorSpec, _Mapping]]] = ..., src_rank: _Optional[int] = ...) -> None: ...
+
+class DestroyWeightsGroupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DestroyWeightsGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseMemoryRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResumeMemoryRequest(_message.Message):
+    __slots__ = ("tags", "weights_from_update")
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FROM_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    weights_from_update: bool
+    def __init__(self, tags: _Optional[_Iterable[str]] = ..., weights_from_update: _Optional[bool] = ...) -> None: ...
 
 class RuntimeConfig(_message.Message):
     __slots__ = ("eager_input_no_copy", "needs_cpu_seq_lens", "graph_mode", "log_level", "trace_sample_ratio", "needs_cpu_seq_lens_effective", "graph_capture")

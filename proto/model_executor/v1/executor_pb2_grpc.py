@@ -89,6 +89,51 @@ class ModelExecutorStub:
                 request_serializer=model__executor_dot_v1_dot_executor__pb2.KvPushRequest.SerializeToString,
                 response_deserializer=model__executor_dot_v1_dot_executor__pb2.KvPushResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/LoadLora',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/UnloadLora',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.stream_unary(
+                '/model_executor.v1.ModelExecutor/UpdateWeights',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromPath = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/UpdateWeightsFromPath',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsFromPathRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.InitWeightsGroup = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/InitWeightsGroup',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.InitWeightsGroupRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.InitWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromGroup = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/UpdateWeightsFromGroup',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightsGroup = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/DestroyWeightsGroup',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightsGroupRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.ReleaseMemory = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/ReleaseMemory',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.ReleaseMemoryRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.MemoryState.FromString,
+                _registered_method=True)
+        self.ResumeMemory = channel.unary_unary(
+                '/model_executor.v1.ModelExecutor/ResumeMemory',
+                request_serializer=model__executor_dot_v1_dot_executor__pb2.ResumeMemoryRequest.SerializeToString,
+                response_deserializer=model__executor_dot_v1_dot_executor__pb2.MemoryState.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -211,6 +256,125 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters (GetInfoResponse.loras: the loaded ones, the slots and the caps). Both are
+        operator calls (the runtime-config token or an allowed operator identity, as
+        UpdateRuntimeConfig) and change the model between two batches, all or nothing.
+        LoadLora reads a PEFT LoRA adapter directory on the executor's filesystem
+        (adapter_config.json + adapter_model.safetensors) into a free slot under `name`. Refused,
+        nothing changed: an adapter that does not fit the model (wrong shapes, an unknown target
+        module, a rank over max_lora_rank, a PEFT option or alpha/rank it cannot apply, files
+        that are not an adapter) INVALID_ARGUMENT; a name already loaded, or LoRA off
+        (max_loras 0) FAILED_PRECONDITION; every slot taken RESOURCE_EXHAUSTED. The files are
+        read while batches keep running; only the slot's write waits for a step boundary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """UnloadLora frees an adapter's slot. Refused, nothing changed: a name not loaded
+        NOT_FOUND; an adapter that live rows use (set by RowAdapter, not yet released)
+        FAILED_PRECONDITION, naming the rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request_iterator, context):
+        """Model state that changes while serving: the weights and the memory. Each call changes the
+        model for every caller, so each is an operator call: it needs the runtime-config token
+        (`authorization: Bearer <token>`, else UNAUTHENTICATED) or an allowed operator identity,
+        as UpdateRuntimeConfig does. One such call runs at a time; another one meanwhile is
+        FAILED_PRECONDITION. README.md ("Weight updates and memory for RL trainers") maps verl's,
+        slime's, OpenRLHF's and TRL's calls onto these.
+
+        The rule of every weight update, whatever carries it: the new tensors are staged and
+        checked while steps keep running (each name one the model's loader reads, Hugging Face
+        names included, at most once; each shape the whole checkpoint tensor's; a floating
+        dtype, cast to the weights' dtype), then swapped in between two steps, all or none: a step
+        runs entirely on one version (ForwardResponse.weight_version), and a refused or failed
+        update changes nothing. An update sets values: sent again (a retry after a lost answer),
+        it leaves the same weights, and the same version when it names one. Tensors are copied
+        into the weights' own storage, so captured graphs stay valid. Under tensor parallelism
+        each rank takes its shard. An executor that
+        keeps its weights quantized at load (int4, int8) re-quantizes each updated tensor the
+        way it loads one, and needs the fused projections of a quantized linear (q, k and v;
+        gate and up) in one update; one that keeps a GGUF file's blocks refuses the update
+        (FAILED_PRECONDITION, saying why). Refusals name the field and the rule: INVALID_ARGUMENT
+        (an unknown name, a wrong shape or dtype, a duplicate, a malformed version),
+        RESOURCE_EXHAUSTED (past a cap of GetInfo.weight_update_limits), FAILED_PRECONDITION
+        (memory released, another update in progress), DATA_LOSS (a chunk whose checksum, size
+        or place is wrong). The KV cache computed under older weights stays: the scheduler decides
+        whether to keep it (ReleaseMemory of kv_cache, or released_req_pool_indices, drops it).
+
+        UpdateWeights streams the tensors: a WeightUpdateHeader first (checked before any chunk
+        is read), then every chunk of the first tensor in order, then of the next, and so on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromPath(self, request, context):
+        """A safetensors file, or a directory of *.safetensors shards (an index may name them), that
+        the executor reads itself: only under the server's weight_update_root (a path outside it,
+        symlinks resolved, is PERMISSION_DENIED; a server without one answers
+        FAILED_PRECONDITION). Every tensor in the files is part of the update.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightsGroup(self, request, context):
+        """Join a torch.distributed group that a trainer forms (its rank 0 hosts the rendezvous
+        store at master_address:master_port): tensor-parallel rank r of this executor joins as
+        rank_offset + r. Answers once every member joined. One group at a time; another Init
+        replaces it. Only to a master_address the server's weight_group_addresses allows
+        (PERMISSION_DENIED, nothing dialed); a server without it answers FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromGroup(self, request, context):
+        """The header of an update the trainer's src_rank broadcasts over the group, tensor by tensor
+        in this order, each whole in its dtype. Every member first takes part in one verdict
+        broadcast (int32 [1] from group rank rank_offset: 0 = accepted, else refused, then no
+        tensor follows and this call answers why), so a refused header never leaves the trainer
+        waiting. A failure of the group while receiving leaves the weights as they were, and the
+        group unusable (InitWeightsGroup again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsGroup(self, request, context):
+        """Leave the group (a no-op without one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseMemory(self, request, context):
+        """Give memory back to the system, by tag (weights, kv_cache): answered only once it is free
+        (CUDA: free in cudaMemGetInfo; CPU: gone from the resident set). While any tag is
+        released, batches and KV calls are refused (FAILED_PRECONDITION) and nothing else changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemory(self, request, context):
+        """Take released memory back. kv_cache comes back empty: every row is released (GetInfo's
+        memory.kv_epoch counts these resets, so a scheduler drops its own row and prefix state).
+        weights come back reloaded from the model file, or, with weights_from_update, unset until
+        an update that names every tensor of the model (batches refused until then). On CUDA the
+        captured graphs are captured again (the memory's addresses changed); on the CPU they stay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +417,51 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=model__executor_dot_v1_dot_executor__pb2.KvPushRequest.FromString,
                     response_serializer=model__executor_dot_v1_dot_executor__pb2.KvPushResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.UnloadLoraResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromPath': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromPath,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsFromPathRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.SerializeToString,
+            ),
+            'InitWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsGroup,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.InitWeightsGroupRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.InitWeightsGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromGroup,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.UpdateWeightsFromGroupRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.SerializeToString,
+            ),
+            'DestroyWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsGroup,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightsGroupRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.DestroyWeightsGroupResponse.SerializeToString,
+            ),
+            'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemory,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.ReleaseMemoryRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.MemoryState.SerializeToString,
+            ),
+            'ResumeMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemory,
+                    request_deserializer=model__executor_dot_v1_dot_executor__pb2.ResumeMemoryRequest.FromString,
+                    response_serializer=model__executor_dot_v1_dot_executor__pb2.MemoryState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +695,249 @@ class ModelExecutor:
             '/model_executor.v1.ModelExecutor/PushKV',
             model__executor_dot_v1_dot_executor__pb2.KvPushRequest.SerializeToString,
             model__executor_dot_v1_dot_executor__pb2.KvPushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/LoadLora',
+            model__executor_dot_v1_dot_executor__pb2.LoadLoraRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/UnloadLora',
+            model__executor_dot_v1_dot_executor__pb2.UnloadLoraRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.UnloadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/model_executor.v1.ModelExecutor/UpdateWeights',
+            model__executor_dot_v1_dot_executor__pb2.WeightUpdateRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromPath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/UpdateWeightsFromPath',
+            model__executor_dot_v1_dot_executor__pb2.UpdateWeightsFromPathRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/InitWeightsGroup',
+            model__executor_dot_v1_dot_executor__pb2.InitWeightsGroupRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.InitWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/UpdateWeightsFromGroup',
+            model__executor_dot_v1_dot_executor__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.WeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/DestroyWeightsGroup',
+            model__executor_dot_v1_dot_executor__pb2.DestroyWeightsGroupRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.DestroyWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/ReleaseMemory',
+            model__executor_dot_v1_dot_executor__pb2.ReleaseMemoryRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.MemoryState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/model_executor.v1.ModelExecutor/ResumeMemory',
+            model__executor_dot_v1_dot_executor__pb2.ResumeMemoryRequest.SerializeToString,
+            model__executor_dot_v1_dot_executor__pb2.MemoryState.FromString,
             options,
             channel_credentials,
             insecure,

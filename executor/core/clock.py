@@ -55,6 +55,7 @@ class StepClock:
     started_ns: dict[str, int] = field(default_factory=dict)  # wall clock
     # Makes the events of the device phases; None: every phase on the host clock (CPU).
     events: Callable[[], DeviceEvent] | None = None
+    queued_ns: int = 0  # perf_counter_ns when the batch was queued (0: it was not)
     _durations: dict[str, int] = field(default_factory=dict)
     _device: list[_DevicePhase] = field(default_factory=list)
 

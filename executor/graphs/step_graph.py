@@ -1,0 +1,174 @@
+"""`StepCompiledGraph`: a whole DECODE step compiled by inductor as one graph (`compiled_step`).
+
+`CompiledGraph` compiles the layer halves and runs attention between them, so a step is two
+compiled calls a layer, each paying dynamo's guard check and the wrapper's prologue. Here the
+captured step - embedding, every layer, attention, the KV write (an `index_put_` on the pool)
+- is one graph: one call a step, with its fused kernels. The price is compiling per bucket:
+a graph holds one (batch size, KV bucket) with every layer unrolled (compile times:
+docs/performance.md).
+
+The step is a function of its inputs (`StepCall`: the model, the backend, the bucket's batch
+view, the output buffer), compiled ahead of time from their shapes
+(`torch.compile(...).aot_compile`), which runs nothing: the compile touches no device state,
+so it runs off the step lock, in another thread or another process (the compile worker), and
+its result is saved (`ArtifactStore`) for the next start to load instead. Capture, under the
+lock, is the part that runs: the eager step under CUDA's capture rules, then the compiled one,
+whose output must match the eager one's.
+
+Replay runs the compiled function without dynamo's guards, as a CUDA graph replays: it reads
+only static buffers that live as long as the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from executor.graphs.artifacts import ArtifactStore, environment_digest, fingerprint
+from executor.graphs.compile_compat import compile_isolated
+from executor.graphs.graph import Graph, GraphCaptureError, GraphCaptureOOM, check_capture_rules
+
+log = structlog.get_logger(__name__)
+
+# How far the compiled step's first output may be from the eager step's (relative to its
+# norm): fused bfloat16 arithmetic differs by ~1e-2; a graph traced from other inputs is
+# off by the order of the values themselves.
+MATCH_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """`fn(*args)`: a whole step over static buffers, writing its result into `out`.
+
+    `tag` names the bucket (its saved file's prefix, e.g. `decode-bs1-kv256`)."""
+
+    fn: Callable[..., None]
+    args: tuple[Any, ...]
+    out: torch.Tensor
+    tag: str
+
+    def __call__(self) -> None:
+        self.fn(*self.args)
+
+    def key(self) -> str:
+        """What the compiled step depends on: the environment, the function and the
+        structure of its inputs (`executor.graphs.artifacts`)."""
+        return fingerprint((environment_digest(), self.fn.__qualname__, self.args))
+
+
+def compile_step(call: StepCall) -> Any:
+    """`call.fn` compiled ahead of time for `call.args`' shapes (an aot-compiled function
+    taking the same arguments); nothing runs. Raises what dynamo or inductor raise. A torch
+    without `aot_compile` (older releases, `executor.graphs.compile_compat`) gets None: its
+    step compiles at its first call, in `capture`, and is not saved."""
+    skip_guards = getattr(torch.compiler, "skip_all_guards_unsafe", None)
+    compiled = torch.compile(
+        call.fn,
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": skip_guards} if skip_guards is not None else None,
+    )
+    aot_compile = getattr(compiled, "aot_compile", None)
+    if aot_compile is None:
+        return None
+    with torch.inference_mode():  # as the step runs
+        result = aot_compile((call.args, {}))
+    result.disable_guard_check()
+    return result
+
+
+def _compiled_at_first_call(call: StepCall) -> Callable[..., None]:
+    """The step compiled by plain torch.compile (its own cache entry), called with the
+    step's arguments as an aot-compiled one is (they are the closure's)."""
+    compiled = compile_isolated(lambda: call.fn(*call.args))
+    return lambda *_args: compiled()
+
+
+class StepCompiledGraph(Graph):
+    """One bucket's whole step, compiled (`compile`, off the lock) then checked and warmed up
+    (`capture`, under it). `store`: where compiled steps are saved and loaded from; `load`
+    off (the compile worker): a saved step is left there, not loaded."""
+
+    def __init__(self, store: ArtifactStore | None = None, *, load: bool = True) -> None:
+        self._store = store
+        self._load = load
+        self._compiled: Any = None
+        self._call: StepCall | None = None
+        self._key = ""
+        self.loaded = False  # the compiled step came from the store
+
+    def compile(self, fn: Callable[[], None]) -> None:
+        """Load the compiled step from the store, or compile it (and save it); touches no
+        device state. Raises GraphCaptureError if the compile fails."""
+        call = _as_call(fn)
+        self._key = call.key()
+        if self._store is not None:
+            if not self._load and self._store.has(call.tag, self._key):
+                return
+            self._compiled = self._store.load(call.tag, self._key) if self._load else None
+            if self._compiled is not None:
+                self.loaded = True
+                return
+        try:
+            self._compiled = compile_step(call)
+        except torch.OutOfMemoryError as e:
+            raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
+        except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
+            raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
+        if self._compiled is None:  # no ahead-of-time compile in this torch
+            self._compiled = _compiled_at_first_call(call)
+            return
+        if self._store is not None:
+            self._store.save(call.tag, self._key, self._compiled)
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        """The eager step under CUDA's capture rules, then the compiled step (compiled here
+        first if `compile` did not run), which must give the eager step's output."""
+        call = _as_call(fn)
+        if self._compiled is None:
+            self.compile(call)
+        check_capture_rules(call)  # eagerly, as the stand-in does: its output is the reference
+        expected = call.out.clone()
+        try:
+            self._compiled(*call.args)
+        except torch.OutOfMemoryError as e:
+            raise GraphCaptureOOM(f"out of memory in the compiled step: {e}") from e
+        except Exception as e:
+            self._forget(call)
+            raise GraphCaptureError(f"the compiled step failed: {type(e).__name__}: {e}") from e
+        error = _relative_error(call.out, expected)
+        if not error <= MATCH_TOLERANCE:
+            self._forget(call)
+            raise GraphCaptureError(
+                f"the compiled step's output differs from the eager step's (relative error "
+                f"{error:.3g} > {MATCH_TOLERANCE}): not used, and not kept in the cache"
+            )
+        log.info("compiled step checked", tag=call.tag, loaded=self.loaded, error=round(error, 5))
+        self._call = call
+
+    def _forget(self, call: StepCall) -> None:
+        """A compiled step that does not work is not kept, on disk either."""
+        if self._store is not None and self._key:
+            self._store.discard(call.tag, self._key)
+        self._compiled = None
+
+    def replay(self) -> None:
+        if self._call is None:
+            raise RuntimeError("replay before capture")
+        self._compiled(*self._call.args)
+
+
+def _as_call(fn: Callable[[], None]) -> StepCall:
+    if not isinstance(fn, StepCall):
+        raise TypeError(f"a whole-step graph captures a StepCall, got {type(fn).__name__}")
+    return fn
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float().nan_to_num(), want.float().nan_to_num()
+    scale = float(want.norm()) or 1.0
+    return float((got - want).norm()) / scale

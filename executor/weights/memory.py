@@ -1,0 +1,178 @@
+"""`TaggedMemory`: the model's weights and the KV cache given back to the system by tag, and
+taken back.
+
+A release keeps every tensor object and shrinks its storage to nothing
+(`untyped_storage().resize_(0)`); a resume grows it back to its size and zeroes it. Views,
+the modules that hold the tensors and the code that reads them (eager steps, the CPU graph
+backends, which read the parameters at each replay) are untouched; the memory's address may
+change, so CUDA graphs, which captured addresses, are captured again after a resume (the
+caller's: `executor.weights.control`). oneDNN-packed weights, which have no storage, are
+dropped from their table and packed again (`PackedWeight.release` / `restore`).
+
+"Back to the system" is checked, not assumed: on CUDA the caching allocator's free blocks
+are returned (`empty_cache`) so `mem_get_info` counts them free; on the CPU glibc is asked to
+return freed heap pages (`malloc_trim`), since a freed block below its mmap threshold would
+otherwise stay in the resident set. `resident_bytes` and `device_free_bytes` are the figures
+the tests and benchmarks read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from executor.core.errors import ModelStateError
+from executor.kv_cache import KVPool
+from executor.models.layers import PackedLinear
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+TAGS = (WEIGHTS, KV_CACHE)
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux: /proc/self/statm), in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Free device memory as the driver counts it (CUDA); on a CPU, minus the resident set
+    (so that "more free" means the same on both)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return -resident_bytes()
+
+
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 host buffer, written once (a staging buffer): a bytearray's zeroed pages,
+    which fill faster on first touch than a large `torch.empty` block
+    (benchmarks/weight_update.py)."""
+    return (
+        torch.frombuffer(bytearray(nbytes), dtype=torch.uint8)
+        if nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+def _malloc_trim() -> None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    trim = getattr(libc, "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
+
+
+def give_back(device: torch.device) -> None:
+    """Return freed memory to the system now (see the module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    else:
+        _malloc_trim()
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Which memory is released now, the KV epoch, and what a call freed or took back."""
+
+    released: tuple[str, ...]
+    kv_epoch: int
+    awaiting_update: bool
+    nbytes: int = 0  # what the call freed or took back (this rank)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Held:
+    """The storages of one tag while released: one tensor per storage and its size."""
+
+    storages: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    packed: list[PackedLinear] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.storages) + sum(m.packed.nbytes for m in self.packed)
+
+
+class TaggedMemory:
+    """Releases and resumes the memory of `weights` (every tensor of the model's state, and
+    its packed weights) and `kv_cache` (the K and V pools). Runs between two steps."""
+
+    def __init__(self, model: nn.Module, kv_pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = device
+        self._held: dict[str, _Held] = {}
+
+    @property
+    def any_released(self) -> bool:
+        return bool(self._held)
+
+    @property
+    def released(self) -> tuple[str, ...]:
+        return tuple(t for t in TAGS if t in self._held)
+
+    def _tensors(self, tag: str) -> list[tuple[str, torch.Tensor]]:
+        if tag == KV_CACHE:
+            return [("k", self.kv_pool.k), ("v", self.kv_pool.v)]
+        return list(self.model.state_dict(keep_vars=True).items())
+
+    def nbytes(self, tag: str) -> int:
+        """Bytes the tag holds now (released: what it held)."""
+        if tag in self._held:
+            return self._held[tag].nbytes
+        return self._collect(tag).nbytes
+
+    def _collect(self, tag: str) -> _Held:
+        held = _Held()
+        seen: set[int] = set()
+        for name, t in self._tensors(tag):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in seen or storage.nbytes() == 0:
+                continue
+            seen.add(ptr)
+            if not storage.resizable():
+                raise ModelStateError(
+                    f"{tag}: {name}'s memory cannot be released (its storage is not "
+                    "resizable: memory-mapped or borrowed)"
+                )
+            held.storages.append((t, storage.nbytes()))
+        if tag == WEIGHTS:
+            held.packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        return held
+
+    def release(self, tag: str) -> int:
+        """Give `tag`'s memory back to the system; the bytes freed. Checked whole first."""
+        if tag in self._held:
+            return 0
+        held = self._collect(tag)  # raises before anything is freed
+        for t, _ in held.storages:
+            t.untyped_storage().resize_(0)
+        for m in held.packed:
+            m.packed.release()
+        self._held[tag] = held
+        give_back(self.device)
+        return held.nbytes
+
+    def resume(self, tag: str) -> int:
+        """Take `tag`'s memory back, zeroed (packed weights: packed zeros); the bytes."""
+        held = self._held.pop(tag, None)
+        if held is None:
+            return 0
+        with torch.no_grad():
+            for t, nbytes in held.storages:
+                storage = t.untyped_storage()
+                storage.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).zero_()
+            for m in held.packed:
+                zeros = torch.zeros(m.out_features, m.in_features)
+                m.packed.restore(m.packed.pack(zeros))
+        return held.nbytes

@@ -1,0 +1,228 @@
+"""A background capture compiles off the step's path (issue 36).
+
+Each bucket's compile phase runs without the step lock (steps complete while it runs, eagerly,
+and the runtime config says "capturing"); only its capture - the runs - holds the lock. A
+whole compiled step is keyed by what it was traced from, saved in the cache dir, loaded by a
+restart instead of compiled, and used only once its first output matches the eager step's.
+The compile worker's failures come back as a reason (the capture then compiles itself).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.config import ExecutorConfig
+from executor.graphs import compile_job, step_graph
+from executor.graphs.artifacts import ArtifactStore, fingerprint
+from executor.graphs.compile_job import CompileJob, compile_in_worker
+from executor.graphs.decode_runner import DecodeGraphRunner
+from executor.graphs.graph import GraphCaptureError
+from executor.graphs.step_graph import StepCall, StepCompiledGraph
+from executor.model_executor import ModelExecutor
+from executor.service.runtime_config import RuntimeConfigUpdate, RuntimeControl
+from executor.step import graph_control
+from tests.lock_util import is_held
+from tests.test_graphs import _prefill
+
+MakeExecutor = Callable[..., ModelExecutor]
+
+
+@pytest.mark.slow
+def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_lock(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile held open (as a minutes-long one is): the step lock is free, steps run
+    eagerly, GetRuntimeConfig says capturing; the capture that follows holds the lock and
+    the graph serves once installed."""
+    ex = make_executor(graph_mode="none", graph_batch_sizes="1,2")
+    compiling, release = threading.Event(), threading.Event()
+    lock_held: dict[str, list[bool]] = {"compile": [], "capture": []}
+    real_compile, real_capture = DecodeGraphRunner._compile_one, DecodeGraphRunner._capture_one
+
+    def compile_one(self: DecodeGraphRunner, bs: int) -> None:
+        lock_held["compile"].append(is_held(ex.control.step_lock))
+        compiling.set()
+        assert release.wait(30)
+        real_compile(self, bs)
+
+    def capture_one(self: DecodeGraphRunner, bs: int) -> None:
+        lock_held["capture"].append(is_held(ex.control.step_lock))
+        real_capture(self, bs)
+
+    monkeypatch.setattr(DecodeGraphRunner, "_compile_one", compile_one)
+    monkeypatch.setattr(DecodeGraphRunner, "_capture_one", capture_one)
+    control = RuntimeControl(
+        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
+    )
+    answer = control.update(RuntimeConfigUpdate(graph_mode="decode"))
+    assert (answer.graph_mode, answer.graph_capture) == ("none", "capturing graph_mode=decode")
+    assert compiling.wait(30)
+    # The compile is running: steps take the lock and complete, eagerly.
+    _prefill(ex, [1], [3], first_slot=1)
+    step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
+    assert ex.forward(step).stats.path == "eager"
+    assert control.current().graph_capture == "capturing graph_mode=decode"
+    release.set()
+    assert ex.control.wait_for_capture(60)
+    assert control.current().graph_capture == "idle" and ex.toggles.graph_mode == "decode"
+    assert lock_held == {"compile": [False, False], "capture": [True, True]}
+    step = make_decode_batch(input_ids=[6], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[10])
+    assert ex.forward(step).stats.path == "full_graph"
+
+
+@pytest.mark.slow
+def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first start compiles the bs-1 step and saves it under cache_dir/graphs; a second
+    start on the same cache dir loads it (a compile there would raise) and it serves the
+    eager tokens."""
+    settings: dict[str, Any] = {
+        "graph_mode": "decode",
+        "graph_backend": "compiled_step",
+        "graph_batch_sizes": "1",
+        "max_context_len": 64,
+        "cache_dir": str(tmp_path),
+    }
+    first = make_executor(**settings)
+    [saved] = (tmp_path / "graphs").glob("decode-bs1-kv64-*.aot")
+
+    def no_compile(call: StepCall) -> Any:
+        raise AssertionError(f"compiled {call.tag} again")
+
+    monkeypatch.setattr(step_graph, "compile_step", no_compile)
+    second = make_executor(**settings)
+    assert second.runner.decode_graphs is not None
+    [[graph]] = [
+        [c.graph for c in kv.values()] for kv in second.runner.decode_graphs.captured.values()
+    ]
+    assert isinstance(graph, StepCompiledGraph) and graph.loaded
+    eager = make_executor(graph_mode="none", max_context_len=64)
+    for ex in (first, second, eager):
+        _prefill(ex, [1], [4], first_slot=1)
+    step = make_decode_batch(input_ids=[7], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[9])
+    outs = [ex.forward(step, return_logits=True) for ex in (first, second, eager)]
+    assert [o.stats.path for o in outs] == ["full_graph", "full_graph", "eager"]
+    assert torch.equal(outs[0].next_token_ids, outs[2].next_token_ids)
+    assert torch.equal(outs[1].next_token_ids, outs[2].next_token_ids)
+    assert saved.exists()
+    # A server's background capture finds them saved: no compile worker, a load.
+    monkeypatch.setattr(graph_control, "compile_in_worker", no_worker)
+    third = make_executor(**{**settings, "graph_mode": "auto"})
+    assert third.control.start_background() == "decode"
+    assert third.control.wait_for_capture(120) and third.toggles.graph_mode == "decode"
+    assert third.runner.decode_graphs is not None
+    [[graph]] = [
+        [c.graph for c in kv.values()] for kv in third.runner.decode_graphs.captured.values()
+    ]
+    assert isinstance(graph, StepCompiledGraph) and graph.loaded
+
+
+def no_worker(job: CompileJob, stop: threading.Event) -> str | None:
+    raise AssertionError("a compile worker started for saved graphs")
+
+
+def _call(out: torch.Tensor, scale: float) -> StepCall:
+    def step(x: torch.Tensor, o: torch.Tensor) -> None:
+        o.copy_(x * scale)
+
+    return StepCall(step, (torch.arange(4.0), out), out, "toy")
+
+
+class _Store(ArtifactStore):
+    """Returns `loaded` for every key; records what was discarded."""
+
+    def __init__(self, loaded: Callable[..., None]) -> None:
+        super().__init__(Path("/nonexistent"))
+        self.loaded, self.discarded = loaded, []
+
+    def load(self, tag: str, key: str) -> Any:
+        return self.loaded
+
+    def discard(self, tag: str, key: str) -> None:
+        self.discarded.append(tag)
+
+
+def test_a_loaded_step_that_disagrees_with_the_eager_step_is_dropped() -> None:
+    out = torch.zeros(4)
+    wrong = _Store(lambda x, o: o.fill_(123.0))
+    graph = StepCompiledGraph(wrong)
+    graph.compile(_call(out, 2.0))
+    assert graph.loaded
+    with pytest.raises(GraphCaptureError, match="differs from the eager step"):
+        graph.capture(_call(out, 2.0))
+    assert wrong.discarded == ["toy"]
+    right = _Store(lambda x, o: o.copy_(x * 2.0))
+    graph = StepCompiledGraph(right)
+    graph.capture(_call(out, 2.0))  # compiles (here: loads) first when compile did not run
+    graph.replay()
+    assert out.tolist() == [0.0, 2.0, 4.0, 6.0] and right.discarded == []
+
+
+def test_a_torch_without_aot_compile_compiles_the_step_at_its_first_call_unsaved(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Older torch (no `aot_compile`): the step is compiled by plain torch.compile at its first
+    call (in capture), runs with the step's buffers, and nothing is saved for a restart."""
+    compiled: list[Callable[[], None]] = []
+
+    def isolated(fn: Callable[[], None]) -> Callable[[], None]:
+        compiled.append(fn)  # as torch.compile: the same callable, compiled when first called
+        return fn
+
+    monkeypatch.setattr(step_graph, "compile_step", lambda call: None)
+    monkeypatch.setattr(step_graph, "compile_isolated", isolated)
+    store = ArtifactStore(tmp_path)
+    out = torch.zeros(4)
+    graph = StepCompiledGraph(store)
+    graph.compile(_call(out, 3.0))
+    graph.capture(_call(out, 3.0))
+    graph.replay()
+    assert out.tolist() == [0.0, 3.0, 6.0, 9.0] and len(compiled) == 1
+    assert not graph.loaded and list(tmp_path.iterdir()) == []
+
+
+def test_the_key_follows_the_structure_not_the_state(make_executor: MakeExecutor) -> None:
+    """Two executors built alike give a bucket's step the same key, whatever their scratch
+    state; another KV cache size gives another key."""
+
+    def key(ex: ModelExecutor) -> str:
+        runner = ex.runner._decode_runner(ex.toggles.needs_cpu_seq_lens)
+        runner._prepare_capture()
+        return runner._bucket_call(1, runner.kv_buckets[0], False, stage=False).key()
+
+    a, b = make_executor(graph_mode="none"), make_executor(graph_mode="none")
+    a.forward(make_extend_batch(input_ids=[[3, 4]], req_pool_indices=[1], out_cache_loc=[[1, 2]]))
+    assert key(a) == key(b)
+    assert key(make_executor(graph_mode="none", kv_slots=4096)) != key(a)
+    assert fingerprint((torch.zeros(2, 3),)) != fingerprint((torch.zeros(3, 2),))
+
+
+@pytest.mark.slow
+def test_a_failed_compile_worker_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's exit code and the end of its output come back as the reason (the capture
+    then compiles in the server); a shutdown kills it."""
+    job = CompileJob(
+        ExecutorConfig(model="tiny-random", device="cpu", cache_dir=str(tmp_path)),
+        ("decode",),
+        needs_cpu_seq_lens=False,
+    )
+    job_back = CompileJob.from_json(job.to_json())
+    assert job_back == job
+    failing = [sys.executable, "-c", "import sys; print('no compiler here'); sys.exit(3)"]
+    monkeypatch.setattr(compile_job, "worker_command", lambda job, result: failing)
+    reason = compile_in_worker(job, threading.Event())
+    assert reason is not None and "exited with 3" in reason and "no compiler here" in reason
+    sleeping = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(compile_job, "worker_command", lambda job, result: sleeping)
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    assert compile_in_worker(job, stop) == "stopped: the server is shutting down"

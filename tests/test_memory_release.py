@@ -1,0 +1,104 @@
+"""Memory released and resumed by tag (`executor.weights.memory`): a release answers once the
+memory left the resident set; while released, steps, KV calls and updates are refused and
+nothing else changes; a resume brings the memory back, reloads the weights (or waits for an
+update) and hands back an empty KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.batch_prep import make_extend_batch
+from executor.core.errors import ModelStateError, ToggleRefusedError
+from executor.model_executor import ModelExecutor
+from executor.models.hf_loader import save_hf_directory
+from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.weights.memory import KV_CACHE, TAGS, WEIGHTS, device_free_bytes
+from executor.weights.writer import digest
+from tests.weights_util import config, fresh, greedy, new_weights, update
+
+# Every test here loads an executor or starts a server: over half a second each.
+pytestmark = pytest.mark.slow
+
+# Large enough that the resident set shows it plainly: ~85 MB of weights, 64 MiB of KV.
+_MEDIUM = replace(
+    TINY_CONFIGS["tiny-random"],
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    vocab_size=8192,
+    name="medium-random",
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_release_gives_memory_back_before_answering_and_resume_restores_it(
+    tmp_path: Path, cache_dir: Path, device: str
+) -> None:
+    """The memory figure: the resident set on the CPU, `mem_get_info`'s free bytes on CUDA
+    (where the DECODE graphs, which captured the memory's addresses, are dropped at the
+    release and captured again at the resume)."""
+    path = tmp_path / "medium"
+    save_hf_directory(path, _MEDIUM, tiny_random_weights(_MEDIUM))
+    on_device = (
+        {"linear_kernel": "onednn"}
+        if device == "cpu"
+        else {"graph_mode": "decode", "graph_backend": "cuda", "graph_batch_sizes": "1,4"}
+    )
+    ex = ModelExecutor(config(cache_dir, str(path), kv_slots=8192, device=device, **on_device))
+    before = greedy(ex)
+    ex.forward(
+        make_extend_batch(input_ids=[[5, 6, 7]], req_pool_indices=[2], out_cache_loc=[[9, 10, 11]])
+    )
+    rows, weights = ex.req_to_token_pool.rows_in_use(), digest(ex.model)
+    tagged = {tag: ex.weights.memory.nbytes(tag) for tag in TAGS}
+    assert tagged[WEIGHTS] > 80e6 and tagged[KV_CACHE] > 64e6
+    for tag in TAGS:
+        free = device_free_bytes(ex.device)
+        report = ex.weights.release((tag,))
+        freed = device_free_bytes(ex.device) - free  # measured once the call answered
+        assert report.nbytes == tagged[tag]
+        assert freed >= 0.9 * tagged[tag], (tag, freed, tagged[tag])
+    assert ex.info.memory is not None and ex.info.memory.released == TAGS
+    batch = make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[3], out_cache_loc=[[20, 21]])
+    with pytest.raises(ModelStateError, match="released"):
+        ex.forward(batch)
+    with pytest.raises(ModelStateError, match="released"):
+        update(ex, {"model.norm.weight": torch.ones(512)})
+    with pytest.raises(ToggleRefusedError, match="released"):
+        ex.control.apply_toggles(graph_mode="both")
+    assert ex.req_to_token_pool.rows_in_use() == rows  # refused: nothing else changed
+    free = device_free_bytes(ex.device)
+    report = ex.weights.resume(TAGS, from_update=False)
+    assert free - device_free_bytes(ex.device) >= 0.9 * sum(tagged.values())
+    assert report.released == () and report.kv_epoch == 1
+    assert ex.req_to_token_pool.rows_in_use() == 0  # every row released
+    assert digest(ex.model) == weights  # reloaded from the model file
+    if device == "cuda":
+        decode = ex.runner.decode_graphs
+        assert decode is not None and set(decode.captured) == {1, 4}  # captured again
+    assert greedy(ex) == before
+
+
+def test_weights_resumed_from_an_update_wait_for_every_tensor(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    ex = ModelExecutor(config(cache_dir, linear_kernel="onednn"))
+    ex.weights.release((WEIGHTS,))
+    report = ex.weights.resume((WEIGHTS,), from_update=True)
+    assert report.awaiting_update and ex.info.memory is not None
+    batch = make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
+    with pytest.raises(ModelStateError, match="without content"):
+        ex.forward(batch)
+    tensors = new_weights()
+    with pytest.raises(ModelStateError, match="must name every tensor"):
+        update(ex, {"model.norm.weight": tensors["model.norm.weight"]})
+    update(ex, tensors, "trained")
+    assert not ex.weights.awaiting_update
+    assert greedy(ex) == greedy(fresh(tmp_path, cache_dir, "tiny-random", tensors))
