@@ -434,6 +434,12 @@ class ModelExecutor:
         """Held over a whole step (a background capture's buckets wait for it, re-entrant)."""
         return self.control.step_lock
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether a batch prepared while a step runs is launched behind it before that step
+        is read (not under tensor parallelism: the group runs one step at a time)."""
+        return self.pipelines and self.leader is None
+
     def seconds_to_ready(self, sb: StepBatch) -> float:
         """How long before a launched step's results can be read (0: now)."""
         return self.step.timeline.seconds_to_ready(sb.launched())

@@ -310,6 +310,8 @@ def test_a_fault_at_any_phase_of_n_leaves_n_plus_1_as_if_n_had_been_refused(
     same(got[3], expected[2])
     assert state_digest(ex) == state_digest(ref)
     assert (ex.future.assigned == ref.future.assigned).all()
+    # N's sampled ids were stored on the device at its launch: its failure restored them.
+    assert torch.equal(ex.future.tokens, ref.future.tokens)
     if site == "read":  # N+1 was prepared while N ran, undone, and admitted again
         assert [e for e in log.events if e == ("prepare", 3)] == [("prepare", 3)] * 2
 
@@ -454,3 +456,54 @@ def test_a_step_is_answered_after_the_next_prepared_batch_is_launched(
     worker.stop(10)
     order = [e.split()[0] for e in events]
     assert order == ["launch", "launch", "answer", "launch", "answer", "answer"], events
+
+
+def test_the_next_batch_is_launched_behind_a_step_before_that_step_is_read(
+    executors: Callable[..., ModelExecutor],
+) -> None:
+    """The device starts N+1 the moment N ends: N+1 (queued while N ran) is launched before N
+    is read, so no host work sits between the two on the device; not under tensor
+    parallelism (`launches_ahead`)."""
+    ex = executors(simulated_step_ms=1.0)
+    assert ex.launches_ahead
+    events: list[str] = []
+    launch, finish = ex.launch, ex.finish
+
+    def logged_launch(sb: object) -> None:
+        events.append("launch")
+        launch(sb)  # type: ignore[arg-type]
+
+    def logged_finish(sb: object) -> object:
+        events.append("read")
+        return finish(sb)  # type: ignore[arg-type]
+
+    ex.launch, ex.finish = logged_launch, logged_finish  # type: ignore[method-assign]
+    worker = DeviceWorker(ex, queue_size=8)
+    jobs = [worker.submit(b, i + 1) for i, b in enumerate(feature_script(ex.limits.vocab_size)[:3])]
+    worker.start()
+    assert worker.wait_idle(60)
+    worker.stop(10)
+    assert all(job.future.result() is not None for job in jobs)
+    assert events == ["launch", "launch", "read", "launch", "read", "read"], events
+
+
+@pytest.mark.parametrize("pipeline", [{"simulated_step_ms": 1.0}, {"pipeline_steps": "on"}])
+def test_a_batch_whose_mask_follows_the_answer_before_it_is_not_held_behind_it(
+    executors: Callable[..., ModelExecutor], pipeline: dict[str, object]
+) -> None:
+    """Liveness: N+1's deferred mask is sent once N's tokens are read (a grammar's next
+    state), so neither N's answer nor the device thread may wait for N+1's mask. Without
+    the rule N+1 waits out deferred_mask_timeout_s and fails."""
+    ex = executors(deferred_mask_timeout_s=30.0, **pipeline)
+    a, n = _fault_script()[:2]
+    mask = DeferredMask(2)
+    n = dataclasses.replace(n, deferred_mask=mask)
+    worker = DeviceWorker(ex, queue_size=4)
+    jobs = [worker.submit(a, 1), worker.submit(n, 2)]
+    allowed = _mask(ex.limits.vocab_size, [3, 7, 50, 51], rows=2)
+    jobs[0].future.add_done_callback(lambda _: mask.fulfill(allowed))
+    worker.start()
+    assert worker.wait_idle(20), "N+1 waited for a mask that follows N's answer"
+    worker.stop(10)
+    tokens = jobs[1].future.result().next_token_ids.tolist()
+    assert set(tokens) <= {3, 7, 50, 51}

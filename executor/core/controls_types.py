@@ -105,6 +105,11 @@ class DeferredMask:
     _error: BaseException | None = field(default=None, repr=False)
     budget: WaitBudget | None = field(default=None, repr=False, compare=False)  # its stream's
 
+    @property
+    def settled(self) -> bool:
+        """The mask (or its failure) came: `wait` returns at once."""
+        return self._ready.is_set()
+
     def fulfill(self, mask: VocabMask) -> bool:
         """Hand over the mask; False if one was already given (this one is dropped)."""
         with self._lock:

@@ -26,8 +26,9 @@ defaults do nothing):
 | `launch(sb)` | launch, before the forward | enqueue device work that reads what earlier steps' `commit` wrote (the future-token table), or replace fields of `sb.device` (VERIFY's drafted input ids) |
 | `logits(sb, logits)` | launch, after the forward | return the logits sampling draws from (a new tensor: `sb.ran.logits` stays the model's, for logprobs); may wait on the host (a deferred vocab mask) |
 | `draw(sb, logits)` | launch | a `Draw` that samples this step instead of the sampler (VERIFY; at most one part per step), or None |
+| `sampled(sb, ids)` | launch, after the draw | enqueue device writes of the sampled ids (`ids`: the draw's device ids) that the next step, launched behind this one, reads (the future-token store); keep what `undo` needs to restore them |
 | `outputs(sb)` | launch, after the draw | device tensors to bring back in the step's one device-to-host copy |
-| `commit(sb, out, host)` | read, after the copy | the step's last acts, which must not fail: device writes that only a step that succeeded may make (the future-token store), host changes that depend on the results (VERIFY's truncation), and its part of the answer `out` from `host` (its `outputs`' host copies, in order) |
+| `commit(sb, out, host)` | read, after the copy | the step's last acts, which must not fail: host changes that depend on the results (VERIFY's truncation, the future tokens' host mirror), and its part of the answer `out` from `host` (its `outputs`' host copies, in order) |
 | `undo(sb)` | a failure after `apply` | restore exactly the state before `apply`, host and device |
 
 Order and failure: `undo` runs in reverse feature order, on the parts whose `apply` ran, when
@@ -42,8 +43,9 @@ read. Everything else a feature changes must happen in `apply`, so the next batc
 admitted while this one runs.
 
 Device order: every device write is enqueued on the one stream in step order, so `apply` of
-step N+1 (enqueued while N runs) lands after N's kernels, and N's `commit` lands before N+1's
-launch. A feature that needs N's results on the device in N+1 reads them in `launch`.
+step N+1 (enqueued while N runs) lands after N's kernels. The pipeline launches N+1 before it
+reads N (behind N on the stream), so N's results reach N+1 only through device writes N makes
+at launch (`sampled`), never through N's `commit`.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class FeatureStep:
         return logits
 
     def draw(self, sb: StepBatch, logits: torch.Tensor) -> Draw | None:
+        return None
+
+    def sampled(self, sb: StepBatch, ids: torch.Tensor) -> None:
         return None
 
     def outputs(self, sb: StepBatch) -> list[torch.Tensor]:

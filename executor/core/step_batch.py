@@ -39,6 +39,7 @@ class InFlight:
     logits: torch.Tensor | None  # what sampling drew from, when the caller asked for logits
     launched_ns: int  # perf_counter_ns when the launch began
     ready_ns: int = 0  # the stand-in accelerator: when its results are readable
+    idle_ns: int = 0  # the stand-in: how long it sat idle before this launch (< 0: queued)
     start: DeviceEvent | None = None  # CUDA: recorded before the launch's first kernel
     end: DeviceEvent | None = None  # and after the copy of its results
 
@@ -110,6 +111,10 @@ class StepBatch:
                 return draw
         return None
 
+    def sampled(self, ids: torch.Tensor) -> None:
+        for part in self.work:
+            part.sampled(self, ids)
+
     def outputs(self) -> list[list[torch.Tensor]]:
         return [part.outputs(self) for part in self.work]
 
@@ -119,6 +124,13 @@ class StepBatch:
         for part, n in zip(self.work, parts, strict=True):
             part.commit(self, out, host[at : at + n])
             at += n
+
+    @property
+    def awaits_mask(self) -> bool:
+        """Its deferred vocab mask has not come: its launch waits for it, and the mask may
+        follow the answer of the step before (so that answer must not wait for this launch)."""
+        mask = self.host.deferred_mask
+        return mask is not None and not mask.settled
 
     @property
     def admits_next_early(self) -> bool:

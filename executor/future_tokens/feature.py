@@ -2,9 +2,9 @@
 
 admit: work only for a batch that assigns or releases future slots (validation checked its
 references and assignments against `assigned`) -> apply: the releases, then the step's slots
-marked assigned, on the host, so the next batch may reference them -> commit: the sampled ids
-stored at the step's slots on the device (and in rank 0's host mirror), the step's last act
--> undo: the host state before.
+marked assigned, on the host, so the next batch may reference them -> sampled: the sampled ids
+stored at the step's slots on the device (the next step may be launched behind this one) ->
+commit: rank 0's host mirror -> undo: the host state and the slots' device values before.
 """
 
 from __future__ import annotations
@@ -35,19 +35,24 @@ class FutureTokens:
 class FutureTokensStep(FeatureStep):
     table: FutureTokenTable
     change: FutureChange | None = None
+    stored: tuple[torch.Tensor, torch.Tensor] | None = None  # slots, their values before
 
     def apply(self, sb: StepBatch, staged: Sequence[torch.Tensor]) -> None:
         self.change = self.table.apply(sb.host)
 
+    def sampled(self, sb: StepBatch, ids: torch.Tensor) -> None:
+        slots = sb.staged_device().future_token_slots
+        before = self.table.store(slots, ids)
+        if slots is not None and before is not None:
+            self.stored = (slots, before)
+
     def commit(self, sb: StepBatch, out: ForwardOutput, host: list[torch.Tensor]) -> None:
-        self.table.store(
-            sb.staged_device().future_token_slots,
-            out.device_token_ids,
-            sb.host.future_token_slots,
-            out.next_token_ids,
-        )
+        self.table.mirror(sb.host.future_token_slots, out.next_token_ids)
 
     def undo(self, sb: StepBatch) -> None:
+        if self.stored is not None:
+            self.table.restore(*self.stored)
+            self.stored = None
         if self.change is not None:
             self.table.undo(self.change)
             self.change = None

@@ -15,8 +15,9 @@ The host keeps which slots hold an unreleased token (`assigned`), so validation 
 reference to a slot nobody assigned, or an assignment over a slot still held, before anything
 changes. A step first releases (`released_future_slots`), then resolves its references, then
 assigns its slots after sampling; `undo` restores the host state of a step that failed. The
-device write is the step's last action, after everything that can fail, so a failed step
-never changed the device table either.
+device write is enqueued right after the step's draw (the next step may be launched behind it
+before this one is read); a step that fails after it restores the slots' previous values on
+the device, so a failed step leaves the device table as it was too.
 """
 
 from __future__ import annotations
@@ -79,21 +80,23 @@ class FutureTokenTable:
         self.assigned[change.assigned] = False
         self.assigned[change.released] = True
 
-    def store(
-        self,
-        device_slots: torch.Tensor | None,
-        tokens: torch.Tensor | None,
-        host_slots: torch.Tensor | None = None,
-        host_tokens: torch.Tensor | None = None,
-    ) -> None:
-        """After sampling: `tokens[slots[i]] = sampled[i]` on the device, no host read; and in
-        the host mirror, when kept, from the host copies of the same slots and ids."""
-        if device_slots is not None and device_slots.numel():
-            assert tokens is not None, "the sampler keeps the device ids of every step"
-            store_future_tokens(self.tokens, device_slots, tokens)
-            if self.host_tokens is not None:
-                assert host_slots is not None and host_tokens is not None
-                self.host_tokens[host_slots.numpy()] = host_tokens.numpy()
+    def store(self, slots: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+        """After sampling: `tokens[slots[i]] = sampled[i]` on the device, no host read.
+        Returns the slots' values before (None: no slot), for `restore`."""
+        if slots is None or not slots.numel():
+            return None
+        before = self.tokens.index_select(0, slots)
+        store_future_tokens(self.tokens, slots, tokens)
+        return before
+
+    def restore(self, slots: torch.Tensor, before: torch.Tensor) -> None:
+        """The device values `store` replaced (a step that failed after its store)."""
+        store_future_tokens(self.tokens, slots, before)
+
+    def mirror(self, host_slots: torch.Tensor | None, host_tokens: torch.Tensor) -> None:
+        """The host mirror, when kept: the same store from the step's host copies."""
+        if self.host_tokens is not None and host_slots is not None and host_slots.numel():
+            self.host_tokens[host_slots.numpy()] = host_tokens.numpy()
 
     def resolved_for_workers(self, fb: ForwardBatch) -> ForwardBatch:
         """A validated host batch as a tensor-parallel worker runs it: every reference

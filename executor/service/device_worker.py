@@ -1,13 +1,14 @@
 """One thread owns the device and runs batches in arrival order; a bounded queue fronts it.
 
-RPC handler threads decode a request, `submit` a Job and wait on its future. When the queue
-is full, `submit` raises QueueFullError at once (back-pressure, not blocking). A job whose
-future was cancelled before it started (its stream failed) is skipped.
+RPC handler threads `submit` jobs to its queue (`executor.service.job_queue`: back-pressure,
+close, abandon) and wait on their futures. A job whose future was cancelled before it started
+(its stream failed) is skipped.
 
 The pipeline: the device thread launches step N (its device work enqueued, the copy of its
-results to the host with it), then takes the next queued batch and admits and stages it
-while N runs on the device, then reads N, launches N+1 and only then answers N (the
-device does not wait for N's answer and metrics). N+1 is admitted against the state N
+results to the host with it), then takes the next queued batch, admits, stages and launches
+it behind N while N runs on the device (the device starts N+1 the moment N ends), then reads
+N and answers it. Under tensor parallelism (the group runs one step at a time) N+1 is
+launched after N's read, and N answered after that launch. N+1 is admitted against the state N
 leaves (N's host-side effects are applied when N is staged; a part whose read changes what
 admission reads, VERIFY's truncation, stops the pipeline for one step: `admits_next_early`).
 Where the forward is synchronous (a CPU device) the next batch is taken after N's answer, as
@@ -21,10 +22,6 @@ one step at a time (`ModelExecutor.pipelines`). The rules hold across the two:
 What the device thread checks before it runs a job (its RPC alive, its stream not failed,
 not a retry): `executor.service.jobs`.
 
-`close()` is the stop marker: no job is accepted after it (`WorkerClosedError`), and the
-thread ends once the jobs already accepted have run. `abandon()` answers every job still
-waiting, and the ones running, with `WorkerClosedError`: the end of a drain's grace period.
-
 `run_on_device(fn)` queues a control job (a runtime-config change) behind the batches already
 accepted, so it runs between two batches on the device thread (never between a batch's
 launch and its read). Each finished step is handed to `on_step` (the server's metrics)
@@ -37,28 +34,23 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
 
 import structlog
-from opentelemetry import context as otel_context
 
 from executor.core.clock import StepClock
-from executor.core.forward_batch import ForwardBatch
 from executor.core.outputs import ForwardOutput, StepStats
 from executor.core.step_batch import StepBatch
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import debug_enabled
 from executor.service.applied_batches import AppliedBatches
+from executor.service.job_queue import JobQueue
 from executor.service.jobs import (
     ControlJob,
     HeldAnswer,
     Job,
-    QueueFullError,
-    StreamState,
     Turn,
-    WorkerClosedError,
+    job_scope,
     resolve,
 )
 from executor.service.tenancy import RowTenants
@@ -70,7 +62,9 @@ log = structlog.get_logger(__name__)
 _NOTHING = object()  # no job came while the step ran
 
 
-class DeviceWorker:
+class DeviceWorker(JobQueue):
+    """The queue's one consumer: the device thread, running each job as the module says."""
+
     def __init__(
         self,
         executor: ModelExecutor,
@@ -80,8 +74,8 @@ class DeviceWorker:
         applied: AppliedBatches | None = None,
         on_device_error: Callable[[BaseException], None] | None = None,
     ) -> None:
+        super().__init__(queue_size)
         self.executor = executor
-        self.queue_size = queue_size
         self.on_step = on_step
         # Called (on the device thread) with a step's error that poisons the device context.
         self.on_device_error = on_device_error
@@ -89,23 +83,12 @@ class DeviceWorker:
         # Which caller owns each row (set when callers differ in identity): checked before a
         # batch runs, recorded after it applied.
         self.tenants: RowTenants | None = None
-        # Unbounded underneath: `_put` enforces queue_size, so the stop marker never blocks.
-        self._queue: queue.Queue[Job | ControlJob | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._in_flight = 0
-        self._closed = False
-        self._running: list[Job | ControlJob] = []  # taken from the queue, not finished
         # The step on the device now, for the watchdog: (batch_id, start, its clock).
         self._on_device: tuple[int, float, StepClock] | None = None
         self._thread = threading.Thread(target=self._run, name="device-worker", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-
-    @property
-    def depth(self) -> int:
-        """Jobs waiting (not counting the ones taken)."""
-        return self._queue.qsize()
 
     def running_step(self) -> RunningStep | None:
         """The batch on the device now, how long it has run and its phase (None: idle)."""
@@ -114,97 +97,6 @@ class DeviceWorker:
             return None
         batch_id, start, clock = step
         return RunningStep(batch_id, time.monotonic() - start, clock.current or "queue")
-
-    def submit(
-        self,
-        batch: ForwardBatch,
-        batch_id: int,
-        *,
-        trace_context: otel_context.Context | None = None,
-        stream: StreamState | None = None,
-        is_active: Callable[[], bool] | None = None,
-        deadline: float | None = None,
-        fingerprint: bytes = b"",
-        caller: str = "",
-    ) -> Job:
-        job = Job(
-            batch=batch,
-            batch_id=batch_id,
-            trace_context=trace_context,
-            stream=stream,
-            is_active=is_active,
-            deadline=deadline,
-            fingerprint=fingerprint,
-            caller=caller,
-        )
-        self._put(job)
-        return job
-
-    def run_on_device(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the device thread after the batches already queued; its future."""
-        job = ControlJob(fn)
-        self._put(job)
-        return job.future
-
-    def _put(self, job: Job | ControlJob) -> None:
-        with self._idle:
-            if self._closed:
-                raise WorkerClosedError(
-                    "the executor is draining for shutdown; send new batches elsewhere"
-                )
-            if self._queue.qsize() >= self.queue_size:
-                raise QueueFullError(
-                    f"the device queue is full ({self.queue_size} batches waiting); retry later or send fewer batches at once"
-                )
-            self._queue.put_nowait(job)
-            self._in_flight += 1
-
-    def wait_idle(self, timeout: float | None) -> bool:
-        """Block until every submitted job has finished; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._in_flight:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._idle.wait(remaining)
-        return True
-
-    def close(self) -> None:
-        """The stop marker: refuse every job from now on; the thread ends after the accepted ones."""
-        with self._idle:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put_nowait(None)
-
-    def abandon(self, reason: str) -> int:
-        """Answer every accepted job not yet finished (waiting, or taken: its handler stops
-        waiting) with WorkerClosedError(reason). The number answered."""
-        self.close()
-        answered = 0
-        with self._idle:
-            pending: list[Job | ControlJob] = []
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    pending.append(item)
-            self._queue.put_nowait(None)  # the marker goes back: the thread still ends
-            self._in_flight -= len(pending)
-            self._idle.notify_all()
-            running = list(self._running)
-        for job in pending:  # out of the queue: they never run
-            if not job.future.done():
-                resolve(job.future, exc=WorkerClosedError(reason))
-                answered += 1
-        for job in running:
-            if not job.future.done():
-                resolve(job.future, exc=WorkerClosedError(f"{reason}; it may have been applied"))
-                answered += 1
-        return answered
 
     def stop(self, timeout: float | None = None) -> bool:
         """Close, then wait for the thread to end; False if it is still running after `timeout`."""
@@ -229,21 +121,6 @@ class DeviceWorker:
             turn = item if isinstance(item, Turn) else self._turn(item)
             if turn is not None:
                 ahead, answer = self._serve(turn, answer)
-
-    def _take(self, job: Job | ControlJob) -> bool:
-        """Count the job as running; False (and finished) when it was cancelled first."""
-        with self._idle:
-            self._running.append(job)
-        if job.future.set_running_or_notify_cancel():
-            return True
-        self._finish(job)
-        return False
-
-    def _finish(self, job: Job | ControlJob) -> None:
-        with self._idle:
-            self._running.remove(job)
-            self._in_flight -= 1
-            self._idle.notify_all()
 
     def _turn(self, job: Job) -> Turn | None:
         return Turn(job) if self._take(job) else None
@@ -285,23 +162,34 @@ class DeviceWorker:
             self._send(before)
             self._answer_unrun(turn)
             return _NOTHING, None
-        refusal = job.refusal() if turn.ahead else None  # it waited, prepared ahead
+        # It waited, prepared ahead (and not launched yet): its RPC is checked again.
+        refusal = job.refusal() if turn.ahead and not turn.launched else None
         if refusal is not None:
             self._send(before)
             self.executor.undo(sb)
             self._fail(job, refusal)
             return _NOTHING, None
+        if sb.awaits_mask:  # its mask may follow the answer of the step before
+            self._send(before)
         self._on_device = (job.batch_id, time.monotonic(), sb.clock)
-        with self._scope(job):
-            try:
-                self.executor.launch(sb)
-            except BaseException as exc:  # undone by the step
-                self._send(before)
-                self._fail(job, exc)
-                return _NOTHING, None
+        if not turn.launched:
+            with job_scope(job):
+                try:
+                    self.executor.launch(sb)
+                except BaseException as exc:  # undone by the step
+                    self._send(before)
+                    self._fail(job, exc)
+                    return _NOTHING, None
         self._send(before)  # the device has this step: the host answers the one before
         ahead = self._take_ahead(job, sb)
-        with self._scope(job):
+        if (
+            isinstance(ahead, Turn)
+            and ahead.sb is not None
+            and self.executor.launches_ahead
+            and not ahead.sb.awaits_mask  # launched in its turn, after this step's answer
+        ):
+            self._launch_ahead(ahead)
+        with job_scope(job):
             try:
                 out = self.executor.finish(sb)
             except BaseException as exc:  # undone by the step, what came ahead first
@@ -309,10 +197,35 @@ class DeviceWorker:
                     self._forget(ahead)
                 self._fail(job, exc)
                 return ahead, None
+        if isinstance(ahead, Turn) and ahead.launched:
+            self._done(job, out, on_device=False)
+            assert ahead.sb is not None
+            self._on_device = (ahead.job.batch_id, time.monotonic(), ahead.sb.clock)
+            return ahead, None
         if isinstance(ahead, Turn) and ahead.sb is not None:
             return ahead, HeldAnswer(job, out)  # sent once `ahead` is launched
         self._done(job, out)
         return ahead, None
+
+    def _launch_ahead(self, turn: Turn) -> None:
+        """Launch a batch prepared ahead behind the step on the device, before that one is
+        read: the device starts it as soon as the step before ends, with no host work
+        between them. Its RPC gone, or its launch failed (undone by the step): it is
+        answered in its turn, after the step before."""
+        assert turn.sb is not None
+        refusal = turn.job.refusal()
+        if refusal is None:
+            with job_scope(turn.job):
+                try:
+                    self.executor.launch(turn.sb)
+                except BaseException as exc:
+                    refusal = exc
+                else:
+                    turn.launched = True
+                    return
+        else:
+            self.executor.undo(turn.sb)
+        turn.sb, turn.error = None, refusal
 
     def _send(self, answer: HeldAnswer | None) -> None:
         """A step's answer held for the next launch: sent (once), and the job finished."""
@@ -344,7 +257,7 @@ class DeviceWorker:
         clock.record("queue", job.enqueued_wall_ns, time.perf_counter_ns() - job.enqueued_ns)
         if on_device:
             self._on_device = (job.batch_id, time.monotonic(), clock)
-        with self._scope(job):
+        with job_scope(job):
             try:
                 if self.tenants is not None:
                     self.tenants.check_batch(job.batch, job.caller)
@@ -417,23 +330,11 @@ class DeviceWorker:
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.
         self.applied.store(job.batch_id, job.fingerprint, out)
         try:
-            with self._scope(job):  # this job's batch_id and trace, even when answered late
+            with job_scope(job):  # this job's batch_id and trace, even when answered late
                 self._report(out.stats)
         except BaseException:  # a hook's failure must not report an applied batch as failed
             log.error("post-step hook failed", batch_id=job.batch_id, exc_info=True)
         resolve(job.future, out)
-
-    @contextmanager
-    def _scope(self, job: Job) -> Iterator[None]:
-        """The job's log context (batch_id) and its RPC's trace context, around its phases."""
-        structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
-        token = otel_context.attach(job.trace_context) if job.trace_context is not None else None
-        try:
-            yield
-        finally:
-            if token is not None:
-                otel_context.detach(token)
-            structlog.contextvars.unbind_contextvars("batch_id")
 
     def _report(self, stats: StepStats) -> None:
         if self.on_step is not None:

@@ -16,11 +16,14 @@ is waiting for:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from executor.core.forward_batch import ForwardBatch
@@ -120,12 +123,13 @@ class Turn:
     prepared: bool = False
     ahead: bool = False  # prepared while the step before ran: its RPC is checked again
     sb: StepBatch | None = None  # admitted and staged: it launches next
+    launched: bool = False  # launched behind the step before it, before that one's read
     answer: ForwardOutput | None = None  # a retry, answered from memory
     error: BaseException | None = None  # refused, or failed before its launch
 
     def forget(self) -> None:
         """Back to taken-but-not-prepared (its staging was undone)."""
-        self.prepared, self.ahead = False, False
+        self.prepared, self.ahead, self.launched = False, False, False
         self.sb, self.answer, self.error = None, None, None
 
 
@@ -136,3 +140,16 @@ class HeldAnswer:
     job: Job
     out: ForwardOutput
     sent: bool = False
+
+
+@contextmanager
+def job_scope(job: Job) -> Iterator[None]:
+    """The job's log context (batch_id) and its RPC's trace context, around its phases."""
+    structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
+    token = otel_context.attach(job.trace_context) if job.trace_context is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            otel_context.detach(token)
+        structlog.contextvars.unbind_contextvars("batch_id")

@@ -7,9 +7,8 @@ new batches get UNAVAILABLE, and everything already accepted finishes within the
 period before the port closes; what is still queued at its end is answered UNAVAILABLE,
 so the process always exits within the grace plus a bounded margin.
 
-Observability is per server: its own metrics registry served on `metrics_port` (`/metrics`),
-its own tracer provider (exporter and sampling from `ServerConfig`), and the runtime toggles
-(`GetRuntimeConfig` / `UpdateRuntimeConfig`, optionally guarded by a token file).
+Observability is per server: its own metrics registry on `metrics_port` (`/metrics`), its own
+tracer provider, and the runtime toggles (`GetRuntimeConfig` / `UpdateRuntimeConfig`).
 """
 
 from __future__ import annotations
@@ -153,11 +152,9 @@ class RunningServer:
 
     def drain(self, grace_s: float | None = None) -> bool:
         """Stop taking batches, finish what was accepted within the grace, close the port.
-
-        The worker's stop marker goes in first, so nothing is accepted after it. Whatever is
-        still queued when the grace ends is answered UNAVAILABLE (and not run), as is a step
-        still running (its handler stops waiting); the call returns within the grace plus
-        DRAIN_MARGIN_S plus the port's close (at most 1 s). True if everything finished."""
+        The worker's stop marker goes in first. Whatever is still queued when the grace ends
+        is answered UNAVAILABLE (not run), as is a step still running; returns within the grace
+        plus DRAIN_MARGIN_S plus the port's close (<= 1 s). True if everything finished."""
         grace = self.server_config.drain_grace_s if grace_s is None else grace_s
         start = time.monotonic()
         if self.watchdog is not None:  # a drain's own wait is bounded by its grace
@@ -183,6 +180,9 @@ class RunningServer:
                 log.warning("start-up did not stop within the drain grace", grace_s=grace)
         if worker is not None and not worker.stop(timeout=DRAIN_MARGIN_S):
             log.warning("a device step outlived the drain; exiting without it")
+        left = max(0.0, grace - (time.monotonic() - start))  # a background capture's stop
+        if self.executor and not self.executor.control.wait_for_capture(left):
+            log.warning("a background graph capture outlived the drain; exiting without it")
         self.stop_tp_group()
         self.servicer.kv.close()  # the channels to KV push peers
         self.telemetry.metrics.close()

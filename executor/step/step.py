@@ -157,6 +157,7 @@ class Step:
                     logits = sb.logits(sb.ran.logits)
                     self.hooks.check("sampler")
                     draw = sb.draw(logits) or self.sampler.draw_step(sb, logits)
+                    sb.sampled(draw.ids)
                     outputs = sb.outputs()
                     copy = to_host_async([*draw.device, *chain(*outputs)], "sampled_tokens")
                 parts, kept = [len(o) for o in outputs], logits if sb.return_logits else None

@@ -4,7 +4,8 @@ The device thread tells it each step's launch and read. What it measures, per st
 
 - busy: the device's time on the step: between CUDA events recorded before the launch's
   first kernel and after the copy of its results (CUDA); the stand-in's D (`simulated_step_ms`:
-  the step's results are readable D ms after its launch, or after the step before it is done);
+  the step's results are readable D ms after its launch, or D ms after the step before it is
+  done when it was launched behind that one);
   on a CPU device, whose forward runs on the host, from the launch to the end of the read.
 - the host gap: how long the device sat idle before the step's launch while the step was
   queued: launch - max(when the device was free, when the batch was queued). On CUDA the idle
@@ -53,8 +54,10 @@ class DeviceTimeline:
         if self.cuda:
             flight.end = cuda_timing_event()
             flight.end.record()
-        if self.step_ns:
+        if self.step_ns:  # queued behind the step before when that one still runs
+            flight.idle_ns = flight.launched_ns - self.free_ns
             flight.ready_ns = max(flight.launched_ns, self.free_ns) + self.step_ns
+            self.free_ns = flight.ready_ns
 
     def seconds_to_ready(self, flight: InFlight) -> float:
         """How long before the step's results can be read (0: now); on CUDA, where the end
@@ -86,8 +89,7 @@ class DeviceTimeline:
             last, self.last_end = self.last_end, flight.end
             idle = queued_for if last is None else round(last.elapsed_time(flight.start) * 1e6)
         elif self.step_ns:
-            busy, idle = self.step_ns, flight.launched_ns - self.free_ns
-            self.free_ns = flight.ready_ns
+            busy, idle = self.step_ns, flight.idle_ns
         else:
             now = time.perf_counter_ns()
             busy, idle = now - flight.launched_ns, flight.launched_ns - self.free_ns
