@@ -1,7 +1,7 @@
 """The paged KV cache: the request-to-token table and the per-layer K/V slot pool.
 
 The scheduler allocates rows and slots; the executor stores and reads them, and refuses a
-new token written into a slot a live row holds (`executor/slot_owners.py`).
+new token written into a slot a live row holds (`executor/admission/slot_owners.py`).
 Row 0 of the table and slot 0 of the pool are reserved: padded requests point at row 0,
 whose entries are all 0, and padded tokens write their K/V into slot 0.
 """
@@ -15,9 +15,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from executor.admission.slot_owners import EMPTY, OwnerChange, SlotOwners, StepCells
 from executor.batch_prep import extend_positions
 from executor.core.forward_batch import ForwardBatch, ForwardMode
-from executor.slot_owners import EMPTY, OwnerChange, SlotOwners, StepCells
 from ops import host_kernels
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.admission.host_checks import PLAN_SIZE, sampling_holds
 from executor.core.forward_batch import SamplingBatch
 from executor.core.outputs import ForwardOutput, StepStats
 from executor.core.step_batch import StepBatch
-from executor.host_checks import PLAN_SIZE, sampling_holds
 from ops.sampling import (
     ALL_GREEDY,
     SamplingPlan,
@@ -44,7 +44,7 @@ class Sampler:
         """Decide the work from the host copy of the parameters, before the device step, so
         that sampling itself reads no value (device or host) to decide anything. The shared
         all-greedy parameters need no look; others are read by the host kernel when there
-        is one (`executor.host_checks`), else by torch."""
+        is one (`executor.admission.host_checks`), else by torch."""
         if host_sampling.is_shared_greedy():
             return ALL_GREEDY
         found = (ctypes.c_int64 * PLAN_SIZE)()

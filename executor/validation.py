@@ -17,11 +17,11 @@ import dataclasses
 import numpy as np
 import torch
 
+from executor.admission.host_checks import plain_decode_holds
 from executor.batch_prep import extend_positions
 from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from executor.core.limits import BatchLimits
-from executor.host_checks import plain_decode_holds
 
 _INT_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -116,7 +116,7 @@ def validate_batch(
     step stores, so a wrong one silently changes every later token of that request.
 
     A DECODE batch of the usual shape is checked by the host kernel first
-    (`executor.host_checks`); the rules below run when it is not, or when a rule fails."""
+    (`executor.admission.host_checks`); the rules below run when it is not, or when a rule fails."""
     if plain_decode_holds(fb, limits, resident_lens, future_assigned):
         return
     if not isinstance(fb.forward_mode, ForwardMode):

@@ -423,7 +423,7 @@ def test_without_a_compiler_the_python_paths_serve(
     assert isinstance(reason, str) and "no C compiler" in reason
     assert host_kernels.loaded() is None
     with capture_logs() as logs:
-        ex = make_executor()
+        ex = make_executor(cache_dir=str(tmp_path / "cache"))  # no library built there
     said = [e for e in logs if "host index kernels unavailable" in e["event"]]
     assert said and "no C compiler" in said[0]["reason"] and said[0]["log_level"] == "warning"
     out = ex.forward(decode([1], [1], [1]))
@@ -443,8 +443,8 @@ def test_the_prebuilt_library_loads_without_a_compiler(
 
 def test_the_usual_batch_takes_the_kernel_paths() -> None:
     """The agreement above compares the kernels with Python, not Python with itself."""
+    from executor.admission.host_checks import plain_decode_holds, sampling_holds
     from executor.batch_prep import _decode_fields
-    from executor.host_checks import plain_decode_holds, sampling_holds
 
     assert plain_decode_holds(GOOD, limits(), RESIDENT, None)
     many = next(c for c in CASES if c.name == "80 requests")
