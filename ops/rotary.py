@@ -31,6 +31,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, device=None) -> None:
         super().__init__()
+        self.max_positions = max_positions
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        if torch.device(device or "cpu").type == "meta":  # shapes only (no meta kernels run)
+            shape = (max_positions, head_dim)
+            self.register_buffer("cos_cache", torch.empty(shape, device=device), persistent=False)
+            self.register_buffer("sin_cache", torch.empty(shape, device=device), persistent=False)
+            return
         inv_freq = 1.0 / (
             theta
             ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
@@ -38,9 +46,6 @@ class RotaryEmbedding(torch.nn.Module):
         t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.max_positions = max_positions
-        self.cos_cache: torch.Tensor
-        self.sin_cache: torch.Tensor
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 

@@ -2,8 +2,8 @@
 
 Two peft adapters (ranks 8 and 16, different targets and alphas, non-zero random A and B) in
 one batch with base rows: each row's greedy tokens equal peft's for its adapter, on the eager,
-full-graph DECODE and piecewise EXTEND paths (the path that ran is asserted). Loading,
-unloading and refusals leave every other row and adapter as they were.
+full-graph DECODE and piecewise EXTEND paths (the path that ran is asserted), and at tp 2.
+Loading, unloading and refusals leave every other row and adapter as they were.
 """
 
 from __future__ import annotations
@@ -232,3 +232,20 @@ def test_generate_lora_names_one_adapter_or_one_per_prompt() -> None:
     assert prompt_loras("a,,b", 3) == ["a", "", "b"]
     with pytest.raises(ValueError, match="2 adapters for 3 prompts"):
         prompt_loras("a,b", 3)
+
+
+@pytest.mark.parametrize("graph_mode", ["none", "both"])
+def test_mixed_batch_matches_peft_per_row_at_tp2(
+    setup: dict[str, Any], cache_dir: Path, graph_mode: str
+) -> None:
+    """Tensor parallelism: each rank reads its cut of every adapter (the heads and MLP columns
+    it holds) and adds its part before the all-reduces; rank 0's tokens equal peft's per row,
+    eagerly and on the graph paths."""
+    from tests.tp_util import generate_tp
+
+    config = _executor_config(setup, cache_dir, graph_mode=graph_mode, tp_size=2)
+    run = {"max_new_tokens": NEW_TOKENS, "lora": list(ROW_LORAS)}
+    [(got, paths)] = generate_tp(config, [list(p) for p in PROMPTS], [run], timeout_s=240)
+    assert got == setup["ref"]
+    if graph_mode == "both":
+        assert "full_graph" in paths and "piecewise" in paths, paths
