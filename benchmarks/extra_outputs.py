@@ -3,11 +3,13 @@
     python benchmarks/extra_outputs.py                                   # asks, in-process
     git worktree add /tmp/base c416a5c    # a tree from before the wider step
     python benchmarks/extra_outputs.py --baseline-tree /tmp/base          # plus: asking nothing
+    python benchmarks/extra_outputs.py --model tiny-random-qwen3-moe      # + routed experts
 
 1. Asks (in-process, `--model`, default tiny-random): a 256-token EXTEND of `--bs` requests
    with nothing asked, with prompt logprobs, with prompt logprobs and 5 alternatives, with 16
-   scored ids, with the final hidden state (LAST) and with MEAN pooling; variants alternate;
-   the medians of the step's `total` and `sample` phases.
+   scored ids, with the final hidden state (LAST) and with MEAN pooling (and, on an MoE
+   model, with its routed experts); variants alternate; the medians of the step's `total`
+   and `sample` phases.
 2. Asking nothing (`--baseline-tree`): this tree's server and the baseline tree's, both
    serving `--model` (graph mode none) in their own processes, the same plain DECODE steps
    alternating call by call; the client's wall time and the step's `total`, medians.
@@ -37,6 +39,7 @@ from executor.core.forward_batch import ForwardBatch
 from executor.model_executor import ModelExecutor
 
 VARIANTS = ("none", "prompt_logprobs", "prompt_top5", "scores16", "hidden_last", "hidden_mean")
+MOE_VARIANTS = (*VARIANTS, "routed_experts")  # an MoE model's (limits.routed_expert_layers)
 
 
 def asks(variant: str, rows: list[int]) -> tuple[tuple[RowOutputs, ...], int]:
@@ -47,6 +50,7 @@ def asks(variant: str, rows: list[int]) -> tuple[tuple[RowOutputs, ...], int]:
         "scores16": lambda r: RowOutputs(row=r, score_token_ids=tuple(range(16))),
         "hidden_last": lambda r: RowOutputs(row=r, hidden=HiddenAsk()),
         "hidden_mean": lambda r: RowOutputs(row=r, hidden=HiddenAsk(pooling=Pooling.MEAN)),
+        "routed_experts": lambda r: RowOutputs(row=r, routed_experts=True),
     }[variant]
     if make is None:
         return (), 0
@@ -59,9 +63,10 @@ def measure_asks(
     gen = torch.Generator().manual_seed(0)
     vocab = ex.limits.vocab_size
     rows = list(range(1, bs + 1))
-    out: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in VARIANTS}
+    variants = MOE_VARIANTS if ex.limits.routed_expert_layers else VARIANTS
+    out: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
     for step in range(steps + 1):
-        order = VARIANTS if step % 2 == 0 else tuple(reversed(VARIANTS))
+        order = variants if step % 2 == 0 else tuple(reversed(variants))
         for variant in order:
             prompts = [torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in rows]
             fb = make_extend_batch(
@@ -156,8 +161,8 @@ def main() -> None:
     )
     result = measure_asks(ex, args.bs, args.tokens, args.steps)
     print(f"\n1. asks: EXTEND of {args.bs} x {args.tokens} tokens, us (medians), total / sample")
-    print("| " + " | ".join(VARIANTS) + " |")
-    print("|" + "---:|" * len(VARIANTS))
+    print("| " + " | ".join(result) + " |")
+    print("|" + "---:|" * len(result))
     print("| " + " | ".join(f"{med(t):.0f} / {med(s):.0f}" for t, s in result.values()) + " |")
     if args.baseline_tree is None:
         return

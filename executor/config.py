@@ -40,6 +40,7 @@ LOADED_QUANTIZATIONS = QUANTIZATION_MODES[1:]
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 QUANT_KERNELS = ("auto", "qmm", "torch")
 PIPELINE_STEPS = ("auto", "on", "off")
+LM_HEAD_DTYPES = ("auto", "float32")
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -204,6 +205,13 @@ class ExecutorConfig:
         "asynchronously (CUDA, simulated_step_ms), off on a CPU device, whose forward is "
         "synchronous (on there only reorders the host's work: for tests)",
     )
+    lm_head_dtype: str = setting(
+        "auto",
+        "auto | float32: the dtype the LM head computes the logits in; auto = the model's "
+        "dtype (the logits are float32 either way); float32 runs the head's matmul on float32 "
+        "hidden states and weights on a bfloat16/float16 model (every path, a tied or "
+        "vocabulary-sharded head too; a quantized head's kernel keeps its own precision)",
+    )
     simulated_step_ms: float = setting(
         0.0,
         "a stand-in accelerator, for measuring the pipeline (and testing a scheduler's) "
@@ -253,6 +261,11 @@ class ExecutorConfig:
             raise ValueError(
                 f"pipeline_steps must be one of {', '.join(PIPELINE_STEPS)}, "
                 f"got {self.pipeline_steps!r}"
+            )
+        if self.lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(
+                f"lm_head_dtype must be one of {', '.join(LM_HEAD_DTYPES)}, "
+                f"got {self.lm_head_dtype!r}"
             )
         if not 0 <= self.simulated_step_ms <= 10_000:
             raise ValueError(f"simulated_step_ms must be in 0..10000, got {self.simulated_step_ms}")
@@ -334,9 +347,15 @@ class ExecutorConfig:
 
 
 def batch_limits(
-    config: ExecutorConfig, *, vocab_size: int, hidden_size: int, max_context_len: int
+    config: ExecutorConfig,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    max_context_len: int,
+    routes: tuple[tuple[int, ...], int] = ((), 0),
 ) -> BatchLimits:
-    """The caps batches are checked against (and the wire's byte limits sized from)."""
+    """The caps batches are checked against (and the wire's byte limits sized from);
+    `routes`: the model's sparse MoE layers and their top-k (`models.moe`)."""
     return BatchLimits(
         max_reqs=config.max_reqs,
         kv_slots=config.kv_slots,
@@ -348,6 +367,8 @@ def batch_limits(
         max_top_logprobs=config.max_top_logprobs,
         future_slots=resolve_future_slots(config),
         allow_input_embeds=config.allow_input_embeds,
+        routed_expert_layers=routes[0],
+        routed_experts_top_k=routes[1],
     )
 
 

@@ -12,6 +12,9 @@ from executor.config import ExecutorConfig
 from executor.core.limits import BatchLimits
 from executor.core.lora_types import LoraInfo
 from executor.kv_transfer.layout import KVLayout, KVTransferLimits
+from executor.models.decoder_model import DecoderModel
+from executor.models.layers import Linear
+from executor.models.loader import ServedModel
 from executor.weights.memory import MemoryReport
 
 
@@ -72,6 +75,20 @@ def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoi
     return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")
 
 
+def lm_head_choice(config: ExecutorConfig, model: DecoderModel) -> SettingChoice:
+    """The dtype the LM head computes in (`lm_head_dtype`); sets it on `model`."""
+    act = str(model.activation_dtype).removeprefix("torch.")
+    if config.lm_head_dtype == "auto":
+        model.head_dtype = None
+        return SettingChoice("lm_head_dtype", act, "auto: the model's dtype")
+    model.head_dtype = torch.float32
+    if model.lm_head is not None and not isinstance(model.lm_head, Linear):
+        kind = type(model.lm_head).__name__
+        why = f"configured; the {kind} head takes float32 hidden states, its kernel keeps its own precision"
+        return SettingChoice("lm_head_dtype", "float32", why)
+    return SettingChoice("lm_head_dtype", "float32", "configured")
+
+
 def log_ready(info: ExecutorInfo, **extra: Any) -> None:
     """The start-up's last log lines: `executor ready` with what GetInfo says and `extra` (this
     rank's runtime state), then one `setting chosen` line per setting choice."""
@@ -93,3 +110,19 @@ def log_ready(info: ExecutorInfo, **extra: Any) -> None:
     )
     for choice in info.choices:
         log.info("setting chosen", setting=choice.setting, value=choice.value, reason=choice.reason)
+
+
+def start_up_choices(
+    config: ExecutorConfig, device: torch.device, served: ServedModel
+) -> tuple[SettingChoice, ...]:
+    """What each start-up setting resolved to, and why (the pipeline's last: `pipelines`)."""
+    loaded = served.loaded
+    return (
+        SettingChoice("device", str(device), "configured" if config.device != "auto" else "auto"),
+        SettingChoice("dtype", str(served.dtype.dtype).removeprefix("torch."), served.dtype.reason),
+        SettingChoice("quantization", loaded.quantization, served.quantization_reason),
+        SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
+        SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
+        lm_head_choice(config, loaded.model),
+        pipeline_choice(config, device),
+    )

@@ -52,12 +52,13 @@ from executor.graphs.settings import (
     resolve_graph_backend,
     resolve_graph_mode,
 )
-from executor.info import ExecutorInfo, SettingChoice, log_ready, pipeline_choice
+from executor.info import ExecutorInfo, log_ready, start_up_choices
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.lora.adapters import LoraAdapters
 from executor.model_runner import ModelRunner
 from executor.models.decoder_model import DecoderModel
 from executor.models.loader import LoadedModel, load_model, load_served_model
+from executor.models.moe import routed_expert_layout
 from executor.models.standin import StandIn
 from executor.models.tokenizer import Tokenizer, load_tokenizer
 from executor.parallel.comm import TpComm
@@ -123,16 +124,7 @@ class ModelExecutor:
         served = load_served_model(config, self.device, self.comm, loaded)
         self.loaded = loaded = served.loaded
         self.dtype = served.dtype.dtype
-        self.choices = (
-            SettingChoice(
-                "device", str(self.device), "configured" if config.device != "auto" else "auto"
-            ),
-            SettingChoice("dtype", str(self.dtype).removeprefix("torch."), served.dtype.reason),
-            SettingChoice("quantization", loaded.quantization, served.quantization_reason),
-            SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
-            SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
-            pipeline_choice(config, self.device),
-        )
+        self.choices = start_up_choices(config, self.device, served)
         # The device thread prepares the next batch while a step runs (device_worker).
         self.pipelines = self.choices[-1].value == "on"
         self.model = loaded.model
@@ -147,6 +139,8 @@ class ModelExecutor:
             vocab_size=mcfg.vocab_size,
             hidden_size=mcfg.hidden_size,
             max_context_len=max_context_len,
+            # The stand-in accelerator runs no model, so it routes nothing.
+            routes=((), 0) if config.simulated_step_ms else routed_expert_layout(self.model),
         )
         self.req_to_token_pool = ReqToTokenPool(
             config.max_reqs,

@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from attention.base import AttentionBackend
-from executor.core.extras_types import hidden_layers
+from executor.core.extras_types import asks_routed_experts, hidden_layers
 from executor.core.forward_batch import ForwardBatch
 from executor.core.names import GraphMode, Path
 from executor.core.runner_output import GraphFallback, RunnerOutput
@@ -33,6 +33,7 @@ from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
 from executor.models.blocks import LayerFns, compile_layer_fns
 from executor.models.decoder_model import DecoderModel
+from executor.models.moe import attach_route_recorder
 from executor.models.standin import StandIn
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats
@@ -75,6 +76,7 @@ class ModelRunner:
         input ids from it before the model reads them (inside the graph on graph paths).
         `standin`: the stand-in accelerator's model, run instead of every path."""
         self.model = model
+        self.route_recorder = attach_route_recorder(model)  # None: a dense model
         self.standin = standin
         self.future_tokens = future_tokens
         self.attn_backend = attn_backend
@@ -257,20 +259,24 @@ class ModelRunner:
         layers = hidden_layers(fb.row_outputs, self.model.config.num_layers)
         if self.standin is not None:
             return self.standin.forward(fb, layers)
-        out, fallback = self._graph_path(fb) if not layers else (None, None)
+        routed = self.route_recorder is not None and asks_routed_experts(fb.row_outputs)
+        eager_only = "hidden_layers" if layers else "routed_experts" if routed else ""
+        out, fallback = self._graph_path(fb) if not eager_only else (None, None)
         if out is not None:
             return out
-        if layers:  # named layers' streams are recorded on the eager path only
+        if eager_only:  # named layers' streams and routed experts: recorded eagerly only
             mode = self.toggles.graph_mode
             if fb.forward_mode.is_decode() and mode.decode_graphs:
-                fallback = GraphFallback("decode", "hidden_layers")
+                fallback = GraphFallback("decode", eager_only)
             elif fb.forward_mode.is_extend() and mode.piecewise:
-                fallback = GraphFallback("piecewise", "hidden_layers")
-        out = self._eager(fb, layers)
+                fallback = GraphFallback("piecewise", eager_only)
+        out = self._eager(fb, layers, routed)
         out.graph_fallback = fallback
         return out
 
-    def _eager(self, fb: ForwardBatch, layers: tuple[int, ...] = ()) -> RunnerOutput:
+    def _eager(
+        self, fb: ForwardBatch, layers: tuple[int, ...] = (), routed: bool = False
+    ) -> RunnerOutput:
         no_copy = self.toggles.eager_input_no_copy
         path = Path.EAGER_NO_COPY if no_copy else Path.EAGER
         if fb.forward_mode.is_idle():
@@ -288,9 +294,15 @@ class ModelRunner:
         if fb.future_refs and input_ids is not None and self.future_tokens is not None:
             input_ids = resolve_future_tokens(input_ids, self.future_tokens)
         keep = {i: torch.empty(0) for i in layers} if layers else None
-        hidden = self.model.forward(
-            input_ids, run.positions, run, self.attn_backend, run.input_embeds, keep
-        )
+        recorder = self.route_recorder if routed else None
+        if recorder is not None:
+            recorder.start(fb.num_tokens, run.positions.device)
+        try:
+            hidden = self.model.forward(
+                input_ids, run.positions, run, self.attn_backend, run.input_embeds, keep
+            )
+        finally:
+            ids = None if recorder is None else recorder.take()
         logits = self.model.compute_logits(hidden, run)
         return RunnerOutput(
             logits,
@@ -301,4 +313,5 @@ class ModelRunner:
             fill_stats=FillStats() if filled is None else filled.stats,
             hidden=hidden,
             layers=keep or {},
+            routed=ids,
         )

@@ -63,6 +63,7 @@ def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecuto
         "quantization",
         "quant_kernel",
         "linear_kernel",
+        "lm_head_dtype",
         "pipeline_steps",
         "graph_mode",
         "graph_backend",

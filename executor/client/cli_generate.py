@@ -87,6 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 json_schema=schema,
                 lora=lora,
                 logprobs=args.logprobs,
+                routed_experts=args.routed_experts,
             )
             for t, lora in zip(texts, loras, strict=True)
         ]

@@ -1,6 +1,7 @@
 """`model-executor generate`'s machine-readable output: `--json` (one JSON object per request
 per line, in prompt order) and `--logprobs [--logprobs-mode raw|processed]` (each generated
-token's logprob: the model's distribution, or the one the sampler drew from)."""
+token's logprob: the model's distribution, or the one the sampler drew from), and
+`--routed-experts` (an MoE model's top-k expert ids of every token it computed)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         help="raw: the model's distribution (log-softmax of its logits); processed: the one "
         "the sampler drew from (after controls, temperature, top-k/top-p/min-p, renormalized)",
     )
+    out.add_argument(
+        "--routed-experts",
+        action="store_true",
+        help="with --json, an MoE model: `routed_experts`, per token the model computed (the "
+        "prompt, then each generated token but the last) per MoE layer "
+        "(GetInfo.routed_expert_layers) its top-k expert ids",
+    )
 
 
 def logprobs_mode(args: argparse.Namespace) -> LogprobsMode:
@@ -47,10 +55,14 @@ def check_output_arguments(args: argparse.Namespace) -> str | None:
         return "--logprobs needs --json (the logprobs go in each request's JSON object)"
     if args.logprobs_mode != "raw" and not args.logprobs:
         return "--logprobs-mode needs --logprobs"
+    if args.routed_experts and not args.json:
+        return "--routed-experts needs --json (the ids go in each request's JSON object)"
+    if args.routed_experts and (args.speculate or args.overlap or args.prefill_target):
+        return "--routed-experts does not combine with --speculate, --overlap or --prefill-target"
     return None
 
 
-def result_json(req: Request, text: str, *, logprobs: bool) -> str:
+def result_json(req: Request, text: str, *, logprobs: bool, routed_experts: bool = False) -> str:
     """One request's line of `generate --json`."""
     obj: dict[str, object] = {
         "prompt_token_ids": req.prompt_ids,
@@ -60,6 +72,8 @@ def result_json(req: Request, text: str, *, logprobs: bool) -> str:
     }
     if logprobs:
         obj["logprobs"] = req.output_logprobs
+    if routed_experts:
+        obj["routed_experts"] = req.output_routed_experts
     return json.dumps(obj)
 
 
@@ -72,7 +86,13 @@ def print_results(
     """The finished requests, in prompt order: JSON lines with --json, else their text."""
     for i, req in enumerate(reqs):
         if args.json:
-            print(result_json(req, decode(req.output_ids), logprobs=args.logprobs), file=out)
+            line = result_json(
+                req,
+                decode(req.output_ids),
+                logprobs=args.logprobs,
+                routed_experts=getattr(args, "routed_experts", False),
+            )
+            print(line, file=out)
             continue
         if len(reqs) > 1:
             print(f"--- [{i}] {req.finish_reason}", file=out)

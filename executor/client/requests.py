@@ -38,6 +38,11 @@ class Request:
     # those of output_ids, in order.
     logprobs: bool = False
     output_logprobs: list[float] = field(default_factory=list)
+    # Whether each step asks for the routed experts of the request's tokens, and those of
+    # every token the model computed for it (the prompt, then each generated token fed
+    # back: all but the last), each [moe layer][k].
+    routed_experts: bool = False
+    output_routed_experts: list[list[list[int]]] = field(default_factory=list)
     row: int = 0
     slots: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache (overlap: or in a step in flight)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from executor.batch_prep import make_idle_batch
+from executor.client import step_batches as sb
 from executor.client.allocator import FutureSlotAllocator, KVAllocator
 from executor.client.grammar import Grammars, masked_positions, step_mask
 from executor.client.pipes import ForwardFn, InlinePipe, MaskPipe, StepPipe, StepResult
@@ -119,6 +120,7 @@ class ReferenceScheduler:
         json_schema: str | dict[str, Any] | None = None,
         lora: str = "",
         logprobs: bool = False,
+        routed_experts: bool = False,
     ) -> Request:
         """`speculate=K`: VERIFY steps of K prompt-lookup drafts (n-gram `ngram`) while they
         pay. `controls`: for the request's life (`prompt_len` set here; min_tokens also
@@ -126,8 +128,10 @@ class ReferenceScheduler:
         schemas do not combine with `speculate` yet (VERIFY takes no controls). `lora`: a
         loaded adapter's name ("" = the base model), set with the batch that starts it.
         `logprobs`: each step asks for the request's logprobs (`sampling.logprobs_mode`):
-        `output_logprobs`."""
+        `output_logprobs`. `routed_experts`: `output_routed_experts` (no VERIFY, no overlap)."""
         check_speculate(speculate, ngram, self.limits, self.overlap)
+        if routed_experts and (speculate or self.overlap):
+            raise ValueError("routed_experts does not combine with speculate or overlap yet")
         if speculate and (controls is not None or json_schema is not None):
             raise ValueError("speculate does not combine with controls or json_schema yet")
         check_request(prompt_ids, max_new_tokens, self.limits)
@@ -157,6 +161,7 @@ class ReferenceScheduler:
             grammar=grammar,
             lora=lora,
             logprobs=logprobs,
+            routed_experts=routed_experts,
         )
         self.waiting.append(req)
         return req
@@ -226,8 +231,9 @@ class ReferenceScheduler:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
         produces = [end >= len(r.prompt_ids) for r, end in zip(members, chunk_ends, strict=True)]
-        batch = asking_logprobs(batch, members)
+        batch = sb.asking_routed_experts(asking_logprobs(batch, members), members)
         out = self._forward(batch, members, masked_positions(members, produces))
+        sb.record_routed_experts(out, members)
         runs = token_runs(out, len(members))  # VERIFY: accepted drafts and bonus per row
         finished = []
         for req, run, end in zip(members, runs, chunk_ends, strict=True):

@@ -11,6 +11,7 @@ from typing import Any
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.requests import Request
 from executor.core.controls_types import RowControl
+from executor.core.extras_types import RowOutputs
 from executor.core.forward_batch import ForwardBatch
 from executor.core.lora_types import RowAdapter
 
@@ -63,6 +64,26 @@ def asking_logprobs(batch: ForwardBatch, members: Sequence[Request]) -> ForwardB
     if any(r.logprobs for r in members):
         return dataclasses.replace(batch, return_logprob=True)
     return batch
+
+
+def asking_routed_experts(batch: ForwardBatch, members: Sequence[Request]) -> ForwardBatch:
+    """The batch asking for the routed experts of the members that want them."""
+    asks = tuple(RowOutputs(r.row, routed_experts=True) for r in members if r.routed_experts)
+    if asks:
+        return dataclasses.replace(batch, row_outputs=batch.row_outputs + asks)
+    return batch
+
+
+def record_routed_experts(out: object, members: Sequence[Request]) -> None:
+    """Each asking member's routed experts of this step (`out`: a `ForwardOutput`), in its
+    token order."""
+    extras = getattr(out, "extras", None)
+    routed = extras.routed_experts if extras is not None else None
+    if routed is None:
+        return
+    for req, ids in zip(members, routed.rows(), strict=True):
+        if req.routed_experts:
+            req.output_routed_experts.extend(ids.tolist())
 
 
 def starting_row_state(members: Sequence[Request], prefix: Sequence[int]) -> dict[str, Any]:

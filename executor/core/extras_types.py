@@ -33,6 +33,12 @@ class RowOutputs:
     next_prompt_token: int | None = None
     score_token_ids: tuple[int, ...] = ()
     hidden: HiddenAsk | None = None
+    routed_experts: bool = False  # the top-k expert ids of the row's tokens, every MoE layer
+
+
+def asks_routed_experts(asks: tuple[RowOutputs, ...]) -> bool:
+    """Whether a batch asks for routed experts (they are recorded on the eager path)."""
+    return any(a.routed_experts for a in asks)
 
 
 def hidden_layers(asks: tuple[RowOutputs, ...], num_layers: int) -> tuple[int, ...]:
@@ -63,3 +69,4 @@ class ExtraOutputs:
     prompt_top_logprob_ids: Ragged | None = None
     token_scores: Ragged | None = None
     hidden_states: Ragged | None = None
+    routed_experts: Ragged | None = None  # int32 [tokens, moe layers, top_k]

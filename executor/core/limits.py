@@ -30,4 +30,12 @@ class BatchLimits:
     max_prompt_logprob_bytes: int = 16 << 20  # a response's prompt logprobs (and top-k)
     max_hidden_bytes: int = 16 << 20  # a response's hidden states
     max_output_bytes: int = 32 << 20  # all RowOutputs results of one response
+    max_routed_expert_bytes: int = 16 << 20  # a response's routed expert ids
+    routed_expert_layers: tuple[int, ...] = ()  # the model's sparse MoE layers (none: not MoE)
+    routed_experts_top_k: int = 0  # experts per token in each of them
     allow_input_embeds: bool = True  # the executor's setting (off by default there)
+
+
+def routed_expert_bytes_per_token(limits: BatchLimits) -> int:
+    """Bytes of one token's routed expert ids (int32, every MoE layer); 0: not an MoE model."""
+    return 4 * len(limits.routed_expert_layers) * limits.routed_experts_top_k

@@ -45,3 +45,5 @@ class RunnerOutput:
     # step (a graph's buffer); and the named layers' streams a batch asked for (eager only).
     hidden: torch.Tensor | None = None
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The batch's routed expert ids when a row asked (eager only): int32 [tokens, moe layers, k].
+    routed: torch.Tensor | None = None

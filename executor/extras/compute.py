@@ -62,6 +62,9 @@ def compute(
     computed = Computed(out)
     if plan.hidden is not None:
         _hidden(plan, ran, model.config.num_layers, staged, req_pool_indices, pooled, computed)
+    if len(plan.routed_tokens):
+        assert ran.routed is not None, "a batch asking routed experts runs eagerly"
+        computed.tensors.append(ran.routed.index_select(0, _need(staged.routed_tokens)))
     return computed
 
 
@@ -129,4 +132,6 @@ def assemble(plan: OutputsPlan, host: list[torch.Tensor]) -> ExtraOutputs:
         out.token_scores = Ragged(next(it), torch.from_numpy(plan.score_lengths))
     if plan.hidden is not None:
         out.hidden_states = Ragged(next(it), torch.from_numpy(plan.hidden_lengths))
+    if len(plan.routed_tokens):
+        out.routed_experts = Ragged(next(it), torch.from_numpy(plan.routed_lengths))
     return out

@@ -12,7 +12,7 @@ import torch
 from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.core.extras_types import Pooling, RowOutputs
 from executor.core.forward_batch import ForwardBatch
-from executor.core.limits import BatchLimits
+from executor.core.limits import BatchLimits, routed_expert_bytes_per_token
 from ops.h2d_staging import StagedField
 
 PREFIX = "extras."  # a label of the staged layout (ops.h2d_staging)
@@ -46,6 +46,8 @@ class OutputsPlan:
     hidden: HiddenPlan | None
     hidden_lengths: np.ndarray  # [bs] int32
     rows: np.ndarray  # [bs] the batch's rows (for the pooled counts)
+    routed_tokens: np.ndarray  # [r] token indices whose routed experts come back
+    routed_lengths: np.ndarray  # [bs] int32
 
     def staged_arrays(self) -> list[tuple[str, np.ndarray]]:
         """The int64 host arrays the step stages, each by its `StagedOutputs` field name, in
@@ -56,6 +58,7 @@ class OutputsPlan:
             ("prompt_target_value", self.prompt_target_value),
             ("score_positions", self.score_positions),
             ("score_ids", self.score_ids),
+            ("routed_tokens", self.routed_tokens),
         ]
         if self.hidden is not None:
             h = self.hidden
@@ -86,6 +89,7 @@ class StagedOutputs:
     prompt_target_value: torch.Tensor | None = None
     score_positions: torch.Tensor | None = None
     score_ids: torch.Tensor | None = None
+    routed_tokens: torch.Tensor | None = None
     hidden_positions: torch.Tensor | None = None
     last_token: torch.Tensor | None = None
     mean_tokens: torch.Tensor | None = None
@@ -144,6 +148,8 @@ def plan_outputs(
     score_ids: list[int] = []
     score_lengths = np.zeros(bs, dtype=np.int32)
     hidden_asks: list[tuple[int, RowOutputs]] = []
+    routed_tokens: list[np.ndarray] = []
+    routed_lengths = np.zeros(bs, dtype=np.int32)
     for k, ask in enumerate(fb.row_outputs):
         name = f"row_outputs[{k}]"
         i = position_of.get(ask.row)
@@ -195,6 +201,13 @@ def plan_outputs(
                     name + ".hidden.layer", f"must be in 0..{num_layers}, got {layer}"
                 )
             hidden_asks.append((i, ask))
+        if ask.routed_experts:
+            if not limits.routed_expert_layers:
+                raise BatchValidationError(
+                    name + ".routed_experts", "the model has no mixture-of-experts layers"
+                )
+            routed_tokens.append(np.arange(start[i], start[i] + lens[i], dtype=np.int64))
+            routed_lengths[i] = lens[i]
     hidden = _hidden_plan(hidden_asks, rows, prefix, lens, start, released, pooled, num_layers)
     hidden_lengths = np.zeros(bs, dtype=np.int32)
     if hidden is not None:
@@ -213,7 +226,14 @@ def plan_outputs(
         "max_prompt_logprob_bytes",
     )
     _cap("row_outputs.hidden", hidden_bytes, limits.max_hidden_bytes, "max_hidden_bytes")
-    total = prompt_bytes + hidden_bytes + 4 * len(score_ids)
+    routed_bytes = int(routed_lengths.sum()) * routed_expert_bytes_per_token(limits)
+    _cap(
+        "row_outputs.routed_experts",
+        routed_bytes,
+        limits.max_routed_expert_bytes,
+        "max_routed_expert_bytes",
+    )
+    total = prompt_bytes + hidden_bytes + routed_bytes + 4 * len(score_ids)
     _cap("row_outputs", total, limits.max_output_bytes, "max_output_bytes")
     i64 = np.int64
 
@@ -232,6 +252,8 @@ def plan_outputs(
         hidden=hidden,
         hidden_lengths=hidden_lengths,
         rows=rows,
+        routed_tokens=cat(routed_tokens),
+        routed_lengths=routed_lengths,
     )
 
 

@@ -117,6 +117,8 @@ class DecoderModel(nn.Module, ABC):
         # LoRA (executor.lora attaches the layers' sites): every forward and piece sets the
         # mask of its tokens' adapters first (None: the sites do nothing).
         self.lora: LoraBatch | None = None
+        # The dtype the head's matmul runs in (`lm_head_dtype`); None: the activations'.
+        self.head_dtype: torch.dtype | None = None
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -306,10 +308,17 @@ class DecoderModel(nn.Module, ABC):
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head on final-normed hidden states [n, hidden] -> [n, vocab] float32 (every
         rank of a tensor-parallel group must call it: the vocabulary is gathered)."""
+        head = self.head_dtype
+        if head is not None and head != hidden.dtype:
+            hidden = hidden.to(head)  # the head in `head_dtype`: weights cast as they are read
         if self.lm_head is None:  # tied to a float embedding
             assert isinstance(self.embed_tokens, Embedding)
-            logits = F.linear(hidden, self.embed_tokens.weight).float()
-        else:
+            logits = F.linear(hidden, self.embed_tokens.weight.to(hidden.dtype)).float()
+        elif isinstance(self.lm_head, Linear):
+            w, b = self.lm_head.weight, self.lm_head.bias
+            dt = hidden.dtype
+            logits = F.linear(hidden, w.to(dt), None if b is None else b.to(dt)).float()
+        else:  # quantized or packed: the module's kernel, float32 hidden states in
             logits = self.lm_head(hidden).float()
         if self.comm.enabled:
             # Vocab-parallel head: every rank's columns, in rank order, minus the padding.

@@ -15,6 +15,10 @@ Tensor parallelism shards every expert alike (gate-up column-parallel, down row-
 on `ShardPlan.expert_intermediate_size`): the block's output is a partial sum, all-reduced
 where a dense MLP's is (`DecoderLayer`), and every rank does the same work whatever the
 routing. The router is replicated, so the ranks route identically.
+
+Routed experts (`RowOutputs.routed_experts`): while a batch asks, the runner hands the blocks a
+`RouteRecorder` buffer and each sparse block copies its top-k ids into its column; a batch that
+asks nothing leaves `ids` None and the blocks record nothing.
 """
 
 from __future__ import annotations
@@ -97,6 +101,44 @@ class GroupedExperts(nn.Module):
         return torch.einsum("eth,te->th", out, per_expert)
 
 
+class RouteRecorder:
+    """The top-k expert ids of every token of the running step, in every sparse MoE layer:
+    `ids` [tokens, len(layers), top_k] int32 while a batch asks (the runner sets and clears
+    it), else None. One per model, shared by its sparse blocks (`attach_route_recorder`)."""
+
+    def __init__(self, layers: tuple[int, ...], top_k: int) -> None:
+        self.layers = layers  # the decoder layers with a sparse block, in column order
+        self.top_k = top_k
+        self.ids: torch.Tensor | None = None
+
+    def start(self, num_tokens: int, device: torch.device) -> None:
+        self.ids = torch.zeros(
+            (num_tokens, len(self.layers), self.top_k), dtype=torch.int32, device=device
+        )
+
+    def take(self) -> torch.Tensor | None:
+        ids, self.ids = self.ids, None
+        return ids
+
+
+def routed_expert_layout(model: nn.Module) -> tuple[tuple[int, ...], int]:
+    """(the decoder layers with a sparse MoE block, top_k); ((), 0) for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    return tuple(b.layer_id for b in blocks), (blocks[0].top_k if blocks else 0)
+
+
+def attach_route_recorder(model: nn.Module) -> RouteRecorder | None:
+    """One recorder shared by `model`'s sparse MoE blocks (in layer order); None without any."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    layers = tuple(b.layer_id for b in blocks)
+    recorder = RouteRecorder(layers, blocks[0].top_k)
+    for column, block in enumerate(blocks):
+        block.recorder, block.column = recorder, column
+    return recorder
+
+
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) plus `experts`: [T, H] -> [T, H], a partial sum over the
     ranks under tensor parallelism."""
@@ -109,8 +151,12 @@ class SparseMoeBlock(nn.Module):
         *,
         device: torch.device,
         dtype: torch.dtype,
+        layer_id: int = 0,
     ) -> None:
         super().__init__()
+        self.layer_id = layer_id
+        self.recorder: RouteRecorder | None = None  # attach_route_recorder
+        self.column = 0  # this block's column of the recorder's ids
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts, False, device=device, dtype=dtype)
@@ -128,4 +174,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
+        rec = self.recorder
+        if rec is not None and rec.ids is not None:  # a batch asks for its routed experts
+            n = min(rec.ids.shape[0], ids.shape[0])
+            rec.ids[:n, self.column].copy_(ids[:n])
         return self.experts(x, ids, weights)

@@ -55,7 +55,9 @@ class Qwen3MoeForCausalLM(DecoderModel):
         attn = RotaryAttention(c, p, qk_norm=True, **build.dd)
         mlp: nn.Module
         if c.moe.is_sparse(layer_id):
-            mlp = SparseMoeBlock(c.moe, c.hidden_size, p.expert_intermediate_size, **build.dd)
+            mlp = SparseMoeBlock(
+                c.moe, c.hidden_size, p.expert_intermediate_size, layer_id=layer_id, **build.dd
+            )
         else:
             mlp = GatedMLP(c.hidden_size, p.intermediate_size, **build.dd)
         return DecoderLayer(c, layer_id, attn, mlp, comm=build.comm, **build.dd)

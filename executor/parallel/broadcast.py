@@ -88,6 +88,7 @@ def _ask_from_json(d: dict[str, Any]) -> RowOutputs:
         next_prompt_token=d["next_prompt_token"],
         score_token_ids=tuple(int(t) for t in d["score_token_ids"]),
         hidden=hidden,
+        routed_experts=bool(d.get("routed_experts", False)),  # every rank runs it eagerly
     )
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from executor.core.errors import BatchTooLargeError
+from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.core.extras_types import ExtraOutputs, HiddenAsk, Pooling, Ragged, RowOutputs
 from executor.core.forward_batch import ForwardBatch
-from executor.core.limits import BatchLimits
+from executor.core.limits import BatchLimits, routed_expert_bytes_per_token
 from executor.validation import check_request_count
 
 _BF16 = 4  # pb.BFLOAT16
@@ -40,6 +40,16 @@ def check_output_claims(msg: Any, limits: BatchLimits, num_tokens: int) -> None:
         else 0
     )
     hidden = sum(1 for a in asks if a.HasField("hidden")) * limits.hidden_size * 4
+    routed = (
+        num_tokens * routed_expert_bytes_per_token(limits)
+        if any(a.routed_experts for a in asks)
+        else 0
+    )
+    if routed == 0 and any(a.routed_experts for a in asks) and not limits.routed_expert_layers:
+        raise BatchValidationError(
+            "row_outputs.routed_experts", "the model has no mixture-of-experts layers"
+        )
+    total = prompt + hidden + routed + 4 * scores
     for field, size, cap, name in (
         (
             "row_outputs.prompt_logprobs",
@@ -48,7 +58,13 @@ def check_output_claims(msg: Any, limits: BatchLimits, num_tokens: int) -> None:
             "max_prompt_logprob_bytes",
         ),
         ("row_outputs.hidden", hidden, limits.max_hidden_bytes, "max_hidden_bytes"),
-        ("row_outputs", prompt + hidden + 4 * scores, limits.max_output_bytes, "max_output_bytes"),
+        (
+            "row_outputs.routed_experts",
+            routed,
+            limits.max_routed_expert_bytes,
+            "max_routed_expert_bytes",
+        ),
+        ("row_outputs", total, limits.max_output_bytes, "max_output_bytes"),
     ):
         if size > cap:
             raise BatchTooLargeError(field, f"may return {size} bytes; must be <= {name} ({cap})")
@@ -80,6 +96,7 @@ def _ask(a: Any) -> RowOutputs:
         next_prompt_token=a.next_prompt_token if a.HasField("next_prompt_token") else None,
         score_token_ids=tuple(a.score_token_ids),
         hidden=hidden,
+        routed_experts=a.routed_experts,
     )
 
 
@@ -89,6 +106,7 @@ def add_outputs_to_proto(fb: ForwardBatch, msg: Any) -> None:
             req_pool_index=r.row,
             prompt_logprobs=r.prompt_logprobs,
             logprob_start_len=r.logprob_start_len,
+            routed_experts=r.routed_experts,
         )
         if r.next_prompt_token is not None:
             e.next_prompt_token = r.next_prompt_token
@@ -107,6 +125,7 @@ _RESULTS = (
     "prompt_top_logprob_ids",
     "token_scores",
     "hidden_states",
+    "routed_experts",
 )
 
 

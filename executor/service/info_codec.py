@@ -102,6 +102,9 @@ def info_to_proto(
         max_prompt_logprob_bytes=lim.max_prompt_logprob_bytes,
         max_hidden_bytes=lim.max_hidden_bytes,
         max_output_bytes=lim.max_output_bytes,
+        max_routed_expert_bytes=lim.max_routed_expert_bytes,
+        routed_expert_layers=list(lim.routed_expert_layers),
+        routed_experts_top_k=lim.routed_experts_top_k,
         allow_input_embeds=lim.allow_input_embeds,
         setting_choices=[
             pb.SettingChoice(setting=c.setting, value=c.value, reason=c.reason)
@@ -146,6 +149,9 @@ def info_from_proto(msg: pb.GetInfoResponse) -> tuple[ExecutorInfo, str]:
         max_prompt_logprob_bytes=msg.max_prompt_logprob_bytes,
         max_hidden_bytes=msg.max_hidden_bytes,
         max_output_bytes=msg.max_output_bytes,
+        max_routed_expert_bytes=msg.max_routed_expert_bytes,
+        routed_expert_layers=tuple(msg.routed_expert_layers),
+        routed_experts_top_k=msg.routed_experts_top_k,
         allow_input_embeds=msg.allow_input_embeds,
     )
     has_kv = msg.HasField("kv_layout")  # unset: a server from before the KV data plane

@@ -227,20 +227,22 @@ class HiddenOutput(_message.Message):
     def __init__(self, pooling: _Optional[_Union[Pooling, str]] = ..., layer: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RowOutputs(_message.Message):
-    __slots__ = ("req_pool_index", "prompt_logprobs", "logprob_start_len", "next_prompt_token", "score_token_ids", "hidden")
+    __slots__ = ("req_pool_index", "prompt_logprobs", "logprob_start_len", "next_prompt_token", "score_token_ids", "hidden", "routed_experts")
     REQ_POOL_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_PROMPT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SCORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     req_pool_index: int
     prompt_logprobs: bool
     logprob_start_len: int
     next_prompt_token: int
     score_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: HiddenOutput
-    def __init__(self, req_pool_index: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., next_prompt_token: _Optional[int] = ..., score_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[HiddenOutput, _Mapping]] = ...) -> None: ...
+    routed_experts: bool
+    def __init__(self, req_pool_index: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., next_prompt_token: _Optional[int] = ..., score_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[HiddenOutput, _Mapping]] = ..., routed_experts: _Optional[bool] = ...) -> None: ...
 
 class SamplingControls(_message.Message):
     __slots__ = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids", "banned_token_ids", "allowed_token_ids", "prompt_len")
@@ -356,7 +358,7 @@ class ForwardStats(_message.Message):
     def __init__(self, path: _Optional[str] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., padded_num_tokens: _Optional[int] = ..., timings_ns: _Optional[_Mapping[str, int]] = ..., mode: _Optional[str] = ..., fill_registry: _Optional[str] = ..., fill_tensors: _Optional[int] = ..., fill_bytes: _Optional[int] = ..., fill_copy_calls: _Optional[int] = ..., d2h_syncs: _Optional[int] = ..., h2d_syncs: _Optional[int] = ..., h2d_copies: _Optional[int] = ..., control_rows: _Optional[_Mapping[str, int]] = ..., draft_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., lora_rows: _Optional[int] = ..., host_gap_ns: _Optional[int] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states", "weight_version")
+    __slots__ = ("batch_id", "next_token_ids", "next_token_logprobs", "top_logprob_ids", "top_logprobs", "stats", "accepted_tokens", "accepted_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_top_logprob_ids", "token_scores", "hidden_states", "routed_experts", "weight_version")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +372,7 @@ class ForwardResponse(_message.Message):
     PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_SCORES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     next_token_ids: Tensor
@@ -384,15 +387,16 @@ class ForwardResponse(_message.Message):
     prompt_top_logprob_ids: Ragged
     token_scores: Ragged
     hidden_states: Ragged
+    routed_experts: Ragged
     weight_version: str
-    def __init__(self, batch_id: _Optional[int] = ..., next_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[ForwardStats, _Mapping]] = ..., accepted_tokens: _Optional[_Union[Ragged, _Mapping]] = ..., accepted_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprob_ids: _Optional[_Union[Ragged, _Mapping]] = ..., token_scores: _Optional[_Union[Ragged, _Mapping]] = ..., hidden_states: _Optional[_Union[Ragged, _Mapping]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    def __init__(self, batch_id: _Optional[int] = ..., next_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., next_token_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprob_ids: _Optional[_Union[Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[ForwardStats, _Mapping]] = ..., accepted_tokens: _Optional[_Union[Ragged, _Mapping]] = ..., accepted_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprobs: _Optional[_Union[Ragged, _Mapping]] = ..., prompt_top_logprob_ids: _Optional[_Union[Ragged, _Mapping]] = ..., token_scores: _Optional[_Union[Ragged, _Mapping]] = ..., hidden_states: _Optional[_Union[Ragged, _Mapping]] = ..., routed_experts: _Optional[_Union[Ragged, _Mapping]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "allow_input_embeds", "kv_layout", "setting_choices", "loras", "max_loras", "max_lora_rank", "max_lora_name_bytes", "lora_target_modules", "weight_version", "weight_update_limits", "memory")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "dtype", "device", "max_reqs", "kv_slots", "max_context_len", "max_batch_size", "max_tokens_per_batch", "eos_token_ids", "attention_backend", "server_version", "model_spec", "bos_token_id", "runtime_config", "future_slots", "tp_size", "max_top_logprobs", "quantization", "weight_bytes", "graph_capture_disabled", "linear_kernel", "sampling_controls", "vocab_mask_words", "max_logit_bias", "max_control_token_ids", "deferred_mask_timeout_ms", "max_draft_tokens", "max_ngram", "max_score_token_ids", "max_prompt_logprob_bytes", "max_hidden_bytes", "max_output_bytes", "max_routed_expert_bytes", "routed_expert_layers", "routed_experts_top_k", "allow_input_embeds", "kv_layout", "setting_choices", "loras", "max_loras", "max_lora_rank", "max_lora_name_bytes", "lora_target_modules", "weight_version", "weight_update_limits", "memory")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +432,9 @@ class GetInfoResponse(_message.Message):
     MAX_PROMPT_LOGPROB_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_HIDDEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROUTED_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_TOP_K_FIELD_NUMBER: _ClassVar[int]
     ALLOW_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SETTING_CHOICES_FIELD_NUMBER: _ClassVar[int]
@@ -474,6 +481,9 @@ class GetInfoResponse(_message.Message):
     max_prompt_logprob_bytes: int
     max_hidden_bytes: int
     max_output_bytes: int
+    max_routed_expert_bytes: int
+    routed_expert_layers: _containers.RepeatedScalarFieldContainer[int]
+    routed_experts_top_k: int
     allow_input_embeds: bool
     kv_layout: KvLayout
     setting_choices: _containers.RepeatedCompositeFieldContainer[SettingChoice]
@@ -485,7 +495,7 @@ class GetInfoResponse(_message.Message):
     weight_version: str
     weight_update_limits: WeightUpdateLimits
     memory: MemoryState
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_name_bytes: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., weight_update_limits: _Optional[_Union[WeightUpdateLimits, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_reqs: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., server_version: _Optional[str] = ..., model_spec: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., runtime_config: _Optional[_Union[RuntimeConfig, _Mapping]] = ..., future_slots: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., graph_capture_disabled: _Optional[str] = ..., linear_kernel: _Optional[str] = ..., sampling_controls: _Optional[_Iterable[str]] = ..., vocab_mask_words: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_control_token_ids: _Optional[int] = ..., deferred_mask_timeout_ms: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_ngram: _Optional[int] = ..., max_score_token_ids: _Optional[int] = ..., max_prompt_logprob_bytes: _Optional[int] = ..., max_hidden_bytes: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., max_routed_expert_bytes: _Optional[int] = ..., routed_expert_layers: _Optional[_Iterable[int]] = ..., routed_experts_top_k: _Optional[int] = ..., allow_input_embeds: _Optional[bool] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., setting_choices: _Optional[_Iterable[_Union[SettingChoice, _Mapping]]] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_name_bytes: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., weight_update_limits: _Optional[_Union[WeightUpdateLimits, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class WeightUpdateLimits(_message.Message):
     __slots__ = ("max_update_bytes", "chunk_bytes", "max_tensors", "max_name_bytes", "max_version_bytes", "path_updates", "group_updates", "max_group_timeout_s")
