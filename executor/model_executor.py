@@ -116,8 +116,7 @@ class ModelExecutor:
         # Inductor's, Triton's and the kernels' compiled code live under the cache dir, set
         # before anything here can compile (the qmm kernel at load, graphs at capture).
         use_compile_caches(resolve_cache_dir(config))
-        # Admission's and staging's host kernels: built on first use; without them every
-        # step takes the (complete, slower) Python path.
+        # Admission's and staging's host kernels (without them: the Python paths, slower).
         kernel = host_kernels.load(resolve_cache_dir(config))
         if isinstance(kernel, str):
             log.warning("host index kernels unavailable; admission runs in Python", reason=kernel)
