@@ -60,13 +60,15 @@ def served(
     ready_timeout: float = 1800,
     root: Path = ROOT,
     token: str | None = None,
+    launcher: tuple[str, ...] = ("-m", "executor"),
 ) -> Iterator[Served]:
     """Start `serve` with `flags` (plus a free port, no metrics port, warning-level logs),
     wait for readiness, yield it with a connected client; stop it on the way out. `root`:
-    the checkout whose code serves (another tree's, for a side-by-side comparison)."""
+    the checkout whose code serves (another tree's, for a side-by-side comparison);
+    `launcher`: what runs the CLI (a script path, e.g. `serve_python_paths.py`)."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "executor", "serve", "--port", str(port), "--metrics-port", "-1",
+        sys.executable, *launcher, "serve", "--port", str(port), "--metrics-port", "-1",
         "--log-level", "warning", *flags,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(root), str(root / "proto"), os.getenv("PYTHONPATH")]))

@@ -7,6 +7,7 @@ extend_start_loc, host mirrors) so that nothing downstream recomputes them.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from executor.core.buckets import length_bound
 from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch, SamplingParams
+from ops import host_kernels
 
 
 def _i64(values: Sequence[int]) -> torch.Tensor:
@@ -107,6 +109,32 @@ def _future_refs(input_ids: torch.Tensor | None) -> int:
     return int(np.count_nonzero(input_ids.numpy() < 0))
 
 
+def _decode_fields(
+    fb: ForwardBatch, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, int, int, int] | None:
+    """A validated DECODE batch's positions (seq_lens - 1), longest and summed length and
+    future references, in one host-kernel pass (`ops/host_kernels.py`); None without the
+    kernel, or for a layout it does not read (the Python path below derives them)."""
+    k = host_kernels.loaded()
+    ids, bs = fb.input_ids, fb.batch_size
+    if (
+        k is None
+        or ids is None
+        or bs < 1
+        or ids.dtype not in (torch.int32, torch.int64)
+        or not (ids.dim() == 1 and ids.numel() == bs and ids.is_contiguous())
+        or not (seq_lens.dim() == 1 and seq_lens.numel() == bs and seq_lens.is_contiguous())
+    ):
+        return None
+    positions = torch.empty(bs, dtype=torch.int64)
+    stats = (ctypes.c_int64 * 3)()
+    k.decode_fields(
+        bs, ids.data_ptr(), host_kernels.element_size(ids), seq_lens.data_ptr(), 8,
+        positions.data_ptr(), stats,
+    )  # fmt: skip
+    return positions, stats[0], stats[1], stats[2]
+
+
 def complete_batch(
     fb: ForwardBatch, *, needs_cpu_seq_lens: bool, max_context_len: int
 ) -> ForwardBatch:
@@ -127,15 +155,29 @@ def complete_batch(
         "released_req_pool_indices": _as_i64(fb.released_req_pool_indices),
         "future_token_slots": _as_i64(fb.future_token_slots),
         "released_future_slots": _as_i64(fb.released_future_slots),
-        "future_refs": _future_refs(fb.input_ids),
         "sampling": fb.sampling if fb.sampling is not None else SamplingBatch.greedy(fb.batch_size),
         "seq_lens_cpu": seq_lens if needs_cpu_seq_lens else None,
-        "seq_lens_sum": int(seq_lens.sum()) if needs_cpu_seq_lens else None,
-        "seq_len_bound": length_bound(int(seq_lens.numpy().max()), max_context_len)
-        if fb.batch_size > 0
-        else None,
         "extend_len_bound": None,
     }
+    derived = None
+    if fb.forward_mode is ForwardMode.DECODE and fb.positions is None:
+        derived = _decode_fields(fb, seq_lens)
+    if derived is not None:  # the usual DECODE step: one kernel pass
+        positions, max_len, total, refs = derived
+        changes.update(
+            positions=positions,
+            future_refs=refs,
+            seq_lens_sum=total if needs_cpu_seq_lens else None,
+            seq_len_bound=length_bound(max_len, max_context_len),
+        )
+        return fb.replace(**changes)
+    changes.update(
+        future_refs=_future_refs(fb.input_ids),
+        seq_lens_sum=int(seq_lens.sum()) if needs_cpu_seq_lens else None,
+        seq_len_bound=length_bound(int(seq_lens.numpy().max()), max_context_len)
+        if fb.batch_size > 0
+        else None,
+    )
     if fb.forward_mode.is_extend():
         assert fb.extend_prefix_lens is not None and fb.extend_seq_lens is not None
         prefix = _int64(fb.extend_prefix_lens)

@@ -1,7 +1,7 @@
 """The paged KV cache: the request-to-token table and the per-layer K/V slot pool.
 
 The scheduler allocates rows and slots; the executor stores and reads them, and refuses a
-new token written into a slot a live row holds (`SlotOwners`).
+new token written into a slot a live row holds (`executor/admission/slot_owners.py`).
 Row 0 of the table and slot 0 of the pool are reserved: padded requests point at row 0,
 whose entries are all 0, and padded tokens write their K/V into slot 0.
 """
@@ -10,139 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from executor.admission.slot_owners import EMPTY, OwnerChange, SlotOwners, StepCells
 from executor.batch_prep import extend_positions
-from executor.core.errors import BatchValidationError
 from executor.core.forward_batch import ForwardBatch, ForwardMode
+from ops import host_kernels
 from ops.h2d_staging import StagedField
 from ops.host_transfer import to_device
-
-# --- the slot-owner map ------------------------------------------------------------------
-# Who holds each KV slot: a host mirror of the row table and a live-reference count per
-# slot. The scheduler allocates slots; the executor only checks that a new token never lands
-# in a slot whose K/V a live request still reads. A slot is held by every cell `(row, pos)`
-# with `pos < resident_lens[row]`; several rows may hold one slot (a shared prefix, sent as
-# `prefix_cache_loc`). A step first drops the cells it releases, overwrites or truncates,
-# then refuses (BatchValidationError naming the slot and a holder) any new token whose slot
-# is still held, then adds its own cells; `undo` restores exactly the state before. Slot 0
-# (the padding sink) is never refused. numpy on the host: no device reads, O(cells written).
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class OwnerChange:
-    """What one step changed in the owner map, to undo it."""
-
-    rows: np.ndarray  # cells written
-    cols: np.ndarray
-    old_values: np.ndarray
-    dropped: np.ndarray  # slots that lost a reference
-    added: np.ndarray  # slots that gained one
-
-
-@dataclass(frozen=True)
-class StepCells:
-    """The cells one step writes and how the rows it touches change length (host arrays)."""
-
-    rows: np.ndarray  # [n] the row of each written cell
-    cols: np.ndarray  # [n] its position
-    values: np.ndarray  # [n] its slot
-    n_shared: (
-        int  # the first n_shared cells are prefix_cache_loc (shared reads), the rest new tokens
-    )
-    released: np.ndarray  # rows released first
-    released_lens: np.ndarray  # their lengths before
-    touched: np.ndarray  # rows the batch runs
-    old_lens: np.ndarray  # their lengths after the releases
-    new_lens: np.ndarray  # and after the step
-    lens: np.ndarray  # every row's resident length after the releases, before the step
-
-
-class SlotOwners:
-    def __init__(
-        self, max_reqs: int, max_context_len: int, kv_slots: int, *, detailed: bool = False
-    ) -> None:
-        self.table = np.zeros((max_reqs + 1, max_context_len), dtype=np.int64)
-        self.refs = np.zeros(kv_slots + 1, dtype=np.int64)
-        # Name another request's row and position in a refusal (debugging): off, a caller
-        # learns only that the slot is taken, never where other requests keep their KV.
-        self.detailed = detailed
-
-    def check(self, step: StepCells) -> np.ndarray:
-        """The slots the step drops; raises BatchValidationError when a new token's slot is
-        still held after them, by a live row or by the request's own prefix. Changes nothing."""
-        dropped = self._dropped(step)
-        if dropped.size:
-            np.subtract.at(self.refs, dropped, 1)
-        try:
-            new_slots = step.values[step.n_shared :]
-            busy = (self.refs[new_slots] > 0) & (new_slots != 0)
-            if busy.any():
-                i = int(np.flatnonzero(busy)[0])
-                raise self._refusal(step, i, int(new_slots[i]))
-        finally:
-            if dropped.size:
-                np.add.at(self.refs, dropped, 1)
-        return dropped
-
-    def apply(self, step: StepCells, dropped: np.ndarray) -> OwnerChange:
-        """Drop, then add the step's cells (`dropped` from `check`, on this same state)."""
-        if dropped.size:  # most DECODE steps drop nothing
-            np.subtract.at(self.refs, dropped, 1)
-        old_values = self.table[step.rows, step.cols]
-        self.table[step.rows, step.cols] = step.values
-        np.add.at(self.refs, step.values, 1)
-        return OwnerChange(step.rows, step.cols, old_values, dropped, step.values)
-
-    def undo(self, change: OwnerChange) -> None:
-        self.table[change.rows, change.cols] = change.old_values
-        np.subtract.at(self.refs, change.added, 1)
-        np.add.at(self.refs, change.dropped, 1)
-
-    def _dropped(self, step: StepCells) -> np.ndarray:
-        """Slots of the cells this step releases, overwrites, or cuts off a row's tail."""
-        parts = [self.table[r, :n] for r, n in zip(step.released, step.released_lens, strict=True)]
-        over = step.cols < step.lens[step.rows]  # cells the row held before this step
-        if over.any():
-            parts.append(self.table[step.rows[over], step.cols[over]])
-        cut = step.old_lens > step.new_lens  # rows rewound: their tails are no longer resident
-        if cut.any():
-            rewound = zip(step.touched[cut], step.old_lens[cut], step.new_lens[cut], strict=True)
-            parts.extend(self.table[r, new:old] for r, old, new in rewound)
-        if not parts:
-            return _EMPTY
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def _refusal(self, step: StepCells, i: int, slot: int) -> BatchValidationError:
-        """Name the slot and one live cell that holds it (error path: a full-table search)."""
-        lens = step.lens.copy()
-        lens[step.touched] = np.minimum(step.old_lens, step.new_lens)
-        written = set(zip(step.rows.tolist(), step.cols.tolist(), strict=True))
-        row_of_token = int(step.rows[step.n_shared + i])
-        rows, cols = np.nonzero(self.table == slot)
-        for r, p in zip(rows.tolist(), cols.tolist(), strict=True):
-            if r != 0 and p < lens[r] and (r, p) not in written:
-                whose = "this request's own prefix" if r == row_of_token else "a live request"
-                if not self.detailed and r != row_of_token:
-                    return BatchValidationError(
-                        f"out_cache_loc[{i}]",
-                        f"slot {slot} holds the KV of a live request; a new token needs a "
-                        "slot no live row holds (reading it through prefix_cache_loc is "
-                        "allowed)",
-                    )
-                return BatchValidationError(
-                    f"out_cache_loc[{i}]",
-                    f"slot {slot} holds the KV of row {r} at position {p} ({whose}); a new "
-                    "token needs a slot no live row holds (reading it through "
-                    "prefix_cache_loc is allowed)",
-                )
-        return BatchValidationError(  # unreachable while refs and the table agree
-            f"out_cache_loc[{i}]", f"slot {slot} is held by a live row"
-        )
 
 
 def _host_i64(t: torch.Tensor) -> np.ndarray:
@@ -150,7 +28,7 @@ def _host_i64(t: torch.Tensor) -> np.ndarray:
     return t.numpy().astype(np.int64, copy=False)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 5x, every step; never changed
 class RowCells:
     """The row-table cells one step writes: `req_to_token[rows, cols] = values`."""
 
@@ -158,22 +36,32 @@ class RowCells:
     cols: torch.Tensor  # [n] int64
     values: torch.Tensor  # [n] slots (int64 on the host; int32 once on the device)
     n_shared: int  # the first n_shared cells are prefix_cache_loc (shared reads)
+    index: torch.Tensor  # [n] int64: rows * max_context_len + cols, the cells in the flat table
 
     def staged_fields(self) -> list[StagedField]:
-        """For the step's one staged copy; `on_device` rebuilds the device cells."""
+        """For the step's one staged copy; `on_device` gives the device cells."""
         return [
-            StagedField("row_cells.rows", self.rows, torch.int64),
-            StagedField("row_cells.cols", self.cols, torch.int64),
+            StagedField("row_cells.index", self.index, torch.int64),
             StagedField("row_cells.values", self.values, torch.int32),
         ]
 
-    def on_device(self, staged: Sequence[torch.Tensor]) -> RowCells:
+    @staticmethod
+    def on_device(staged: Sequence[torch.Tensor]) -> DeviceCells:
         """The same cells from their staged copies (`staged_fields`' order)."""
-        rows, cols, values = staged
-        return RowCells(rows, cols, values, self.n_shared)
+        index, values = staged
+        return DeviceCells(index, values)
 
 
-@dataclass(frozen=True)
+class DeviceCells(NamedTuple):
+    """A step's cells on the device: flat indices into the row table (int64) and slots
+    (int32). The write reads and writes the flattened table by index (`index_select` /
+    `index_copy_`: one op each, where a `[rows, cols]` index parses a tuple first)."""
+
+    flat: torch.Tensor  # [n] rows * max_context_len + cols
+    values: torch.Tensor
+
+
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 5x, every step; never changed
 class WritePlan:
     """A step's row-table write, checked on the host (`ReqToTokenPool.check_write`)."""
 
@@ -191,8 +79,7 @@ class WritePlan:
 class RowWrite:
     """What one step wrote into the row table, with the old values to undo it."""
 
-    rows: torch.Tensor  # [n] int64 on the device: the cells written
-    cols: torch.Tensor  # [n]
+    index: torch.Tensor  # [n] int64 on the device: the cells written (flat table indices)
     old_values: torch.Tensor  # [n] int32
     touched_rows: np.ndarray  # [bs]
     old_lens: np.ndarray  # [bs] resident lengths before the write (after the releases)
@@ -262,9 +149,11 @@ class ReqToTokenPool:
                 rows = torch.cat([prefix_rows, rows])
                 cols = torch.cat([prefix_cols, cols])
                 values = torch.cat([fb.prefix_cache_loc, values])
-        else:
-            rows, cols, values = rpi, fb.seq_lens - 1, fb.out_cache_loc
-        return RowCells(rows, cols, values, n_shared)
+        else:  # numpy for the one subtraction: a torch op on a host vector costs more
+            seq_lens = fb.seq_lens
+            cols = torch.from_numpy(seq_lens.numpy() - 1) if seq_lens.is_cpu else seq_lens - 1
+            rows, values = rpi, fb.out_cache_loc
+        return RowCells(rows, cols, values, n_shared, rows * self.max_context_len + cols)
 
     def check_write(self, fb: ForwardBatch, cells: RowCells | None = None) -> WritePlan:
         """The write a completed host batch makes, checked: refuses (BatchValidationError) a
@@ -273,22 +162,27 @@ class ReqToTokenPool:
         `cells` are `row_cells(fb)` (computed here when None).
         """
         if cells is None:
+            plan = self._decode_plan(fb)
+            if plan is not None:
+                return plan
             cells = self.row_cells(fb)
         released = (
             _host_i64(fb.released_req_pool_indices)
             if fb.released_req_pool_indices is not None
-            else _EMPTY
+            else EMPTY
         )
-        released_old = self.resident_lens[released].copy()
+        lens = self.resident_lens.copy()
+        released_old = EMPTY
+        if released.size:
+            released_old = self.resident_lens[released].copy()
+            lens[released] = 0
         touched = _host_i64(fb.req_pool_indices)
         new_lens = _host_i64(fb.seq_lens)
-        lens = self.resident_lens.copy()
-        lens[released] = 0
         old_lens = lens[touched]
-        owners, dropped = None, _EMPTY
+        owners, dropped = None, EMPTY
         if self.owners is not None:
             owners = StepCells(
-                rows=_host_i64(cells.rows),
+                rows=touched if cells.rows is fb.req_pool_indices else _host_i64(cells.rows),
                 cols=_host_i64(cells.cols),
                 values=_host_i64(cells.values),
                 n_shared=cells.n_shared,
@@ -304,11 +198,58 @@ class ReqToTokenPool:
             cells, released, released_old, touched, old_lens, new_lens, owners, dropped
         )
 
+    def _decode_plan(self, fb: ForwardBatch) -> WritePlan | None:
+        """`check_write` of a DECODE batch that releases no row, in one host-kernel pass
+        (cells, old lengths, owner check); None without the kernel or for another batch. A
+        step the kernel cannot pass is checked in Python (`SlotOwners.check`) all the same."""
+        k = host_kernels.loaded()
+        rows, seq_lens, slots = fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc
+        if (
+            k is None
+            or fb.forward_mode is not ForwardMode.DECODE
+            or fb.released_req_pool_indices is not None
+            or not host_kernels.plain_i64(rows, seq_lens, slots)
+            or not rows.numel() == seq_lens.numel() == slots.numel()
+        ):
+            return None
+        n = rows.numel()
+        out = torch.empty((3, n), dtype=torch.int64)  # cols, flat index, old lengths
+        cols, index, old = out
+        owners = self.owners
+        failed = k.decode_cells(
+            n, rows.data_ptr(), seq_lens.data_ptr(), slots.data_ptr(),
+            host_kernels.address(self.resident_lens), len(self.resident_lens),
+            None if owners is None else host_kernels.address(owners.refs),
+            0 if owners is None else len(owners.refs), self.max_context_len,
+            cols.data_ptr(), index.data_ptr(), old.data_ptr(),
+        )  # fmt: skip
+        if failed == 2 or (failed and owners is None):
+            return None  # out of the tables' bounds: the Python path says how
+        cells = RowCells(rows, cols, slots, 0, index)
+        touched, new_lens, old_lens = rows.numpy(), seq_lens.numpy(), old.numpy()
+        step, dropped = None, EMPTY
+        if owners is not None:
+            step = StepCells(
+                rows=touched,
+                cols=cols.numpy(),
+                values=slots.numpy(),
+                n_shared=0,
+                released=EMPTY,
+                released_lens=EMPTY,
+                touched=touched,
+                old_lens=old_lens,
+                new_lens=new_lens,
+                lens=self.resident_lens.copy(),
+            )
+            if failed:
+                dropped = owners.check(step)  # refuses, or names the slots the step drops
+        return WritePlan(cells, EMPTY, EMPTY, touched, old_lens, new_lens, step, dropped)
+
     def write_batch(
         self,
         fb: ForwardBatch,
         cells: RowCells | None = None,
-        device_cells: RowCells | None = None,
+        device_cells: DeviceCells | None = None,
         plan: WritePlan | None = None,
     ) -> RowWrite:
         """For a completed host batch: first its released rows hold nothing, then
@@ -317,7 +258,7 @@ class ReqToTokenPool:
 
         `plan` is `check_write(fb, cells)` on the current state (checked here when None, which
         may refuse with nothing changed); `cells` are `row_cells(fb)`; `device_cells` the same
-        cells already on the device (the step's staged copy: rows/cols int64, values int32).
+        cells already on the device (the step's staged copy, `RowCells.on_device`).
         Without them the cells are uploaded here (counted, synchronizing uploads).
 
         Cells of one batch never collide (rows and their positions are unique), so the
@@ -328,22 +269,24 @@ class ReqToTokenPool:
         cells = plan.cells
         owners = None
         if self.owners is not None and plan.owners is not None:
-            owners = self.owners.apply(plan.owners, plan.dropped)
-        self.resident_lens[plan.released] = 0
-        if device_cells is None:
-            device_cells = RowCells(
-                to_device(cells.rows, self.device, "row_table"),
-                to_device(cells.cols, self.device, "row_table"),
-                to_device(cells.values.to(torch.int32), self.device, "row_table"),
-                cells.n_shared,
+            owners = self.owners.apply(
+                plan.owners, plan.dropped, (cells.rows, cells.cols, cells.values)
             )
-        rows_d, cols_d = device_cells.rows, device_cells.cols
-        old_values = self.req_to_token[rows_d, cols_d]  # advanced indexing: a copy
-        self.req_to_token[rows_d, cols_d] = device_cells.values
+        if plan.released.size:
+            self.resident_lens[plan.released] = 0
+        if device_cells is None:
+            rows_d = to_device(cells.rows, self.device, "row_table")
+            cols_d = to_device(cells.cols, self.device, "row_table")
+            device_cells = DeviceCells(
+                rows_d * self.max_context_len + cols_d,
+                to_device(cells.values.to(torch.int32), self.device, "row_table"),
+            )
+        table = self.req_to_token.view(-1)
+        old_values = table.index_select(0, device_cells.flat)
+        table.index_copy_(0, device_cells.flat, device_cells.values)
         self.resident_lens[plan.touched] = plan.new_lens
         return RowWrite(
-            rows_d,
-            cols_d,
+            device_cells.flat,
             old_values,
             plan.touched,
             plan.old_lens,
@@ -354,7 +297,7 @@ class ReqToTokenPool:
 
     def undo(self, write: RowWrite) -> None:
         """Exactly the state before `write_batch` (the releases are undone last)."""
-        self.req_to_token[write.rows, write.cols] = write.old_values
+        self.req_to_token.view(-1).index_copy_(0, write.index, write.old_values)
         self.resident_lens[write.touched_rows] = write.old_lens
         self.resident_lens[write.released_rows] = write.released_old_lens
         if self.owners is not None and write.owners is not None:

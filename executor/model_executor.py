@@ -66,6 +66,7 @@ from executor.parallel.leader import TpLeader
 from executor.step.assembly import assemble_step
 from executor.step.graph_control import GraphControl
 from executor.weights.control import WeightsControl
+from ops import host_kernels
 from ops.device_scope import device_scope, on_own_device
 
 log = structlog.get_logger(__name__)
@@ -115,6 +116,10 @@ class ModelExecutor:
         # Inductor's, Triton's and the kernels' compiled code live under the cache dir, set
         # before anything here can compile (the qmm kernel at load, graphs at capture).
         use_compile_caches(resolve_cache_dir(config))
+        # Admission's and staging's host kernels (without them: the Python paths, slower).
+        kernel = host_kernels.load(resolve_cache_dir(config))
+        if isinstance(kernel, str):
+            log.warning("host index kernels unavailable; admission runs in Python", reason=kernel)
         served = load_served_model(config, self.device, self.comm, loaded)
         self.loaded = loaded = served.loaded
         self.dtype = served.dtype.dtype

@@ -6,14 +6,24 @@ its other results and the draw turns the host copy into the step's `ForwardOutpu
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
+from executor.admission.host_checks import PLAN_SIZE, sampling_holds
 from executor.core.forward_batch import SamplingBatch
 from executor.core.outputs import ForwardOutput, StepStats
 from executor.core.step_batch import StepBatch
-from ops.sampling import SamplingPlan, drawn, processed_logprobs, seeded_uniform, truncate
+from ops.sampling import (
+    ALL_GREEDY,
+    SamplingPlan,
+    argmax_rows,
+    drawn,
+    processed_logprobs,
+    seeded_uniform,
+    truncate,
+)
 
 
 class Sampler:
@@ -32,7 +42,25 @@ class Sampler:
     @staticmethod
     def plan(host_sampling: SamplingBatch) -> SamplingPlan:
         """Decide the work from the host copy of the parameters, before the device step, so
-        that sampling itself reads no value (device or host) to decide anything."""
+        that sampling itself reads no value (device or host) to decide anything. The shared
+        all-greedy parameters need no look; others are read by the host kernel when there
+        is one (`executor.admission.host_checks`), else by torch."""
+        if host_sampling.is_shared_greedy():
+            return ALL_GREEDY
+        found = (ctypes.c_int64 * PLAN_SIZE)()
+        if sampling_holds(host_sampling, host_sampling.temperatures.numel(), found):
+            if not found[0]:
+                return ALL_GREEDY
+            return SamplingPlan(
+                all_greedy=not found[7],
+                any_top_k=bool(found[1]),
+                all_top_k=bool(found[2]),
+                max_top_k=found[3],
+                any_top_p=bool(found[4]),
+                any_min_p=bool(found[5]),
+                any_seeded=bool(found[6]),
+                any_processed=bool(found[8]),
+            )
         return SamplingPlan.from_host(
             host_sampling.temperatures,
             host_sampling.top_ks,
@@ -78,7 +106,7 @@ class Sampler:
         truncated = None
         if not plan.all_greedy or (plan.any_processed and wants_logprobs):
             truncated = truncate(logits, s.temperatures, s.top_ks, s.top_ps, s.min_ps, plan)
-        ids = logits.argmax(dim=-1)
+        ids = argmax_rows(logits)
         if not plan.all_greedy:
             assert truncated is not None
             uniforms = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)

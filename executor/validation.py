@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from executor.admission.host_checks import plain_decode_holds
 from executor.batch_prep import extend_positions
 from executor.core.errors import BatchTooLargeError, BatchValidationError
 from executor.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
@@ -112,7 +113,12 @@ def validate_batch(
 
     Explicit `positions` must be the ones the executor derives (each token's index in its
     request) unless `allow_custom_positions`: they decide the rotary phase of the K/V the
-    step stores, so a wrong one silently changes every later token of that request."""
+    step stores, so a wrong one silently changes every later token of that request.
+
+    A DECODE batch of the usual shape is checked by the host kernel first
+    (`executor.admission.host_checks`); the rules below run when it is not, or when a rule fails."""
+    if plain_decode_holds(fb, limits, resident_lens, future_assigned):
+        return
     if not isinstance(fb.forward_mode, ForwardMode):
         raise BatchValidationError(
             "forward_mode", f"must be EXTEND, DECODE, IDLE or VERIFY, got {fb.forward_mode!r}"

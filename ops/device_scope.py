@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
@@ -40,22 +39,29 @@ def resolve_index(device: torch.device) -> torch.device:
     return device
 
 
-@contextmanager
-def device_scope(device: torch.device) -> Iterator[None]:
+class device_scope:  # lower case: used as `with device_scope(device):`, as before
     """Make `device` current on this thread for the block (CUDA: `torch.cuda.set_device`,
-    restored after). Nests: the innermost scope is the current one."""
-    device = resolve_index(device)
-    previous: int | None = None
-    if device.type == "cuda":
-        previous = torch.cuda.current_device()
-        if previous != device.index:
-            torch.cuda.set_device(device.index)
-    _current.devices.append(device)
-    try:
-        yield
-    finally:
+    restored after). Nests: the innermost scope is the current one. A class, not a
+    generator: every step enters one."""
+
+    __slots__ = ("_device", "_previous")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def __enter__(self) -> None:
+        device = self._device = resolve_index(self._device)
+        self._previous: int | None = None
+        if device.type == "cuda":
+            self._previous = torch.cuda.current_device()
+            if self._previous != device.index:
+                torch.cuda.set_device(device.index)
+        _current.devices.append(device)
+
+    def __exit__(self, *exc: object) -> None:
         _current.devices.pop()
-        if previous is not None and previous != device.index:
+        previous = self._previous
+        if previous is not None and previous != self._device.index:
             torch.cuda.set_device(previous)
 
 

@@ -15,6 +15,7 @@ overwritten by a copy ordered after every kernel that read it (one stream).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ops import host_kernels
 from ops.host_reads import declare_pinned
 from ops.host_transfer import to_device
 
@@ -50,9 +52,10 @@ def _capacity(n: int) -> int:
     return cap
 
 
-# The shape of one staging call: (name, shape, dtype) per field. Steps of one batch size
-# repeat it, so its offsets and the buffer views are computed once per pair.
-Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+# The shape of one staging call: (name, shape, dtype, source dtype) per field. Steps of one
+# batch size repeat it, so its offsets and the buffer views are computed once per pair.
+Signature = tuple[tuple[str, tuple[int, ...], torch.dtype, torch.dtype], ...]
+_INDEX = (torch.int32, torch.int64)
 LAYOUTS_PER_PAIR = 64  # cached layouts per buffer (batch sizes x modes in use); oldest dropped
 
 
@@ -64,6 +67,10 @@ class _Layout:
     host: tuple[torch.Tensor, ...]  # host views to pack into, one per field, its shape
     device: tuple[torch.Tensor, ...]  # device views with the fields' shapes and dtypes
     used: tuple[torch.Tensor, torch.Tensor]  # the first `total` bytes of both: the one copy
+    # For the host kernel's one-call pack (`ops/host_kernels.py`): 4 int64 per field (source
+    # element size, offset, element size, count); None when a field needs a conversion the
+    # kernel does not make (it copies equal dtypes and converts int32 <-> int64).
+    pack: ctypes.Array[ctypes.c_int64] | None
 
 
 class _Pair:
@@ -84,16 +91,23 @@ class _Pair:
             return cached
         host: list[torch.Tensor] = []
         device: list[torch.Tensor] = []
+        desc: list[int] | None = []
         off = 0
-        for _, shape, dtype in signature:
-            nbytes = math.prod(shape) * dtype.itemsize
+        for _, shape, dtype, source in signature:
+            count = math.prod(shape)
+            nbytes = count * dtype.itemsize
             host.append(self.host[off : off + nbytes].view(dtype).view(shape))
             device.append(self.device[off : off + nbytes].view(dtype).view(shape))
+            if desc is not None and (source is dtype or (source in _INDEX and dtype in _INDEX)):
+                desc += [source.itemsize, off, dtype.itemsize, count]
+            else:
+                desc = None
             off += _aligned(nbytes)
         if len(self.layouts) >= LAYOUTS_PER_PAIR:
             del self.layouts[next(iter(self.layouts))]
         used = (self.host[:off], self.device[:off])
-        layout = self.layouts[signature] = _Layout(off, tuple(host), tuple(device), used)
+        pack = None if desc is None else (ctypes.c_int64 * len(desc))(*desc)
+        layout = self.layouts[signature] = _Layout(off, tuple(host), tuple(device), used, pack)
         return layout
 
 
@@ -110,14 +124,16 @@ class H2DStaging:
         """Device views of `fields`, in their order (same shapes, the asked dtypes), after
         one copy. The views of one call stay valid until the call after next
         (double-buffered)."""
-        signature: Signature = tuple((f.name, f.tensor.shape, f.dtype) for f in fields)
+        signature: Signature = tuple(
+            [(f.name, f.tensor.shape, f.dtype, f.tensor.dtype) for f in fields]
+        )
         pair = self._pairs[self._next]
         layout = pair.layouts.get(signature) if pair is not None else None
         if layout is not None:  # a signature seen on this pair: its buffers are large enough
             self._next ^= 1
         else:
             total = sum(
-                _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype in signature
+                _aligned(math.prod(shape) * dtype.itemsize) for _, shape, dtype, _ in signature
             )
             if total == 0:
                 return tuple(
@@ -129,9 +145,10 @@ class H2DStaging:
             pair.event.synchronize()  # step N - 2's copy out of this buffer is done
         if layout is None:
             layout = pair.layout(signature)
-        for f, dst in zip(fields, layout.host, strict=True):
-            if dst.numel():
-                dst.copy_(f.tensor)
+        if not self._pack(fields, layout, pair):
+            for f, dst in zip(fields, layout.host, strict=True):
+                if dst.numel():
+                    dst.copy_(f.tensor)
         host, device = layout.used
         to_device(host, device, REASON, non_blocking=True, pinned=True)  # declared at allocation
         if self.device.type == "cuda":
@@ -139,6 +156,23 @@ class H2DStaging:
             pair.event.record(torch.cuda.current_stream(self.device))
         self.copies += 1
         return layout.device
+
+    @staticmethod
+    def _pack(fields: Sequence[StagedField], layout: _Layout, pair: _Pair) -> bool:
+        """Pack every field in one host-kernel call; False (nothing written) when there is
+        no kernel or a source it cannot read in place (the fields are copied one by one)."""
+        k = host_kernels.loaded()
+        if k is None or layout.pack is None:
+            return False
+        addresses = []
+        for f in fields:
+            t = f.tensor
+            if not (t.is_cpu and t.is_contiguous()):
+                return False
+            addresses.append(t.data_ptr())
+        n = len(addresses)
+        k.pack(n, (ctypes.c_int64 * n)(*addresses), layout.pack, pair.host.data_ptr())
+        return True
 
     def _pair(self, total: int) -> _Pair:
         i = self._next

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ops.host_reads import check_upload, counted_transfer, is_pinned, mark_host
+from ops.host_reads import state as read_state
 
 
 @dataclass
@@ -82,6 +83,8 @@ def to_host(tensor: torch.Tensor, reason: str, *, non_blocking: bool = False) ->
     device (a graph's static output buffer is overwritten by the next replay).
     """
     host_transfers.record(reason, tensor.numel() * tensor.element_size())
+    if not read_state.guards:  # the serving path: no guard to tell (every step comes here)
+        return tensor.clone() if tensor.is_cpu else tensor.to("cpu", non_blocking=non_blocking)
     with counted_transfer(reason):
         if tensor.device.type == "cpu":
             host = tensor.clone()

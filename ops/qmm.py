@@ -23,16 +23,14 @@ threads are torch's threads.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ops import native_build
 
 GROUP = 32
 ABI_VERSION = 4
@@ -60,31 +58,18 @@ def _cpu_signature() -> str:
 def library_path(cache_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
     """Where the build for this source, these flags (default CFLAGS) and this CPU lives."""
     flags = CFLAGS if flags is None else flags
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), _cpu_signature().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return cache_dir / "kernels" / f"qmm-{digest.hexdigest()[:16]}.so"
+    return native_build.library_path(SOURCE, cache_dir, flags, _cpu_signature())
 
 
 def build(cache_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
     """Compile the kernel into the cache (once per source, flags and CPU); its path."""
     flags = CFLAGS if flags is None else flags
-    target = library_path(cache_dir, flags)
-    if target.exists():
-        return target
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise QmmUnavailable("no C compiler (cc or gcc) on PATH to build the quantized kernel")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise QmmUnavailable(f"building the quantized kernel failed: {done.stderr.strip()[-500:]}")
-    os.replace(tmp, target)  # last: its presence means a whole build
-    return target
+    try:
+        return native_build.build_library(
+            SOURCE, cache_dir, flags, _cpu_signature(), what="the quantized kernel"
+        )
+    except native_build.NativeBuildError as e:
+        raise QmmUnavailable(str(e)) from None
 
 
 @dataclass(frozen=True)

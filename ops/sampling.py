@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ops import host_kernels
+
 _U64 = 1 << 64
 # Temperatures below this are greedy: dividing logits by a smaller one overflows float32
 # (1e-38 turns every logit into inf or NaN), and the distribution is already a point mass.
@@ -74,7 +76,7 @@ class SamplingPlan:
         sampled = temperatures >= GREEDY_BELOW_TEMPERATURE
         truncating = sampled if processed is None else sampled | processed
         if not bool(truncating.any()):  # every row greedy: no truncation or seed to look at
-            return _ALL_GREEDY
+            return ALL_GREEDY
         ks = top_ks[truncating]
         return cls(
             all_greedy=not bool(sampled.any()),
@@ -88,7 +90,7 @@ class SamplingPlan:
         )
 
 
-_ALL_GREEDY = SamplingPlan(
+ALL_GREEDY = SamplingPlan(
     all_greedy=True,
     any_top_k=False,
     all_top_k=False,
@@ -97,6 +99,26 @@ _ALL_GREEDY = SamplingPlan(
     any_min_p=False,
     any_seeded=False,
 )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of [n, V] logits; on a CPU device float32 rows go through the
+    host kernel (`ops/host_kernels.py`; same answer: the first maximum, NaN the largest)."""
+    k = host_kernels.loaded()
+    if (
+        k is None
+        or not logits.is_cpu
+        or logits.dtype is not torch.float32
+        or logits.dim() != 2
+        or logits.shape[1] == 0
+        or logits.stride(1) != 1
+        or torch.compiler.is_compiling()
+    ):
+        return logits.argmax(dim=-1)
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    k.argmax_f32(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr())
+    return out
 
 
 def sample_tokens(
@@ -110,7 +132,7 @@ def sample_tokens(
 ) -> torch.Tensor:
     """Next token per row of logits [n, V]: argmax where the temperature is below
     GREEDY_BELOW_TEMPERATURE (0 included), else a draw (`draw` from `truncate`)."""
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if plan.all_greedy:
         return greedy_ids
     t = truncate(logits, temperatures, top_ks, top_ps, min_ps, plan)

@@ -44,7 +44,7 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
     assert math.isfinite(result.ratio) and result.ratio > 0
     table = step_overhead.table([result]).splitlines()
     assert table[0].startswith("| bs | bare round trip | executor overhead | ratio | target |")
-    assert table[2].startswith("| 1 | ") and "| 1.5x |" in table[2]
+    assert table[2].startswith("| 1 | ") and "| 2.0x |" in table[2]
 
 
 @pytest.mark.slow

@@ -114,7 +114,7 @@ def test_without_a_compiler_the_portable_prebuilt_kernel_loads(
     """The runtime image has no compiler: the build stage's portable library is used instead
     (only on a CPU with what it was compiled for), and computes what the native build does."""
     portable = qmm.build(tmp_path / "build", qmm.PORTABLE_CFLAGS)
-    monkeypatch.setattr(qmm.shutil, "which", lambda _: None)
+    monkeypatch.setattr(qmm.native_build.shutil, "which", lambda _: None)
     monkeypatch.setattr(qmm, "PREBUILT", tmp_path / "missing.so")
     with pytest.raises(qmm.QmmUnavailable, match="no C compiler"):
         qmm.load(tmp_path / "cache")

@@ -81,6 +81,9 @@ def admit_controls(
     limits: BatchLimits,
     eos_token_ids: tuple[int, ...],
 ) -> ControlsStep | None:
+    asks = bool(batch.row_controls) or batch.vocab_mask is not None
+    if not asks and batch.deferred_mask is None and not state.active.any():
+        return None  # no row anywhere has controls: the usual step, one look
     rows = batch.req_pool_indices.numpy().astype(np.int64, copy=False)
     released = (
         batch.released_req_pool_indices.numpy().astype(np.int64, copy=False)
@@ -88,8 +91,7 @@ def admit_controls(
         else np.zeros(0, dtype=np.int64)
     )
     if (
-        not batch.row_controls
-        and batch.vocab_mask is None
+        not asks
         and batch.deferred_mask is None
         and not state.active[released].any()
         and not state.active[rows].any()

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 DEVICE_PHASES = frozenset({"forward", "sample"})
+_AFTER = {p: f"after {p}" for p in ("total", "validate", "stage", "forward", "sample")}
 
 
 class DeviceEvent(Protocol):
@@ -81,7 +82,7 @@ class StepClock:
         return _Phase(self, name, on_device)
 
     def _check_new(self, name: str) -> None:
-        if name in self._durations or any(p.name == name for p in self._device):
+        if name in self._durations or (self._device and any(p.name == name for p in self._device)):
             raise ValueError(f"phase {name!r} was already recorded for this step")
 
     def record(self, name: str, started_ns: int, duration_ns: int) -> None:
@@ -122,7 +123,7 @@ class _Phase:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._clock.current = f"after {self._name}"
+        self._clock.current = _AFTER.get(self._name) or f"after {self._name}"
         if exc_type is not None:  # recorded on success only
             return
         if self._on_device:

@@ -107,16 +107,35 @@ class SamplingBatch:
 
     @classmethod
     def greedy(cls, bs: int) -> SamplingBatch:
-        """`SamplingParams()` for all `bs` requests, filled directly (fresh tensors each call:
-        a consumer may write into them)."""
+        """`SamplingParams()` for all `bs` requests, filled directly. Shared by every batch of
+        that size (a step builds one per batch without sampling parameters): like the wire's
+        tensors, a host batch's tensors are read, never written."""
+        batch = _GREEDY.get(bs)
+        if batch is None:
+            batch = cls.filled_greedy(bs, torch.device("cpu"))
+            batch.shared = True
+            if len(_GREEDY) >= 1024:
+                _GREEDY.clear()
+            _GREEDY[bs] = batch
+        return batch
+
+    shared = False  # not a field: True on `greedy(bs)`'s shared batches only
+
+    def is_shared_greedy(self) -> bool:
+        """This is `greedy(bs)`'s shared batch (every request greedy, nothing to upload)."""
+        return self.shared
+
+    @classmethod
+    def filled_greedy(cls, bs: int, device: torch.device) -> SamplingBatch:
+        """`SamplingParams()` for `bs` requests, new tensors filled on `device`."""
         return cls(
-            temperatures=torch.zeros(bs, dtype=torch.float32),
-            top_ps=torch.ones(bs, dtype=torch.float32),
-            top_ks=torch.zeros(bs, dtype=torch.int64),
-            min_ps=torch.zeros(bs, dtype=torch.float32),
-            seeds=torch.zeros(bs, dtype=torch.int64),
-            has_seed=torch.zeros(bs, dtype=torch.bool),
-            processed=torch.zeros(bs, dtype=torch.bool),
+            temperatures=torch.zeros(bs, dtype=torch.float32, device=device),
+            top_ps=torch.ones(bs, dtype=torch.float32, device=device),
+            top_ks=torch.zeros(bs, dtype=torch.int64, device=device),
+            min_ps=torch.zeros(bs, dtype=torch.float32, device=device),
+            seeds=torch.zeros(bs, dtype=torch.int64, device=device),
+            has_seed=torch.zeros(bs, dtype=torch.bool, device=device),
+            processed=torch.zeros(bs, dtype=torch.bool, device=device),
         )
 
     def to(self, device: torch.device) -> SamplingBatch:
@@ -126,6 +145,9 @@ class SamplingBatch:
                 for f in dataclasses.fields(self)
             }
         )
+
+
+_GREEDY: dict[int, SamplingBatch] = {}
 
 
 def _as_int64(seed: int) -> int:
@@ -229,17 +251,33 @@ class ForwardBatch:
 
     def staged_fields(self) -> list[StagedField]:
         """The host tensors a step uploads (`_DEVICE_FIELDS` and the sampling parameters),
-        for one staged copy (ops.h2d_staging.H2DStaging)."""
+        for one staged copy (ops.h2d_staging.H2DStaging). The shared all-greedy parameters
+        (`SamplingBatch.greedy`) are not uploaded: the device keeps its own copy of them."""
         fields = [
             StagedField(name, value, value.dtype)
             for name in _DEVICE_FIELDS
             if (value := getattr(self, name)) is not None
         ]
-        if self.sampling is not None:
+        s = self.sampling
+        if s is not None and not s.is_shared_greedy():
             for name in _SAMPLING_FIELDS:
-                value = getattr(self.sampling, name)
+                value = getattr(s, name)
                 fields.append(StagedField(_SAMPLING_PREFIX + name, value, value.dtype))
         return fields
+
+    @classmethod
+    def create(cls, **fields: Any) -> ForwardBatch:
+        """`ForwardBatch(**fields)` for the codec's path: the defaults, then `fields`, without
+        the generated `__init__`'s per-field work (36 fields, every step). The names must be
+        fields, and the required ones given."""
+        if not (_FIELD_NAMES.issuperset(fields) and _REQUIRED.issubset(fields)):
+            unknown, missing = fields.keys() - _FIELD_NAMES, _REQUIRED - fields.keys()
+            raise TypeError(
+                f"ForwardBatch: unknown field(s) {sorted(unknown)}, missing {sorted(missing)}"
+            )
+        new = object.__new__(cls)
+        new.__dict__.update(_DEFAULTS, **fields)
+        return new
 
     def replace(self, **changes: Any) -> ForwardBatch:
         """`dataclasses.replace(self, **changes)` for the step's path: a shallow copy without
@@ -254,19 +292,46 @@ class ForwardBatch:
 
     def on_device(self, views: Sequence[torch.Tensor]) -> ForwardBatch:
         """A copy whose device fields are `views`: the staged copies of `staged_fields()`, in
-        its order; host mirrors stay on the host."""
+        its order; host mirrors stay on the host. The shared all-greedy parameters, never
+        staged, become the device's own copy of them."""
         it = iter(views)
         moved: dict[str, Any] = {
             name: next(it) for name in _DEVICE_FIELDS if getattr(self, name) is not None
         }
-        if self.sampling is not None:
-            moved["sampling"] = SamplingBatch(*(next(it) for _ in _SAMPLING_FIELDS))
+        s = self.sampling
+        if s is not None:
+            if s.is_shared_greedy():
+                device = views[0].device if views else s.temperatures.device
+                moved["sampling"] = _device_greedy(self.batch_size, device)
+            else:
+                moved["sampling"] = SamplingBatch(*(next(it) for _ in _SAMPLING_FIELDS))
         return self.replace(**moved)
 
 
 _SAMPLING_PREFIX = "sampling."  # a label of the staged layout (ops.h2d_staging)
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingBatch))
+_DEVICE_GREEDY: dict[tuple[int, torch.device], SamplingBatch] = {}
+
+
+def _device_greedy(bs: int, device: torch.device) -> SamplingBatch:
+    """`SamplingBatch.greedy(bs)` on `device`, made there once per size (a fill on the
+    device, no upload) and shared, like the host one: never written."""
+    batch = _DEVICE_GREEDY.get((bs, device))
+    if batch is None:
+        batch = SamplingBatch.filled_greedy(bs, device)
+        if len(_DEVICE_GREEDY) >= 1024:
+            _DEVICE_GREEDY.clear()
+        _DEVICE_GREEDY[(bs, device)] = batch
+    return batch
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ForwardBatch))
+_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(ForwardBatch)
+    if f.default is not dataclasses.MISSING
+}
+_REQUIRED = _FIELD_NAMES - _DEFAULTS.keys()
 
 
 @dataclass(frozen=True)

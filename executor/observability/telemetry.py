@@ -59,14 +59,15 @@ class RpcScope(SpanScope):
         self._metrics = telemetry.metrics
         self.refusal_log = telemetry.refusal_log
         self.method = method
-        self.code = grpc.StatusCode.OK
+        self.code = _OK
         self.message = ""
         # Ended once: by the handler's `with` exit, or by `end_if_caller_gone` from gRPC's
         # termination callback, whichever comes first (they run on different threads).
         self._end_lock = threading.Lock()
         self._ended = False
         tracing = telemetry.tracing
-        span = tracing.server_span(f"{SERVICE_NAME}/{method}", context.invocation_metadata())
+        full = _FULL_NAMES.get(method) or _FULL_NAMES.setdefault(method, f"{SERVICE_NAME}/{method}")
+        span = tracing.server_span(full, context.invocation_metadata())
         super().__init__(tracing.tracer, span)
         # The address now, while the call is live (a termination callback may log it later);
         # the certificate identities lazily: only traced calls and logged lines pay for them.
@@ -116,7 +117,7 @@ class RpcScope(SpanScope):
             if self._ended:
                 return
             self._ended = True
-            if self.code is grpc.StatusCode.OK:
+            if self.code is _OK:
                 # Answered (or about to be) while the caller no longer waits: its doing,
                 # counted under its own code. A stream's generator closed by gRPC is the same.
                 gone = caller_gone(self._context)
@@ -126,7 +127,7 @@ class RpcScope(SpanScope):
                     self.caller_left(gone)
                 elif exc_type is not None:  # not aborted by us: gRPC answers UNKNOWN
                     self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
-            name, value = _CODES[self.code]
+            name, value = _OK_CODE if self.code is _OK else _CODES[self.code]
             self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)
             self.finish(name, value, self.message)
 
@@ -140,6 +141,9 @@ class RpcScope(SpanScope):
 
 
 _CODES = {code: (code.name, code.value[0]) for code in grpc.StatusCode}
+_OK = grpc.StatusCode.OK
+_OK_CODE = _CODES[_OK]
+_FULL_NAMES: dict[str, str] = {}  # method -> /service/method
 
 
 class Telemetry:

@@ -136,8 +136,10 @@ class Tracing:
 
     def server_span(self, full_method: str, metadata: Sequence[Any] | None) -> trace.Span:
         """Start the server span of one RPC, child of the caller's `traceparent` if any."""
-        carrier = {str(m[0]).lower(): m[1] for m in metadata or ()}
-        parent = _PROPAGATOR.extract(carrier) if "traceparent" in carrier else None
+        parent = None
+        if metadata and any(str(m[0]).lower() == "traceparent" for m in metadata):
+            carrier = {str(m[0]).lower(): m[1] for m in metadata}
+            parent = _PROPAGATOR.extract(carrier)
         if not self.sampler.exporting:
             # Nothing would see the span: only its ids (for the logs), without the SDK's
             # span machinery - every RPC pays this.

@@ -70,6 +70,7 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_EXTENT = 2**62
 _NUMPY_LE = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.float16: "<f2"}
 _ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _TO_TORCH.values()}
+_WIRE_ITEMSIZE = {k: _ITEMSIZE[d] for k, d in _TO_TORCH.items()}
 _MAX_RANK = 8  # batch fields are vectors or matrices; this bounds per-dimension work
 
 
@@ -89,40 +90,43 @@ def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
 
 def tensor_from_proto(msg: pb.Tensor, field: str) -> torch.Tensor:
     """A tensor viewing the message's bytes (no copy). Read-only in practice: never written."""
-    if msg.dtype not in _TO_TORCH:
+    dtype = _TO_TORCH.get(msg.dtype)
+    if dtype is None:
         raise BatchValidationError(
             field, f"dtype must be one of INT32, INT64, FLOAT32, BFLOAT16, FLOAT16, got {msg.dtype}"
         )
-    dtype = _TO_TORCH[msg.dtype]
-    if len(msg.shape) > _MAX_RANK:  # before any per-dimension work
-        raise BatchValidationError(field, f"rank must be <= {_MAX_RANK}, got {len(msg.shape)}")
-    shape = tuple(msg.shape)
-    if len(shape) == 1:  # the usual batch field: no generator, no product
-        numel = shape[0]
+    dims = msg.shape
+    rank = len(dims)
+    if rank > _MAX_RANK:  # before any per-dimension work
+        raise BatchValidationError(field, f"rank must be <= {_MAX_RANK}, got {rank}")
+    if rank == 1:  # the usual batch field: no tuple, no product
+        numel = dims[0]
         if numel < 0:
-            raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
+            raise BatchValidationError(field, f"shape must be non-negative, got {list(dims)}")
     else:
-        if any(d < 0 for d in shape):
-            raise BatchValidationError(field, f"shape must be non-negative, got {list(shape)}")
-        numel = math.prod(shape)  # Python integers: no overflow, a huge claim just mismatches
+        if any(d < 0 for d in dims):
+            raise BatchValidationError(field, f"shape must be non-negative, got {list(dims)}")
+        numel = math.prod(dims)  # Python integers: no overflow, a huge claim just mismatches
+    data = msg.data
     itemsize = _ITEMSIZE[dtype]
-    if len(msg.data) != numel * itemsize:
+    if len(data) != numel * itemsize:
         raise BatchValidationError(
             field,
-            f"data has {len(msg.data)} bytes, shape {list(shape)} of {pb.DType.Name(msg.dtype)} needs {numel * itemsize}",
+            f"data has {len(data)} bytes, shape {list(dims)} of {pb.DType.Name(msg.dtype)} needs {numel * itemsize}",
         )
     if numel == 0:
         # An empty tensor's other dimensions can be anything; their product still has to fit
         # the strides torch computes, or building it overflows.
+        shape = tuple(dims)
         if math.prod(max(d, 1) for d in shape) > _MAX_EXTENT:
             raise BatchValidationError(field, f"shape {list(shape)} is too large")
         return torch.empty(shape, dtype=dtype)
     if not _LITTLE_ENDIAN:  # the wire is little-endian: swap into a native copy
-        wire = np.frombuffer(msg.data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
-        native = torch.from_numpy(wire.astype(wire.dtype.newbyteorder("="))).view(shape)
+        wire = np.frombuffer(data, dtype="<i2" if dtype == torch.bfloat16 else _NUMPY_LE[dtype])
+        native = torch.from_numpy(wire.astype(wire.dtype.newbyteorder("="))).view(tuple(dims))
         return native.view(torch.bfloat16) if dtype == torch.bfloat16 else native
-    flat = torch.frombuffer(msg.data, dtype=dtype)
-    return flat if len(shape) == 1 else flat.view(shape)  # a view costs more than the decode
+    flat = torch.frombuffer(data, dtype=dtype)
+    return flat if rank == 1 else flat.view(tuple(dims))  # a view costs more than the decode
 
 
 def _optional(batch: pb.ForwardBatch, name: str) -> torch.Tensor | None:
@@ -168,7 +172,12 @@ _LOGPROBS_MODES = frozenset(int(m) for m in LogprobsMode)
 
 def _element_count(msg: pb.Tensor) -> int:
     """The element count a tensor's bytes hold (header math: no per-element work)."""
-    return len(msg.data) // _ITEMSIZE.get(_TO_TORCH.get(msg.dtype, torch.int64), 8)
+    return len(msg.data) // _WIRE_ITEMSIZE.get(msg.dtype, 8)
+
+
+# Size claims from the header (check_size_claims): fields counted in requests, in tokens.
+_REQUEST_CLAIMS = ("req_pool_indices", "seq_lens", "future_token_slots", "ngram_draft")
+_TOKEN_CLAIMS = ("input_ids", "out_cache_loc", "positions")
 
 
 def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
@@ -186,18 +195,37 @@ def check_size_claims(msg: pb.ForwardBatch, limits: BatchLimits) -> None:
             raise BatchTooLargeError(
                 name, f"has {_element_count(getattr(msg, name))} entries; must be <= {cap}"
             )
-    check_request_count("sampling_params", len(msg.sampling_params), limits)
-    for name in ("req_pool_indices", "seq_lens", "future_token_slots", "ngram_draft"):
-        if msg.HasField(name):
+    most = limits.max_batch_size
+    if len(msg.sampling_params) > most:
+        check_request_count("sampling_params", len(msg.sampling_params), limits)
+    for name in _REQUEST_CLAIMS:
+        if msg.HasField(name) and _element_count(getattr(msg, name)) > most:
             check_request_count(name, _element_count(getattr(msg, name)), limits)
-    for name in ("input_ids", "out_cache_loc", "positions"):
-        if msg.HasField(name):
+    most = limits.max_tokens_per_batch
+    for name in _TOKEN_CLAIMS:
+        if msg.HasField(name) and _element_count(getattr(msg, name)) > most:
             check_token_count(name, _element_count(getattr(msg, name)), limits)
-    check_control_claims(msg, limits)
-    check_lora_claims(msg, limits)
+    if msg.row_controls or msg.HasField("vocab_mask"):
+        check_control_claims(msg, limits)
+    if msg.row_adapters:
+        check_lora_claims(msg, limits)
     if msg.row_outputs:
         tokens = _element_count(msg.input_ids) if msg.HasField("input_ids") else 0
         check_output_claims(msg, limits, tokens)
+
+
+_MODES = {m.value: m for m in ForwardMode}
+# The optional tensor fields, in the order they are decoded (the first bad one is named).
+_OPTIONAL = (
+    "positions",
+    "extend_prefix_lens",
+    "extend_seq_lens",
+    "prefix_cache_loc",
+    "released_req_pool_indices",
+    "future_token_slots",
+    "ngram_draft",
+    "released_future_slots",
+)
 
 
 def batch_from_proto(
@@ -208,13 +236,13 @@ def batch_from_proto(
     The codec refuses only what it must before it allocates: an unknown mode, a tensor whose
     bytes do not match its dtype and shape, a missing required field, and (with `limits`)
     size claims beyond them, from the header alone."""
-    if msg.forward_mode not in (pb.EXTEND, pb.DECODE, pb.IDLE, pb.VERIFY):
+    mode = _MODES.get(msg.forward_mode)
+    if mode is None:
         raise BatchValidationError(
             "forward_mode", f"must be EXTEND, DECODE, IDLE or VERIFY, got {msg.forward_mode}"
         )
     if limits is not None:
         check_size_claims(msg, limits)
-    mode = ForwardMode(msg.forward_mode)
     if mode is ForwardMode.IDLE and not msg.HasField("req_pool_indices"):
         empty = torch.zeros(0, dtype=torch.int64)
         rows, seq_lens, out_loc = empty, empty, empty
@@ -227,28 +255,35 @@ def batch_from_proto(
     input_ids = _optional(msg, "input_ids")
     if input_ids is None and input_embeds is None and mode is ForwardMode.IDLE:
         input_ids = torch.zeros(0, dtype=torch.int64)
-    return ForwardBatch(
+    fields: dict[str, Any] = {
+        name: tensor_from_proto(getattr(msg, name), name)
+        for name in _OPTIONAL
+        if msg.HasField(name)
+    }
+    if msg.sampling_params:
+        fields["sampling"] = sampling_from_proto(msg.sampling_params, max(bs, 0))
+    if (
+        msg.row_controls
+        or msg.vocab_mask_deferred
+        or msg.HasField("vocab_mask")
+        or msg.HasField("vocab_mask_rows")
+    ):
+        fields.update(controls_fields(msg, batch_id, tensor_from_proto))
+    if msg.row_outputs or msg.prompt_top_logprobs_num:
+        fields.update(outputs_from_proto(msg))
+    if msg.row_adapters:
+        fields["row_adapters"] = adapters_from_proto(msg)
+    return ForwardBatch.create(
         forward_mode=mode,
         batch_size=bs,
         input_ids=input_ids,
         req_pool_indices=rows,
         seq_lens=seq_lens,
         out_cache_loc=out_loc,
-        positions=_optional(msg, "positions"),
-        extend_prefix_lens=_optional(msg, "extend_prefix_lens"),
-        extend_seq_lens=_optional(msg, "extend_seq_lens"),
-        prefix_cache_loc=_optional(msg, "prefix_cache_loc"),
-        released_req_pool_indices=_optional(msg, "released_req_pool_indices"),
         input_embeds=input_embeds,
-        future_token_slots=_optional(msg, "future_token_slots"),
-        ngram_draft=_optional(msg, "ngram_draft"),
-        released_future_slots=_optional(msg, "released_future_slots"),
-        sampling=sampling_from_proto(msg.sampling_params, max(bs, 0)),
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
-        row_adapters=adapters_from_proto(msg),
-        **controls_fields(msg, batch_id, tensor_from_proto),
-        **outputs_from_proto(msg),
+        **fields,
     )
 
 
@@ -292,33 +327,41 @@ def batch_to_proto(fb: ForwardBatch) -> pb.ForwardBatch:
 
 
 def response_to_proto(out: ForwardOutput, batch_id: int) -> pb.ForwardResponse:
-    st = out.stats
-    msg = pb.ForwardResponse(
-        batch_id=batch_id,
-        next_token_ids=tensor_to_proto(out.next_token_ids),
-        stats=pb.ForwardStats(
-            path=st.path,
-            batch_size=st.batch_size,
-            padded_batch_size=st.padded_batch_size,
-            num_tokens=st.num_tokens,
-            padded_num_tokens=st.padded_num_tokens,
-            timings_ns=st.timings_ns,
-            mode=st.mode,
-            fill_registry=st.fill_registry or "",
-            fill_tensors=st.fill_tensors,
-            fill_bytes=st.fill_bytes,
-            fill_copy_calls=st.fill_copy_calls,
-            d2h_syncs=st.d2h_syncs,
-            h2d_syncs=st.h2d_syncs,
-            h2d_copies=st.h2d_copies,
-            control_rows=st.control_rows,
-            draft_tokens=st.draft_tokens,
-            accepted_drafts=st.accepted_drafts,
-            lora_rows=st.lora_rows,
-            host_gap_ns=st.host_gap_ns,
-        ),
-        weight_version=out.weight_version,
-    )
+    """The answer to one batch. Fields are set in place (every step: a message built from
+    keyword arguments is built twice, once as an argument and once copied in)."""
+    msg = pb.ForwardResponse(batch_id=batch_id)
+    ids = out.next_token_ids
+    if ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_cpu and not ids.requires_grad:
+        wire = msg.next_token_ids
+        wire.dtype = pb.INT64
+        wire.shape.append(ids.numel())
+        data = ids.numpy()
+        wire.data = (data if _LITTLE_ENDIAN else data.astype("<i8")).tobytes()
+    else:
+        msg.next_token_ids.CopyFrom(tensor_to_proto(ids))
+    st, stats = out.stats, msg.stats
+    stats.path = st.path
+    stats.batch_size = st.batch_size
+    stats.padded_batch_size = st.padded_batch_size
+    stats.num_tokens = st.num_tokens
+    stats.padded_num_tokens = st.padded_num_tokens
+    stats.timings_ns.update(st.timings_ns)
+    stats.mode = st.mode
+    stats.fill_registry = st.fill_registry or ""
+    stats.fill_tensors = st.fill_tensors
+    stats.fill_bytes = st.fill_bytes
+    stats.fill_copy_calls = st.fill_copy_calls
+    stats.d2h_syncs = st.d2h_syncs
+    stats.h2d_syncs = st.h2d_syncs
+    stats.h2d_copies = st.h2d_copies
+    if st.control_rows:
+        stats.control_rows.update(st.control_rows)
+    stats.draft_tokens = st.draft_tokens
+    stats.accepted_drafts = st.accepted_drafts
+    stats.lora_rows = st.lora_rows
+    stats.host_gap_ns = st.host_gap_ns
+    if out.weight_version:
+        msg.weight_version = out.weight_version
     if out.extras is not None:
         extras_to_proto(out.extras, msg, tensor_to_proto)
     if out.accepted_tokens is not None and out.accepted_lengths is not None:
