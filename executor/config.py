@@ -257,16 +257,11 @@ class ExecutorConfig:
                 raise ValueError(f"{f.name} must be {expected.__name__}, got {value!r}")
         if self.model_sha256:
             check_digest_setting(self.model_sha256)
-        if self.pipeline_steps not in PIPELINE_STEPS:
-            raise ValueError(
-                f"pipeline_steps must be one of {', '.join(PIPELINE_STEPS)}, "
-                f"got {self.pipeline_steps!r}"
-            )
-        if self.lm_head_dtype not in LM_HEAD_DTYPES:
-            raise ValueError(
-                f"lm_head_dtype must be one of {', '.join(LM_HEAD_DTYPES)}, "
-                f"got {self.lm_head_dtype!r}"
-            )
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
         if not 0 <= self.simulated_step_ms <= 10_000:
             raise ValueError(f"simulated_step_ms must be in 0..10000, got {self.simulated_step_ms}")
         if not self.deferred_mask_timeout_s > 0:
@@ -294,20 +289,6 @@ class ExecutorConfig:
             )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.graph_mode not in GRAPH_MODES:
-            raise ValueError(
-                f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
-            )
-        if self.graph_backend not in GRAPH_BACKENDS:
-            raise ValueError(
-                f"graph_backend must be one of {', '.join(GRAPH_BACKENDS)}, "
-                f"got {self.graph_backend!r}"
-            )
         if self.graph_backend == "compiled_step" and self.tp_size > 1:
             raise ValueError(
                 "graph_backend 'compiled_step' needs tp_size 1 (a whole step would hold the "
@@ -319,31 +300,25 @@ class ExecutorConfig:
             raise ValueError(
                 f"lora names {len(adapters)} adapters, more than max_loras={self.max_loras}"
             )
-        if self.needs_cpu_seq_lens not in NEEDS_CPU_SEQ_LENS_VALUES:
-            raise ValueError(
-                f"needs_cpu_seq_lens must be one of {', '.join(NEEDS_CPU_SEQ_LENS_VALUES)}, "
-                f"got {self.needs_cpu_seq_lens!r}"
-            )
-
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(
-                f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, "
-                f"got {self.linear_kernel!r}"
-            )
-        if self.quant_kernel not in QUANT_KERNELS:
-            raise ValueError(
-                f"quant_kernel must be one of {', '.join(QUANT_KERNELS)}, got {self.quant_kernel!r}"
-            )
-        if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
-                f"got {self.quantization!r}"
-            )
 
     def replace(self, **changes: Any) -> ExecutorConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return ExecutorConfig(**values)
+
+
+# The settings that take one of a list of values (ExecutorConfig.__post_init__ checks them).
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "pipeline_steps": PIPELINE_STEPS,
+    "lm_head_dtype": LM_HEAD_DTYPES,
+    "attention_backend": tuple(ATTENTION_BACKEND_NAMES),
+    "graph_mode": GRAPH_MODES,
+    "graph_backend": GRAPH_BACKENDS,
+    "needs_cpu_seq_lens": NEEDS_CPU_SEQ_LENS_VALUES,
+    "linear_kernel": LINEAR_KERNELS,
+    "quant_kernel": QUANT_KERNELS,
+    "quantization": QUANTIZATION_MODES,
+}
 
 
 def batch_limits(
