@@ -101,6 +101,7 @@ def test_extra_outputs_benchmark_times_every_ask_and_builds_plain_steps(cache_di
     assert ex.req_to_token_pool.rows_in_use() == 0
 
 
+@pytest.mark.slow
 def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path) -> None:
     """One prompt whose continuation repeats (drafts accepted), through gRPC: both modes ran,
     gave the same tokens (the benchmark checks), and the row has every figure."""

@@ -123,6 +123,7 @@ def test_prompt_logprobs_equal_transformers_in_one_batch_and_in_chunks(
     torch.testing.assert_close(c.extras.prompt_logprobs.values, want[29:], rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_scores_and_hidden_states_of_each_layer_equal_transformers(
     qwen2: tuple[Path, torch.nn.Module], cache_dir: Path
 ) -> None:

@@ -58,6 +58,7 @@ def logits_of_steps(ex: ModelExecutor) -> tuple[torch.Tensor, torch.Tensor, set[
     return torch.cat(logits).float(), torch.cat(hidden).float(), paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-random", "tiny-random-qwen2"])  # untied, tied head
 @pytest.mark.parametrize("graph_mode", ["none", "both"])
 def test_float32_head_on_a_bfloat16_model_is_closer_to_the_float32_model(

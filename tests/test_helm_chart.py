@@ -129,6 +129,7 @@ def test_lint_is_clean(values_file: Path | None) -> None:
     assert [(m["severity"], m["error"]) for m in report["messages"]] == [(1, "icon is recommended")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_every_rendered_object_validates(
     default: Rendered, everything: Rendered, kube_version: str

@@ -316,6 +316,7 @@ def test_a_fault_at_any_phase_of_n_leaves_n_plus_1_as_if_n_had_been_refused(
         assert [e for e in log.events if e == ("prepare", 3)] == [("prepare", 3)] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", ["stage", "read"])
 def test_on_a_stream_the_batch_after_a_failed_one_is_not_run(
     executors: Callable[..., ModelExecutor], site: str

@@ -154,6 +154,7 @@ def run_rows(ex: ModelExecutor, ps: list[list[int]]) -> list[list[ForwardOutput]
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "decode", "extend"])
 def test_processed_logprobs_equal_transformers(
     make_executor: MakeExecutor, hf_dir: Path, hf: torch.nn.Module, graph_mode: str

@@ -110,6 +110,7 @@ def hf_routes(
     return top.indices[..., :k].sort(-1).values, top.values[..., k - 1] - top.values[..., k]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode", ["none", "both"])
 def test_routed_experts_equal_transformers_router_choices(
     moe_dir: tuple[Path, transformers.PreTrainedModel], cache_dir: Path, graph_mode: str

@@ -194,6 +194,7 @@ def test_tiny_random_tp2_matches_tp1() -> None:
         assert {"full_graph", "piecewise"} <= set(paths), paths
 
 
+@pytest.mark.slow
 def test_every_rank_leaves_with_its_group_and_its_threads_gone() -> None:
     """torch._dynamo imported after the group exists (the model's load imports it) bound the
     group as a default argument (`torch.distributed.nn.functional`), so leaving freed
@@ -299,6 +300,7 @@ def test_pipelined_steps_at_tp2_match_serial_tp1() -> None:
     assert got == want
 
 
+@pytest.mark.slow
 def test_hidden_states_and_scores_at_tp2_match_tp1() -> None:
     """Named layers run eagerly on every rank (the workers see the asks too); rank 0 reads
     the replicated hidden states and the gathered logits."""

@@ -42,6 +42,7 @@ def test_ids_match_transformers_and_round_trip(
     assert ours.decode(ids, skip_special_tokens=False) == text
 
 
+@pytest.mark.slow
 def test_special_tokens_are_single_ids_and_skippable(
     smollm2_tokenizers: tuple[Tokenizer, object],
 ) -> None:

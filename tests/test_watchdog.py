@@ -173,6 +173,7 @@ def test_the_step_clock_says_where_the_step_is() -> None:
     assert clock.current == "after stage"
 
 
+@pytest.mark.slow
 def test_serve_exits_1_on_a_sticky_device_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
