@@ -24,11 +24,11 @@ from ops.sampling import GREEDY_BELOW_TEMPERATURE
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-def _index_vector(t: object, n: int) -> bool:
-    """A contiguous 1-D host int32/int64 tensor of `n` entries (what the kernel reads)."""
+def _host_vector(t: object, n: int, dtypes: tuple[torch.dtype, ...] = _INT_DTYPES) -> bool:
+    """A contiguous 1-D host tensor of `n` entries in one of `dtypes` (what the kernel reads)."""
     return (
         isinstance(t, torch.Tensor)
-        and t.dtype in _INT_DTYPES
+        and t.dtype in dtypes
         and t.dim() == 1
         and t.is_cpu
         and t.numel() == n
@@ -67,10 +67,10 @@ def plain_decode_holds(
         return False
     ids, rows, seq_lens, out_loc = fb.input_ids, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc
     if not (
-        _index_vector(ids, bs)
-        and _index_vector(rows, bs)
-        and _index_vector(seq_lens, bs)
-        and _index_vector(out_loc, bs)
+        _host_vector(ids, bs)
+        and _host_vector(rows, bs)
+        and _host_vector(seq_lens, bs)
+        and _host_vector(out_loc, bs)
     ):
         return False
     assert ids is not None
@@ -120,17 +120,8 @@ def sampling_holds(
     k = host_kernels.loaded()
     if k is None:
         return False
-    for name, dtype in _SAMPLING_DTYPES:
-        t = getattr(s, name)
-        if not (
-            isinstance(t, torch.Tensor)
-            and t.dtype is dtype
-            and t.dim() == 1
-            and t.is_cpu
-            and t.numel() == bs
-            and t.is_contiguous()
-        ):
-            return False
+    if not all(_host_vector(getattr(s, name), bs, (dtype,)) for name, dtype in _SAMPLING_DTYPES):
+        return False
     out = plan if plan is not None else (ctypes.c_int64 * PLAN_SIZE)()
     return not k.sampling(
         bs,
