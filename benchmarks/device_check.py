@@ -234,7 +234,7 @@ def nccl(ctx: Context) -> StageResult:
 
 
 def stages(out: Path) -> dict[str, Callable[[Context], StageResult]]:
-    from benchmarks import device_kernels, device_paths, device_timing
+    from benchmarks import device_kernels, device_memory, device_paths, device_timing
 
     return {
         "preflight": preflight,
@@ -246,6 +246,7 @@ def stages(out: Path) -> dict[str, Callable[[Context], StageResult]]:
         "kernels": device_kernels.kernels_stage,
         "graph_memory": device_timing.graph_memory_stage,
         "nccl": nccl,
+        "memory_release": device_memory.stage,
     }
 
 

@@ -102,17 +102,18 @@ echo "GPU check: python $($PY -c 'import sys; print(sys.version.split()[0])'), o
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 # The wheels the image lacks (make device-wheels), beside this python's own packages.
 SITE=$SCRATCH/site
-WHEELS=(.whl/*.whl)
+WHEEL_DIR=${DEVICE_CHECK_WHEELS:-.whl} # the suite's dry run points it elsewhere
+WHEELS=("$WHEEL_DIR"/*.whl)
 if [[ -e ${WHEELS[0]} ]]; then
   if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --disable-pip-version-check --target "$SITE" "${WHEELS[@]}"; then
     record preflight FAIL 0 "pip could not install the ${#WHEELS[@]} wheels of .whl/ (make device-wheels DEVICE_PYTHON=<this python>)"
     finish
   fi
-  echo "installed ${#WHEELS[@]} wheels from .whl/ into $SITE"
+  echo "installed ${#WHEELS[@]} wheels from $WHEEL_DIR/ into $SITE"
 else
   SITE=""
-  echo "no .whl/: using this python's own packages"
+  echo "no wheels in $WHEEL_DIR/: using this python's own packages"
 fi
 export PYTHONPATH=${SITE:+$SITE:}$ROOT:$ROOT/proto${PYTHONPATH:+:$PYTHONPATH}
 
@@ -129,4 +130,5 @@ stage occupancy 45
 stage kernels 40
 stage graph_memory 90
 stage nccl 20
+stage memory_release 60
 finish

@@ -19,6 +19,7 @@ seconds, the pool's growth (`CaptureReport.memory_bytes`) and the device's free-
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -172,8 +173,14 @@ def _generate(client: ExecutorClient, bs: int, new_tokens: int, overlap: bool) -
         )
         / 1e9
     )
+    phases = sorted({k for a in steps for k in a.stats.timings_ns})
     return {
         "tokens": [r.output_ids for r in reqs],
+        # the executor's own phase timers, median ms per step (DECODE dominates)
+        "phase_ms": {
+            k: statistics.median([a.stats.timings_ns.get(k, 0) for a in steps]) / 1e6
+            for k in phases
+        },
         "wall_s": wall,
         "busy_s": busy,
         "steps": len(steps),
@@ -199,6 +206,7 @@ def occupancy_stage(ctx: Context) -> StageResult:
     rows: list[list[Any]] = []
     failures: list[str] = []
     figures: dict[str, float] = {}
+    phase_ms: dict[str, dict[str, float]] = {}
     try:
         client = ExecutorClient(f"127.0.0.1:{server.port}")
         _generate(client, 1, 4, overlap=True)  # warm both code paths
@@ -212,6 +220,7 @@ def occupancy_stage(ctx: Context) -> StageResult:
                 occ = r["busy_s"] / r["wall_s"]
                 name = f"bs {bs} {'overlap' if overlap else 'plain'}"
                 figures[name] = occ
+                phase_ms[name] = r["phase_ms"]
                 rows.append(
                     [
                         name,
@@ -227,9 +236,20 @@ def occupancy_stage(ctx: Context) -> StageResult:
     lines = markdown_table(
         ["stream", "steps", "wall ms/step", "device-busy ms/step", "occupancy"], rows
     )
+    names = sorted({k for p in phase_ms.values() for k in p})
+    lines += ["", "Executor phase timers, median ms per step:"]
+    lines += markdown_table(
+        ["stream", *names],
+        [[run, *(f"{p.get(k, 0):.3f}" for k in names)] for run, p in phase_ms.items()],
+    )
     lines += [f"- {f}" for f in failures]
     figures_text = "device busy / wall: " + ", ".join(f"{k} {v:.0%}" for k, v in figures.items())
-    return StageResult("FAIL" if failures else "PASS", figures_text, lines, {"occupancy": figures})
+    return StageResult(
+        "FAIL" if failures else "PASS",
+        figures_text,
+        lines,
+        {"occupancy": figures, "phase_ms": phase_ms},
+    )
 
 
 def graph_memory_stage(ctx: Context) -> StageResult:

@@ -27,6 +27,7 @@ STAGES = [
     "kernels",
     "graph_memory",
     "nccl",
+    "memory_release",
 ]
 
 
@@ -41,7 +42,8 @@ def _rows(summary: str) -> list[list[str]]:
 def _run(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
-        env={**os.environ, "PYTHON": sys.executable, **env},
+        # Not the checkout's .whl/ (`make device-wheels`: the GPU machine's Python's wheels).
+        env={**os.environ, "PYTHON": sys.executable, "DEVICE_CHECK_WHEELS": "/nonexistent", **env},
         capture_output=True,
         text=True,
         timeout=timeout,

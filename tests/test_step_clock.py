@@ -90,7 +90,9 @@ def test_a_cuda_step_times_its_forward_on_the_device(make_executor: Any) -> None
 
     ex = make_executor(device="cuda", dtype="float32", graph_mode="none")
     batch = make_extend_batch(
-        input_ids=[list(range(3, 515))], req_pool_indices=[1], out_cache_loc=[list(range(1, 513))]
+        input_ids=[[3 + i % 500 for i in range(512)]],
+        req_pool_indices=[1],
+        out_cache_loc=[list(range(1, 513))],
     )
     timings = ex.forward(batch).stats.timings_ns
     assert {"forward", "sample", "total"} <= timings.keys()

@@ -160,5 +160,13 @@ def test_the_model_on_cuda_runs_the_fused_kernels_and_matches_the_torch_ops(
     for mod in (ops.rmsnorm, ops.rotary, ops.activation):
         monkeypatch.setattr(mod, "use_triton", lambda t: False)
     reference = logits(make_executor(**config))
-    tol = {"float32": 1e-4, "bfloat16": 5e-2}[dtype]
-    torch.testing.assert_close(fused, reference, rtol=tol, atol=tol)
+    if dtype == "float32":
+        torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+        return
+    # bfloat16: the fused kernels keep the residual sum in float32 where the torch ops round it,
+    # so the two differ by bfloat16 rounding that grows through the layers. The check: against
+    # the float32 model's logits, the fused run is no further off than the torch ops' run.
+    exact = logits(make_executor(**{**config, "dtype": "float32"}))
+    fused_err = (fused - exact).abs().max().item()
+    torch_err = (reference - exact).abs().max().item()
+    assert fused_err <= 2 * torch_err + 1e-3, (fused_err, torch_err)
