@@ -29,6 +29,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayout, store_layer_kv
 from attention.sdpa import sdpa, soft_cap
+from ops.batch_invariant import aligned_kv_bound
 
 if TYPE_CHECKING:
     from executor.core.forward_batch import ForwardBatch
@@ -109,6 +110,10 @@ class TorchPagedBackend(AttentionBackend):
         self._kv_positions = torch.arange(self.max_context_len, device=self.device)
         self._graph: _GraphBuffers | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]  # CPU gather targets (K, V)
+        # batch_invariant (set at start-up): key lengths aligned (ops.batch_invariant) and
+        # EXTEND attended one query row per SDPA row, as DECODE is, so a token's attention
+        # depends on its request alone, not on the batch or on how its prompt was chunked.
+        self.batch_invariant = False
 
     def graph_capture_refusal(self) -> str | None:
         return super().graph_capture_refusal() or cuda_graph_refusal(
@@ -119,6 +124,8 @@ class TorchPagedBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchPagedMetadata:
         bs, num_tokens = fb.batch_size, fb.num_tokens
         kv_bound = fb.seq_len_bound or self.max_context_len
+        if self.batch_invariant:
+            kv_bound = aligned_kv_bound(kv_bound, self.max_context_len)
         if fb.forward_mode.is_extend():
             # No bound: the step's token count (a shape), and never past the context length.
             q_bound = fb.extend_len_bound or min(num_tokens, self.max_context_len)
@@ -285,9 +292,13 @@ class TorchPagedBackend(AttentionBackend):
 
         md: TorchPagedMetadata = fb.attn_metadata
         spec = self.layout.layer(layer_id)
+        softcap = spec.logit_softcap
+        if self.batch_invariant and md.q_index is not None:
+            return self._extend_per_query(
+                q, k_buffer, v_buffer, md, fb, spec.sliding_window, softcap
+            )
         if spec.sliding_window is not None:
             md = md.windows[spec.sliding_window]
-        softcap = spec.logit_softcap
         bs, kv_bound = md.kv_slots.shape
         chunk = self.chunk_rows(bs, kv_bound, k_buffer.element_size())
         parts = [
@@ -360,6 +371,53 @@ class TorchPagedBackend(AttentionBackend):
             softcap=softcap,
             enable_gqa=num_heads != num_kv_heads,
         )
+
+    def _extend_per_query(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        md: TorchPagedMetadata,
+        fb: ForwardBatch,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """EXTEND under batch_invariant: each query is one SDPA row over its request's keys
+        (gathered once, shared by its queries), laid out as a DECODE query, so its reductions
+        have the same shape whatever the chunk it came in and the requests beside it. A
+        windowed layer masks the full key range to the window (its own metadata starts at
+        the chunk's first query, which a different chunking moves). -> [T, Hq, D]."""
+        assert md.q_index is not None and fb.extend_seq_lens is not None
+        assert fb.extend_prefix_lens is not None
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_buffer.shape[1]
+        group, kv_bound = num_heads // num_kv_heads, md.kv_bound
+        out = q.new_empty(q.shape)
+        lengths = fb.extend_seq_lens.tolist()  # the CPU's tensors: no device sync
+        prefixes = fb.extend_prefix_lens.tolist()
+        keys_at = self._kv_positions[:kv_bound]
+        for i, n in enumerate(lengths):
+            if n == 0:
+                continue
+            slots = md.kv_slots[i]
+            shape = (1, kv_bound, num_kv_heads, head_dim)
+            keys = k_buffer.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
+            values = v_buffer.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
+            mask = md.mask[i, 0, :n]  # [n, kv_bound]
+            if window is not None:
+                q_pos = prefixes[i] + self._kv_positions[:n]
+                mask = mask & (keys_at[None, :] > q_pos[:, None] - window)
+            tokens = md.q_index[i, :n]
+            rows = sdpa(
+                q[tokens].view(n, num_kv_heads, group, head_dim),
+                keys.expand(n, -1, -1, -1),
+                values.expand(n, -1, -1, -1),
+                mask.view(n, 1, 1, kv_bound),
+                scale=self.layout.scaling,
+                softcap=softcap,
+            )
+            out[tokens] = rows.reshape(n, num_heads, head_dim)
+        return out
 
     def _attend_decode_traced(
         self,

@@ -212,6 +212,14 @@ class ExecutorConfig:
         "hidden states and weights on a bfloat16/float16 model (every path, a tied or "
         "vocabulary-sharded head too; a quantized head's kernel keeps its own precision)",
     )
+    batch_invariant: bool = setting(
+        False,
+        "a row's logits (and so its logprobs and greedy tokens) bitwise the same whatever "
+        "batch it runs in: other rows, batch size, how its prompt was chunked; linears run a "
+        "fixed number of rows per GEMM call, attention one query row per SDPA row over "
+        "aligned key lengths; CPU, eager steps, float weights, dense models; costs step time "
+        "(docs/performance.md); reported by GetInfo",
+    )
     simulated_step_ms: float = setting(
         0.0,
         "a stand-in accelerator, for measuring the pipeline (and testing a scheduler's) "

@@ -65,6 +65,7 @@ def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecuto
         "linear_kernel",
         "lm_head_dtype",
         "pipeline_steps",
+        "batch_invariant",
         "graph_mode",
         "graph_backend",
     }

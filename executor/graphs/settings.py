@@ -31,10 +31,11 @@ def resolve_graph_mode(
 ) -> str:
     """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
     where a server then captures `background_graph_mode` while it serves; `none` wherever the
-    attention backend cannot be captured (`capture_refusal`: its reason)."""
+    attention backend cannot be captured (`capture_refusal`: its reason), and under
+    batch_invariant (eager steps only: `executor.batch_invariance`)."""
     if config.graph_mode != "auto":
         return config.graph_mode
-    if capture_refusal is not None:
+    if capture_refusal is not None or config.batch_invariant:
         return "none"
     return "both" if device.type == "cuda" else "none"
 
@@ -65,6 +66,8 @@ def background_graph_mode(
     parallelism (ranks capture in step at start-up), nor with another graph backend
     configured, nor with an attention backend that cannot be captured (`capture_refusal`)."""
     if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
+        return None
+    if config.batch_invariant:
         return None
     if capture_refusal is not None or resolve_graph_backend(config, device) != "compiled_step":
         return None

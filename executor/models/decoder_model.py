@@ -38,6 +38,7 @@ from executor.models.layers import Embedding, Linear, RMSNorm
 from executor.models.lora_layers import LoraBatch
 from executor.models.sharding import ShardPlan, SplitRows
 from executor.parallel.comm import TpComm
+from ops.batch_invariant import tiled_linear
 from ops.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -119,6 +120,8 @@ class DecoderModel(nn.Module, ABC):
         self.lora: LoraBatch | None = None
         # The dtype the head's matmul runs in (`lm_head_dtype`); None: the activations'.
         self.head_dtype: torch.dtype | None = None
+        # batch_invariant: the head's product a fixed number of rows per GEMM call.
+        self.tiled_head = False
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -311,13 +314,14 @@ class DecoderModel(nn.Module, ABC):
         head = self.head_dtype
         if head is not None and head != hidden.dtype:
             hidden = hidden.to(head)  # the head in `head_dtype`: weights cast as they are read
+        linear = tiled_linear if self.tiled_head else F.linear
         if self.lm_head is None:  # tied to a float embedding
             assert isinstance(self.embed_tokens, Embedding)
-            logits = F.linear(hidden, self.embed_tokens.weight.to(hidden.dtype)).float()
+            logits = linear(hidden, self.embed_tokens.weight.to(hidden.dtype)).float()
         elif isinstance(self.lm_head, Linear):
             w, b = self.lm_head.weight, self.lm_head.bias
             dt = hidden.dtype
-            logits = F.linear(hidden, w.to(dt), None if b is None else b.to(dt)).float()
+            logits = linear(hidden, w.to(dt), None if b is None else b.to(dt)).float()
         else:  # quantized or packed: the module's kernel, float32 hidden states in
             logits = self.lm_head(hidden).float()
         if self.comm.enabled:

@@ -12,10 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.models.onednn_linear import PackedWeight, onednn_linear, packed_linear
+from ops.batch_invariant import tiled_linear, tiled_rows
 from ops.rmsnorm import add_rms_norm
 
 
 class Linear(nn.Module):
+    # batch_invariant: the product computed a fixed number of rows per GEMM call
+    # (ops.batch_invariant), set on every Linear of the model at start-up.
+    tiled: bool = False
+
     def __init__(
         self,
         in_features: int,
@@ -36,6 +41,8 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            return tiled_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -46,6 +53,8 @@ class PackedLinear(nn.Module):
     layout. `key` is a registered buffer so dynamo lifts each layer's key as a graph input
     (one compiled graph for every layer, as with `Linear`'s weight); it is not state to load,
     save or copy (`persistent=False`)."""
+
+    tiled: bool = False  # as Linear's
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -63,7 +72,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():  # traced: the op on the key (a graph input)
+        if self.tiled:  # batch_invariant (eager only)
+            out = tiled_rows(
+                x2, lambda rows: packed_linear(rows, self.packed, self.bias), self.out_features
+            )
+        elif torch.compiler.is_compiling():  # traced: the op on the key (a graph input)
             out = onednn_linear(x2, self.key, self.bias)
         else:  # eager: straight to oneDNN, skipping the op's dispatch cost
             out = packed_linear(x2, self.packed, self.bias)

@@ -115,7 +115,16 @@ def read_weights(
 
 def resolve_quantization(config: ExecutorConfig) -> tuple[str, str]:
     """(mode, reason): `config.quantization` with `auto` decided for this model and machine
-    (`quant_kernel.choose_quantization`)."""
+    (`quant_kernel.choose_quantization`); batch_invariant runs float linears."""
+    if config.batch_invariant:
+        if config.quantization not in ("auto", "none"):
+            raise ValueError(
+                f"batch_invariant and quantization={config.quantization} do not go together: "
+                "batch-invariant steps run float linears; use quantization=none or auto"
+            )
+        if config.quantization == "none":
+            return "none", "configured"
+        return "none", "auto: batch_invariant runs float linears"
     return choose_quantization(
         config.quantization,
         resolve_model_spec(config.model).kind,

@@ -193,6 +193,11 @@ class GraphControl:
                 f"({self.toggles.graph_capture}); retry when GetRuntimeConfig's graph_capture "
                 "is no longer 'capturing'"
             )
+        if self.config.batch_invariant and target is not GraphMode.NONE:
+            raise ToggleRefusedError(
+                f"graph_mode={target}: this executor runs batch_invariant, whose steps are "
+                "eager (a compiled graph would change a row's logits)"
+            )
         reason = self.attn_backend.graph_capture_refusal()
         if target.decode_graphs and reason is not None:
             raise ToggleRefusedError(

@@ -1,0 +1,186 @@
+"""`batch_invariant`: a request's prompt logprobs and its logits at every decode step are bitwise
+the same run alone, in a batch of 8 mixed requests, in a batch of 32, and with its prompt
+chunked differently; what it cannot run with is refused at start-up, naming both settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
+from executor.core.errors import ToggleRefusedError
+from executor.core.extras_types import RowOutputs
+
+TARGET = 1  # the request followed, in row 1
+PROMPT = [(37 * j + 11) % 500 + 3 for j in range(41)]
+STEPS = 4
+ROW_SLOTS = 128  # row r's tokens go to slots r*128 ...
+
+
+def _prompt(row: int) -> list[int]:
+    return [(31 * row + 7 * j) % 480 + 5 for j in range(3 + (row * 5) % 61)]
+
+
+def _slots(row: int, start: int, n: int) -> list[int]:
+    return [row * ROW_SLOTS + start + j for j in range(n)]
+
+
+def _run(ex: Any, others: int, cut: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The target's prompt logprobs and its logits over STEPS greedy decode steps, beside
+    `others` requests (rows 2..); `cut`: its prompt prefilled in two chunks, alone first."""
+    # The target last: its rows sit at another place in every GEMM tile.
+    rows = {r: _prompt(r) for r in range(2, 2 + others)} | {TARGET: PROMPT}
+    prompt_lp: list[torch.Tensor] = []
+    if cut:  # the first chunk alone, the second with everyone's prompts
+        ask = RowOutputs(row=TARGET, prompt_logprobs=True, next_prompt_token=PROMPT[cut])
+        first = make_extend_batch(
+            input_ids=[PROMPT[:cut]],
+            req_pool_indices=[TARGET],
+            out_cache_loc=[_slots(TARGET, 0, cut)],
+        )
+        out = ex.forward(dataclasses.replace(first, row_outputs=(ask,)))
+        prompt_lp.append(out.extras.prompt_logprobs.values)
+    starts = {r: (cut if r == TARGET else 0) for r in rows}
+    batch = make_extend_batch(
+        input_ids=[p[starts[r] :] for r, p in rows.items()],
+        req_pool_indices=list(rows),
+        out_cache_loc=[_slots(r, starts[r], len(p) - starts[r]) for r, p in rows.items()],
+        prefix_lens=[starts[r] for r in rows],
+        prefix_cache_loc=[_slots(r, 0, starts[r]) for r in rows],
+    )
+    ask = RowOutputs(row=TARGET, prompt_logprobs=True)
+    out = ex.forward(dataclasses.replace(batch, row_outputs=(ask,)), return_logits=True)
+    prompt_lp.append(out.extras.prompt_logprobs.values)
+    logits = [out.logits[-1]]
+    lens = {r: len(p) for r, p in rows.items()}
+    tokens = out.logits.argmax(-1).tolist()
+    for _ in range(STEPS - 1):
+        for r in rows:
+            lens[r] += 1
+        batch = make_decode_batch(
+            input_ids=tokens,
+            req_pool_indices=list(rows),
+            seq_lens=[lens[r] for r in rows],
+            out_cache_loc=[r * ROW_SLOTS + lens[r] - 1 for r in rows],
+        )
+        out = ex.forward(batch, return_logits=True)
+        logits.append(out.logits[-1])
+        tokens = out.logits.argmax(-1).tolist()
+    ex.forward(
+        dataclasses.replace(
+            make_idle_batch(),
+            released_req_pool_indices=torch.tensor(list(rows)),
+        )
+    )
+    return torch.cat(prompt_lp), logits
+
+
+def _executor(
+    make_executor: Callable[..., Any],
+    invariant: bool,
+    dtype: str,
+    kernel: str = "auto",
+    model: str = "tiny-random",
+) -> Any:
+    return make_executor(
+        model=model,
+        dtype=dtype,
+        linear_kernel=kernel,
+        batch_invariant=invariant,
+        max_reqs=40,
+        kv_slots=40 * ROW_SLOTS + 64,
+        max_context_len=ROW_SLOTS,
+        graph_mode="none",
+        attention_backend="torch_paged",
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernel", "model"),
+    [
+        ("float32", "onednn", "tiny-random"),
+        ("float32", "aten", "tiny-random"),
+        ("bfloat16", "aten", "tiny-random"),
+        # sliding windows (8 keys on layers 0 and 2) and soft-capped logits
+        ("float32", "auto", "tiny-random-gemma2"),
+    ],
+)
+def test_a_requests_logprobs_and_logits_do_not_depend_on_its_batch(
+    make_executor: Callable[..., Any],
+    dtype: str,
+    kernel: str,
+    model: str,
+    record_property: Callable[[str, Any], None],
+) -> None:
+    for invariant in (True, False):
+        ex = _executor(make_executor, invariant, dtype, kernel, model)
+        alone = _run(ex, 0)
+        runs = {"batch of 8": _run(ex, 7), "batch of 32": _run(ex, 31), "chunked": _run(ex, 0, 17)}
+        for name, (prompt_lp, logits) in runs.items():
+            lp_diff = (prompt_lp - alone[0]).abs().max().item()
+            logit_diff = max(
+                (a - b).abs().max().item() for a, b in zip(logits, alone[1], strict=True)
+            )
+            if invariant:
+                assert torch.equal(prompt_lp, alone[0]), (name, lp_diff)
+                for step, (a, b) in enumerate(zip(logits, alone[1], strict=True)):
+                    assert torch.equal(a, b), (name, step, (a - b).abs().max().item())
+            else:  # how far they are apart without the setting (reported, not judged)
+                record_property(
+                    f"{dtype} {kernel} off, {name}", f"{lp_diff:.3g} / {logit_diff:.3g}"
+                )
+                print(
+                    f"batch_invariant off, {dtype} {kernel}, {name}: max |diff| prompt logprobs "
+                    f"{lp_diff:.3g}, logits {logit_diff:.3g}"
+                )
+
+
+def test_the_setting_is_reported_and_keeps_graphs_off(
+    make_executor: Callable[..., Any],
+) -> None:
+    ex = _executor(make_executor, True, "float32")
+    choices = {c.setting: (c.value, c.reason) for c in ex.info.choices}
+    assert choices["batch_invariant"][0] == "on"
+    with pytest.raises(ToggleRefusedError, match="batch_invariant"):
+        ex.control.set_graph_mode("decode")
+    auto = make_executor(batch_invariant=True, graph_mode="auto")
+    assert auto.toggles.graph_mode.value == "none"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"graph_mode": "decode"}, "graph_mode=decode"),
+        ({"graph_mode": "extend"}, "graph_mode=extend"),
+        ({"attention_backend": "torch_native"}, "attention_backend=torch_native"),
+        ({"quantization": "int8"}, "quantization=int8"),
+        ({"max_loras": 2}, "LoRA"),
+        ({"model": "tiny-random-qwen3-moe"}, "an MoE model"),
+    ],
+)
+def test_what_it_cannot_run_with_is_refused_at_start_up(
+    make_executor: Callable[..., Any], overrides: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"batch_invariant and {named}"):
+        make_executor(batch_invariant=True, **overrides)
+
+
+def test_verify_steps_run_batch_invariant_and_keep_the_greedy_tokens(
+    make_executor: Callable[..., Any],
+) -> None:
+    """VERIFY batches (EXTEND-shaped, with drafts) take the per-query attention too: greedy
+    tokens with prompt-lookup drafts equal those without."""
+    from executor.client.scheduler import generate
+
+    prompts = [PROMPT[:20] * 2, _prompt(5), _prompt(9)]
+    ex = _executor(make_executor, True, "float32")
+    plain = generate(ex.forward, ex.limits, prompts, max_new_tokens=12, ignore_eos=True)
+    ex = _executor(make_executor, True, "float32")
+    drafted = generate(
+        ex.forward, ex.limits, prompts, max_new_tokens=12, ignore_eos=True, speculate=3
+    )
+    assert drafted == plain
