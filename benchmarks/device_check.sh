@@ -126,7 +126,7 @@ stage gpu_tests 150
 stage paths 130
 stage attention 45
 stage latency 45
-stage occupancy 45
+stage occupancy 90
 stage kernels 40
 stage graph_memory 90
 stage nccl 20

@@ -5,12 +5,13 @@
 it waits for the device) and the device time of its forward phase (the step clock's CUDA
 events), median and p90; eager is timed again at the end, as the spread.
 
-`occupancy`: what a pipelined ForwardStream keeps the device busy with today. A server in
-this process; the reference scheduler generates over one stream, plain (send, wait, send)
-and with overlap (step N+1 sent, built from future-token references, before step N's tokens
-are read). Device-busy time is the steps' device phases (forward + sample, CUDA events);
-occupancy is that over the run's wall time. Reported, not judged: the pipelined step that
-should raise it is later work.
+`occupancy`: what a ForwardStream keeps the device busy with. The reference scheduler
+generates over one stream, plain (send, wait, send) and with overlap (step N+1 sent, built
+from future-token references, before step N's tokens are read), against a server in this
+process (client and server share one interpreter lock) and against `serve` in its own
+process. Device-busy time is the steps' device phases (forward + sample, CUDA events);
+occupancy is that over the run's wall time, beside the executor's phase timers. Reported,
+not judged.
 
 `graph_memory`: a fresh executor with the default bucket ladders (`graph_batch_sizes` and
 `piecewise_token_sizes` empty, max_reqs 128) captures both graph kinds: buckets, graphs,
@@ -19,6 +20,7 @@ seconds, the pool's growth (`CaptureReport.memory_bytes`) and the device's free-
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -33,9 +35,11 @@ from benchmarks.device_common import (
     markdown_table,
     percentiles,
 )
+from benchmarks.served import served
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.client.scheduler import ReferenceScheduler
+from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
 from executor.service.server import start_server
 from executor.service.server_config import ServerConfig
@@ -71,6 +75,18 @@ def latency_stage(ctx: Context) -> StageResult:
             input_ids=[[7] * CONTEXT], req_pool_indices=[1], out_cache_loc=[slots[:CONTEXT]]
         )
     )
+    if ctx.cuda:  # 2 s of eager steps first: on the H200 the first path timed ran 1.9x
+        # slower than the same path timed last (docs/gpu.md)
+        ex.control.set_graph_mode("none")
+        warmup = make_decode_batch(
+            input_ids=[11],
+            req_pool_indices=[1],
+            seq_lens=[CONTEXT + 1],
+            out_cache_loc=[slots[CONTEXT]],
+        )
+        until = time.perf_counter() + 2.0
+        while time.perf_counter() < until:
+            ex.forward(warmup)
     seq = CONTEXT
     rows: list[list[Any]] = []
     figures: dict[str, float] = {}
@@ -188,7 +204,61 @@ def _generate(client: ExecutorClient, bs: int, new_tokens: int, overlap: bool) -
     }
 
 
+# `serve` in its own process, with the check's models registered first.
+_SERVE = (
+    "-c",
+    "import sys; from benchmarks.device_common import register_models; register_models(); "
+    "from executor.client.cli import main; sys.exit(main(sys.argv[1:]))",
+)
+
+
+def _serve_flags(config: ExecutorConfig) -> list[str]:
+    """`config` as `serve` flags: every field that differs from the default."""
+    flags = []
+    for f in dataclasses.fields(config):
+        value, default = getattr(config, f.name), f.default
+        if value == default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(name if value else "--no-" + name[2:])
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+def _occupancy_runs(
+    client: ExecutorClient, where: str, new_tokens: int, rows: list[list[Any]], out: dict[str, Any]
+) -> list[str]:
+    """Plain and overlapped streams at bs 1 and 8 against one server; a table row each."""
+    failures = []
+    _generate(client, 1, 4, overlap=True)  # warm both code paths
+    for bs in (1, 8):
+        done = {m: _generate(client, bs, new_tokens, overlap=m) for m in (False, True)}
+        if done[False]["tokens"] != done[True]["tokens"]:
+            failures.append(f"{where}, bs {bs}: overlap changed the tokens")
+        if done[True]["future_refs"] == 0:
+            failures.append(f"{where}, bs {bs}: the overlapped run sent no future-token reference")
+        for overlap, r in done.items():
+            occ = r["busy_s"] / r["wall_s"]
+            name = f"bs {bs} {'overlap' if overlap else 'plain'}, {where}"
+            out["occupancy"][name] = occ
+            out["phase_ms"][name] = r["phase_ms"]
+            rows.append(
+                [
+                    name,
+                    r["steps"],
+                    f"{r['wall_s'] * 1e3 / r['steps']:.3f}",
+                    f"{r['busy_s'] * 1e3 / r['steps']:.3f}",
+                    f"{occ:.1%}",
+                ]
+            )
+    return failures
+
+
 def occupancy_stage(ctx: Context) -> StageResult:
+    """The same streams against a server in this process (its gRPC and the client share one
+    interpreter lock) and against `serve` in its own process, as a scheduler meets it."""
     new_tokens = 4 if ctx.dry_run else 64
     config = executor_config(
         ctx,
@@ -198,44 +268,25 @@ def occupancy_stage(ctx: Context) -> StageResult:
         graph_batch_sizes="1,2,4,8",
         piecewise_token_sizes="16,32,64,128",
     )
+    rows: list[list[Any]] = []
+    out: dict[str, Any] = {"occupancy": {}, "phase_ms": {}}
     server = start_server(
         config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0), block_until_ready=True
     )
     if server.load_error:
         raise RuntimeError(f"the server did not start: {server.load_error[0]}")
-    rows: list[list[Any]] = []
-    failures: list[str] = []
-    figures: dict[str, float] = {}
-    phase_ms: dict[str, dict[str, float]] = {}
     try:
         client = ExecutorClient(f"127.0.0.1:{server.port}")
-        _generate(client, 1, 4, overlap=True)  # warm both code paths
-        for bs in (1, 8):
-            done = {m: _generate(client, bs, new_tokens, overlap=m) for m in (False, True)}
-            if done[False]["tokens"] != done[True]["tokens"]:
-                failures.append(f"bs {bs}: overlap changed the tokens")
-            if done[True]["future_refs"] == 0:
-                failures.append(f"bs {bs}: the overlapped run sent no future-token reference")
-            for overlap, r in done.items():
-                occ = r["busy_s"] / r["wall_s"]
-                name = f"bs {bs} {'overlap' if overlap else 'plain'}"
-                figures[name] = occ
-                phase_ms[name] = r["phase_ms"]
-                rows.append(
-                    [
-                        name,
-                        r["steps"],
-                        f"{r['wall_s'] * 1e3 / r['steps']:.3f}",
-                        f"{r['busy_s'] * 1e3 / r['steps']:.3f}",
-                        f"{occ:.1%}",
-                    ]
-                )
+        failures = _occupancy_runs(client, "in-process", new_tokens, rows, out)
         client.close()
     finally:
         server.drain()
+    with served(_serve_flags(config), launcher=_SERVE) as own:
+        failures += _occupancy_runs(own.client, "own process", new_tokens, rows, out)
     lines = markdown_table(
         ["stream", "steps", "wall ms/step", "device-busy ms/step", "occupancy"], rows
     )
+    phase_ms = out["phase_ms"]
     names = sorted({k for p in phase_ms.values() for k in p})
     lines += ["", "Executor phase timers, median ms per step:"]
     lines += markdown_table(
@@ -243,13 +294,10 @@ def occupancy_stage(ctx: Context) -> StageResult:
         [[run, *(f"{p.get(k, 0):.3f}" for k in names)] for run, p in phase_ms.items()],
     )
     lines += [f"- {f}" for f in failures]
-    figures_text = "device busy / wall: " + ", ".join(f"{k} {v:.0%}" for k, v in figures.items())
-    return StageResult(
-        "FAIL" if failures else "PASS",
-        figures_text,
-        lines,
-        {"occupancy": figures, "phase_ms": phase_ms},
+    figures_text = "device busy / wall: " + ", ".join(
+        f"{k} {v:.0%}" for k, v in out["occupancy"].items()
     )
+    return StageResult("FAIL" if failures else "PASS", figures_text, lines, out)
 
 
 def graph_memory_stage(ctx: Context) -> StageResult:
