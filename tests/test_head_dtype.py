@@ -15,7 +15,7 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.core.extras_types import HiddenAsk, RowOutputs
-from executor.core.forward_batch import ForwardBatch
+from executor.core.forward_batch import ForwardBatch, ForwardMode
 from executor.model_executor import ModelExecutor
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 64, 12, 8, 31, 77, 2], [9, 4, 120, 33, 1, 6, 250]]
@@ -104,3 +104,37 @@ def test_the_choice_is_reported_and_a_bad_value_refused(
     assert ex.model.head_dtype is torch.float32
     with pytest.raises(ValueError, match="lm_head_dtype must be one of auto, float32"):
         ExecutorConfig(lm_head_dtype="float64")
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-random-qwen2"])  # untied, tied head
+def test_float32_head_in_a_verify_step(
+    make_executor: Callable[..., ModelExecutor], model: str
+) -> None:
+    """A VERIFY step's logits (one per draft position) come from the float32 head too: closer
+    to the float32 model's than a bfloat16 head's."""
+    prompt, drafts = PROMPTS[0], [64, 12, 8, 31]
+
+    def verify_logits(**kw: object) -> torch.Tensor:
+        ex = make_executor(model=model, **kw)
+        n = len(prompt)
+        ex.forward(
+            make_extend_batch(
+                input_ids=[prompt[:-1]], req_pool_indices=[1], out_cache_loc=[list(range(1, n))]
+            )
+        )
+        fb = make_extend_batch(
+            input_ids=[[prompt[-1], *drafts]],
+            req_pool_indices=[1],
+            out_cache_loc=[list(range(n, n + 1 + len(drafts)))],
+            prefix_lens=[n - 1],
+        )
+        out = ex.forward(replace(fb, forward_mode=ForwardMode.VERIFY), return_logits=True)
+        assert out.logits is not None and out.logits.shape[0] == 1 + len(drafts)
+        assert out.stats.mode == "verify"
+        return out.logits.float()
+
+    ref = verify_logits(dtype="float32")
+    bf16 = verify_logits(dtype="bfloat16")
+    head = verify_logits(dtype="bfloat16", lm_head_dtype="float32")
+    assert not torch.equal(head, bf16)
+    assert float((head - ref).abs().mean()) < float((bf16 - ref).abs().mean())
