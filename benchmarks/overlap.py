@@ -62,7 +62,9 @@ class RecordingPipe:
         return out
 
 
-def generate_once(client: ExecutorClient, bs: int, new_tokens: int, overlap: bool) -> Run:
+def generate_once(
+    client: ExecutorClient, bs: int, new_tokens: int, overlap: bool, depth: int = 2
+) -> Run:
     limits = client.info().info.limits
     session = client.open_stream()
     pipe = RecordingPipe(session)
@@ -71,7 +73,9 @@ def generate_once(client: ExecutorClient, bs: int, new_tokens: int, overlap: boo
         pipe.send(batch)
         return pipe.recv()
 
-    scheduler = ReferenceScheduler(lockstep, limits, overlap=overlap, pipe=pipe)
+    scheduler = ReferenceScheduler(
+        lockstep, limits, overlap=overlap, pipe=pipe, overlap_depth=depth
+    )
     reqs = [
         scheduler.add_request(
             [(31 * r + j) % 400 + 5 for j in range(PROMPT_LEN)],

@@ -8,9 +8,9 @@ side by side: one pipelined (`--pipeline-steps on`, what `auto` picks under the 
 one not (`off`: the device thread admits and stages each batch after the step before it was
 answered, the order before the pipeline). Against each:
 
-- overlap: the reference scheduler's overlap mode over one ForwardStream (step N+1 sent,
-  by future-token reference, before N's tokens are read), bs 1 and bs 32, `--steps` decode
-  steps per request;
+- overlap: the reference scheduler's overlap mode over one ForwardStream (step N+1, and at
+  `--depths` 3 also N+2, sent by future-token reference before N's tokens are read), bs 1 and
+  bs 32, `--steps` decode steps per request;
 - unary: `--clients` clients, each decoding its own request with unary `Forward` calls
   (tokens fed back), together `--steps` steps.
 
@@ -60,9 +60,10 @@ class Run:
         return busy / (busy + sum(self.gaps_ns))
 
 
-def overlap_run(client: ExecutorClient, bs: int, steps: int) -> Run:
-    """The reference scheduler's overlap mode over one ForwardStream (`overlap.py`'s run)."""
-    run = generate_once(client, bs, steps, overlap=True)
+def overlap_run(client: ExecutorClient, bs: int, steps: int, depth: int = 2) -> Run:
+    """The reference scheduler's overlap mode over one ForwardStream (`overlap.py`'s run),
+    `depth` steps sent and not yet read."""
+    run = generate_once(client, bs, steps, overlap=True, depth=depth)
     gaps = [a.stats.host_gap_ns for a in run.steps]
     return Run(len(run.steps), run.seconds, gaps, run.tokens)
 
@@ -124,6 +125,9 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--sizes", default="1,32")
+    parser.add_argument(
+        "--depths", default="2,3", help="the stream's steps sent and not yet read (overlap_depth)"
+    )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--cache-dir", default="")
     args = parser.parse_args()
@@ -150,11 +154,12 @@ def main() -> None:
             target = f"127.0.0.1:{server.port}"
             overlap_run(server.client, 1, 8)  # warm both paths
             runs: list[tuple[str, Run]] = []
-            for bs in (int(s) for s in args.sizes.split(",")):
-                time.sleep(WINDOW_S)
-                run = overlap_run(server.client, bs, args.steps)
-                run.gauge = gauge(metrics_port)
-                runs.append((f"overlap stream, bs {bs}", run))
+            for depth in (int(d) for d in args.depths.split(",")):
+                for bs in (int(s) for s in args.sizes.split(",")):
+                    time.sleep(WINDOW_S)
+                    run = overlap_run(server.client, bs, args.steps, depth)
+                    run.gauge = gauge(metrics_port)
+                    runs.append((f"overlap stream, bs {bs}, {depth} in flight", run))
             time.sleep(WINDOW_S)
             run = unary_run(target, args.clients, args.steps)
             run.gauge = gauge(metrics_port)

@@ -7,6 +7,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.client.allocator import FutureSlotAllocator, OutOfCapacityError
 from executor.client.grpc_client import ExecutorClient
+from executor.client.pipes import InlinePipe
 from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.core.errors import BatchValidationError, FaultInjector, InjectedFault
@@ -337,13 +339,29 @@ def _outputs(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("path", "seeded"),
-    [("eager", False), ("eager", True), ("eager_no_copy", True), ("full_graph", False)],
-    ids=["eager-greedy", "eager-seeded", "eager_no_copy-seeded", "full_graph-greedy"],
+    ("path", "seeded", "depth"),
+    [
+        ("eager", False, 2),
+        ("eager", True, 2),
+        ("eager_no_copy", True, 2),
+        ("full_graph", False, 2),
+        ("eager", True, 3),
+        ("full_graph", False, 3),
+    ],
+    ids=[
+        "eager-greedy",
+        "eager-seeded",
+        "eager_no_copy-seeded",
+        "full_graph-greedy",
+        "eager-seeded-depth3",
+        "full_graph-greedy-depth3",
+    ],
 )
 def test_overlap_gives_the_tokens_of_the_plain_scheduler(
-    make_executor: MakeExecutor, path: str, seeded: bool
+    make_executor: MakeExecutor, path: str, seeded: bool, depth: int
 ) -> None:
+    """Steps in flight (`depth`: sent and not yet read) change no token; a request that
+    stopped mid-run was in the steps after its stop, whose tokens are dropped."""
     sampling = SamplingParams(temperature=0.9, top_k=50, seed=11) if seeded else None
     ex = make_executor(**PATHS[path][0])
     free = _outputs(ex, overlap=False, eos=[], sampling=sampling)
@@ -356,6 +374,21 @@ def test_overlap_gives_the_tokens_of_the_plain_scheduler(
         steps.append(ex.forward(batch))
         return steps[-1]
 
+    class Counting(InlinePipe):
+        """Counts the steps sent and not yet read."""
+
+        unread = most = 0
+
+        def send(self, batch: ForwardBatch) -> int:
+            self.unread += 1
+            self.most = max(self.most, self.unread)
+            return super().send(batch)
+
+        def recv(self) -> Any:
+            self.unread -= 1
+            return super().recv()
+
+    pipe = Counting(recording)
     overlapped = generate(
         recording,
         ex.limits,
@@ -364,8 +397,11 @@ def test_overlap_gives_the_tokens_of_the_plain_scheduler(
         eos_token_ids=eos,
         sampling=sampling,
         overlap=True,
+        pipe=pipe,
+        overlap_depth=depth,
     )
     assert overlapped == plain
+    assert pipe.most == depth
     assert any(s.stats.future_refs and s.stats.path == PATHS[path][1] for s in steps)
     # Everything went back: rows, KV slots and future slots.
     assert ex.req_to_token_pool.rows_in_use() == 0 and ex.future.slots_in_use() == 0

@@ -46,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         texts = prompt_texts(args, tok, prompts)
         sampling = sampling_params(args)
         pipe = None
-        if args.overlap:  # one step in flight on a ForwardStream, tokens fed back by reference
+        if args.overlap:  # steps in flight on a ForwardStream, tokens fed back by reference
             pipe = client.open_stream()
             stack.callback(pipe.close)
         grammars = None

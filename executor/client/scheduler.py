@@ -17,11 +17,15 @@ row is released to the executor on the next batch (`released_req_pool_indices`).
 Speculation (`add_request(speculate=K)`): a drafting request decodes in VERIFY steps (the
 executor's prompt-lookup drafts; when it drafts: `client/speculation.py`). Not with overlap.
 
-Overlap (`overlap=True`): one step in flight. Step N+1 is sent before step N's tokens are
-read; each request's token goes to a future slot and comes back as input id `-slot`. A
-request that stopped in step N was already in step N+1: that token is discarded, and its
-row and slots are freed once no step in flight holds them. Outputs equal the plain run's.
-Drive it with a pipe (`ExecutorClient.open_stream()`) or a `forward` callable.
+Overlap (`overlap=True`): steps in flight. Steps N+1 and N+2 (`overlap_depth` 3, the default;
+2: N+1 only) are sent before step N's tokens are read; each request's token goes to a future slot and comes
+back as input id `-slot`. A request that stopped in step N was already in the steps after it:
+those tokens are discarded, and its row and slots are freed once no step in flight holds
+them. Outputs equal the plain run's. Drive it with a pipe (`ExecutorClient.open_stream()`) or
+a `forward` callable. Two steps ahead hide the client's round trip: while the host reads N
+and sends N+3, the executor runs N+1 and has N+2 queued (under the stand-in accelerator a
+stream's occupancy went from 0.93 to 0.99 at bs 1, docs/performance.md); the price is one more
+step computed for a request past its stop.
 
 Sampling controls go to the executor once, with the batch that starts the request
 (`prompt_len` set for chunked prefill). A JSON-schema request is masked in every step that
@@ -74,8 +78,10 @@ class ReferenceScheduler:
         pipe: StepPipe | None = None,
         speculation: SpeculationPolicy | None = None,
         grammars: Grammars | None = None,
+        overlap_depth: int = 3,
     ) -> None:
-        """`overlap`: keep one step in flight on `pipe` (default: `forward` run at send).
+        """`overlap`: keep steps in flight on `pipe` (default: `forward` run at send), at most
+        `overlap_depth` sent and not yet read (2: step N+1 sent before N is read; 3: N+2 too).
         `speculation`: when requests added with `speculate` keep drafting. `grammars`: the
         model's grammar compiler, for requests with a `json_schema`; their steps go through
         `pipe` when it takes deferred masks (a `MaskPipe`), else through an `InlinePipe` of
@@ -90,6 +96,9 @@ class ReferenceScheduler:
         )
         if overlap and self.mask_pipe is not self.pipe and grammars is not None:
             raise ValueError("grammars with overlap need a pipe that takes deferred masks")
+        if overlap_depth < 2:
+            raise ValueError(f"overlap_depth must be >= 2, got {overlap_depth}")
+        self.overlap_depth = overlap_depth
         self.in_flight: deque[_Flight] = deque()
         self.future = FutureSlotAllocator(limits.future_slots) if overlap else None
         self.limits = limits
@@ -287,8 +296,8 @@ class ReferenceScheduler:
             if self.waiting:
                 raise RuntimeError("the next waiting request does not fit in the executor's cache")
             return []
-        if sent and len(self.in_flight) < 2:
-            return []  # the pipeline fills: read step N after step N+1 is sent
+        if sent and len(self.in_flight) < self.overlap_depth:
+            return []  # the pipeline fills: read step N once the steps after it are sent
         return self._receive()
 
     def _send_next(self) -> bool:
@@ -405,16 +414,24 @@ def generate(
     ngram: int = DEFAULT_NGRAM,
     speculation: SpeculationPolicy | None = None,
     lora: str | Sequence[str] = "",
+    overlap_depth: int = 3,
 ) -> list[list[int]]:
     """Generate for every prompt concurrently; the new token ids of each, in prompt order.
-    `overlap`: one step in flight, tokens fed back by future-token reference. `speculate`:
+    `overlap`: steps in flight (`overlap_depth`), tokens fed back by future-token reference.
+    `speculate`:
     K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on. `lora`:
     one adapter name for every prompt, or one per prompt ("" = the base model)."""
     loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
     if len(loras) != len(prompts):
         raise ValueError(f"lora: {len(loras)} names for {len(prompts)} prompts")
     scheduler = ReferenceScheduler(
-        forward, limits, eos_token_ids, overlap=overlap, pipe=pipe, speculation=speculation
+        forward,
+        limits,
+        eos_token_ids,
+        overlap=overlap,
+        pipe=pipe,
+        speculation=speculation,
+        overlap_depth=overlap_depth,
     )
     reqs = [
         scheduler.add_request(
