@@ -75,8 +75,8 @@ def latency_stage(ctx: Context) -> StageResult:
             input_ids=[[7] * CONTEXT], req_pool_indices=[1], out_cache_loc=[slots[:CONTEXT]]
         )
     )
-    if ctx.cuda:  # 2 s of eager steps first: on the H200 the first path timed ran 1.9x
-        # slower than the same path timed last (docs/gpu.md)
+    if ctx.cuda:  # 2 s of eager steps first: on the H200 the first path timed ran slower
+        # than the same path timed last (docs/gpu.md)
         ex.control.set_graph_mode("none")
         warmup = make_decode_batch(
             input_ids=[11],

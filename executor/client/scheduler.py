@@ -23,9 +23,9 @@ back as input id `-slot`. A request that stopped in step N was already in the st
 those tokens are discarded, and its row and slots are freed once no step in flight holds
 them. Outputs equal the plain run's. Drive it with a pipe (`ExecutorClient.open_stream()`) or
 a `forward` callable. Two steps ahead hide the client's round trip: while the host reads N
-and sends N+3, the executor runs N+1 and has N+2 queued (under the stand-in accelerator a
-stream's occupancy went from 0.93 to 0.99 at bs 1, docs/performance.md); the price is one more
-step computed for a request past its stop.
+and sends N+3, the executor runs N+1 and has N+2 queued (the stand-in accelerator's figures
+for 2 and 3: docs/performance.md); the price is one more step computed for a request past
+its stop.
 
 Sampling controls go to the executor once, with the batch that starts the request
 (`prompt_len` set for chunked prefill). A JSON-schema request is masked in every step that
