@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# Rows per GEMM call. M = 8 lies inside the band of sizes whose kernel is the same for every
-# row position (2..15 for MKL float32); bfloat16's is wider. The cost: a bs-1 step multiplies
-# 8 rows (benchmarks/batch_invariant.py).
+# Rows per GEMM call: of 2 to 32 rows, the best balance of SmolLM2's bs-1 and bs-32 steps
+# (docs/performance.md); at this size every row position gives the same result (MKL and
+# oneDNN, float32 and bfloat16: tests/test_batch_invariant.py). A bs-1 step multiplies 16 rows.
 TILE_ROWS = 16
 # Key lengths are multiples of this: a request's real keys then never fall in a vector tail,
 # which the softmax and the products reduce in another order.
