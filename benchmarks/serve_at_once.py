@@ -55,6 +55,8 @@ class Run:
     ready_s: float = 0.0
     compiled_s: float | None = None  # launch to the compiled path in use (None: no capture)
     during_ms: list[float] = field(default_factory=list)  # steps while a capture ran
+    during_at: list[float] = field(default_factory=list)  # each one's start, s from launch
+    launched_utc: str = ""  # the launch, to read `during_slowest` against the server's log
     after_ms: list[float] = field(default_factory=list)  # steps after (or eager steps)
     paths_after: list[str] = field(default_factory=list)
 
@@ -69,6 +71,10 @@ class Run:
                 out[f"{name}_p99_ms"] = round(percentile(xs, 99), 2)
                 out[f"{name}_max_ms"] = round(max(xs), 2)
         out["paths_after"] = sorted(set(self.paths_after))
+        # The slowest steps during the capture and when they started (s from launch): where
+        # to look in the server's log.
+        worst = sorted(zip(self.during_ms, self.during_at, strict=True), reverse=True)[:8]
+        out["during_slowest"] = [[round(at, 2), round(ms, 1)] for ms, at in worst]
         return out
 
 
@@ -167,6 +173,7 @@ def decode_until_idle(
             remaining -= 1
             continue
         run.during_ms.append(ms)
+        run.during_at.append(t - t0)
         busy = time.perf_counter() - start < busy_s
         if busy and step % 10:
             continue
@@ -182,7 +189,9 @@ def decode_until_idle(
 def measure(name: str, cache_dir: Path, flags: list[str], args: argparse.Namespace) -> Run:
     log = cache_dir.parent / f"{name}.log"
     t0 = time.perf_counter()
+    launched = time.strftime("%H:%M:%S", time.gmtime())
     run, server, port = launch(cache_dir, flags, log, args.model)
+    run.launched_utc = launched
     run.name = name
     print(f"{name}: first token {run.first_token_s:.1f} s ({run.answer!r})", flush=True)
     if args.first_token_only:
