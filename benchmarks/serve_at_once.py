@@ -56,6 +56,9 @@ class Run:
     compiled_s: float | None = None  # launch to the compiled path in use (None: no capture)
     during_ms: list[float] = field(default_factory=list)  # steps while a capture ran
     during_at: list[float] = field(default_factory=list)  # each one's start, s from launch
+    # The same steps as the server timed them (queue + step, no RPC): a stall there is the
+    # executor's, one only in `during_ms` is the transport's or this client's.
+    during_server_ms: list[float] = field(default_factory=list)
     launched_utc: str = ""  # the launch, to read `during_slowest` against the server's log
     after_ms: list[float] = field(default_factory=list)  # steps after (or eager steps)
     paths_after: list[str] = field(default_factory=list)
@@ -64,7 +67,11 @@ class Run:
         out: dict[str, object] = {
             k: v for k, v in dataclasses.asdict(self).items() if not isinstance(v, list)
         }
-        for name, xs in (("during", self.during_ms), ("after", self.after_ms)):
+        for name, xs in (
+            ("during", self.during_ms),
+            ("during_server", self.during_server_ms),
+            ("after", self.after_ms),
+        ):
             if xs:
                 out[f"{name}_steps"] = len(xs)
                 out[f"{name}_median_ms"] = round(statistics.median(xs), 2)
@@ -174,6 +181,8 @@ def decode_until_idle(
             continue
         run.during_ms.append(ms)
         run.during_at.append(t - t0)
+        timed = out.stats.timings_ns
+        run.during_server_ms.append((timed.get("queue", 0) + timed.get("total", 0)) / 1e6)
         busy = time.perf_counter() - start < busy_s
         if busy and step % 10:
             continue
