@@ -31,6 +31,7 @@ from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.factory import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
+from executor.graphs.step_threads import StepThreads
 from executor.models.blocks import LayerFns, compile_layer_fns
 from executor.models.decoder_model import DecoderModel
 from executor.models.moe import attach_route_recorder
@@ -94,6 +95,8 @@ class ModelRunner:
             compile_halves=self._compile_halves,
             stop=stop,
         )
+        # One intra-op thread fewer while a compile worker runs beside the server (CPU).
+        self.step_threads = StepThreads()
         self._compiled_fns: LayerFns | None = None
         self._fns_lock = threading.Lock()  # the capture thread and the step thread make them
         self.decode_graphs: DecodeGraphRunner | None = None
@@ -257,6 +260,8 @@ class ModelRunner:
         """The eager paths gather future tokens only when the batch has references
         (`fb.future_refs`, counted on the host); a captured graph always runs the gather."""
         layers = hidden_layers(fb.row_outputs, self.model.config.num_layers)
+        if self.device.type == "cpu":
+            self.step_threads.apply()
         if self.standin is not None:
             return self.standin.forward(fb, layers)
         routed = self.route_recorder is not None and asks_routed_experts(fb.row_outputs)

@@ -70,12 +70,17 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
     assert ex.forward(step).stats.path == "eager"
     assert control.current().graph_capture == "capturing graph_mode=decode"
+    # ... with one intra-op thread fewer: the compile holds a core (`StepThreads`).
+    threads = ex.runner.step_threads
+    assert threads.reserved == 1
+    assert torch.get_num_threads() == max(1, threads.full - 1)
     release.set()
     assert ex.control.wait_for_capture(60)
     assert control.current().graph_capture == "idle" and ex.toggles.graph_mode == "decode"
     assert lock_held == {"compile": [False, False], "capture": [True, True]}
     step = make_decode_batch(input_ids=[6], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[10])
     assert ex.forward(step).stats.path == "full_graph"
+    assert threads.reserved == 0 and torch.get_num_threads() == threads.full
 
 
 @pytest.mark.slow

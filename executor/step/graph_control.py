@@ -247,8 +247,12 @@ class GraphControl:
         log.info("graph capture started in the background", graph_mode=str(mode))
 
         def body() -> None:
+            # The compile worker, then this thread's load of what it compiled, take a core:
+            # the steps run with one intra-op thread fewer meanwhile (`StepThreads`).
+            threads = self.runner.step_threads
             with device_scope(self.device):
                 try:
+                    threads.reserved = 1 if self.device.type == "cpu" else 0
                     self._compile_in_worker(mode)
                     captured = self.runner.capture_for(mode, progress=False, lock=self.step_lock)
                 except BaseException as e:  # a shutdown (StartupCancelled) or a bug
@@ -260,6 +264,8 @@ class GraphControl:
                         self.runner.install(captured)
                         self._use_graph_mode(mode, needs, captured.reports)
                         self.toggles.capture = CaptureState.IDLE
+                finally:
+                    threads.reserved = 0
                 if self.graph_mode_listener is not None:
                     self.graph_mode_listener()
 
