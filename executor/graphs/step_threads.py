@@ -3,8 +3,8 @@ runs beside the server.
 
 The worker (`compile_job`) traces and compiles on a core of its own for minutes, at a low
 priority. The step's OpenMP team still counts on every core: a parallel region then waits at
-its barrier for the thread the worker displaced, and a bs-1 step of 1-2 ms took 40-60 ms about
-once in a hundred (docs/performance.md). With one thread fewer the team fits beside the worker.
+its barrier for the thread the worker displaced, and a step now and then took many times its
+length (docs/performance.md). With one thread fewer the team fits beside the worker.
 The count is per thread in torch (OpenMP's), so the thread that runs the steps applies it,
 between two steps (`apply`); the capture thread only says how many cores the worker holds.
 """
