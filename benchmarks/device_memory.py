@@ -1,7 +1,7 @@
 """The GPU check's `memory_release` stage: `ReleaseMemory` by tag on the device, measured.
 
-A model of about 80 MiB of float32 weights and 64 MiB of KV (the shape of
-`tests/test_memory_release.py`), run greedily, then each tag released in turn and resumed, with
+A model of about 80 MiB of float32 weights and 64 MiB of KV (`tests.weights_util.MEDIUM`, as
+`tests/test_memory_release.py` uses), run greedily, then each tag released in turn and resumed, with
 and without DECODE graphs. Per release it reads what the allocator freed
 (`memory_allocated`), what it gave back to the driver (`memory_reserved`) and what the driver
 counts free (`mem_get_info`); the tag passes when the driver's figure rose by 90% of the tag's
@@ -14,7 +14,6 @@ run) the resident set stands in for the driver's figure and there is no snapshot
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +24,10 @@ from executor.client.scheduler import generate
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
 from executor.models.hf_loader import save_hf_directory
-from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.models.tiny_random import tiny_random_weights
 from executor.weights.memory import TAGS, device_free_bytes
+from tests.weights_util import MEDIUM
 
-MEDIUM = replace(
-    TINY_CONFIGS["tiny-random"],
-    hidden_size=512,
-    intermediate_size=1536,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    vocab_size=8192,
-    name="medium-random",
-)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 40, 41, 200]]
 MIB = 2**20
 

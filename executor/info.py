@@ -124,5 +124,10 @@ def start_up_choices(
         SettingChoice("quant_kernel", loaded.quant_kernel, loaded.quant_kernel_reason),
         SettingChoice("linear_kernel", loaded.linear_kernel, loaded.linear_kernel_reason),
         lm_head_choice(config, loaded.model),
+        SettingChoice(
+            "batch_invariant",
+            "on" if config.batch_invariant else "off",
+            "configured" if config.batch_invariant else "default",
+        ),
         pipeline_choice(config, device),
     )

@@ -4,8 +4,7 @@
 table, attention backend, runner) and hands batches to :class:`executor.step.Step`.
 Runtime toggles live in `toggles` (:class:`executor.core.toggles.Toggles`) and change only
 through `control` (:class:`executor.step.graph_control.GraphControl`), on the thread that runs
-the steps, between two of them. Not thread-safe: one thread owns the device (the gRPC
-server's worker).
+the steps, between two of them. Not thread-safe: one thread (the server's worker) owns it.
 
 Tensor parallel (`comm` of size > 1, `executor.parallel`): every rank builds its own
 `ModelExecutor` over its shard. Rank 0 admits each batch, broadcasts it (`TpLeader`) and
@@ -52,11 +51,11 @@ from executor.graphs.settings import (
     resolve_graph_backend,
     resolve_graph_mode,
 )
-from executor.info import ExecutorInfo, SettingChoice, log_ready, start_up_choices
+from executor.info import ExecutorInfo, log_ready, start_up_choices
 from executor.kv_cache import KVPool, ReqToTokenPool
 from executor.lora.adapters import LoraAdapters
 from executor.model_runner import ModelRunner
-from executor.models.batch_invariance import apply_batch_invariance, check_batch_invariance
+from executor.models.batch_invariance import apply_batch_invariance
 from executor.models.decoder_model import DecoderModel
 from executor.models.loader import LoadedModel, load_model, load_served_model
 from executor.models.moe import routed_expert_layout
@@ -121,7 +120,6 @@ class ModelExecutor:
         kernel = host_kernels.load(resolve_cache_dir(config))
         if isinstance(kernel, str):
             log.warning("host index kernels unavailable; admission runs in Python", reason=kernel)
-        check_batch_invariance(config, self.device)  # refused before anything loads
         served = load_served_model(config, self.device, self.comm, loaded)
         self.loaded = loaded = served.loaded
         self.dtype = served.dtype.dtype
@@ -169,15 +167,7 @@ class ModelExecutor:
             kv_pool=self.kv_pool,
             device=self.device,
         )
-        # Tiled linears and per-query attention before any step runs (batch_invariant).
-        apply_batch_invariance(config, self.model, self.attn_backend)
-        self.choices += (
-            SettingChoice(
-                "batch_invariant",
-                "on" if config.batch_invariant else "off",
-                "configured" if config.batch_invariant else "default",
-            ),
-        )
+        apply_batch_invariance(config, self.model, self.attn_backend)  # before any step runs
         # LoRA: the adapter slots, beside the model's linears before any graph is captured.
         slots = resolve_max_loras(config)
         self.lora: LoraAdapters | None = None

@@ -5,7 +5,6 @@ update) and hands back an empty KV cache."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,26 +14,13 @@ from executor.batch_prep import make_extend_batch
 from executor.core.errors import ModelStateError, ToggleRefusedError
 from executor.model_executor import ModelExecutor
 from executor.models.hf_loader import save_hf_directory
-from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
+from executor.models.tiny_random import tiny_random_weights
 from executor.weights.memory import KV_CACHE, TAGS, WEIGHTS, device_free_bytes
 from executor.weights.writer import digest
-from tests.weights_util import config, fresh, greedy, new_weights, update
+from tests.weights_util import MEDIUM, config, fresh, greedy, new_weights, update
 
 # Every test here loads an executor or starts a server: over half a second each.
 pytestmark = pytest.mark.slow
-
-# Large enough that the resident set shows it plainly: ~85 MB of weights, 64 MiB of KV.
-_MEDIUM = replace(
-    TINY_CONFIGS["tiny-random"],
-    hidden_size=512,
-    intermediate_size=1536,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    vocab_size=8192,
-    name="medium-random",
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -45,7 +31,7 @@ def test_release_gives_memory_back_before_answering_and_resume_restores_it(
     (where the DECODE graphs, which captured the memory's addresses, are dropped at the
     release and captured again at the resume)."""
     path = tmp_path / "medium"
-    save_hf_directory(path, _MEDIUM, tiny_random_weights(_MEDIUM))
+    save_hf_directory(path, MEDIUM, tiny_random_weights(MEDIUM))
     on_device = (
         {"linear_kernel": "onednn"}
         if device == "cpu"

@@ -3,6 +3,7 @@ tokens, and an update applied in-process through the engine's three stages."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,19 @@ from executor.weights.catalog import TensorSpec
 from executor.weights.control import SwapResult
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 40, 41, 200], [17] * 12]
+# Large enough that the resident set (or the device's free memory) shows a release plainly:
+# ~85 MB of float32 weights (tests/test_memory_release.py, the GPU check's memory_release).
+MEDIUM = replace(
+    TINY_CONFIGS["tiny-random"],
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    vocab_size=8192,
+    name="medium-random",
+)
 
 
 def config(cache_dir: Path, model: str = "tiny-random", **overrides: Any) -> ExecutorConfig:

@@ -27,6 +27,7 @@ from executor.config import (
     resolve_device,
     resolve_max_context_len,
 )
+from executor.models.batch_invariance import check_batch_invariance
 from executor.models.config import ModelConfig
 from executor.models.decoder_model import DecoderModel
 from executor.models.gguf_blocks import BLOCK_FORMATS
@@ -337,7 +338,8 @@ def load_served_model(
 ) -> ServedModel:
     """The model as an executor serves it: the dtype chosen for `device`, then the model file
     loaded in the resolved quantization (this rank's shard), unless the caller passes
-    `loaded`."""
+    `loaded`. What batch_invariant cannot run with is refused first."""
+    check_batch_invariance(config, device)
     dtype = choose_dtype(config, device)
     log.info("dtype chosen", dtype=str(dtype.dtype).removeprefix("torch."), reason=dtype.reason)
     if loaded is not None:
