@@ -45,10 +45,11 @@ def _no_stack_traces(logs: list[dict[str, Any]]) -> None:
     assert not [line for line in logs if "exc_info" in line or line["log_level"] == "error"]
 
 
-def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
+def _wait_for(predicate: Any, timeout: float = 10.0, state: Any = None) -> None:
+    """Until `predicate()`; on a timeout the message shows `state()` (what was seen instead)."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out: {state() if state else ''}"
         time.sleep(0.02)
 
 
@@ -99,7 +100,14 @@ def test_a_cancelled_stream_is_cancelled_at_info_not_internal(server: RunningSer
         assert pb.ForwardResponse.FromString(next(call)).batch_id == 21
         call.cancel()
         release.set()
-        _wait_for(lambda: _count(server, "ForwardStream", "CANCELLED") == before["CANCELLED"] + 1)
+        _wait_for(
+            lambda: _count(server, "ForwardStream", "CANCELLED") == before["CANCELLED"] + 1,
+            state=lambda: (
+                before,
+                [ln for ln in Scrape(server).text.splitlines() if 'method="ForwardStream"' in ln],
+                logs,
+            ),
+        )
     assert _count(server, "ForwardStream", "INTERNAL") == before["INTERNAL"]
     gone = [line for line in logs if line["event"] == "caller gone"]
     assert [(g["log_level"], g["code"]) for g in gone] == [("info", "CANCELLED")]

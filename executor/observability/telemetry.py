@@ -93,7 +93,13 @@ class RpcScope(SpanScope):
         self.code, self.message = code, message
 
     def caller_left(self, code: grpc.StatusCode, batch_id: int | None = None) -> None:
-        """End as CANCELLED / DEADLINE_EXCEEDED (from `caller_gone`): an info line, no trace."""
+        """End as CANCELLED / DEADLINE_EXCEEDED (from `caller_gone`): an info line, no trace.
+        Nothing when the scope already ended (gRPC's termination callback came first)."""
+        with self._end_lock:
+            if not self._ended:
+                self._caller_left(code, batch_id)
+
+    def _caller_left(self, code: grpc.StatusCode, batch_id: int | None = None) -> None:
         self.fail(code, CALLER_GONE_MESSAGES[code])
         log.info(
             "caller gone",
@@ -117,19 +123,25 @@ class RpcScope(SpanScope):
             if self._ended:
                 return
             self._ended = True
-            if self.code is _OK:
-                # Answered (or about to be) while the caller no longer waits: its doing,
-                # counted under its own code. A stream's generator closed by gRPC is the same.
-                gone = caller_gone(self._context)
-                if gone is None and exc_type is not None and issubclass(exc_type, GeneratorExit):
-                    gone = grpc.StatusCode.CANCELLED
-                if gone is not None:
-                    self.caller_left(gone)
-                elif exc_type is not None:  # not aborted by us: gRPC answers UNKNOWN
-                    self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
-            name, value = _OK_CODE if self.code is _OK else _CODES[self.code]
-            self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)
-            self.finish(name, value, self.message)
+            try:
+                if self.code is _OK:
+                    # Answered (or about to be) while the caller no longer waits: its doing,
+                    # counted under its own code. A stream's generator closed by gRPC too.
+                    gone = caller_gone(self._context)
+                    if (
+                        gone is None
+                        and exc_type is not None
+                        and issubclass(exc_type, GeneratorExit)
+                    ):
+                        gone = grpc.StatusCode.CANCELLED
+                    if gone is not None:
+                        self._caller_left(gone)
+                    elif exc_type is not None:  # not aborted by us: gRPC answers UNKNOWN
+                        self.fail(grpc.StatusCode.UNKNOWN, f"{exc_type.__name__}: {exc}")
+            finally:  # counted even if the log line failed: the RPC ends exactly once
+                name, value = _OK_CODE if self.code is _OK else _CODES[self.code]
+                self._metrics.observe_rpc(self.method, name, time.perf_counter() - self._start)
+                self.finish(name, value, self.message)
 
     def end_if_caller_gone(self) -> None:
         """From gRPC's termination callback: a stream whose caller left ends now, even if its
