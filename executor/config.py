@@ -216,9 +216,10 @@ class ExecutorConfig:
         False,
         "a row's logits (and so its logprobs and greedy tokens) bitwise the same whatever "
         "batch it runs in: other rows, batch size, how its prompt was chunked; linears run a "
-        "fixed number of rows per GEMM call, attention one query row per SDPA row over "
-        "aligned key lengths; CPU, eager steps, float weights, dense models; costs step time "
-        "(docs/performance.md); reported by GetInfo",
+        "fixed number of rows per GEMM call; attention on the CPU one query row per SDPA row "
+        "over aligned key lengths, on CUDA the triton backend with its decode splits set by "
+        "each request's own length; eager steps, float weights, dense models; costs step "
+        "time (docs/performance.md); reported by GetInfo",
     )
     simulated_step_ms: float = setting(
         0.0,

@@ -85,7 +85,9 @@ def _executor(
     dtype: str,
     kernel: str = "auto",
     model: str = "tiny-random",
+    **device: str,
 ) -> Any:
+    """`device`: device= and attention_backend= (default: the CPU's torch_paged)."""
     return make_executor(
         model=model,
         dtype=dtype,
@@ -95,7 +97,7 @@ def _executor(
         kv_slots=40 * ROW_SLOTS + 64,
         max_context_len=ROW_SLOTS,
         graph_mode="none",
-        attention_backend="torch_paged",
+        **({"attention_backend": "torch_paged"} | device),
     )
 
 
@@ -184,3 +186,38 @@ def test_verify_steps_run_batch_invariant_and_keep_the_greedy_tokens(
         ex.forward, ex.limits, prompts, max_new_tokens=12, ignore_eos=True, speculate=3
     )
     assert drafted == plain
+
+
+def test_on_cuda_only_the_triton_backend_is_taken() -> None:
+    """The check reads the device's type only: CUDA's rules are checked on any machine."""
+    from executor.config import ExecutorConfig
+    from executor.models.batch_invariance import check_batch_invariance
+
+    cuda = torch.device("cuda")
+    for backend in ("auto", "triton"):
+        check_batch_invariance(
+            ExecutorConfig(batch_invariant=True, attention_backend=backend), cuda
+        )
+    with pytest.raises(ValueError, match=r"attention_backend=torch_paged .*on cuda, only triton"):
+        check_batch_invariance(
+            ExecutorConfig(batch_invariant=True, attention_backend="torch_paged"), cuda
+        )
+    with pytest.raises(ValueError, match="device=meta"):
+        check_batch_invariance(ExecutorConfig(batch_invariant=True), torch.device("meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is present")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_a_requests_logprobs_and_logits_do_not_depend_on_its_batch(
+    make_executor: Callable[..., Any], dtype: str
+) -> None:
+    """The Triton path: cuBLAS linears in 16-row tiles, the per-row Triton norms, decode
+    splits by the request's own length, extend keys in blocks at absolute positions."""
+    ex = _executor(make_executor, True, dtype, device="cuda", attention_backend="triton")
+    alone = _run(ex, 0)
+    runs = {"batch of 8": _run(ex, 7), "batch of 32": _run(ex, 31), "chunked": _run(ex, 0, 17)}
+    for name, (prompt_lp, logits) in runs.items():
+        assert torch.equal(prompt_lp, alone[0]), name
+        for step, (a, b) in enumerate(zip(logits, alone[1], strict=True)):
+            assert torch.equal(a, b), (name, step, (a - b).abs().max().item())

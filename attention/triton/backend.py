@@ -53,6 +53,11 @@ class TritonExtendMetadata:
     kv_indptr: torch.Tensor  # [bs + 1] int32: prefix sum of extend_prefix_lens
     kv_indices: torch.Tensor  # [>= sum(prefix lens)] int64: cached-prefix slots
     launch: launch.ExtendLaunch
+    # batch_invariant: kv_indptr / kv_indices list every key of the request (prefix and this
+    # step's tokens, all in the cache by then) and the kernel masks by absolute position, so
+    # a query's keys are summed in the same blocks however its prompt was chunked. Sliding
+    # windows are masks then, not shorter lists (`windows` stays empty).
+    all_cached: bool = False
     # Per window size W: the prefix keys inside the first new token's window only.
     windows: dict[int, TritonExtendMetadata] = field(default_factory=dict)
 
@@ -113,11 +118,21 @@ class TritonAttnBackend(AttentionBackend):
             )
         self.num_sms = num_sms
         self._graph: _GraphBuffers | None = None
+        # batch_invariant (set at start-up, `executor.models.batch_invariance`): decode splits
+        # a request's keys by its own length only, and extend sums keys in blocks aligned to
+        # absolute positions (`TritonExtendMetadata.all_cached`).
+        self.batch_invariant = False
 
     def _decode_launch(self, bs: int) -> launch.DecodeLaunch:
         lay = self.layout
         return launch.decode_launch(
-            bs, lay.num_heads, lay.num_kv_heads, lay.head_dim, self.max_kv_splits, self.num_sms
+            bs,
+            lay.num_heads,
+            lay.num_kv_heads,
+            lay.head_dim,
+            self.max_kv_splits,
+            self.num_sms,
+            batch_invariant=self.batch_invariant,
         )
 
     # --- eager -------------------------------------------------------------------------
@@ -170,13 +185,15 @@ class TritonAttnBackend(AttentionBackend):
         bs = fb.batch_size
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
         qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        # Every key (all_cached), or the cached prefix only.
+        listed = fb.seq_lens if self.batch_invariant else fb.extend_prefix_lens
         kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
-        kv_indptr[1:] = torch.cumsum(fb.extend_prefix_lens, 0)
+        kv_indptr[1:] = torch.cumsum(listed, 0)
         kv_indices = torch.empty(capacity, dtype=torch.int64, device=self.device)
         self.kernels.create_kv_indices(
             self.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
-            fb.extend_prefix_lens,
+            listed,
             kv_indptr,
             kv_indices,
         )
@@ -188,7 +205,10 @@ class TritonAttnBackend(AttentionBackend):
             launch=launch.extend_launch(
                 bs, self.layout.num_heads, self.layout.head_dim, max_extend_len
             ),
+            all_cached=self.batch_invariant,
         )
+        if self.batch_invariant:
+            return md
         for w in self.layout.sliding_windows:
             # The first new token (position prefix) sees keys from prefix + 1 - w on.
             first = torch.clamp(fb.extend_prefix_lens + 1 - w, min=0)
@@ -313,7 +333,7 @@ class TritonAttnBackend(AttentionBackend):
         md = fb.attn_metadata
         spec = self.layout.layer(layer_id)
         window = spec.sliding_window
-        if window is not None:
+        if window is not None and not (isinstance(md, TritonExtendMetadata) and md.all_cached):
             md = md.windows[window]
         if isinstance(md, TritonDecodeMetadata):
             self.kernels.decode_attention(
@@ -346,5 +366,6 @@ class TritonAttnBackend(AttentionBackend):
                 self.layout.scaling,
                 spec.logit_softcap,
                 window,
+                all_cached=md.all_cached,
             )
         return out

@@ -54,13 +54,19 @@ def dim_block(head_dim: int) -> int:
     return max(MIN_DOT_DIM, next_power_of_2(head_dim))
 
 
-def split_cap(bs: int, num_kv_heads: int, max_kv_splits: int, num_sms: int) -> int:
+def split_cap(
+    bs: int, num_kv_heads: int, max_kv_splits: int, num_sms: int, *, batch_invariant: bool = False
+) -> int:
     """How many splits any request of a `bs`-request decode batch may use.
 
     Stage 1 runs `bs * num_kv_heads` programs per split; once that fills the GPU
     (`PROGRAMS_PER_SM` per SM) more splits only add merge work. A function of `bs` alone, so
-    a captured bucket and all its replays agree.
+    a captured bucket and all its replays agree. `batch_invariant`: `max_kv_splits` whatever
+    the batch, so that a request's splits (and the order its keys are summed in) follow from
+    its own length alone.
     """
+    if batch_invariant:
+        return max_kv_splits
     wanted = cdiv(PROGRAMS_PER_SM * num_sms, max(1, bs * num_kv_heads))
     return max(1, min(max_kv_splits, wanted))
 
@@ -106,9 +112,16 @@ class DecodeLaunch:
 
 
 def decode_launch(
-    bs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_kv_splits: int, num_sms: int
+    bs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_kv_splits: int,
+    num_sms: int,
+    *,
+    batch_invariant: bool = False,
 ) -> DecodeLaunch:
-    cap = split_cap(bs, num_kv_heads, max_kv_splits, num_sms)
+    cap = split_cap(bs, num_kv_heads, max_kv_splits, num_sms, batch_invariant=batch_invariant)
     return DecodeLaunch(
         grid_stage1=(bs, num_kv_heads, cap),
         grid_stage2=(bs, num_heads),

@@ -6,11 +6,14 @@ the batch size, the chunking of its prompt). The parts that make it hold live wi
 they change: `ops.batch_invariant` (linears a fixed number of rows per GEMM call, aligned key
 lengths) and `attention.torch_paged` (one query row per SDPA row). What it does not cover is
 refused at start-up with a message naming both settings:
-- CUDA: the Triton kernels and cuBLAS are not made batch-invariant;
+- on CUDA, an attention backend other than triton (`attention.triton`: decode splits a
+  request's keys by its own length, extend sums keys in blocks at absolute positions); the
+  linears there are cuBLAS GEMMs in the same 16-row tiles, the norms, rotary and activation
+  the per-row Triton kernels;
 - graphs: a compiled graph fuses the norms and activations differently from the eager
   kernels (`graph_mode` auto resolves to none, and the background compile stays off);
 - quantized linears, whose kernels are not tiled (`quantization` auto resolves to none);
-- an attention backend other than torch_paged; LoRA adapters; MoE models (their grouped
+- on the CPU, an attention backend other than torch_paged; LoRA adapters; MoE models (their grouped
   expert GEMMs' shapes follow the routing of the whole batch).
 """
 
@@ -21,9 +24,15 @@ from torch import nn
 
 from attention.base import AttentionBackend
 from attention.torch_paged import TorchPagedBackend
+from attention.triton.backend import TritonAttnBackend
 from executor.config import ExecutorConfig
 from executor.models.layers import Linear, PackedLinear
 from executor.models.moe import routed_expert_layout
+
+_INVARIANT_BACKENDS: dict[str, type[TorchPagedBackend] | type[TritonAttnBackend]] = {
+    "cpu": TorchPagedBackend,
+    "cuda": TritonAttnBackend,
+}
 
 
 def _refuse(other: str, why: str) -> ValueError:
@@ -34,11 +43,11 @@ def check_batch_invariance(config: ExecutorConfig, device: torch.device) -> None
     """Refuse, before anything loads, what batch_invariant cannot run with."""
     if not config.batch_invariant:
         return
-    if device.type != "cpu":
+    # The one backend per device whose reductions are made batch-invariant.
+    invariant = _INVARIANT_BACKENDS.get(device.type)
+    if invariant is None:
         raise _refuse(
-            f"device={device}",
-            "batch-invariant steps run on the CPU only (the CUDA kernels "
-            "are not made batch-invariant)",
+            f"device={device}", "batch-invariant steps run on the CPU or on CUDA with triton"
         )
     if config.graph_mode not in ("auto", "none"):
         raise _refuse(
@@ -46,10 +55,11 @@ def check_batch_invariance(config: ExecutorConfig, device: torch.device) -> None
             "compiled graphs fuse the norms and activations "
             "differently from the eager kernels; use graph_mode=none or auto",
         )
-    if config.attention_backend not in ("auto", TorchPagedBackend.name):
+    if config.attention_backend not in ("auto", invariant.name):
         raise _refuse(
             f"attention_backend={config.attention_backend}",
-            "only torch_paged attends one query row per SDPA row; use torch_paged or auto",
+            f"on {device.type}, only {invariant.name} sums each request's keys in an order "
+            f"its batch does not change; use {invariant.name} or auto",
         )
     if config.lora or config.max_loras:
         raise _refuse("LoRA adapters", "the adapters' products are not tiled")
@@ -66,8 +76,11 @@ def apply_batch_invariance(
         raise _refuse(
             "an MoE model", "its grouped expert GEMMs take shapes from the whole batch's routing"
         )
-    if not isinstance(backend, TorchPagedBackend):
-        raise _refuse(f"attention_backend={backend.name}", "only torch_paged is batch-invariant")
+    invariant = _INVARIANT_BACKENDS.get(backend.req_to_token_pool.req_to_token.device.type)
+    if invariant is None or not isinstance(backend, invariant):
+        raise _refuse(
+            f"attention_backend={backend.name}", "it is not made batch-invariant on this device"
+        )
     backend.batch_invariant = True
     for module in model.modules():
         if isinstance(module, (Linear, PackedLinear)):
