@@ -217,8 +217,9 @@ class ExecutorConfig:
         "a row's logits (and so its logprobs and greedy tokens) bitwise the same whatever "
         "batch it runs in: other rows, batch size, how its prompt was chunked; linears run a "
         "fixed number of rows per GEMM call, attention one query row per SDPA row over "
-        "aligned key lengths; CPU, eager steps, float weights, dense models; costs step time "
-        "(docs/performance.md); reported by GetInfo",
+        "aligned key lengths; CPU, float weights, dense models; eager or graph steps alike "
+        "(graphs compile with dynamo's eager backend, the eager kernels; graph_mode auto stays "
+        "none); costs step time (docs/performance.md); reported by GetInfo",
     )
     simulated_step_ms: float = setting(
         0.0,

@@ -2,13 +2,15 @@
 with, and switched on in the model's linears and the attention backend.
 
 The property: a row's logits are bitwise the same whatever else is in its batch (other rows,
-the batch size, the chunking of its prompt). The parts that make it hold live with the code
-they change: `ops.batch_invariant` (linears a fixed number of rows per GEMM call, aligned key
-lengths) and `attention.torch_paged` (one query row per SDPA row). What it does not cover is
-refused at start-up with a message naming both settings:
-- CUDA: the Triton kernels and cuBLAS are not made batch-invariant;
-- graphs: a compiled graph fuses the norms and activations differently from the eager
-  kernels (`graph_mode` auto resolves to none, and the background compile stays off);
+the batch size, the chunking of its prompt, padding to a graph bucket, the eager, full-graph or
+piecewise path). The parts that make it hold live with the code they change:
+`ops.batch_invariant` (linears a fixed number of rows per GEMM call, aligned key lengths),
+`attention.torch_paged` (one query row per SDPA row) and `graphs.settings.graph_compiler` (the
+compiled graph backends trace with dynamo's eager backend, whose graphs call the eager
+kernels: inductor's fuse the norms and activations and reduce in another order). Graphs are
+allowed, not chosen: `graph_mode` auto resolves to none and the background compile stays off,
+since graphs of the eager kernels save no kernel time on a CPU. What it does not cover is refused at start-up with a message naming both settings:
+- CUDA: the Triton kernels and cuBLAS are not made batch-invariant (nor CUDA graphs);
 - quantized linears, whose kernels are not tiled (`quantization` auto resolves to none);
 - an attention backend other than torch_paged; LoRA adapters; MoE models (their grouped
   expert GEMMs' shapes follow the routing of the whole batch).
@@ -39,12 +41,6 @@ def check_batch_invariance(config: ExecutorConfig, device: torch.device) -> None
             f"device={device}",
             "batch-invariant steps run on the CPU only (the CUDA kernels "
             "are not made batch-invariant)",
-        )
-    if config.graph_mode not in ("auto", "none"):
-        raise _refuse(
-            f"graph_mode={config.graph_mode}",
-            "compiled graphs fuse the norms and activations "
-            "differently from the eager kernels; use graph_mode=none or auto",
         )
     if config.attention_backend not in ("auto", TorchPagedBackend.name):
         raise _refuse(
