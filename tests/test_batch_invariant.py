@@ -156,27 +156,28 @@ def test_a_requests_logprobs_and_logits_do_not_depend_on_its_batch(
                 )
 
 
-# Buckets every run pads into: DECODE bs 1 -> 2, 8 -> 16, 32 -> 40; EXTEND 41 tokens -> 64, the
-# batches of 8 (237 tokens) and 32 (1061) -> 2048 (256 in the small set). The compiled backends trace each bucket's tiled
-# GEMMs unrolled, so they get the runs alone and in a batch of 8 only.
+# Buckets every run pads into: DECODE bs 1 -> 2, 8 -> 16, 32 -> 40; EXTEND 41 tokens (or a chunk
+# of 17) -> 64, the batches of 8 (237 tokens) and 32 (1061) -> 2048 (256 in the small set). The
+# compiled backends trace each bucket's tiled GEMMs unrolled: they get the runs alone and in a
+# batch of 8 only. Runs: (other requests, the target's first chunk).
 PADDED = {"graph_batch_sizes": "2,16,40", "piecewise_token_sizes": "64,2048"}
 PADDED_SMALL = {"graph_batch_sizes": "2,16", "piecewise_token_sizes": "64,256"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("backend", "buckets", "batches"),
+    ("backend", "buckets", "runs"),
     [
-        ("standin", PADDED, (0, 7, 31)),
-        ("compiled", PADDED_SMALL, (0, 7)),
-        ("compiled_step", PADDED_SMALL, (0, 7)),
+        ("standin", PADDED, ((0, 0), (7, 0), (31, 0), (7, 17))),
+        ("compiled", PADDED_SMALL, ((0, 0), (7, 0))),
+        ("compiled_step", PADDED_SMALL, ((0, 0), (7, 0))),
     ],
 )
 def test_the_graph_paths_give_the_eager_paths_logprobs_and_logits(
     make_executor: Callable[..., Any],
     backend: str,
     buckets: dict[str, str],
-    batches: tuple[int, ...],
+    runs: tuple[tuple[int, int], ...],
 ) -> None:
     """Full graph (DECODE) and piecewise (EXTEND) steps, padded to their buckets, give a
     request's prompt logprobs and logits bit for bit as the eager path does it alone; the
@@ -185,13 +186,13 @@ def test_the_graph_paths_give_the_eager_paths_logprobs_and_logits(
     ex = _executor(
         make_executor, True, "float32", graph_mode="both", graph_backend=backend, **buckets
     )
-    for others in batches:
+    for others, cut in runs:
         paths: set[tuple[str, bool]] = set()
-        prompt_lp, logits = _run(ex, others, paths=paths)
-        assert paths == {("piecewise", True), ("full_graph", True)}, (others, paths)
-        assert torch.equal(prompt_lp, alone[0]), (others, (prompt_lp - alone[0]).abs().max())
+        prompt_lp, logits = _run(ex, others, cut, paths=paths)
+        assert paths == {("piecewise", True), ("full_graph", True)}, (others, cut, paths)
+        assert torch.equal(prompt_lp, alone[0]), (others, cut, (prompt_lp - alone[0]).abs().max())
         for step, (a, b) in enumerate(zip(logits, alone[1], strict=True)):
-            assert torch.equal(a, b), (others, step, (a - b).abs().max().item())
+            assert torch.equal(a, b), (others, cut, step, (a - b).abs().max().item())
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ piecewise path). The parts that make it hold live with the code they change:
 compiled graph backends trace with dynamo's eager backend, whose graphs call the eager
 kernels: inductor's fuse the norms and activations and reduce in another order). Graphs are
 allowed, not chosen: `graph_mode` auto resolves to none and the background compile stays off,
-since graphs of the eager kernels save no kernel time on a CPU. What it does not cover is refused at start-up with a message naming both settings:
+since graphs of the eager kernels save no kernel time on a CPU. What it does not cover is
+refused at start-up with a message naming both settings:
 - CUDA: the Triton kernels and cuBLAS are not made batch-invariant (nor CUDA graphs);
 - quantized linears, whose kernels are not tiled (`quantization` auto resolves to none);
 - an attention backend other than torch_paged; LoRA adapters; MoE models (their grouped
