@@ -24,7 +24,7 @@ from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
 from executor.config import ExecutorConfig
 from executor.core.errors import ToggleRefusedError
-from executor.core.names import GraphMode, SeqLensPolicy
+from executor.core.names import INDUCTOR, GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
 from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
@@ -282,11 +282,12 @@ class GraphControl:
     def _compile_in_worker(self, mode: GraphMode) -> None:
         """A compiling graph backend: compile `mode`'s buckets in a worker process into the
         caches, which the capture then loads. If the worker fails, the capture compiles in
-        this process (off the step lock still, but sharing this process's CPU and GIL)."""
+        this process (off the step lock still, but sharing this process's CPU and GIL). Not
+        for dynamo's eager backend (batch_invariant): its trace leaves no cache to load."""
         factory = self.runner.graph_factory
         settings = self.runner.graph_settings
         runners = self.runner.missing_runners(mode)
-        if not factory.compiles or settings is None or not runners:
+        if not factory.compiles or factory.compiler != INDUCTOR or settings is None or not runners:
             return
         if self.runner.all_saved(runners, self.step_lock):
             log.info("compiled graphs saved in the cache dir: loading them", runners=runners)
