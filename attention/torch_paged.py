@@ -314,10 +314,10 @@ class TorchPagedBackend(AttentionBackend):
         return flat[md.out_index]  # [T, Hq, D]
 
     def _gather(self, buffer: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
-        """`buffer[slots]` ([len(slots), Hk, D]). On CPU into a reused scratch buffer: a fresh
-        multi-MiB allocation per chunk costs page faults that rival the gather itself. The
-        result is consumed by the chunk's SDPA before the next gather overwrites it."""
-        if self.device.type != "cpu":
+        """`buffer[slots]` ([len(slots), Hk, D]). Eager on CPU: into a reused scratch buffer (a
+        fresh multi-MiB one per chunk costs page faults that rival the gather), consumed by the
+        chunk's SDPA before the next gather overwrites it; traced, the compiler's buffer."""
+        if self.device.type != "cpu" or torch.compiler.is_compiling():
             return buffer.index_select(0, slots)
         numel = slots.numel() * buffer.shape[1] * buffer.shape[2]
         scratch = self._scratch[which]
@@ -338,7 +338,7 @@ class TorchPagedBackend(AttentionBackend):
         softcap: float | None,
     ) -> torch.Tensor:
         """Requests start..end-1: [n, Hk, group, D] (DECODE) or [n, Hq, q_bound, D] (EXTEND)."""
-        if md.q_index is None and torch.compiler.is_compiling():
+        if md.q_index is None and torch.compiler.is_compiling() and not self.batch_invariant:
             return self._attend_decode_traced(q, k_buffer, v_buffer, md, start, end, softcap)
         n, kv_bound = end - start, md.kv_bound
         num_heads, num_kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
@@ -433,7 +433,7 @@ class TorchPagedBackend(AttentionBackend):
         (`compiled_step`): inductor turns it into a few loops that read each key and value
         straight from the pool through `kv_slots` (no gathered [n, kv_bound, Hk, D] copies)
         and keep scores and softmax in float32, instead of a gather kernel and an SDPA call
-        per layer. -> [n, Hk, group, D], as `_attend`."""
+        per layer; not under batch_invariant, which keeps the eager SDPA. -> [n, Hk, group, D]."""
         n, kv_bound = end - start, md.kv_bound
         num_kv_heads, head_dim = k_buffer.shape[1], q.shape[2]
         group = q.shape[1] // num_kv_heads

@@ -1,15 +1,17 @@
 """What `batch_invariant` costs, and that it holds, on SmolLM2-135M: DECODE step time at bs 1
 and 32 with the setting off and on, side by side in one process, and whether request 1's
 logits at bs 1 and inside the bs-32 batch (last, beside longer and shorter requests) are
-bitwise equal.
+bitwise equal; with `--graph-backends`, also the setting on with DECODE graphs of each
+backend (buckets 1 and 32), whose logits must equal the eager ones bit for bit.
 
     python benchmarks/batch_invariant.py                       # SmolLM2, float32 and bfloat16
     python benchmarks/batch_invariant.py --model tiny-random --steps 10
+    python benchmarks/batch_invariant.py --graph-backends compiled_step,compiled
 
-Each executor is eager (graph_mode none, torch_paged attention: what the setting runs on;
-the linear kernel as given), prefills 32 requests of up to `--context` tokens one at a time, then times `--steps` DECODE
-steps (after 3 warm-up steps) at each batch size. Prints one table; docs/performance.md has the
-figures.
+Each executor runs torch_paged attention (what the setting runs on) with the linear kernel as
+given, eagerly unless it is the graph row; prefills 32 requests of up to `--context` tokens
+one at a time, then times `--steps` DECODE steps (after 3 warm-up steps) at each batch size.
+Prints one table; docs/performance.md has the figures.
 """
 
 from __future__ import annotations
@@ -33,8 +35,15 @@ ROWS = 32
 
 
 def _executor(
-    model: str, dtype: str, kernel: str, invariant: bool, context: int, steps: int
+    model: str,
+    dtype: str,
+    kernel: str,
+    invariant: bool,
+    context: int,
+    steps: int,
+    graph_backend: str | None = None,
 ) -> ModelExecutor:
+    """Eager, or with `graph_backend` DECODE graphs at bs 1 and ROWS."""
     span = context + 2 * (steps + 4)
     return ModelExecutor(
         ExecutorConfig(
@@ -44,7 +53,9 @@ def _executor(
             max_reqs=ROWS + 1,
             kv_slots=(ROWS + 1) * span + 1,
             max_context_len=span,
-            graph_mode="none",
+            graph_mode="decode" if graph_backend else "none",
+            graph_backend=graph_backend or "auto",
+            graph_batch_sizes=f"1,{ROWS}",
             linear_kernel=kernel,
             attention_backend="torch_paged",
             batch_invariant=invariant,
@@ -83,6 +94,7 @@ def _measure(ex: ModelExecutor, context: int, steps: int) -> dict[str, object]:
             t0 = time.perf_counter()
             out = ex.forward(batch, return_logits=True)
             times.append((time.perf_counter() - t0) * 1e3)
+            result[f"bs {bs} path"] = out.stats.path
             if step == 0:
                 assert out.logits is not None
                 first = out.logits[-1].clone()
@@ -102,27 +114,49 @@ def main() -> None:
     )
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument(
+        "--graph-backends",
+        default="",
+        help="comma-separated standin|compiled|compiled_step: also time the setting on with "
+        "DECODE graphs of each",
+    )
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}")
     print(
-        "| dtype | linear kernel | batch_invariant | bs 1 ms | bs 32 ms "
-        "| request 1's logits at bs 1 == at bs 32 |"
+        "| dtype | linear kernel | batch_invariant | path (bs 1, bs 32; graph backend) | bs 1 ms "
+        "| bs 32 ms "
+        "| request 1's logits at bs 1 == at bs 32 | == the eager row's |"
     )
-    print("|---|---|---|---:|---:|---|")
+    print("|---|---|---|---|---:|---:|---|---|")
+    runs: list[tuple[bool, str | None]] = [(False, None), (True, None)]
+    runs += [(True, b) for b in args.graph_backends.split(",") if b]
     for pair in args.configs.split(","):
         dtype, kernel = pair.split(":")
-        for invariant in (False, True):
-            ex = _executor(args.model, dtype, kernel, invariant, args.context, args.steps)
+        eager: dict[str, object] = {}
+        for invariant, backend in runs:
+            ex = _executor(args.model, dtype, kernel, invariant, args.context, args.steps, backend)
             r = _measure(ex, args.context, args.steps)
-            a, b = r["bs 1 row 0"], r[f"bs {ROWS} row 0"]
-            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            same = "yes" if torch.equal(a, b) else f"no (max diff {(a - b).abs().max().item():.3g})"
+            if invariant and backend is None:
+                eager = r
+            compared = f"{_same(eager, r, 'bs 1 row 0')}, {_same(eager, r, f'bs {ROWS} row 0')}"
             print(
-                f"| {dtype} | {kernel} | {'on' if invariant else 'off'} | {r['bs 1 ms']:.2f} | "
-                f"{r[f'bs {ROWS} ms']:.2f} | {same} |",
+                f"| {dtype} | {kernel} | {'on' if invariant else 'off'} "
+                f"| {r['bs 1 path']}, {r[f'bs {ROWS} path']}{f' ({backend})' if backend else ''} "
+                f"| {r['bs 1 ms']:.2f} "
+                f"| {r[f'bs {ROWS} ms']:.2f} | {_equal(r['bs 1 row 0'], r[f'bs {ROWS} row 0'])} "
+                f"| {compared if backend else '-'} |",
                 flush=True,
             )
             del ex
+
+
+def _equal(a: object, b: object) -> str:
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return "yes" if torch.equal(a, b) else f"no (max diff {(a - b).abs().max().item():.3g})"
+
+
+def _same(eager: dict[str, object], r: dict[str, object], key: str) -> str:
+    return _equal(eager[key], r[key]) if key in eager else "-"
 
 
 if __name__ == "__main__":

@@ -218,8 +218,9 @@ class ExecutorConfig:
         "batch it runs in: other rows, batch size, how its prompt was chunked; linears run a "
         "fixed number of rows per GEMM call; attention on the CPU one query row per SDPA row "
         "over aligned key lengths, on CUDA the triton backend with its decode splits set by "
-        "each request's own length; eager steps, float weights, dense models; costs step "
-        "time (docs/performance.md); reported by GetInfo",
+        "each request's own length; float weights, dense models; eager or graph steps alike "
+        "(graphs run the eager kernels; graph_mode auto stays none); costs step time "
+        "(docs/performance.md); reported by GetInfo",
     )
     simulated_step_ms: float = setting(
         0.0,

@@ -22,7 +22,7 @@ import torch
 from attention.base import AttentionBackend
 from executor.core.extras_types import asks_routed_experts, hidden_layers
 from executor.core.forward_batch import ForwardBatch
-from executor.core.names import GraphMode, Path
+from executor.core.names import INDUCTOR, GraphMode, Path
 from executor.core.runner_output import GraphFallback, RunnerOutput
 from executor.core.toggles import Toggles
 from executor.eager_inputs import EagerInputs
@@ -94,6 +94,7 @@ class ModelRunner:
             compiled=self._compiled_model,
             compile_halves=self._compile_halves,
             stop=stop,
+            compiler=graphs.compiler if graphs is not None else INDUCTOR,
         )
         # One intra-op thread fewer while a compile worker runs beside the server (CPU).
         self.step_threads = StepThreads()
@@ -107,7 +108,7 @@ class ModelRunner:
         """The compiled layer functions, made once (their compiled code is cached in them)."""
         with self._fns_lock:
             if self._compiled_fns is None:
-                self._compiled_fns = compile_layer_fns()
+                self._compiled_fns = compile_layer_fns(self.graph_factory.compiler)
             return self._compiled_fns
 
     @contextmanager

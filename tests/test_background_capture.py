@@ -20,6 +20,7 @@ import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
+from executor.core.names import EAGER_KERNELS, INDUCTOR
 from executor.graphs import compile_job, step_graph
 from executor.graphs.artifacts import ArtifactStore, fingerprint
 from executor.graphs.compile_job import CompileJob, compile_in_worker
@@ -179,11 +180,11 @@ def test_a_torch_without_aot_compile_compiles_the_step_at_its_first_call_unsaved
     call (in capture), runs with the step's buffers, and nothing is saved for a restart."""
     compiled: list[Callable[[], None]] = []
 
-    def isolated(fn: Callable[[], None]) -> Callable[[], None]:
+    def isolated(fn: Callable[[], None], **_: object) -> Callable[[], None]:
         compiled.append(fn)  # as torch.compile: the same callable, compiled when first called
         return fn
 
-    monkeypatch.setattr(step_graph, "compile_step", lambda call: None)
+    monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler: None)
     monkeypatch.setattr(step_graph, "compile_isolated", isolated)
     store = ArtifactStore(tmp_path)
     out = torch.zeros(4)
@@ -231,3 +232,16 @@ def test_a_failed_compile_worker_says_why(tmp_path: Path, monkeypatch: pytest.Mo
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     assert compile_in_worker(job, stop) == "stopped: the server is shutting down"
+
+
+def test_under_batch_invariant_a_compiled_step_must_equal_the_eager_step_bitwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With dynamo's eager backend (batch_invariant) a compiled step one ulp off the eager
+    step is refused, where inductor's tolerance keeps it."""
+    off = lambda x, o: o.copy_(torch.nextafter(x * 2.0, torch.tensor(99.0)))  # noqa: E731
+    monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler: off)
+    out = torch.zeros(4)
+    StepCompiledGraph(compiler=INDUCTOR).capture(_call(out, 2.0))
+    with pytest.raises(GraphCaptureError, match="must be equal"):
+        StepCompiledGraph(compiler=EAGER_KERNELS).capture(_call(out, 2.0))

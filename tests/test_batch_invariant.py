@@ -1,6 +1,7 @@
 """`batch_invariant`: a request's prompt logprobs and its logits at every decode step are bitwise
-the same run alone, in a batch of 8 mixed requests, in a batch of 32, and with its prompt
-chunked differently; what it cannot run with is refused at start-up, naming both settings."""
+the same run alone, in a batch of 8 mixed requests, in a batch of 32, with its prompt chunked
+differently, and on the full-graph and piecewise paths (padded to a bucket, every graph
+backend) as eagerly; what it cannot run with is refused at start-up, naming both settings."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
-from executor.core.errors import ToggleRefusedError
 from executor.core.extras_types import RowOutputs
 
 TARGET = 1  # the request followed, in row 1
@@ -29,9 +29,23 @@ def _slots(row: int, start: int, n: int) -> list[int]:
     return [row * ROW_SLOTS + start + j for j in range(n)]
 
 
-def _run(ex: Any, others: int, cut: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _run(
+    ex: Any, others: int, cut: int = 0, paths: set[tuple[str, bool]] | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The target's prompt logprobs and its logits over STEPS greedy decode steps, beside
-    `others` requests (rows 2..); `cut`: its prompt prefilled in two chunks, alone first."""
+    `others` requests (rows 2..); `cut`: its prompt prefilled in two chunks, alone first.
+    `paths`: gets (path, padded to a bucket) of every EXTEND and DECODE step."""
+
+    def step(batch: Any, **kw: Any) -> Any:
+        out = ex.forward(batch, **kw)
+        if paths is not None:
+            s = out.stats
+            padded = (
+                s.padded_batch_size > batch.batch_size or s.padded_num_tokens > batch.num_tokens
+            )
+            paths.add((str(s.path), padded))
+        return out
+
     # The target last: its rows sit at another place in every GEMM tile.
     rows = {r: _prompt(r) for r in range(2, 2 + others)} | {TARGET: PROMPT}
     prompt_lp: list[torch.Tensor] = []
@@ -42,7 +56,7 @@ def _run(ex: Any, others: int, cut: int = 0) -> tuple[torch.Tensor, list[torch.T
             req_pool_indices=[TARGET],
             out_cache_loc=[_slots(TARGET, 0, cut)],
         )
-        out = ex.forward(dataclasses.replace(first, row_outputs=(ask,)))
+        out = step(dataclasses.replace(first, row_outputs=(ask,)))
         prompt_lp.append(out.extras.prompt_logprobs.values)
     starts = {r: (cut if r == TARGET else 0) for r in rows}
     batch = make_extend_batch(
@@ -53,7 +67,7 @@ def _run(ex: Any, others: int, cut: int = 0) -> tuple[torch.Tensor, list[torch.T
         prefix_cache_loc=[_slots(r, 0, starts[r]) for r in rows],
     )
     ask = RowOutputs(row=TARGET, prompt_logprobs=True)
-    out = ex.forward(dataclasses.replace(batch, row_outputs=(ask,)), return_logits=True)
+    out = step(dataclasses.replace(batch, row_outputs=(ask,)), return_logits=True)
     prompt_lp.append(out.extras.prompt_logprobs.values)
     logits = [out.logits[-1]]
     lens = {r: len(p) for r, p in rows.items()}
@@ -67,7 +81,7 @@ def _run(ex: Any, others: int, cut: int = 0) -> tuple[torch.Tensor, list[torch.T
             seq_lens=[lens[r] for r in rows],
             out_cache_loc=[r * ROW_SLOTS + lens[r] - 1 for r in rows],
         )
-        out = ex.forward(batch, return_logits=True)
+        out = step(batch, return_logits=True)
         logits.append(out.logits[-1])
         tokens = out.logits.argmax(-1).tolist()
     ex.forward(
@@ -85,9 +99,11 @@ def _executor(
     dtype: str,
     kernel: str = "auto",
     model: str = "tiny-random",
-    **device: str,
+    **settings: str,
 ) -> Any:
-    """`device`: device= and attention_backend= (default: the CPU's torch_paged)."""
+    """`settings`: graph settings (graph_mode, graph_backend, buckets; none: eager), device=
+    and attention_backend= (default: the CPU's torch_paged)."""
+    settings = {"graph_mode": "none", "attention_backend": "torch_paged"} | settings
     return make_executor(
         model=model,
         dtype=dtype,
@@ -96,8 +112,7 @@ def _executor(
         max_reqs=40,
         kv_slots=40 * ROW_SLOTS + 64,
         max_context_len=ROW_SLOTS,
-        graph_mode="none",
-        **({"attention_backend": "torch_paged"} | device),
+        **settings,
     )
 
 
@@ -141,23 +156,68 @@ def test_a_requests_logprobs_and_logits_do_not_depend_on_its_batch(
                 )
 
 
-def test_the_setting_is_reported_and_keeps_graphs_off(
+# Buckets every run pads into: DECODE bs 1 -> 2, 8 -> 16, 32 -> 40; EXTEND 41 tokens (or a chunk
+# of 17) -> 64, the batches of 8 (237 tokens) and 32 (1061) -> 2048 (256 in the small set). The
+# compiled backends trace each bucket's tiled GEMMs unrolled: they get the runs alone and in a
+# batch of 8 only. Runs: (other requests, the target's first chunk).
+PADDED = {"graph_batch_sizes": "2,16,40", "piecewise_token_sizes": "64,2048"}
+PADDED_SMALL = {"graph_batch_sizes": "2,16", "piecewise_token_sizes": "64,256"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "buckets", "runs"),
+    [
+        ("standin", PADDED, ((0, 0), (7, 0), (31, 0), (7, 17))),
+        ("compiled", PADDED_SMALL, ((0, 0), (7, 0))),
+        ("compiled_step", PADDED_SMALL, ((0, 0), (7, 0))),
+    ],
+)
+def test_the_graph_paths_give_the_eager_paths_logprobs_and_logits(
+    make_executor: Callable[..., Any],
+    backend: str,
+    buckets: dict[str, str],
+    runs: tuple[tuple[int, int], ...],
+) -> None:
+    """Full graph (DECODE) and piecewise (EXTEND) steps, padded to their buckets, give a
+    request's prompt logprobs and logits bit for bit as the eager path does it alone; the
+    compiled backends compile with dynamo's eager backend (the eager kernels)."""
+    alone = _run(_executor(make_executor, True, "float32"), 0)
+    ex = _executor(
+        make_executor, True, "float32", graph_mode="both", graph_backend=backend, **buckets
+    )
+    for others, cut in runs:
+        paths: set[tuple[str, bool]] = set()
+        prompt_lp, logits = _run(ex, others, cut, paths=paths)
+        assert paths == {("piecewise", True), ("full_graph", True)}, (others, cut, paths)
+        assert torch.equal(prompt_lp, alone[0]), (others, cut, (prompt_lp - alone[0]).abs().max())
+        for step, (a, b) in enumerate(zip(logits, alone[1], strict=True)):
+            assert torch.equal(a, b), (others, cut, step, (a - b).abs().max().item())
+
+
+@pytest.mark.slow
+def test_the_setting_is_reported_and_graphs_turn_on_at_runtime(
     make_executor: Callable[..., Any],
 ) -> None:
-    ex = _executor(make_executor, True, "float32")
+    """auto stays eager (the reason says why); graphs turned on while serving give the eager
+    steps' logits."""
+    ex = _executor(make_executor, True, "float32", graph_mode="auto", **PADDED_SMALL)
     choices = {c.setting: (c.value, c.reason) for c in ex.info.choices}
     assert choices["batch_invariant"][0] == "on"
-    with pytest.raises(ToggleRefusedError, match="batch_invariant"):
-        ex.control.set_graph_mode("decode")
-    auto = make_executor(batch_invariant=True, graph_mode="auto")
-    assert auto.toggles.graph_mode.value == "none"
+    assert choices["graph_mode"][0] == "none"
+    assert "batch_invariant" in choices["graph_mode"][1]
+    eager = _run(ex, 0)
+    ex.control.set_graph_mode("both")
+    paths: set[tuple[str, bool]] = set()
+    graphs = _run(ex, 0, paths=paths)
+    assert paths == {("piecewise", True), ("full_graph", True)}
+    assert torch.equal(graphs[0], eager[0])
+    assert all(torch.equal(a, b) for a, b in zip(graphs[1], eager[1], strict=True))
 
 
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"graph_mode": "decode"}, "graph_mode=decode"),
-        ({"graph_mode": "extend"}, "graph_mode=extend"),
         ({"attention_backend": "torch_native"}, "attention_backend=torch_native"),
         ({"quantization": "int8"}, "quantization=int8"),
         ({"max_loras": 2}, "LoRA"),

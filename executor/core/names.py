@@ -75,3 +75,10 @@ FILL_REGISTRIES = (EAGER_DECODE, EAGER_EXTEND, GRAPH_DECODE, GRAPH_EXTEND)
 # What a captured graph is: a CUDA graph, an inductor-compiled callable (layer halves, or the
 # whole step), or the CPU stand-in that only checks CUDA's capture rules.
 GRAPH_BACKENDS = ("cuda", "compiled", "compiled_step", "standin")
+
+# The torch.compile backend of the compiled graph backends: inductor, whose generated kernels
+# fuse ops and reduce in their own order; or dynamo's `eager` backend (batch_invariant), whose
+# graph calls the same torch ops, hence the same kernels, as the eager path.
+INDUCTOR = "inductor"
+EAGER_KERNELS = "eager"
+GRAPH_COMPILERS = (INDUCTOR, EAGER_KERNELS)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from executor.core.names import INDUCTOR
+
 
 def _compile_parameters() -> frozenset[str]:
     try:
@@ -42,12 +44,16 @@ def own_code(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def compile_isolated(
-    fn: Callable[[], None], *, parameters: frozenset[str] | None = None
+    fn: Callable[[], None],
+    *,
+    parameters: frozenset[str] | None = None,
+    compiler: str = INDUCTOR,
 ) -> Callable[[], None]:
-    """torch.compile of a whole-step callable: full graph, static shapes, its own cache
-    entry, and no guard checks where this torch can skip them safely (isolated entries)."""
+    """torch.compile of a whole-step callable by `compiler` (the torch.compile backend): full
+    graph, static shapes, its own cache entry, and no guard checks where this torch can skip
+    them safely (isolated entries)."""
     params = _compile_parameters() if parameters is None else parameters
-    kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False}
+    kwargs: dict[str, Any] = {"backend": compiler, "fullgraph": True, "dynamic": False}
     if "isolate_recompiles" in params:
         kwargs["isolate_recompiles"] = True
     else:

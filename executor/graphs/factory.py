@@ -4,6 +4,8 @@ Backends: `cuda` (every graph shares one memory pool and one capture stream, cap
 largest first so smaller graphs reuse the larger ones' memory), `compiled` (the model's layer
 halves compiled by inductor), `compiled_step` (whole DECODE steps compiled one by one, saved
 under `<cache_dir>/graphs`; other graphs as `compiled`) or `standin` (the CPU stand-in).
+The two compiled backends compile with `compiler` (`executor.core.names.GRAPH_COMPILERS`):
+inductor, or dynamo's `eager` backend under batch_invariant, whose whole steps are not saved.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from executor.core.names import GRAPH_BACKENDS
+from executor.core.names import GRAPH_BACKENDS, GRAPH_COMPILERS, INDUCTOR
 from executor.graphs.artifacts import ArtifactStore
 from executor.graphs.compile_compat import raise_recompile_limits
 from executor.graphs.graph import CompiledGraph, CpuGraph, CudaGraph, Graph
@@ -40,18 +42,25 @@ class GraphFactory:
         compiled: Callable[[], AbstractContextManager[object]] = nullcontext,
         compile_halves: Callable[[int, str], None] | None = None,
         stop: threading.Event | None = None,
+        compiler: str = INDUCTOR,
     ) -> None:
         """`compiled`: the context in which the model runs its compiled layer halves;
         `compile_halves(tokens, kind)`: compiles those halves for `tokens` rows as the `kind`
-        runner calls them, without touching device state (a capture's compile phase)."""
+        runner calls them, without touching device state (a capture's compile phase);
+        `compiler`: the torch.compile backend of whole steps (the halves' is the caller's)."""
         if backend not in GRAPH_BACKENDS:
             raise ValueError(
                 f"graph backend must be one of {', '.join(GRAPH_BACKENDS)}, got {backend!r}"
+            )
+        if compiler not in GRAPH_COMPILERS:
+            raise ValueError(
+                f"graph compiler must be one of {', '.join(GRAPH_COMPILERS)}, got {compiler!r}"
             )
         if backend == "cuda" and device.type != "cuda":
             raise ValueError(f"graph backend 'cuda' needs a CUDA device, got {device}")
         self.device = device
         self.backend = backend
+        self.compiler = compiler
         self.cache_dir = cache_dir
         self.compiled = compiled
         self._compile_halves = compile_halves
@@ -60,7 +69,7 @@ class GraphFactory:
         # Where whole compiled steps are saved and loaded from (compiled_step with a cache).
         self.store = (
             ArtifactStore(cache_dir / "graphs")
-            if cache_dir is not None and backend == "compiled_step"
+            if cache_dir is not None and backend == "compiled_step" and compiler == INDUCTOR
             else None
         )
         # The compile worker's: a whole step already saved is not loaded, only kept.
@@ -81,7 +90,7 @@ class GraphFactory:
             assert self._stream is not None
             return CudaGraph(self._pool, self._stream, self.device)
         if self.whole_steps and whole_step:
-            return StepCompiledGraph(self.store, load=not self.store_only)
+            return StepCompiledGraph(self.store, load=not self.store_only, compiler=self.compiler)
         if self.backend in ("compiled", "compiled_step"):
             return CompiledGraph(self.compiled)
         return CpuGraph()

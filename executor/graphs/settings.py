@@ -24,6 +24,7 @@ from executor.core.buckets import (
     parse_bucket_list,
 )
 from executor.core.limits import BatchLimits
+from executor.core.names import EAGER_KERNELS, INDUCTOR
 
 
 def resolve_graph_mode(
@@ -32,7 +33,8 @@ def resolve_graph_mode(
     """The start-up mode: `auto` is `both` on CUDA (graphs pay off there) and `none` on CPU,
     where a server then captures `background_graph_mode` while it serves; `none` wherever the
     attention backend cannot be captured (`capture_refusal`: its reason), and under
-    batch_invariant (eager steps only: `executor.batch_invariance`)."""
+    batch_invariant, whose graphs run the eager kernels (`graph_compiler`): on its CPU they
+    save no kernel time, so they are captured only where graph_mode asks for them."""
     if config.graph_mode != "auto":
         return config.graph_mode
     if capture_refusal is not None or config.batch_invariant:
@@ -64,7 +66,8 @@ def background_graph_mode(
     minutes to compile cold (docs/performance.md), hence in the background, in a compile
     worker; `cache_dir` keeps the compiled code for the next start. Not under tensor
     parallelism (ranks capture in step at start-up), nor with another graph backend
-    configured, nor with an attention backend that cannot be captured (`capture_refusal`)."""
+    configured, nor with an attention backend that cannot be captured (`capture_refusal`),
+    nor under batch_invariant (its graphs run the eager kernels: `graph_compiler`)."""
     if config.graph_mode != "auto" or device.type != "cpu" or config.tp_size > 1:
         return None
     if config.batch_invariant:
@@ -97,13 +100,22 @@ GPU_GRAPH_MAX_BS = 160
 GPU_PIECEWISE_MAX_TOKENS = 2048
 
 
+def graph_compiler(config: ExecutorConfig) -> str:
+    """The torch.compile backend of the compiled graph backends: inductor, or under
+    batch_invariant dynamo's `eager` backend, whose graphs call the eager path's own torch ops
+    (inductor's generated kernels fuse the norms and activations and reduce in another order,
+    which changes a row's logits in their last bits)."""
+    return EAGER_KERNELS if config.batch_invariant else INDUCTOR
+
+
 @dataclass(frozen=True)
 class GraphSettings:
-    """Bucket lists of the two graph runners."""
+    """Bucket lists of the two graph runners, and what compiles their graphs."""
 
     decode_buckets: list[int]
     piecewise_buckets: list[int]
     max_bs: int  # the executor's max batch size (piecewise batches carry up to this many)
+    compiler: str = INDUCTOR  # `graph_compiler`
 
 
 def graph_settings(
@@ -133,5 +145,8 @@ def graph_settings(
         limits.max_tokens_per_batch
     ]
     return GraphSettings(
-        decode_buckets=decode, piecewise_buckets=piecewise, max_bs=limits.max_batch_size
+        decode_buckets=decode,
+        piecewise_buckets=piecewise,
+        max_bs=limits.max_batch_size,
+        compiler=graph_compiler(config),
     )

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 import torch
 
+from executor.core.names import EAGER_KERNELS, INDUCTOR
 from executor.graphs.artifacts import ArtifactStore, environment_digest, fingerprint
 from executor.graphs.compile_compat import compile_isolated
 from executor.graphs.graph import Graph, GraphCaptureError, GraphCaptureOOM, check_capture_rules
@@ -60,14 +61,16 @@ class StepCall:
         return fingerprint((environment_digest(), self.fn.__qualname__, self.args))
 
 
-def compile_step(call: StepCall) -> Any:
-    """`call.fn` compiled ahead of time for `call.args`' shapes (an aot-compiled function
-    taking the same arguments); nothing runs. Raises what dynamo or inductor raise. A torch
-    without `aot_compile` (older releases, `executor.graphs.compile_compat`) gets None: its
-    step compiles at its first call, in `capture`, and is not saved."""
+def compile_step(call: StepCall, compiler: str = INDUCTOR) -> Any:
+    """`call.fn` compiled ahead of time by `compiler` (the torch.compile backend) for
+    `call.args`' shapes (an aot-compiled function taking the same arguments); nothing runs.
+    Raises what dynamo or inductor raise. A torch without `aot_compile` (older releases,
+    `executor.graphs.compile_compat`) gets None: its step compiles at its first call, in
+    `capture`, and is not saved."""
     skip_guards = getattr(torch.compiler, "skip_all_guards_unsafe", None)
     compiled = torch.compile(
         call.fn,
+        backend=compiler,
         fullgraph=True,
         dynamic=False,
         options={"guard_filter_fn": skip_guards} if skip_guards is not None else None,
@@ -81,20 +84,27 @@ def compile_step(call: StepCall) -> Any:
     return result
 
 
-def _compiled_at_first_call(call: StepCall) -> Callable[..., None]:
+def _compiled_at_first_call(call: StepCall, compiler: str) -> Callable[..., None]:
     """The step compiled by plain torch.compile (its own cache entry), called with the
     step's arguments as an aot-compiled one is (they are the closure's)."""
-    compiled = compile_isolated(lambda: call.fn(*call.args))
+    compiled = compile_isolated(lambda: call.fn(*call.args), compiler=compiler)
     return lambda *_args: compiled()
 
 
 class StepCompiledGraph(Graph):
     """One bucket's whole step, compiled (`compile`, off the lock) then checked and warmed up
     (`capture`, under it). `store`: where compiled steps are saved and loaded from; `load`
-    off (the compile worker): a saved step is left there, not loaded."""
+    off (the compile worker): a saved step is left there, not loaded. `compiler`: the
+    torch.compile backend; with `EAGER_KERNELS` (batch_invariant) the compiled step's output
+    must equal the eager step's bit for bit, and it is neither saved nor loaded (compiling
+    it is a trace, and its saved form would hold no compiled code)."""
 
-    def __init__(self, store: ArtifactStore | None = None, *, load: bool = True) -> None:
-        self._store = store
+    def __init__(
+        self, store: ArtifactStore | None = None, *, load: bool = True, compiler: str = INDUCTOR
+    ) -> None:
+        self._exact = compiler == EAGER_KERNELS
+        self._store = None if self._exact else store
+        self._compiler = compiler
         self._load = load
         self._compiled: Any = None
         self._call: StepCall | None = None
@@ -114,13 +124,13 @@ class StepCompiledGraph(Graph):
                 self.loaded = True
                 return
         try:
-            self._compiled = compile_step(call)
+            self._compiled = compile_step(call, self._compiler)
         except torch.OutOfMemoryError as e:
             raise GraphCaptureOOM(f"out of memory while compiling: {e}") from e
         except Exception as e:  # dynamo and inductor raise many types; the bucket runs eagerly
             raise GraphCaptureError(f"torch.compile failed: {type(e).__name__}: {e}") from e
         if self._compiled is None:  # no ahead-of-time compile in this torch
-            self._compiled = _compiled_at_first_call(call)
+            self._compiled = _compiled_at_first_call(call, self._compiler)
             return
         if self._store is not None:
             self._store.save(call.tag, self._key, self._compiled)
@@ -141,6 +151,12 @@ class StepCompiledGraph(Graph):
             self._forget(call)
             raise GraphCaptureError(f"the compiled step failed: {type(e).__name__}: {e}") from e
         error = _relative_error(call.out, expected)
+        if self._exact and not torch.equal(call.out, expected):
+            self._forget(call)
+            raise GraphCaptureError(
+                f"the compiled step's output differs from the eager step's (relative error "
+                f"{error:.3g}) where it must be equal (batch_invariant): not used"
+            )
         if not error <= MATCH_TOLERANCE:
             self._forget(call)
             raise GraphCaptureError(

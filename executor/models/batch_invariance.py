@@ -2,19 +2,23 @@
 with, and switched on in the model's linears and the attention backend.
 
 The property: a row's logits are bitwise the same whatever else is in its batch (other rows,
-the batch size, the chunking of its prompt). The parts that make it hold live with the code
-they change: `ops.batch_invariant` (linears a fixed number of rows per GEMM call, aligned key
-lengths) and `attention.torch_paged` (one query row per SDPA row). What it does not cover is
-refused at start-up with a message naming both settings:
-- on CUDA, an attention backend other than triton (`attention.triton`: decode splits a
-  request's keys by its own length, extend sums keys in blocks at absolute positions); the
-  linears there are cuBLAS GEMMs in the same 16-row tiles, the norms, rotary and activation
-  the per-row Triton kernels;
-- graphs: a compiled graph fuses the norms and activations differently from the eager
-  kernels (`graph_mode` auto resolves to none, and the background compile stays off);
-- quantized linears, whose kernels are not tiled (`quantization` auto resolves to none);
-- on the CPU, an attention backend other than torch_paged; LoRA adapters; MoE models (their grouped
-  expert GEMMs' shapes follow the routing of the whole batch).
+the batch size, the chunking of its prompt, padding to a graph bucket, the eager, full-graph or
+piecewise path). The parts that make it hold live with the code they change:
+- `ops.batch_invariant`: linears a fixed number of rows per GEMM call (oneDNN or MKL on the
+  CPU, cuBLAS on CUDA), aligned key lengths;
+- attention: on the CPU `attention.torch_paged` (one query row per SDPA row), on CUDA
+  `attention.triton` (decode splits a request's keys by its own length, extend sums keys in
+  blocks at absolute positions); the norms, rotary and activation there are per-row Triton
+  kernels;
+- graphs: `graphs.settings.graph_compiler` (the compiled graph backends trace with dynamo's
+  eager backend, whose graphs call the eager kernels: inductor's fuse the norms and
+  activations and reduce in another order); a CUDA graph replays the eager kernels as they
+  are. Graphs are allowed, not chosen: `graph_mode` auto resolves to none and the background
+  compile stays off (graphs of the eager kernels save no kernel time on a CPU).
+What it does not cover is refused at start-up with a message naming both settings: another
+device; an attention backend other than the device's one above; quantized linears, whose
+kernels are not tiled (`quantization` auto resolves to none); LoRA adapters; MoE models (their
+grouped expert GEMMs' shapes follow the routing of the whole batch).
 """
 
 from __future__ import annotations
@@ -48,12 +52,6 @@ def check_batch_invariance(config: ExecutorConfig, device: torch.device) -> None
     if invariant is None:
         raise _refuse(
             f"device={device}", "batch-invariant steps run on the CPU or on CUDA with triton"
-        )
-    if config.graph_mode not in ("auto", "none"):
-        raise _refuse(
-            f"graph_mode={config.graph_mode}",
-            "compiled graphs fuse the norms and activations "
-            "differently from the eager kernels; use graph_mode=none or auto",
         )
     if config.attention_backend not in ("auto", invariant.name):
         raise _refuse(

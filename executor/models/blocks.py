@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from executor.core.names import INDUCTOR
 from executor.models.config import ModelConfig
 from executor.models.layers import Linear, RMSNorm
 from executor.models.lora_layers import LoraSite
@@ -135,14 +136,15 @@ def _mlp(
 EAGER_FNS = LayerFns(pre=_pre, post=_post, attn_proj=_attn_proj, mlp=_mlp)
 
 
-def compile_layer_fns() -> LayerFns:
-    """The layer functions through `torch.compile` (inductor, no graph breaks allowed).
+def compile_layer_fns(compiler: str = INDUCTOR) -> LayerFns:
+    """The layer functions through `torch.compile` (`compiler`: inductor, or `eager` for the
+    eager kernels; `executor.core.names.GRAPH_COMPILERS`), no graph breaks allowed.
 
     Shapes are dynamic: one compiled kernel set serves every token count (dynamo still
     specializes size 1), so capturing N buckets costs a few compiles, not N. Compilation
     happens on the first call per new shape class (and per layer class).
     """
-    options: dict[str, Any] = {"backend": "inductor", "fullgraph": True, "dynamic": True}
+    options: dict[str, Any] = {"backend": compiler, "fullgraph": True, "dynamic": True}
     return LayerFns(
         pre=torch.compile(_pre, **options),
         post=torch.compile(_post, **options),

@@ -72,15 +72,13 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.tiled:  # batch_invariant (eager only)
-            out = tiled_rows(
-                x2, lambda rows: packed_linear(rows, self.packed, self.bias), self.out_features
-            )
-        elif torch.compiler.is_compiling():  # traced: the op on the key (a graph input)
-            out = onednn_linear(x2, self.key, self.bias)
-        else:  # eager: straight to oneDNN, skipping the op's dispatch cost
-            out = packed_linear(x2, self.packed, self.bias)
+        out = tiled_rows(x2, self._product, self.out_features) if self.tiled else self._product(x2)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, x2: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: the op on the key (a graph input)
+            return onednn_linear(x2, self.key, self.bias)
+        return packed_linear(x2, self.packed, self.bias)  # eager: oneDNN without the op's dispatch
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"

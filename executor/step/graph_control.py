@@ -24,7 +24,7 @@ from attention import decide_needs_cpu_seq_lens
 from attention.base import AttentionBackend
 from executor.config import ExecutorConfig
 from executor.core.errors import ToggleRefusedError
-from executor.core.names import GraphMode, SeqLensPolicy
+from executor.core.names import INDUCTOR, GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
 from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
@@ -107,6 +107,13 @@ class GraphControl:
                 f"auto: none, attention_backend={self.attn_backend.name} cannot be captured in "
                 f"a graph ({refusal}): every step runs eagerly"
             )
+        elif cfg.batch_invariant:
+            mode_reason = (
+                "auto: none under batch_invariant: its graphs compile with dynamo's eager "
+                "backend, which runs the eager kernels (inductor's fused ones would change the "
+                "logits), so a graph saves no kernel time on a CPU and is not compiled in the "
+                "background; graph_mode decode, extend or both keeps the logits bitwise equal"
+            )
         elif background is not None:
             mode_reason = (
                 f"auto: on a CPU, none at start-up, then {background} captured in the "
@@ -136,6 +143,11 @@ class GraphControl:
             )
         else:
             backend_reason = "auto: inductor's layer halves on a CPU"
+        if backend in ("compiled", "compiled_step") and cfg.batch_invariant:
+            backend_reason += (
+                "; batch_invariant: compiled with dynamo's eager backend (the eager kernels, "
+                "not inductor's), whole steps not saved"
+            )
         return (
             SettingChoice("graph_mode", str(self.toggles.graph_mode), mode_reason),
             SettingChoice("graph_backend", backend, backend_reason),
@@ -192,11 +204,6 @@ class GraphControl:
                 f"graph_mode={target}: a graph capture is in progress "
                 f"({self.toggles.graph_capture}); retry when GetRuntimeConfig's graph_capture "
                 "is no longer 'capturing'"
-            )
-        if self.config.batch_invariant and target is not GraphMode.NONE:
-            raise ToggleRefusedError(
-                f"graph_mode={target}: this executor runs batch_invariant, whose steps are "
-                "eager (a compiled graph would change a row's logits)"
             )
         reason = self.attn_backend.graph_capture_refusal()
         if target.decode_graphs and reason is not None:
@@ -275,11 +282,12 @@ class GraphControl:
     def _compile_in_worker(self, mode: GraphMode) -> None:
         """A compiling graph backend: compile `mode`'s buckets in a worker process into the
         caches, which the capture then loads. If the worker fails, the capture compiles in
-        this process (off the step lock still, but sharing this process's CPU and GIL)."""
+        this process (off the step lock still, but sharing this process's CPU and GIL). Not
+        for dynamo's eager backend (batch_invariant): its trace leaves no cache to load."""
         factory = self.runner.graph_factory
         settings = self.runner.graph_settings
         runners = self.runner.missing_runners(mode)
-        if not factory.compiles or settings is None or not runners:
+        if not factory.compiles or factory.compiler != INDUCTOR or settings is None or not runners:
             return
         if self.runner.all_saved(runners, self.step_lock):
             log.info("compiled graphs saved in the cache dir: loading them", runners=runners)
