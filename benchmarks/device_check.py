@@ -50,12 +50,14 @@ GPU_TEST_FILES = [
     "tests/test_triton_kernels.py",
     "tests/test_memory_release.py",
     "tests/test_weight_updates.py",
+    "tests/test_batch_invariant.py",
 ]
 # Unmarked tests that run their Triton cases on CUDA where it exists.
 TRITON_TEST_ARGS = [
     "tests/test_sliding_window.py",
     "tests/test_triton_fused.py",
     "tests/test_triton_kernels.py",
+    "tests/test_triton_batch_invariant.py",
     "-m",
     "not gpu",
     "-k",  # inductor's CPU compiles and the no-GPU compile check: CI runs those
