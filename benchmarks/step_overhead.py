@@ -147,6 +147,7 @@ class Result:
     phases_us: dict[str, list[float]] = field(default_factory=dict)  # the overhead, split
     client_codec_us: list[float] = field(default_factory=list)  # encode + decode, not in ratio
     baseline_us: list[float] = field(default_factory=list)  # the baseline tree's overhead
+    baseline_model_us: list[float] = field(default_factory=list)  # and its model forward
 
     @property
     def ratio(self) -> float:
@@ -205,6 +206,7 @@ def measure(
             base_ns, base_response = calls[id(baseline)]
             base_model = base_response.stats.timings_ns[MODEL]
             result.baseline_us.append((base_ns - base_model) / 1e3)
+            result.baseline_model_us.append(base_model / 1e3)
         timings = dict(response.stats.timings_ns)
         overhead = wall_ns - timings[MODEL]
         step = timings.pop(TOTAL)
@@ -255,15 +257,22 @@ def table(results: list[Result]) -> str:
 
 
 def baseline_table(results: list[Result], name: str = "baseline") -> str:
-    """The A/B table: the baseline's overhead against this tree's, medians in us."""
-    head = ["bs", "bare round trip", f"{name} overhead", "ratio", "overhead", "ratio", "change"]
+    """The A/B table: the baseline's overhead and model forward against this tree's, medians
+    in us (a change that moves work into the forward shows in the second)."""
+    head = [
+        "bs", "bare round trip", f"{name} overhead", "ratio", "overhead", "ratio", "change",
+        f"{name} forward", "forward", "change",
+    ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    med = statistics.median
     for r in results:
-        bare = statistics.median(r.bare_us)
-        base, new = statistics.median(r.baseline_us), statistics.median(r.overhead_us)
+        bare = med(r.bare_us)
+        base, new = med(r.baseline_us), med(r.overhead_us)
+        base_fwd, fwd = med(r.baseline_model_us), med(r.model_us)
         cells = [
             str(r.bs), f"{bare:.0f}", f"{base:.0f}", f"{base / bare:.2f}x", f"{new:.0f}",
             f"{new / bare:.2f}x", f"{new - base:+.0f} ({(new - base) / base:+.0%})",
+            f"{base_fwd:.0f}", f"{fwd:.0f}", f"{fwd - base_fwd:+.0f} ({(fwd - base_fwd) / base_fwd:+.0%})",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

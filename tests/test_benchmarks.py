@@ -152,10 +152,12 @@ def test_step_overhead_measures_a_baseline_executor_in_the_same_rotation(
         bare_server.stop(grace=None)
 
     assert len(result.baseline_us) == len(result.overhead_us) == len(result.bare_us) == 3
-    assert min(result.baseline_us) > 0
+    assert len(result.baseline_model_us) == 3
+    assert min(result.baseline_us) > 0 and min(result.baseline_model_us) > 0
     rows = step_overhead.baseline_table([result]).splitlines()
     assert rows[0].startswith("| bs | bare round trip | baseline overhead |")
-    assert rows[2].startswith("| 1 | ") and "%)" in rows[2]
+    assert rows[0].endswith("| baseline forward | forward | change |")
+    assert rows[2].startswith("| 1 | ") and rows[2].count("%)") == 2
 
 
 @pytest.mark.slow
