@@ -56,6 +56,21 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("model-cache")
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2() -> torch.nn.Module:
+    """transformers' SmolLM2-135M read from the packaged GGUF file by its own GGUF loader
+    (float32, eval mode): loaded once per session (about 17 s on C). Shared: tests read it and
+    never change it."""
+    transformers = pytest.importorskip("transformers")
+    from executor.models.loader import packaged_smollm2_path
+
+    path = packaged_smollm2_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 @pytest.fixture
 def make_executor(cache_dir: Path) -> Callable[..., ModelExecutor]:
     from executor.config import ExecutorConfig

@@ -8,6 +8,7 @@ logits within 1e-3), after which the sequences are no longer comparable.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from executor.config import ExecutorConfig
 from executor.model_executor import ModelExecutor
 from executor.models.hf_loader import save_hf_directory
-from executor.models.loader import load_model, packaged_smollm2_path
+from executor.models.loader import load_model
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from tests.parity_util import check_parity
 
@@ -53,19 +54,20 @@ def test_tiny_random_matches_transformers(tmp_path: Path, cache_dir: Path, model
     check_parity(ex, hf, prompts)
 
 
+# transformers' tokenizer's ids (tests/test_tokenizer.py checks ours against it) of:
+# "The capital of France is", "def fibonacci(n):\n" and
+# "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n".
+SMOLLM2_PROMPTS = [
+    [504, 3575, 282, 4649, 314],
+    [1604, 3987, 46477, 24, 94, 727, 198],
+    [1, 4093, 198, 5820, 1296, 14797, 30, 2, 198, 1, 520, 9531, 198],
+]
+
+
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers(cache_dir: Path) -> None:
-    path = packaged_smollm2_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):\n",
-        "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
-    ]
-    prompts = [tok(t).input_ids for t in texts]
+def test_smollm2_gguf_matches_transformers(cache_dir: Path, hf_smollm2: torch.nn.Module) -> None:
+    hf, prompts = hf_smollm2, SMOLLM2_PROMPTS
+    reference: dict[tuple[int, ...], Any] = {}  # transformers' answers, computed once
     base = ExecutorConfig(
         model="smollm2",
         max_reqs=8,
@@ -81,7 +83,7 @@ def test_smollm2_gguf_matches_transformers(cache_dir: Path) -> None:
         max_positions=1024,
         cache_dir=cache_dir,
     )
-    assert check_parity(ModelExecutor(base, loaded), hf, prompts).keys() == {"eager"}
+    assert check_parity(ModelExecutor(base, loaded), hf, prompts, reference).keys() == {"eager"}
     # The graph paths on the same weights: full-graph DECODE and piecewise EXTEND through the
     # stand-in. (The compiled backend gives the stand-in's tokens, tests/test_compiled_graphs.py;
     # compiling SmolLM2 here would cost minutes of a shared 2-core machine.)
@@ -92,5 +94,5 @@ def test_smollm2_gguf_matches_transformers(cache_dir: Path) -> None:
         piecewise_token_sizes="32",
         max_context_len=256,  # one KV bucket
     )
-    paths = check_parity(ModelExecutor(graphs, loaded), hf, prompts)
+    paths = check_parity(ModelExecutor(graphs, loaded), hf, prompts, reference)
     assert paths["full_graph"] and paths["piecewise"], paths

@@ -256,32 +256,31 @@ def _prefill(prompt: list[int], i: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow  # SmolLM2 three times: transformers, the server, a fresh executor
 def test_smollm2_float32_updates_by_each_transport_equal_a_fresh_executor(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path, cache_dir: Path, hf_smollm2: torch.nn.Module
 ) -> None:
     """Perturbed weights built with transformers, its state dict saved (as a trainer saves a
     checkpoint): read by the server from its root, streamed, and broadcast over a weights
     group, each gives a fresh executor's greedy tokens on them. Between two transports the
     weights are released (the resident set drops by >= 90% of them before the call answers)
     and resumed from the model file (the start-up tokens again)."""
-    transformers = pytest.importorskip("transformers")
-    from executor.models.loader import packaged_smollm2_path
-    from executor.weights.memory import resident_bytes
-
-    gguf_path = packaged_smollm2_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
     from safetensors.torch import save_file
 
+    from executor.weights.memory import resident_bytes
+
+    hf = hf_smollm2  # shared: perturbed copies, the model itself unchanged
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # by storage: the tied head is the perturbed embedding
+        moved = {
+            p.data_ptr(): p + torch.randn(p.shape, generator=g) * 0.02 * p.std()
+            for p in hf.parameters()
+        }
     root = tmp_path / "root"
     hf.config.save_pretrained(root / "step-1")  # transformers will not save a GGUF-loaded model
-    state = {n: t.detach().clone() for n, t in hf.state_dict().items()}  # a trainer's state dict
+    state = {  # a trainer's state dict
+        n: moved.get(t.data_ptr(), t).detach().clone() for n, t in hf.state_dict().items()
+    }
     save_file(state, str(root / "step-1" / "model.safetensors"))
-    del hf
+    del moved
     smol = config(cache_dir, "smollm2", quantization="none", kv_slots=2048, max_context_len=512)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 216, 29, 30]]
     want = greedy(ModelExecutor(smol.replace(model=str(root / "step-1"))), 12, prompts)
