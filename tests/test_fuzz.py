@@ -20,7 +20,7 @@ from model_executor.v1 import executor_pb2 as pb
 from tests.fuzzer import Fuzzer
 from tests.server_util import free_port, running_server, tiny_config
 
-MESSAGES = 2500
+MESSAGES = 1000
 KV_KINDS = {"kv_export", "kv_import", "kv_import_chunks", "kv_push"}
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 3, 77, 250, 12, 9, 31]]
 
