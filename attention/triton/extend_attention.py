@@ -10,10 +10,11 @@ positions back (and skips new-token blocks wholly outside every row's window). A
 soft-cap (`HAS_SOFTCAP`) squashes scores as in decode. Both are compiled out when unused.
 
 With `ALL_CACHED` (batch_invariant) `kv_indices` lists every key of the request, this step's
-tokens included (they are in the cache by then), and one loop walks them in blocks aligned to
-absolute positions, masking causally (and by the window) per query. A query's keys are then
-summed in the same blocks and order however its prompt was chunked and whatever else is in
-the batch: a block a query sees nothing of leaves its running sums exactly as they were.
+tokens included (they are in the cache by then), and the prefix loop alone walks them, in
+blocks aligned to absolute positions, masking causally (and by the window) per query. A
+query's keys are then summed in the same blocks and order however its prompt was chunked and
+whatever else is in the batch: a block a query sees nothing of leaves its running sums
+exactly as they were.
 
 `input_precision="ieee"` keeps float32 dots exact (no TF32); it does not affect 16-bit inputs.
 """
@@ -26,6 +27,38 @@ import triton.language as tl
 
 from attention.triton import launch
 from attention.triton.decode_attention import soft_cap
+
+
+@triton.jit
+def _paged(buffer_ptr, slots, stride_slot, head_offset, offs_d, mask):
+    """[BLOCK_N, BLOCK_D] rows of a K or V pool, one per slot (masked rows 0)."""
+    return tl.load(
+        buffer_ptr + slots[:, None] * stride_slot + head_offset + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+
+
+@triton.jit
+def _attend_block(
+    q, k, v, visible, acc, e_sum, e_max, sm_scale, logit_cap,
+    HAS_SOFTCAP: tl.constexpr, UNSEEN_ROWS: tl.constexpr,
+):  # fmt: skip
+    """One key block of the online softmax: the scores of the `visible` keys folded into
+    (acc, e_sum, e_max). `UNSEEN_ROWS`: a row may have seen no key yet (max -inf); it keeps
+    max -inf and sums 0, so a block it sees nothing of changes none of its state."""
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+    if HAS_SOFTCAP:
+        qk = soft_cap(qk, logit_cap)
+    qk = tl.where(visible, qk, float("-inf"))
+    n_max = tl.maximum(tl.max(qk, 1), e_max)
+    shift = n_max
+    if UNSEEN_ROWS:  # shifted by 0 while unseen: exp() then gives 0, never of -inf - -inf
+        shift = tl.where(n_max == float("-inf"), 0.0, n_max)
+    rescale = tl.exp(e_max - shift)
+    p = tl.exp(qk - shift[:, None])
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, e_sum * rescale + tl.sum(p, 1), n_max
 
 
 @triton.jit
@@ -87,102 +120,36 @@ def _extend_kernel(
         e_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        if ALL_CACHED:
-            # Every key through kv_indices; query m sits at absolute position start + m.
-            start = prefix_len - extend_len
-            pos_m = start + offs_m
-            end_n = tl.minimum(prefix_len, start + (block_m + 1) * BLOCK_M)
-            first_n = 0
-            if HAS_WINDOW:  # blocks wholly before the block's first query's window
-                first_n = tl.maximum(start + block_m * BLOCK_M - window + 1, 0)
-                first_n = first_n // BLOCK_N * BLOCK_N
-            for n0 in range(first_n, end_n, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < prefix_len
-                slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0)
-                kv_mask = mask_n[:, None] & mask_d[None, :]
-                k = tl.load(
-                    k_buffer_ptr
-                    + slots[:, None] * stride_kbs
-                    + kv_head * stride_kbh
-                    + offs_d[None, :],
-                    mask=kv_mask,
-                    other=0.0,
-                ).to(q.dtype)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-                if HAS_SOFTCAP:
-                    qk = soft_cap(qk, logit_cap)
-                visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
-                if HAS_WINDOW:
-                    visible = visible & (pos_m[:, None] - offs_n[None, :] < window)
-                qk = tl.where(visible, qk, float("-inf"))
-                # A row that has seen no key yet keeps max -inf and sums 0: a block it sees
-                # nothing of changes none of its state, wherever the block falls.
-                n_max = tl.maximum(tl.max(qk, 1), e_max)
-                seen = n_max > float("-inf")
-                rescale = tl.where(seen, tl.exp(e_max - n_max), 0.0)
-                p = tl.where(seen[:, None], tl.exp(qk - n_max[:, None]), 0.0)
-                v = tl.load(
-                    v_buffer_ptr
-                    + slots[:, None] * stride_vbs
-                    + kv_head * stride_vbh
-                    + offs_d[None, :],
-                    mask=kv_mask,
-                    other=0.0,
-                ).to(q.dtype)
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                e_sum = e_sum * rescale + tl.sum(p, 1)
-                e_max = n_max
-            # Rows past the request's tokens (never stored) may have seen nothing.
-            e_sum = tl.where(e_sum == 0.0, 1.0, e_sum)
-            tl.store(
-                o_ptr + (qo_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                (acc / e_sum[:, None]).to(o_ptr.dtype.element_ty),
-                mask=mask_m[:, None] & mask_d[None, :],
-            )
-        else:
-            # 1) The cached prefix: every query sees all of it, or in a window, prefix key n (of
-            # the listed prefix_len) lies prefix_len - n positions before new token 0, so query m
-            # sees it iff m + prefix_len - n < window.
-            for n0 in range(0, prefix_len, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < prefix_len
-                slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0)
-                kv_mask = mask_n[:, None] & mask_d[None, :]
-                k = tl.load(
-                    k_buffer_ptr
-                    + slots[:, None] * stride_kbs
-                    + kv_head * stride_kbh
-                    + offs_d[None, :],
-                    mask=kv_mask,
-                    other=0.0,
-                ).to(q.dtype)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-                if HAS_SOFTCAP:
-                    qk = soft_cap(qk, logit_cap)
-                visible = mask_n[None, :]
-                if HAS_WINDOW:
-                    visible = visible & (offs_m[:, None] + prefix_len - offs_n[None, :] < window)
-                qk = tl.where(visible, qk, float("-inf"))  # >= 1 key per block without a window
-                n_max = tl.maximum(tl.max(qk, 1), e_max)
-                if HAS_WINDOW:  # a row may have seen nothing yet: keep exp() away from -inf - -inf
-                    n_max = tl.where(n_max == float("-inf"), 0.0, n_max)
-                rescale = tl.exp(e_max - n_max)
-                p = tl.exp(qk - n_max[:, None])
-                v = tl.load(
-                    v_buffer_ptr
-                    + slots[:, None] * stride_vbs
-                    + kv_head * stride_vbh
-                    + offs_d[None, :],
-                    mask=kv_mask,
-                    other=0.0,
-                ).to(q.dtype)
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                e_sum = e_sum * rescale + tl.sum(p, 1)
-                e_max = n_max
+        # 1) The keys listed in kv_indices: the cached prefix (in a window, its last keys), or
+        # with ALL_CACHED every key, from absolute position 0. Counting positions from the
+        # first listed key, new token 0 sits at `start`; query m sees key n iff n <= start + m
+        # (every prefix key), and in a window W iff also start + m - n < W. Blocks wholly past
+        # the block's last query or before its first query's window are skipped: they would
+        # change nothing.
+        start = prefix_len - extend_len if ALL_CACHED else prefix_len
+        pos_m = start + offs_m
+        end_n = tl.minimum(prefix_len, start + (block_m + 1) * BLOCK_M)
+        first_n = 0
+        if HAS_WINDOW:
+            first_n = tl.maximum(start + block_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(first_n, end_n, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix_len
+            slots = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = _paged(k_buffer_ptr, slots, stride_kbs, kv_head * stride_kbh, offs_d, kv_mask)
+            v = _paged(v_buffer_ptr, slots, stride_vbs, kv_head * stride_vbh, offs_d, kv_mask)
+            visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+            if HAS_WINDOW:
+                visible = visible & (pos_m[:, None] - offs_n[None, :] < window)
+            acc, e_sum, e_max = _attend_block(
+                q, k.to(q.dtype), v.to(q.dtype), visible, acc, e_sum, e_max, sm_scale,
+                logit_cap, HAS_SOFTCAP, HAS_WINDOW,
+            )  # fmt: skip
 
-            # 2) The new tokens, causally: query m sees new tokens 0..m. Keys past this query
-            # block's last row are never visible to it.
+        if not ALL_CACHED:
+            # 2) The new tokens, passed contiguously, causally: query m sees new tokens 0..m.
+            # Keys past this query block's last row are never visible to it.
             end_n = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
             start_n = 0
             if HAS_WINDOW:  # the block's first row sees nothing before its window
@@ -191,47 +158,35 @@ def _extend_kernel(
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < end_n
                 kv_mask = mask_n[:, None] & mask_d[None, :]
+                rows = (qo_start + offs_n)[:, None]
                 k = tl.load(
-                    k_ptr
-                    + (qo_start + offs_n)[:, None] * stride_kt
-                    + kv_head * stride_kh
-                    + offs_d[None, :],
+                    k_ptr + rows * stride_kt + kv_head * stride_kh + offs_d[None, :],
                     mask=kv_mask,
                     other=0.0,
                 ).to(q.dtype)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-                if HAS_SOFTCAP:
-                    qk = soft_cap(qk, logit_cap)
-                # Without a window key 0 is visible to every row in the first block, and e_max is
-                # finite after it, so no row ever takes exp(-inf - -inf).
+                v = tl.load(
+                    v_ptr + rows * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask,
+                    other=0.0,
+                ).to(q.dtype)
                 visible = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
                 if HAS_WINDOW:
                     visible = visible & (offs_m[:, None] - offs_n[None, :] < window)
-                qk = tl.where(visible, qk, float("-inf"))
-                n_max = tl.maximum(tl.max(qk, 1), e_max)
-                if HAS_WINDOW:
-                    n_max = tl.where(n_max == float("-inf"), 0.0, n_max)
-                rescale = tl.exp(e_max - n_max)
-                p = tl.exp(qk - n_max[:, None])
-                v = tl.load(
-                    v_ptr
-                    + (qo_start + offs_n)[:, None] * stride_vt
-                    + kv_head * stride_vh
-                    + offs_d[None, :],
-                    mask=kv_mask,
-                    other=0.0,
-                ).to(q.dtype)
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                e_sum = e_sum * rescale + tl.sum(p, 1)
-                e_max = n_max
+                acc, e_sum, e_max = _attend_block(
+                    q, k, v, visible, acc, e_sum, e_max, sm_scale, logit_cap, HAS_SOFTCAP,
+                    HAS_WINDOW,
+                )  # fmt: skip
 
-            if HAS_WINDOW:  # rows past the request's tokens (never stored) may have seen nothing
-                e_sum = tl.where(e_sum == 0.0, 1.0, e_sum)
-            tl.store(
-                o_ptr + (qo_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                (acc / e_sum[:, None]).to(o_ptr.dtype.element_ty),
-                mask=mask_m[:, None] & mask_d[None, :],
-            )
+        # Without a window key 0 is visible to every row, so every row's max is finite after
+        # the first block. In a window, rows past the request's tokens (never stored) may have
+        # seen nothing.
+        if HAS_WINDOW:
+            e_sum = tl.where(e_sum == 0.0, 1.0, e_sum)
+        tl.store(
+            o_ptr + (qo_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            (acc / e_sum[:, None]).to(o_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
 
 
 def extend_attention(
