@@ -108,11 +108,16 @@ class GraphControl:
                 f"a graph ({refusal}): every step runs eagerly"
             )
         elif cfg.batch_invariant:
+            how = (
+                "CUDA graphs replay the same batch-invariant kernels"
+                if self.device.type == "cuda"
+                else "its graphs compile with dynamo's eager backend, which runs the eager "
+                "kernels (inductor's fused ones would change the logits), so a graph saves no "
+                "kernel time on a CPU and is not compiled in the background"
+            )
             mode_reason = (
-                "auto: none under batch_invariant: its graphs compile with dynamo's eager "
-                "backend, which runs the eager kernels (inductor's fused ones would change the "
-                "logits), so a graph saves no kernel time on a CPU and is not compiled in the "
-                "background; graph_mode decode, extend or both keeps the logits bitwise equal"
+                "auto: none under batch_invariant; graph_mode decode, extend or both keeps the "
+                f"logits bitwise equal: {how}"
             )
         elif background is not None:
             mode_reason = (
