@@ -24,12 +24,13 @@ from executor.client.grpc_client import ExecutorClient
 from executor.client.kv_client import ExportedKV, PushSpec, slot_runs
 from executor.client.scheduler import ReferenceScheduler, generate
 from executor.core.errors import BatchValidationError, KVChecksumError
-from executor.kv_transfer.layout import checksum, coalesce, expand_runs, plan_chunks
+from executor.kv_transfer.layout import coalesce, expand_runs, plan_chunks
 from executor.kv_transfer.staging import Chunk, ImportHeader, ImportStaging
 from executor.model_executor import ModelExecutor
 from executor.service.server import RunningServer
 from executor.service.tls import channel_credentials
 from model_executor.v1 import executor_pb2 as pb
+from ops.checksum import checksum
 from tests.server_util import Scrape, free_port, running_server, tiny_config
 from tests.tls_util import Issued, TestCA
 

@@ -20,9 +20,10 @@ from executor.model_executor import ModelExecutor
 from executor.models.tiny_random import TINY_CONFIGS, tiny_random_weights
 from executor.parallel.group import free_port
 from executor.service.server import RunningServer
-from executor.service.weights_codec import checksum, spec_to_proto, tensor_spec
+from executor.service.weights_codec import spec_to_proto, tensor_spec
 from executor.weights.writer import digest
 from model_executor.v1 import executor_pb2 as pb
+from ops.checksum import checksum
 from tests.server_util import Scrape, running_server
 from tests.weights_util import config, greedy, new_weights, saved
 

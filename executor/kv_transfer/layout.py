@@ -10,7 +10,6 @@ without reading the others and an exporter never holds more than one chunk.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,8 +150,3 @@ def plan_chunks(num_slots: int, layout: KVLayout, chunk_bytes: int) -> list[Chun
         for kind in range(2)
         for first in range(0, num_slots, per)
     ]
-
-
-def checksum(data: bytes | memoryview) -> int:
-    """A chunk's checksum: CRC-32 (zlib) of its data bytes."""
-    return zlib.crc32(data) & 0xFFFFFFFF

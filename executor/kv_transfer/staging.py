@@ -19,10 +19,10 @@ from executor.kv_transfer.layout import (
     KVLayout,
     KVTransferLimits,
     check_runs,
-    checksum,
     expand_runs,
     plan_chunks,
 )
+from ops.checksum import checksum
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from executor.kv_transfer.layout import (
     ChunkSpec,
     check_run_bounds,
     check_runs,
-    checksum,
     expand_runs,
     plan_chunks,
 )
@@ -59,6 +58,7 @@ from executor.service.status import status_for
 from executor.service.tenancy import RowTenants
 from model_executor.v1 import executor_pb2 as pb
 from model_executor.v1 import executor_pb2_grpc as pb_grpc
+from ops.checksum import checksum
 
 log = structlog.get_logger(__name__)
 

@@ -2,14 +2,13 @@
 
 Both sides use it: the server decodes headers (`specs_from_proto`, refusing from the header
 alone) and encodes answers; the client encodes tensors as chunks (`chunk_tensor`, one CRC-32
-each) and decodes answers. A tensor travels as its raw little-endian bytes in its own dtype.
+each: `ops.checksum`) and decodes answers. A tensor travels as its raw little-endian bytes in its own dtype.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-import zlib
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +21,7 @@ from executor.weights.catalog import MAX_NAME_BYTES, MAX_VERSION_BYTES, TensorSp
 from executor.weights.control import SwapResult
 from executor.weights.memory import MemoryReport
 from model_executor.v1 import executor_pb2 as pb
+from ops.checksum import checksum
 
 CHUNK_BYTES = 4 << 20  # under every gRPC message limit (the KV plane's chunk size)
 _TO_TORCH = {pb.FLOAT32: torch.float32, pb.BFLOAT16: torch.bfloat16, pb.FLOAT16: torch.float16}
@@ -39,11 +39,6 @@ class WeightLimits:
     group_updates: bool
     max_group_timeout_s: float = 600.0
     chunk_bytes: int = CHUNK_BYTES
-
-
-def checksum(data: bytes | memoryview) -> int:
-    """A chunk's checksum: CRC-32 (zlib) of its data bytes."""
-    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 def spec_from_proto(msg: pb.WeightTensorSpec, field: str) -> TensorSpec:
@@ -114,7 +109,7 @@ def encode_chunk(index: int, offset: int, data: memoryview) -> bytes:
     return b"".join((b"\x12", _varint(len(head) + len(data) + len(tail)), head, data, tail))
 
 
-_ENCODE_THREADS = 4  # chunks encoded at once (zlib's CRC-32 releases the GIL)
+_ENCODE_THREADS = 4  # chunks encoded at once (the CRC-32 releases the GIL)
 _ENCODE_AHEAD = 8  # chunks encoded ahead of the one being sent
 
 

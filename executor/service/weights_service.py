@@ -38,7 +38,6 @@ from executor.service.weights_codec import (
     CHUNK_BYTES,
     RawChunk,
     WeightLimits,
-    checksum,
     specs_from_proto,
 )
 from executor.weights.catalog import FLOAT_DTYPES, TensorSpec, UpdatePlan, check_version
@@ -47,6 +46,7 @@ from executor.weights.group import BACKENDS, DEFAULT_TIMEOUT_S, GroupSpec
 from executor.weights.memory import MemoryReport
 from executor.weights.writer import StagedUpdate
 from model_executor.v1 import executor_pb2 as pb
+from ops.checksum import checksum
 
 if TYPE_CHECKING:
     from executor.observability.metrics import ExecutorMetrics
@@ -329,7 +329,7 @@ def _tags(tags: list[str]) -> tuple[str, ...]:
         raise BatchValidationError("tags", str(exc)) from None
 
 
-_VERIFY_THREADS = 4  # chunks checked and copied at once (zlib's CRC-32 releases the GIL)
+_VERIFY_THREADS = 4  # chunks checked and copied at once (the CRC-32 releases the GIL)
 _VERIFY_AHEAD = 8  # chunks read ahead of the oldest still being checked (memory: 8 x 4 MiB)
 
 
