@@ -88,12 +88,20 @@ def test_undecodable_bytes_on_a_stream_end_it_with_invalid_argument(server: Runn
 
 
 def test_a_cancelled_stream_is_cancelled_at_info_not_internal(server: RunningServer) -> None:
-    before = {code: _count(server, "ForwardStream", code) for code in ("CANCELLED", "INTERNAL")}
+    """Counted once, as CANCELLED with one info line, never INTERNAL or with a stack trace.
+    Or as OK with no line: gRPC may hand the handler the end of the request stream (the
+    cancelled read) before the cancellation itself, and the handler then ends the stream
+    normally before anything says the caller left."""
+    codes = ("CANCELLED", "OK", "INTERNAL")
+    before = {code: _count(server, "ForwardStream", code) for code in codes}
     release = threading.Event()
 
     def requests() -> Iterator[bytes]:
         yield _request(21, row=3)
         release.wait(30)  # the scheduler is still thinking when it restarts
+
+    def ended() -> dict[str, float]:
+        return {code: _count(server, "ForwardStream", code) - before[code] for code in codes}
 
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, capture_logs() as logs:
         call = channel.stream_stream(FORWARD_STREAM)(requests())
@@ -101,16 +109,21 @@ def test_a_cancelled_stream_is_cancelled_at_info_not_internal(server: RunningSer
         call.cancel()
         release.set()
         _wait_for(
-            lambda: _count(server, "ForwardStream", "CANCELLED") == before["CANCELLED"] + 1,
+            lambda: sum(ended().values()) >= 1,
             state=lambda: (
                 before,
                 [ln for ln in Scrape(server).text.splitlines() if 'method="ForwardStream"' in ln],
                 logs,
             ),
         )
-    assert _count(server, "ForwardStream", "INTERNAL") == before["INTERNAL"]
-    gone = [line for line in logs if line["event"] == "caller gone"]
-    assert [(g["log_level"], g["code"]) for g in gone] == [("info", "CANCELLED")]
+        time.sleep(0.2)  # a second count would come now
+    gone = [(g["log_level"], g["code"]) for g in logs if g["event"] == "caller gone"]
+    if ended()["CANCELLED"]:
+        assert ended() == {"CANCELLED": 1, "OK": 0, "INTERNAL": 0}
+        assert gone == [("info", "CANCELLED")]
+    else:
+        assert ended() == {"CANCELLED": 0, "OK": 1, "INTERNAL": 0}
+        assert gone == []
     _no_stack_traces(logs)
 
 
