@@ -27,6 +27,7 @@ LOCK = ROOT / "requirements.lock"
 # version the generated stubs refuse), and why it is needed.
 DEVICE_WHEELS = {
     "structlog": "the executor's logs (every executor module)",
+    "isal": "the chunks' CRC-32 as the image computes it (ops/checksum.py; zlib's without it)",
     "gguf": "GGUF reading (tests/gguf_writer.py, test_quantized)",
     "grpcio": "the stubs need >= 1.85.1; the image's version is unknown",
     "protobuf": "the stubs need >= 7.35.1; the image's version is unknown",
