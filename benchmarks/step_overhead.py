@@ -256,6 +256,10 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def _change(before: float, after: float) -> str:
+    return f"{after - before:+.0f} ({(after - before) / before:+.0%})"
+
+
 def baseline_table(results: list[Result], name: str = "baseline") -> str:
     """The A/B table: the baseline's overhead and model forward against this tree's, medians
     in us (a change that moves work into the forward shows in the second)."""
@@ -271,8 +275,8 @@ def baseline_table(results: list[Result], name: str = "baseline") -> str:
         base_fwd, fwd = med(r.baseline_model_us), med(r.model_us)
         cells = [
             str(r.bs), f"{bare:.0f}", f"{base:.0f}", f"{base / bare:.2f}x", f"{new:.0f}",
-            f"{new / bare:.2f}x", f"{new - base:+.0f} ({(new - base) / base:+.0%})",
-            f"{base_fwd:.0f}", f"{fwd:.0f}", f"{fwd - base_fwd:+.0f} ({(fwd - base_fwd) / base_fwd:+.0%})",
+            f"{new / bare:.2f}x", _change(base, new), f"{base_fwd:.0f}", f"{fwd:.0f}",
+            _change(base_fwd, fwd),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -18,14 +18,14 @@ Speculation (`add_request(speculate=K)`): a drafting request decodes in VERIFY s
 executor's prompt-lookup drafts; when it drafts: `client/speculation.py`). Not with overlap.
 
 Overlap (`overlap=True`): steps in flight. Steps N+1 and N+2 (`overlap_depth` 3, the default;
-2: N+1 only) are sent before step N's tokens are read; each request's token goes to a future slot and comes
-back as input id `-slot`. A request that stopped in step N was already in the steps after it:
-those tokens are discarded, and its row and slots are freed once no step in flight holds
-them. Outputs equal the plain run's. Drive it with a pipe (`ExecutorClient.open_stream()`) or
-a `forward` callable. Two steps ahead hide the client's round trip: while the host reads N
-and sends N+3, the executor runs N+1 and has N+2 queued (the stand-in accelerator's figures
-for 2 and 3: docs/performance.md); the price is one more step computed for a request past
-its stop.
+2: N+1 only) are sent before step N's tokens are read; each request's token goes to a future
+slot and comes back as input id `-slot`. A request that stopped in step N was already in the
+steps after it: those tokens are discarded, and its row and slots are freed once no step in
+flight holds them. Outputs equal the plain run's. Drive it with a pipe
+(`ExecutorClient.open_stream()`) or a `forward` callable. Two steps ahead hide the client's
+round trip: while the host reads N and sends N+3, the executor runs N+1 and has N+2 queued
+(the stand-in accelerator's figures for 2 and 3: docs/performance.md); the price is one more
+step computed for a request past its stop.
 
 Sampling controls go to the executor once, with the batch that starts the request
 (`prompt_len` set for chunked prefill). A JSON-schema request is masked in every step that
@@ -418,9 +418,8 @@ def generate(
 ) -> list[list[int]]:
     """Generate for every prompt concurrently; the new token ids of each, in prompt order.
     `overlap`: steps in flight (`overlap_depth`), tokens fed back by future-token reference.
-    `speculate`:
-    K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on. `lora`:
-    one adapter name for every prompt, or one per prompt ("" = the base model)."""
+    `speculate`: K prompt-lookup drafts per step (`ngram`), while `speculation` keeps them on.
+    `lora`: one adapter name for every prompt, or one per prompt ("" = the base model)."""
     loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
     if len(loras) != len(prompts):
         raise ValueError(f"lora: {len(loras)} names for {len(prompts)} prompts")

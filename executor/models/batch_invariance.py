@@ -59,6 +59,11 @@ def check_batch_invariance(config: ExecutorConfig, device: torch.device) -> None
             f"on {device.type}, only {invariant.name} sums each request's keys in an order "
             f"its batch does not change; use {invariant.name} or auto",
         )
+    if config.quantization not in ("auto", "none"):
+        raise _refuse(
+            f"quantization={config.quantization}",
+            "batch-invariant steps run float linears; use quantization=none or auto",
+        )
     if config.lora or config.max_loras:
         raise _refuse("LoRA adapters", "the adapters' products are not tiled")
 

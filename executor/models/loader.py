@@ -116,15 +116,9 @@ def read_weights(
 
 def resolve_quantization(config: ExecutorConfig) -> tuple[str, str]:
     """(mode, reason): `config.quantization` with `auto` decided for this model and machine
-    (`quant_kernel.choose_quantization`); batch_invariant runs float linears."""
-    if config.batch_invariant:
-        if config.quantization not in ("auto", "none"):
-            raise ValueError(
-                f"batch_invariant and quantization={config.quantization} do not go together: "
-                "batch-invariant steps run float linears; use quantization=none or auto"
-            )
-        if config.quantization == "none":
-            return "none", "configured"
+    (`quant_kernel.choose_quantization`); batch_invariant runs float linears (another
+    quantization is refused by `check_batch_invariance`)."""
+    if config.batch_invariant and config.quantization == "auto":
         return "none", "auto: batch_invariant runs float linears"
     return choose_quantization(
         config.quantization,
@@ -138,7 +132,8 @@ def resolve_quantization(config: ExecutorConfig) -> tuple[str, str]:
 
 def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     """The model's hyper-parameters (metadata only, no weights) and the effective context length;
-    refuses a `quantization` the model cannot take (the server calls this before loading)."""
+    refuses a `quantization` the model cannot take, and what batch_invariant cannot run with
+    (the server calls this before loading)."""
     source = resolve_model_spec(config.model)
     if source.kind == "tiny-random":
         model_cfg = TINY_CONFIGS[source.spec]
@@ -148,6 +143,7 @@ def read_model_config(config: ExecutorConfig) -> tuple[ModelConfig, int]:
     else:
         assert source.path is not None
         model_cfg = read_gguf_config(source.path, resolve_cache_dir(config))
+    check_batch_invariance(config, resolve_device(config))
     quantization, _ = resolve_quantization(config)
     check_quantization(quantization, source.kind, source.spec, model_cfg, resolve_device(config))
     if config.tp_size > 1:

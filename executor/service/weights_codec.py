@@ -2,7 +2,8 @@
 
 Both sides use it: the server decodes headers (`specs_from_proto`, refusing from the header
 alone) and encodes answers; the client encodes tensors as chunks (`chunk_tensor`, one CRC-32
-each: `ops.checksum`) and decodes answers. A tensor travels as its raw little-endian bytes in its own dtype.
+each: `ops.checksum`) and decodes answers. A tensor travels as its raw little-endian bytes in
+its own dtype.
 """
 
 from __future__ import annotations
