@@ -161,14 +161,23 @@ def _pytest(args: list[str], xml: Path, timeout_s: float) -> tuple[dict[str, int
         return counts, [f"ERROR: timed out after {timeout_s:.0f} s"]
     print(done.stdout[-6000:] + done.stderr[-2000:], flush=True)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    tail = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     if xml.exists():
         suite = ET.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite[0]
         counts = {k: int(suite.get(k, 0)) for k in counts}
-    elif done.returncode != 0:
+    elif done.returncode != 0:  # pytest died (a crash leaves no XML): keep all it printed
         counts["errors"] = 1
-    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    tail = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        log = xml.with_suffix(".log")
+        log.write_text(done.stdout + done.stderr)
+        fatal = done.stderr.find("Fatal Python error")
+        print(done.stderr[max(fatal, 0) : max(fatal, 0) + 4000], flush=True)
+        tail.append(
+            f"ERROR: pytest exited with {done.returncode}, no report ({log.name} has it all)"
+        )
+    counts["passed"] = max(
+        0, counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    )
     return counts, tail
 
 

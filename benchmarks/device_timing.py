@@ -3,7 +3,9 @@
 `latency`: bs-1 DECODE at context 128 per path (eager, eager_no_copy, full_graph) and one
 128-token EXTEND (eager, piecewise): the wall time of `forward` (it returns host tokens, so
 it waits for the device) and the device time of its forward phase (the step clock's CUDA
-events), median and p90; eager is timed again at the end, as the spread.
+events), median and p90; both eager paths are timed again at the end, as the spread. Beside
+each row: this process's CPU time over the wall time (above 1: another thread of it ran) and
+the tasks runnable on the machine (/proc/loadavg), which tell a slow row's cause.
 
 `occupancy`: what a ForwardStream keeps the device busy with. The reference scheduler
 generates over one stream, plain (send, wait, send) and with overlap (step N+1 sent, built
@@ -47,18 +49,44 @@ from executor.service.server_config import ServerConfig
 CONTEXT = 128
 
 
-def _time(ex: ModelExecutor, batches: list[Any], expect: str) -> tuple[list[float], list[float]]:
-    wall, gpu = [], []
+def _runnable() -> int:
+    """Tasks runnable on the machine now, this one included (/proc/loadavg; -1 off Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except OSError:
+        return -1
+
+
+@dataclasses.dataclass
+class Timed:
+    wall: list[float]  # ms per step
+    gpu: list[float]  # ms of the forward phase per step (CUDA events)
+    cpu_per_wall: float  # this process's CPU time over the wall time: > 1, another thread ran
+    runnable: float  # median tasks runnable on the machine during the steps
+
+
+def _time(ex: ModelExecutor, batches: list[Any], expect: str) -> Timed:
+    wall, gpu, runnable = [], [], []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for batch in batches:
         t0 = time.perf_counter()
         out = ex.forward(batch)
         wall.append((time.perf_counter() - t0) * 1e3)
         gpu.append(out.stats.timings_ns.get("forward", 0) / 1e6)
+        runnable.append(_runnable())
         if out.stats.path != expect:
             raise RuntimeError(
                 f"a step ran {out.stats.path}, not {expect} ({out.stats.graph_fallback})"
             )
-    return wall, gpu
+    cpu = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+    return Timed(wall, gpu, cpu, statistics.median(runnable))
+
+
+def _row(name: str, t: Timed, warm: int) -> list[Any]:
+    (w50, w90), (g50, g90) = percentiles(t.wall[warm:]), percentiles(t.gpu[warm:])
+    figures = (w50, w90, g50, g90, t.cpu_per_wall)
+    return [name, *(f"{v:.3f}" for v in figures), f"{t.runnable:g}"]
 
 
 def latency_stage(ctx: Context) -> StageResult:
@@ -68,7 +96,14 @@ def latency_stage(ctx: Context) -> StageResult:
         ctx, ctx.main_model, "bfloat16", graph_batch_sizes="1", piecewise_token_sizes=str(n_ext)
     )
     ex.control.set_graph_mode("both")
-    span = CONTEXT + 4 * (warm + reps) + 8
+    decode_paths = (
+        ("eager", False, "none"),
+        ("eager_no_copy", True, "none"),
+        ("full_graph", False, "decode"),
+        ("eager (again)", False, "none"),
+        ("eager_no_copy (again)", True, "none"),
+    )
+    span = CONTEXT + len(decode_paths) * (warm + reps) + 8
     slots = list(range(1, span + 1))
     ex.forward(
         make_extend_batch(
@@ -90,12 +125,7 @@ def latency_stage(ctx: Context) -> StageResult:
     seq = CONTEXT
     rows: list[list[Any]] = []
     figures: dict[str, float] = {}
-    for path, no_copy, mode in (
-        ("eager", False, "none"),
-        ("eager_no_copy", True, "none"),
-        ("full_graph", False, "decode"),
-        ("eager (again)", False, "none"),
-    ):
+    for path, no_copy, mode in decode_paths:
         ex.toggles.eager_input_no_copy = no_copy
         ex.control.set_graph_mode(mode)
         batches = []
@@ -109,13 +139,8 @@ def latency_stage(ctx: Context) -> StageResult:
                 )
             )
             seq += 1
-        expect = path.removesuffix(" (again)")
-        wall, gpu = _time(ex, batches, expect)
-        (w50, w90), (g50, g90) = percentiles(wall[warm:]), percentiles(gpu[warm:])
-        rows.append(
-            [f"decode bs 1, {path}", f"{w50:.3f}", f"{w90:.3f}", f"{g50:.3f}", f"{g90:.3f}"]
-        )
-        figures[path] = w50
+        rows.append(_row(f"decode bs 1, {path}", _time(ex, batches, path.split()[0]), warm))
+        figures[path] = float(rows[-1][1])
     ext_slot = span + 1
     for path, mode in (("eager", "none"), ("piecewise", "extend")):
         ex.toggles.eager_input_no_copy = False
@@ -128,21 +153,11 @@ def latency_stage(ctx: Context) -> StageResult:
             )
             for _ in range(warm + reps // 2)
         ]
-        wall, gpu = _time(ex, batches, path)
-        (w50, w90), (g50, g90) = percentiles(wall[warm:]), percentiles(gpu[warm:])
-        rows.append(
-            [
-                f"extend {n_ext} tokens, {path}",
-                f"{w50:.3f}",
-                f"{w90:.3f}",
-                f"{g50:.3f}",
-                f"{g90:.3f}",
-            ]
-        )
-        figures[f"extend {path}"] = w50
-    lines = markdown_table(
-        ["step", "wall ms p50", "wall ms p90", "device ms p50 (forward)", "device ms p90"], rows
-    )
+        rows.append(_row(f"extend {n_ext} tokens, {path}", _time(ex, batches, path), warm))
+        figures[f"extend {path}"] = float(rows[-1][1])
+    header = ["step", "wall ms p50", "wall ms p90", "device ms p50 (forward)", "device ms p90"]
+    # cpu/wall above 1: another thread of this process ran; runnable: the machine's load
+    lines = markdown_table([*header, "cpu/wall", "runnable"], rows)
     text = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
     return StageResult("PASS", f"bs-1 decode wall ms p50: {text}", lines, {"ms": figures})
 

@@ -17,6 +17,7 @@ from executor.models.hf_loader import save_hf_directory
 from executor.models.tiny_random import tiny_random_weights
 from executor.weights.memory import KV_CACHE, TAGS, WEIGHTS, device_free_bytes
 from executor.weights.writer import digest
+from ops.device_scope import current_scope, resolve_index
 from tests.weights_util import MEDIUM, config, fresh, greedy, new_weights, update
 
 # Every test here loads an executor or starts a server: over half a second each.
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_release_gives_memory_back_before_answering_and_resume_restores_it(
-    tmp_path: Path, cache_dir: Path, device: str
+    tmp_path: Path, cache_dir: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The memory figure: the resident set on the CPU, `mem_get_info`'s free bytes on CUDA
     (where the DECODE graphs, which captured the memory's addresses, are dropped at the
@@ -60,8 +61,14 @@ def test_release_gives_memory_back_before_answering_and_resume_restores_it(
     with pytest.raises(ToggleRefusedError, match="released"):
         ex.control.apply_toggles(graph_mode="both")
     assert ex.req_to_token_pool.rows_in_use() == rows  # refused: nothing else changed
+    scopes: list[torch.device | None] = []  # a resume captures graphs: kernels need the scope
+    resume_tag = ex.weights.memory.resume
+    monkeypatch.setattr(
+        ex.weights.memory, "resume", lambda tag: scopes.append(current_scope()) or resume_tag(tag)
+    )
     free = device_free_bytes(ex.device)
     report = ex.weights.resume(TAGS, from_update=False)
+    assert scopes == [resolve_index(ex.device)] * len(TAGS)
     assert free - device_free_bytes(ex.device) >= 0.9 * sum(tagged.values())
     assert report.released == () and report.kv_epoch == 1
     assert ex.req_to_token_pool.rows_in_use() == 0  # every row released

@@ -50,6 +50,7 @@ from executor.weights.catalog import TensorSpec, UpdatePlan, WeightCatalog
 from executor.weights.group import GroupSpec, WeightsGroup
 from executor.weights.memory import KV_CACHE, TAGS, WEIGHTS, MemoryReport, TaggedMemory
 from executor.weights.writer import StagedUpdate
+from ops.device_scope import on_own_device
 
 log = structlog.get_logger(__name__)
 
@@ -285,6 +286,7 @@ class WeightsControl:
         return self.group
 
     # --- memory -------------------------------------------------------------------------
+    @on_own_device
     def release(self, tags: tuple[str, ...]) -> MemoryReport:
         """Give `tags`' memory back to the system (the device thread, between two steps)."""
         t0 = time.perf_counter()
@@ -303,11 +305,13 @@ class WeightsControl:
             freed = self.release_local(tags)
         return self.report(freed, time.perf_counter() - t0)
 
+    @on_own_device
     def release_local(self, tags: tuple[str, ...]) -> int:
         if self.device.type == "cuda":  # graphs captured these addresses (and hold a pool)
             self.runner.decode_graphs = self.runner.piecewise = None
         return sum(self.memory.release(tag) for tag in tags)
 
+    @on_own_device
     def resume(self, tags: tuple[str, ...], *, from_update: bool) -> MemoryReport:
         """Take `tags`' memory back (the device thread, between two steps)."""
         t0 = time.perf_counter()
@@ -327,6 +331,7 @@ class WeightsControl:
             self.kv_epoch += 1
         return self.report(taken, time.perf_counter() - t0)
 
+    @on_own_device  # a resume captures graphs again: Triton launches need the scope
     def resume_local(self, tags: tuple[str, ...], *, from_update: bool) -> int:
         weights_back = WEIGHTS in tags and WEIGHTS in self.memory.released
         taken = sum(self.memory.resume(tag) for tag in tags)
