@@ -171,6 +171,15 @@ PADDED_SMALL = {"graph_batch_sizes": "2,16", "piecewise_token_sizes": "64,256"}
         ("standin", PADDED, ((0, 0), (7, 0), (31, 0), (7, 17))),
         ("compiled", PADDED_SMALL, ((0, 0), (7, 0))),
         ("compiled_step", PADDED_SMALL, ((0, 0), (7, 0))),
+        pytest.param(
+            "cuda",
+            PADDED,
+            ((0, 0), (7, 0), (31, 0), (7, 17)),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
     ],
 )
 def test_the_graph_paths_give_the_eager_paths_logprobs_and_logits(
@@ -181,10 +190,12 @@ def test_the_graph_paths_give_the_eager_paths_logprobs_and_logits(
 ) -> None:
     """Full graph (DECODE) and piecewise (EXTEND) steps, padded to their buckets, give a
     request's prompt logprobs and logits bit for bit as the eager path does it alone; the
-    compiled backends compile with dynamo's eager backend (the eager kernels)."""
-    alone = _run(_executor(make_executor, True, "float32"), 0)
+    compiled backends compile with dynamo's eager backend (the eager kernels); CUDA graphs
+    replay the Triton path's kernels."""
+    on = {"device": "cuda", "attention_backend": "triton"} if backend == "cuda" else {}
+    alone = _run(_executor(make_executor, True, "float32", **on), 0)
     ex = _executor(
-        make_executor, True, "float32", graph_mode="both", graph_backend=backend, **buckets
+        make_executor, True, "float32", graph_mode="both", graph_backend=backend, **buckets, **on
     )
     for others, cut in runs:
         paths: set[tuple[str, bool]] = set()
