@@ -66,6 +66,7 @@ from executor.parallel.leader import TpLeader
 from executor.step.assembly import assemble_step
 from executor.step.graph_control import GraphControl
 from executor.weights.control import WeightsControl
+from executor.weights.memory import TaggedMemory
 from ops import host_kernels
 from ops.device_scope import device_scope, on_own_device
 
@@ -217,11 +218,13 @@ class ModelExecutor:
             observer=self.observer,
             comm=self.comm,
         )
+        memory = TaggedMemory(self.model, self.kv_pool, self.device)
         if not compile_only:  # on every rank, in the same order (captures run collectives)
             if self.lora is not None:
                 self.lora.lock = self.control.step_lock
                 for name, path in parse_lora_setting(config.lora):  # every rank reads its cut
                     self.lora.load(name, path)
+            memory.own_pools()  # CUDA: before any graph captures the memory's addresses
             self.control.start()
         self.hooks = TestHooks()
         parts = assemble_step(
@@ -246,7 +249,7 @@ class ModelExecutor:
         # Weights and memory changed while serving, between two steps (executor.weights).
         self.weights = WeightsControl(
             model=self.model,
-            kv_pool=self.kv_pool,
+            memory=memory,
             runner=self.runner,
             toggles=self.toggles,
             comm=self.comm,
@@ -312,12 +315,9 @@ class ModelExecutor:
 
     @on_own_device
     def warmup(self) -> None:
-        """Run one EXTEND and one DECODE step on the reserved row 0 and slot 0.
-
-        Row 0 holds only zeros and slot 0 is the padding sink, so the warm-up touches no
-        state a scheduler can see; it bypasses validation, which (rightly) refuses row 0, and
-        undoes its row-table writes.
-        """
+        """One EXTEND and one DECODE step on the reserved row 0 and slot 0 (zeros, the padding
+        sink): no state a scheduler can see. It bypasses validation, which (rightly) refuses
+        row 0, and undoes its row-table writes."""
         n = 8
         zeros = [0] * n
         for batch in (

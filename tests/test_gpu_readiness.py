@@ -216,14 +216,21 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
 
 # --- on a GPU -----------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing() -> None:
+    """In a process of its own: a capture that did not end leaves CUDA's caching allocator
+    believing one is under way for the process's life (`ops.allocator`)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_poisoned_capture)
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0, f"the child failed (exit {child.exitcode}): see its stderr"
+
+
+def _poisoned_capture() -> None:
     from executor.graphs import factory as factory_module
     from executor.graphs.capture import capture_buckets
-
-    # The poisoning is process-wide on CUDA: keep it to this test.
-    monkeypatch.setattr(factory_module, "_cuda_poisoned", [])
+    from ops import allocator
 
     device = torch.device("cuda", torch.cuda.current_device())
     with ds.device_scope(device):
@@ -248,6 +255,7 @@ def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing(
         again = capture_buckets("piecewise", [8], capture_one, factory, progress=False)
         assert again.captured == [] and tried == [4]  # nothing captured after a poisoning
         assert float((x + 1).sum().cpu()) == 8.0  # eager work still runs on the device
+    assert factory_module._cuda_poisoned and allocator._poisoned  # for the process's life
 
 
 @pytest.mark.gpu

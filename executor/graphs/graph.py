@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
+from ops.allocator import mark_poisoned, routing
 from ops.device_scope import check_device
 
 WARMUP_RUNS = 2
@@ -180,7 +181,9 @@ class CudaGraph(Graph):
         torch.cuda.synchronize(self._device)
         graph = torch.cuda.CUDAGraph()
         body_error: BaseException | None = None
-        with torch.cuda.stream(self._stream):  # the previous stream comes back on any exit
+        # The stream: the previous one comes back on any exit. routing(): no memory pool is
+        # destroyed while the capture is under way (ops.allocator).
+        with torch.cuda.stream(self._stream), routing():
             # thread_local: a background capture (set_graph_mode(background=True)) holds the
             # step lock, so no other thread launches work meanwhile; other threads' host-side
             # CUDA calls (an RPC thread, a metrics scrape) must not invalidate the capture.
@@ -192,6 +195,7 @@ class CudaGraph(Graph):
             try:
                 graph.capture_end()
             except RuntimeError as e:
+                mark_poisoned(f"CUDA graph capture did not end: {e}")
                 raise GraphCapturePoisoned(f"CUDA graph capture did not end: {e}") from (
                     body_error or e
                 )

@@ -39,7 +39,6 @@ import torch
 from executor.core.errors import ModelStateError
 from executor.core.names import GraphMode
 from executor.core.toggles import CaptureState, Toggles
-from executor.kv_cache import KVPool
 from executor.model_runner import ModelRunner
 from executor.models.decoder_model import DecoderModel
 from executor.models.layers import PackedLinear
@@ -80,7 +79,7 @@ class WeightsControl:
         self,
         *,
         model: DecoderModel,
-        kv_pool: KVPool,
+        memory: TaggedMemory,
         runner: ModelRunner,
         toggles: Toggles,
         comm: TpComm,
@@ -101,7 +100,7 @@ class WeightsControl:
         self._reload = reload
         self._empty_rows = empty_rows
         self._on_version = on_version
-        self.memory = TaggedMemory(model, kv_pool, device)
+        self.memory = memory
         self.leader: TpLeader | None = None  # rank 0 of a group, once it serves
         self.version = INITIAL_VERSION
         self.updates = 0

@@ -14,14 +14,28 @@ are returned (`empty_cache`) so `mem_get_info` counts them free; on the CPU glib
 return freed heap pages (`malloc_trim`), since a freed block below its mmap threshold would
 otherwise stay in the resident set. `resident_bytes` and `device_free_bytes` are the figures
 the tests and benchmarks read.
+
+On CUDA each tag's memory lives in a memory pool of its own (`torch.cuda.MemPool`): the caching
+allocator returns a segment to the driver only when every block in it is free, and a weight
+that shared a segment with anything else (activations, another executor's blocks) would keep
+that segment mapped. `own_pools` moves each tag into its pool once, before any graph captures
+the addresses; a release frees the pool's every block and drops the pool, a resume allocates
+into a new one. The pools themselves are held by `ops.allocator.POOLS`, which destroys one only
+where no graph capture can be under way (a release; a later executor's start-up for the pools
+of one the collector freed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +43,14 @@ from torch import nn
 from executor.core.errors import ModelStateError
 from executor.kv_cache import KVPool
 from executor.models.layers import PackedLinear
+from ops.allocator import POOLS, routing
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
+
+log = logging.getLogger(__name__)
+
+Allocating = Callable[[], AbstractContextManager[Any]]  # allocations made inside go to a pool
 
 
 def resident_bytes() -> int:
@@ -78,6 +97,49 @@ def give_back(device: torch.device) -> None:
         _malloc_trim()
 
 
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of `storage`."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def new_pool(device: torch.device) -> Any:
+    """A memory pool of its own on CUDA (`torch.cuda.MemPool`); None elsewhere."""
+    return torch.cuda.MemPool() if device.type == "cuda" else None
+
+
+def allocating_in(pool: Any) -> Allocating:
+    """What routes this thread's allocations into `pool` (None: the default allocator)."""
+    if pool is None:
+        return contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def routed() -> Iterator[None]:
+        with routing(), torch.cuda.use_mem_pool(pool):  # counted: see ops.allocator
+            yield
+
+    return routed
+
+
+def move_storages(
+    storages: list[tuple[torch.Tensor, int]], allocating: Allocating, *, keep: bool
+) -> None:
+    """Give each storage a new allocation made inside `allocating`, in place: the storage
+    objects (and so every tensor and view over them) stay, their contents are copied across
+    (`keep`) or zeroed. One storage at a time, so the extra memory is the largest one's."""
+    with torch.no_grad():
+        for t, nbytes in storages:
+            storage = t.untyped_storage()
+            old = _bytes(storage).clone() if keep else None
+            storage.resize_(0)
+            with allocating():
+                storage.resize_(nbytes)
+            new = _bytes(storage)
+            if old is None:
+                new.zero_()
+            else:
+                new.copy_(old)
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Which memory is released now, the KV epoch, and what a call freed or took back."""
@@ -110,6 +172,26 @@ class TaggedMemory:
         self.kv_pool = kv_pool
         self.device = device
         self._held: dict[str, _Held] = {}
+        self._pools: dict[str, int] = {}  # CUDA: each tag's own memory pool (its key in POOLS)
+
+    def own_pools(self) -> None:
+        """On CUDA, move each tag's memory into a pool of its own (weights copied, the KV
+        cache zeroed); nothing elsewhere. Before any graph captures the addresses. A tag whose
+        memory cannot be released stays where it is (its release will say why)."""
+        if self.device.type != "cuda":
+            return
+        POOLS.reap()  # the pools of executors gone since
+        for tag in TAGS:
+            try:
+                held = self._collect(tag)
+            except ModelStateError as e:
+                log.warning("%s stays in the shared allocator pool: %s", tag, e)
+                continue
+            pool = new_pool(self.device)
+            move_storages(held.storages, allocating_in(pool), keep=tag == WEIGHTS)
+            self._pools[tag] = POOLS.keep(pool, self)
+            del pool  # the keeper's reference is the last: it alone destroys the pool
+            give_back(self.device)  # the storages' old segments
 
     @property
     def any_released(self) -> bool:
@@ -159,6 +241,15 @@ class TaggedMemory:
         for m in held.packed:
             m.packed.release()
         self._held[tag] = held
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        key = self._pools.pop(tag, None)
+        if key is not None and not POOLS.discard(key):  # else its segments went back
+            log.warning(
+                "%s: its memory pool stays mapped until no CUDA graph capture is under way "
+                "(a capture that did not end keeps it for the process's life)",
+                tag,
+            )
         give_back(self.device)
         return held.nbytes
 
@@ -167,11 +258,17 @@ class TaggedMemory:
         held = self._held.pop(tag, None)
         if held is None:
             return 0
+        pool = new_pool(self.device)
+        allocating = allocating_in(pool)
         with torch.no_grad():
             for t, nbytes in held.storages:
                 storage = t.untyped_storage()
-                storage.resize_(nbytes)
-                torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).zero_()
+                with allocating():
+                    storage.resize_(nbytes)
+                _bytes(storage).zero_()
+            if pool is not None:
+                self._pools[tag] = POOLS.keep(pool, self)
+            del pool
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)
                 m.packed.restore(m.packed.pack(zeros))
