@@ -122,6 +122,11 @@ FUTURE = {"future_slots": 4}
 HELD_FUTURE = np.array([False, True, False, True, False])  # slots 1 and 3 hold tokens
 EXTEND = make_extend_batch(input_ids=[[1, 2], [3]], req_pool_indices=[3, 6], out_cache_loc=[[20, 21], [22]])  # fmt: skip
 EMBEDS = _with(GOOD, input_ids=None, input_embeds=torch.zeros(3, 16))
+OVERLAP = _with(  # slots 1 and 3 held: it reads them, writes 2 and 4
+    decode([1, 2], [5, 8], [10, 11], ids=[-1, -3]),
+    released_future_slots=_t([]),
+    future_token_slots=_t([2, 4]),
+)
 
 
 def _cases() -> Iterator[Case]:
@@ -154,6 +159,16 @@ def _cases() -> Iterator[Case]:
     yield Case("future references", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-1, -3, 4]), FUTURE, HELD_FUTURE)  # fmt: skip
     yield Case("a reference to an empty slot", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-1, -2, 4]), FUTURE, HELD_FUTURE)  # fmt: skip
     yield Case("a reference past future_slots", decode([1, 2, 4], [5, 8, 3], [10, 11, 12], ids=[-9, 3, 4]), FUTURE, HELD_FUTURE)  # fmt: skip
+    # An overlapping scheduler's step: references, its own slots, the slots it is done with.
+    yield Case("an overlap step", OVERLAP, FUTURE, HELD_FUTURE)
+    yield Case("a future slot released twice", _with(OVERLAP, released_future_slots=_t([3, 3])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a released slot past future_slots", _with(OVERLAP, released_future_slots=_t([5])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a float release", _with(OVERLAP, released_future_slots=torch.zeros(0)), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a reference to a slot the step releases", _with(OVERLAP, released_future_slots=_t([1])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a held slot assigned again", _with(OVERLAP, future_token_slots=_t([3, 2])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a slot the step releases, assigned again", _with(OVERLAP, released_future_slots=_t([3]), future_token_slots=_t([3, 2]), input_ids=_t([-1, 4])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("a future slot twice", _with(OVERLAP, future_token_slots=_t([2, 2])), FUTURE, HELD_FUTURE)  # fmt: skip
+    yield Case("one future slot for two requests", _with(OVERLAP, future_token_slots=_t([2])), FUTURE, HELD_FUTURE)  # fmt: skip
     yield Case("embeddings", EMBEDS)
     yield Case("embeddings switched off", EMBEDS, {"allow_input_embeds": False})
     yield Case("no input", _with(GOOD, input_ids=None))
@@ -449,6 +464,9 @@ def test_the_usual_batch_takes_the_kernel_paths() -> None:
     assert plain_decode_holds(GOOD, limits(), RESIDENT, None)
     many = next(c for c in CASES if c.name == "80 requests")
     assert plain_decode_holds(many.fb, limits(**many.limits), many.resident, None)
+    assert plain_decode_holds(OVERLAP, limits(**FUTURE), RESIDENT, HELD_FUTURE)
+    again = next(c for c in CASES if c.name == "a slot the step releases, assigned again")
+    assert plain_decode_holds(again.fb, limits(**FUTURE), RESIDENT, HELD_FUTURE)
     assert _decode_fields(GOOD, GOOD.seq_lens) is not None
     hot = SamplingParams(temperature=0.7, top_k=5)
     assert sampling_holds(_sampling(hot, hot, hot, bs=3), 3)

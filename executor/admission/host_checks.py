@@ -42,9 +42,10 @@ def plain_decode_holds(
     resident_lens: np.ndarray,
     future_assigned: np.ndarray | None,
 ) -> bool:
-    """True when `fb` is a DECODE batch of the usual shape (token ids, no positions, releases,
-    future slots or embeddings) and the host kernel finds every rule of `validate_batch` holds
-    for it; False sends it through the rules below, which name what is wrong (or accept it)."""
+    """True when `fb` is a DECODE batch of the usual shape (token ids; no positions, row
+    releases or embeddings; future slots assigned and released, as an overlapping scheduler
+    sends them) and the host kernel finds every rule of `validate_batch` holds for it; False
+    sends it through the rules below, which name what is wrong (or accept it)."""
     k = host_kernels.loaded()
     if k is None or fb.forward_mode is not ForwardMode.DECODE:
         return False
@@ -56,8 +57,6 @@ def plain_decode_holds(
         or fb.positions is not None
         or fb.input_embeds is not None
         or fb.released_req_pool_indices is not None
-        or fb.released_future_slots is not None
-        or fb.future_token_slots is not None
         or fb.extend_prefix_lens is not None
         or fb.extend_seq_lens is not None
         or fb.prefix_cache_loc is not None
@@ -86,7 +85,12 @@ def plain_decode_holds(
     if limits.future_slots and future_assigned is not None:
         if future_assigned.dtype != np.bool_ or len(future_assigned) != limits.future_slots + 1:
             return False
-        assigned = host_kernels.address(future_assigned)
+        held = _future_held(fb, bs, limits.future_slots, future_assigned)
+        if held is None:
+            return False
+        assigned = host_kernels.address(held)
+    elif fb.released_future_slots is not None or fb.future_token_slots is not None:
+        return False
     stats = (ctypes.c_int64 * 3)()
     return not k.check_decode(
         bs,
@@ -97,6 +101,38 @@ def plain_decode_holds(
         seq_lens.data_ptr(), host_kernels.element_size(seq_lens), limits.max_context_len,
         host_kernels.address(resident_lens), stats,
     )  # fmt: skip
+
+
+def _future_held(
+    fb: ForwardBatch, bs: int, future_slots: int, assigned: np.ndarray
+) -> np.ndarray | None:
+    """The future slots that hold a token once `fb`'s releases apply (what its references
+    may name), when its releases and its own slots keep `_check_future`'s rules: unique slots
+    in 1..future_slots, one per request, none still held; None to let those rules speak."""
+    held = assigned
+    released = fb.released_future_slots
+    if released is not None:
+        if not (isinstance(released, torch.Tensor) and _host_vector(released, released.numel())):
+            return None
+        if released.numel():
+            if not _slots(released, future_slots):
+                return None
+            held = assigned.copy()  # the table's own map changes only when the step applies
+            held[released.numpy()] = False
+    slots = fb.future_token_slots
+    if slots is not None and not (
+        _host_vector(slots, bs) and _slots(slots, future_slots) and not held[slots.numpy()].any()
+    ):
+        return None
+    return held
+
+
+def _slots(t: torch.Tensor, future_slots: int) -> bool:
+    """Unique slots in 1..future_slots."""
+    a = t.numpy()
+    if a.size == 1:
+        return 1 <= int(a[0]) <= future_slots
+    return bool(a.min() >= 1 and a.max() <= future_slots and np.unique(a).size == a.size)
 
 
 _SAMPLING_DTYPES = (
