@@ -17,8 +17,8 @@ answered, the order before the pipeline). Against each:
 Each run reports steps/s (the stand-in's ceiling is 1000 / D) and the device occupancy:
 the server's `model_executor_forward_occupancy` gauge scraped right after the run (the
 script waits out the gauge's 10 s window before each run, so the window holds that run only),
-and the same ratio from the answers' `host_gap_ns` (busy = D per step). The tokens of the two
-servers must be equal (checked).
+and the same ratio from the answers' `host_gap_ns` (busy = D per step), beside each step's
+admission time (its `validate` phase). The tokens of the two servers must be equal (checked).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import threading
 import time
@@ -53,6 +54,7 @@ class Run:
     seconds: float
     gaps_ns: list[int]
     tokens: list[list[int]]
+    validate_ns: list[int]  # each step's admission (the `validate` phase)
     gauge: float = float("nan")
 
     def occupancy(self, step_ms: float) -> float:
@@ -65,19 +67,20 @@ def overlap_run(client: ExecutorClient, bs: int, steps: int, depth: int = 2) -> 
     `depth` steps sent and not yet read."""
     run = generate_once(client, bs, steps, overlap=True, depth=depth)
     gaps = [a.stats.host_gap_ns for a in run.steps]
-    return Run(len(run.steps), run.seconds, gaps, run.tokens)
+    validate = [a.stats.timings_ns.get("validate", 0) for a in run.steps]
+    return Run(len(run.steps), run.seconds, gaps, run.tokens, validate)
 
 
 def unary_run(target: str, clients: int, steps: int) -> Run:
     """`clients` threads, each with its own channel, row and slots, `steps // clients` steps."""
     per = steps // clients
-    results: list[tuple[list[int], list[int]]] = [([], [])] * clients
+    results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * clients
     start = threading.Barrier(clients + 1)
 
     def one(i: int) -> None:
         # Rows and slots apart from the overlap runs' (their scheduler allocates from 1 up).
         row, base = 40 + i, 20_000 + i * (PROMPT_LEN + per + 1)
-        tokens, gaps = [], []
+        tokens, gaps, validate = [], [], []
         with ExecutorClient(target) as client:
             prompt = [(17 * i + j) % 400 + 5 for j in range(PROMPT_LEN)]
             out = client.forward(
@@ -100,7 +103,8 @@ def unary_run(target: str, clients: int, steps: int) -> Run:
                 )
                 tokens.append(int(out.next_token_ids[0]))
                 gaps.append(out.stats.host_gap_ns)
-        results[i] = (tokens, gaps)
+                validate.append(out.stats.timings_ns.get("validate", 0))
+        results[i] = (tokens, gaps, validate)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -110,8 +114,9 @@ def unary_run(target: str, clients: int, steps: int) -> Run:
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
-    gaps = [g for _, gs in results for g in gs]
-    return Run(len(gaps), seconds, gaps, [t for t, _ in results])
+    gaps = [g for _, gs, _ in results for g in gs]
+    validate = [v for _, _, vs in results for v in vs]
+    return Run(len(gaps), seconds, gaps, [t for t, _, _ in results], validate)
 
 
 def gauge(metrics_port: int) -> float:
@@ -137,8 +142,8 @@ def main() -> None:
     print(f"stand-in D = {args.step_ms:g} ms (ceiling {ceiling:.0f} steps/s); {args.steps} steps "
           f"per run; occupancy: the gauge after the run / from the answers' host gaps\n")  # fmt: skip
     print("| pipeline | workload | steps/s | share of ceiling | occupancy (gauge) | "
-          "occupancy (answers) | host gap p50 us |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "occupancy (answers) | host gap p50 us | validate p50 us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     tokens: dict[str, list[list[list[int]]]] = {}
     for mode in ("on", "off"):
         metrics_port = free_port()
@@ -167,10 +172,10 @@ def main() -> None:
         tokens[mode] = [r.tokens for _, r in runs]
         for name, run in runs:
             rate = run.steps / run.seconds
-            gaps = sorted(run.gaps_ns)
+            gap, validate = statistics.median(run.gaps_ns), statistics.median(run.validate_ns)
             print(
                 f"| {mode} | {name} | {rate:.0f} | {rate / ceiling:.0%} | {run.gauge:.3f} | "
-                f"{run.occupancy(args.step_ms):.3f} | {gaps[len(gaps) // 2] / 1000:.0f} |",
+                f"{run.occupancy(args.step_ms):.3f} | {gap / 1000:.0f} | {validate / 1000:.0f} |",
                 flush=True,
             )
     if tokens["on"] != tokens["off"]:
