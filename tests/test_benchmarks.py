@@ -299,8 +299,9 @@ def test_hardening_benchmark_measures_access_health_and_headers(
 
 def test_pipeline_runs_count_every_step_and_read_the_occupancy_gauge(cache_dir: Path) -> None:
     """A few steps of each workload of benchmarks/pipeline.py against a stand-in server
-    (D = 1 ms): every answer counted with its host gap, the tokens the stand-in's rule, the
-    occupancy from the answers in (0, 1], and the gauge read from the metrics port."""
+    (D = 1 ms): every answer counted with its host gap and admission time, the tokens the
+    stand-in's rule, the occupancy from the answers in (0, 1], and the gauge read from the
+    metrics port."""
     from benchmarks import pipeline
     from executor.models.standin import standin_token
 
@@ -316,6 +317,7 @@ def test_pipeline_runs_count_every_step_and_read_the_occupancy_gauge(cache_dir: 
                 want.append(standin_token(want[-1], pipeline.PROMPT_LEN + k, vocab))
             assert tokens == want
         assert 0 < run.occupancy(1.0) <= 1 and min(run.gaps_ns) >= 0
+        assert len(run.validate_ns) == run.steps and min(run.validate_ns) > 0  # admission timed
         unary = pipeline.unary_run(f"127.0.0.1:{running.port}", clients=2, steps=6)
         assert unary.steps == 2 * 2 and [len(t) for t in unary.tokens] == [3, 3]
         assert running.metrics_port is not None
