@@ -216,8 +216,7 @@ class TrainerGroup:
         if verdict != 0:
             call.result()  # raises the refusal
             raise RuntimeError("the executor refused the update")  # pragma: no cover
-        for _, t in pairs:
-            group.broadcast(t.to(device).contiguous(), 0)
+        group.send((t.to(device).contiguous() for _, t in pairs), 0)
         return swap_from_proto(call.result())
 
     def close(self) -> None:

@@ -19,7 +19,8 @@ why, and a new group must be formed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +32,7 @@ from executor.core.errors import ModelStateError
 from executor.weights.memory import host_bytes
 
 DEFAULT_TIMEOUT_S = 300.0
+RECEIVE_AHEAD = 2  # receives posted beyond the tensor being staged (their buffers held)
 BACKENDS = ("gloo", "nccl")
 
 
@@ -93,6 +95,10 @@ class WeightsGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """`src`'s `tensor` into every member's (same shape and dtype), in place."""
+        return self._wait(self._post(tensor, src), tensor)
+
+    def _post(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start the broadcast of `tensor` from `src`; its work, to `_wait` for."""
         if self.failed is not None:
             raise ModelStateError(
                 f"the weights group failed earlier ({self.failed}); form a new one"
@@ -101,11 +107,21 @@ class WeightsGroup:
         options.rootRank = src
         options.rootTensor = 0
         try:
-            self.pg.broadcast([tensor], options).wait()
-        except RuntimeError as exc:  # a member died or hangs: the group is unusable
-            self.failed = f"{type(exc).__name__}: {exc}"
-            raise ModelStateError(f"the weights group failed: {self.failed}") from exc
+            return self.pg.broadcast([tensor], options)
+        except RuntimeError as exc:
+            raise self._fail(exc) from exc
+
+    def _wait(self, work: Any, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise self._fail(exc) from exc
         return tensor
+
+    def _fail(self, exc: RuntimeError) -> ModelStateError:
+        """A member died or hangs: the group is unusable."""
+        self.failed = f"{type(exc).__name__}: {exc}"
+        return ModelStateError(f"the weights group failed: {self.failed}")
 
     def verdict(self, code: int, src: int) -> int:
         """The verdict of an update: `src` sends `code`, every member gets it."""
@@ -115,14 +131,34 @@ class WeightsGroup:
     def receive(
         self, shapes: list[tuple[tuple[int, ...], torch.dtype]], src: int
     ) -> Iterator[torch.Tensor]:
-        """Each tensor `src` broadcasts, in order (allocated here, on `tensor_device`)."""
-        for shape, dtype in shapes:
-            if self.tensor_device.type == "cpu":
-                numel = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-                buffer = host_bytes(numel).view(dtype).reshape(shape)
-            else:
-                buffer = torch.empty(shape, dtype=dtype, device=self.tensor_device)
-            yield self.broadcast(buffer, src)
+        """Each tensor `src` broadcasts, in order (allocated here, on `tensor_device`). The
+        receives of the next `RECEIVE_AHEAD` tensors are posted before one is handed out, so
+        the sender goes on sending while the caller stages it."""
+        posted: deque[tuple[Any, torch.Tensor]] = deque()
+        for i in range(len(shapes) + RECEIVE_AHEAD):
+            if i < len(shapes):
+                buffer = self._buffer(*shapes[i])
+                posted.append((self._post(buffer, src), buffer))
+            if i >= RECEIVE_AHEAD:
+                work, buffer = posted.popleft()
+                yield self._wait(work, buffer)
+
+    def send(self, tensors: Iterable[torch.Tensor], src: int) -> None:
+        """Broadcast each tensor from `src` (this member), in order, up to `RECEIVE_AHEAD`
+        more started before the oldest is waited for."""
+        posted: deque[tuple[Any, torch.Tensor]] = deque()
+        for tensor in tensors:
+            posted.append((self._post(tensor, src), tensor))
+            if len(posted) > RECEIVE_AHEAD:
+                self._wait(*posted.popleft())
+        while posted:
+            self._wait(*posted.popleft())
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.tensor_device.type == "cpu":
+            numel = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            return host_bytes(numel).view(dtype).reshape(shape)
+        return torch.empty(shape, dtype=dtype, device=self.tensor_device)
 
     def close(self) -> None:
         """Leave the group (its process group and store connection go with this object)."""
