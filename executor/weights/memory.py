@@ -30,13 +30,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
@@ -48,7 +48,7 @@ from ops.allocator import POOLS, routing
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 Allocating = Callable[[], AbstractContextManager[Any]]  # allocations made inside go to a pool
 
@@ -185,7 +185,7 @@ class TaggedMemory:
             try:
                 held = self._collect(tag)
             except ModelStateError as e:
-                log.warning("%s stays in the shared allocator pool: %s", tag, e)
+                log.warning("memory stays in the shared allocator pool", tag=tag, why=str(e))
                 continue
             pool = new_pool(self.device)
             move_storages(held.storages, allocating_in(pool), keep=tag == WEIGHTS)
@@ -246,9 +246,9 @@ class TaggedMemory:
         key = self._pools.pop(tag, None)
         if key is not None and not POOLS.discard(key):  # else its segments went back
             log.warning(
-                "%s: its memory pool stays mapped until no CUDA graph capture is under way "
-                "(a capture that did not end keeps it for the process's life)",
-                tag,
+                "released memory stays mapped until no CUDA graph capture is under way (a "
+                "capture that did not end keeps it for the process's life)",
+                tag=tag,
             )
         give_back(self.device)
         return held.nbytes
