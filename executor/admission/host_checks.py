@@ -131,8 +131,7 @@ def _future_held(
 
 
 def _slots(slots: list[int], future_slots: int) -> bool:
-    """Unique slots in 1..future_slots (plain Python: faster than numpy's reductions on the
-    few slots of a step)."""
+    """Unique slots in 1..future_slots (a step's few slots, as a list)."""
     return min(slots) >= 1 and max(slots) <= future_slots and len(set(slots)) == len(slots)
 
 
