@@ -82,7 +82,7 @@ class PoolKeeper:
     def discard(self, key: int) -> bool:
         """The pool of `key` is no longer needed: destroyed now if that is safe, else at a
         later `reap`. True if it is gone."""
-        with _lock:
+        with _lock:  # rebuilt, not set in a loop whose variable would keep the pool alive
             self._kept = [_Kept(k.key, k.pool, None) if k.key == key else k for k in self._kept]
         self.reap()
         with _lock:

@@ -131,28 +131,25 @@ class WeightsGroup:
     def receive(
         self, shapes: list[tuple[tuple[int, ...], torch.dtype]], src: int
     ) -> Iterator[torch.Tensor]:
-        """Each tensor `src` broadcasts, in order (allocated here, on `tensor_device`). The
-        receives of the next `RECEIVE_AHEAD` tensors are posted before one is handed out, so
-        the sender goes on sending while the caller stages it."""
-        posted: deque[tuple[Any, torch.Tensor]] = deque()
-        for i in range(len(shapes) + RECEIVE_AHEAD):
-            if i < len(shapes):
-                buffer = self._buffer(*shapes[i])
-                posted.append((self._post(buffer, src), buffer))
-            if i >= RECEIVE_AHEAD:
-                work, buffer = posted.popleft()
-                yield self._wait(work, buffer)
+        """Each tensor `src` broadcasts, in order (allocated here, on `tensor_device`), the
+        next ones' receives already posted while the caller stages it (`_in_flight`)."""
+        yield from self._in_flight((self._buffer(*s) for s in shapes), src)
 
     def send(self, tensors: Iterable[torch.Tensor], src: int) -> None:
-        """Broadcast each tensor from `src` (this member), in order, up to `RECEIVE_AHEAD`
-        more started before the oldest is waited for."""
+        """Broadcast each tensor from `src` (this member), in order (`_in_flight`)."""
+        for _ in self._in_flight(tensors, src):
+            pass
+
+    def _in_flight(self, tensors: Iterable[torch.Tensor], src: int) -> Iterator[torch.Tensor]:
+        """Each broadcast done, in order, with up to `RECEIVE_AHEAD` more started before it
+        is waited for: the sender keeps sending while a receiver stages."""
         posted: deque[tuple[Any, torch.Tensor]] = deque()
         for tensor in tensors:
             posted.append((self._post(tensor, src), tensor))
             if len(posted) > RECEIVE_AHEAD:
-                self._wait(*posted.popleft())
+                yield self._wait(*posted.popleft())
         while posted:
-            self._wait(*posted.popleft())
+            yield self._wait(*posted.popleft())
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.tensor_device.type == "cpu":

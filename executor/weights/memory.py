@@ -259,16 +259,11 @@ class TaggedMemory:
         if held is None:
             return 0
         pool = new_pool(self.device)
-        allocating = allocating_in(pool)
+        move_storages(held.storages, allocating_in(pool), keep=False)
+        if pool is not None:
+            self._pools[tag] = POOLS.keep(pool, self)
+        del pool  # the keeper's reference is the last: it alone destroys the pool
         with torch.no_grad():
-            for t, nbytes in held.storages:
-                storage = t.untyped_storage()
-                with allocating():
-                    storage.resize_(nbytes)
-                _bytes(storage).zero_()
-            if pool is not None:
-                self._pools[tag] = POOLS.keep(pool, self)
-            del pool
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)
                 m.packed.restore(m.packed.pack(zeros))
