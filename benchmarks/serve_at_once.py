@@ -10,10 +10,13 @@ its own process.
    generate process's answer (`--max-new-tokens 1`, its own start-up included). Then bs-1
    DECODE steps, each timed at the client, until the background capture is idle (the
    compiled path in use): back to back for `--busy-s` (the compile worker, at a low CPU
-   priority, then gets mostly what the steps leave), then one every `--pace-s` (a server that
-   is not saturated). Every step during the compile, and the time from launch to the
-   compiled path.
-2. eager: the same cache dir with `--graph-mode none`: the eager step's median.
+   priority and stopped while each step runs, then gets only the gaps), then one every
+   `--pace-s` (a server that is not saturated). Every step during the compile, and the time
+   from launch to the compiled path. Between blocks of them, a few steps on an eager server
+   (`--graph-mode none`) beside it, with the compile worker stopped (`Beside`): the eager step
+   at the same time, the base of the steps meanwhile.
+2. eager: the same cache dir with `--graph-mode none`, `--eager-steps` back to back: the
+   machine's own spread (p99 over median), with no compile.
 3. warm: the same cache dir again: first token, steps while the saved compile is loaded, and
    the time to the compiled path (against the cold one: the issue's <= 10%).
 
@@ -28,11 +31,13 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +46,7 @@ import torch
 from benchmarks.served import ROOT, cpu_description, free_port
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
+from executor.core.outputs import ForwardOutput
 
 PROMPT_TOKENS = 64
 DECODE_SPAN = 128  # decode steps per request before the next one starts (fixed KV bucket)
@@ -56,9 +62,13 @@ class Run:
     compiled_s: float | None = None  # launch to the compiled path in use (None: no capture)
     during_ms: list[float] = field(default_factory=list)  # steps while a capture ran
     during_at: list[float] = field(default_factory=list)  # each one's start, s from launch
+    during_busy: list[bool] = field(default_factory=list)  # each one: back to back, or paced
     # The same steps as the server timed them (queue + step, no RPC): a stall there is the
     # executor's, one only in `during_ms` is the transport's or this client's.
     during_server_ms: list[float] = field(default_factory=list)
+    beside_ms: list[float] = field(default_factory=list)  # the eager server's steps (`Beside`)
+    beside_busy: list[bool] = field(default_factory=list)
+    beside_stopped_s: float = 0.0  # of `compiled_s`: the compile worker stopped for them
     launched_utc: str = ""  # the launch, to read `during_slowest` against the server's log
     after_ms: list[float] = field(default_factory=list)  # steps after (or eager steps)
     paths_after: list[str] = field(default_factory=list)
@@ -67,9 +77,14 @@ class Run:
         out: dict[str, object] = {
             k: v for k, v in dataclasses.asdict(self).items() if not isinstance(v, list)
         }
+        busy = [ms for ms, b in zip(self.during_ms, self.during_busy, strict=True) if b]
+        paced = [ms for ms, b in zip(self.during_ms, self.during_busy, strict=True) if not b]
         for name, xs in (
             ("during", self.during_ms),
+            ("during_busy", busy),
+            ("during_paced", paced),
             ("during_server", self.during_server_ms),
+            ("beside", self.beside_ms),
             ("after", self.after_ms),
         ):
             if xs:
@@ -96,24 +111,32 @@ def environment() -> dict[str, str]:
     return {**env, "PYTHONPATH": path}
 
 
+def serve_command(cache_dir: Path, port: int, model: str) -> list[str]:
+    return [
+        sys.executable, "-m", "executor", "serve", "--port", str(port), "--metrics-port", "-1",
+        "--cache-dir", str(cache_dir), "--model", model,
+        "--operator-calls-open",  # loopback: GetRuntimeConfig without a token
+    ]  # fmt: skip
+
+
 def launch(
     cache_dir: Path, flags: list[str], log: Path, model: str
 ) -> tuple[Run, subprocess.Popen[bytes], int]:
     """`serve` and `generate --target` started together; the generate's first token."""
     port = free_port()
     env = environment()
-    cli = [sys.executable, "-m", "executor"]
-    serve = [
-        *cli, "serve", "--port", str(port), "--metrics-port", "-1", "--cache-dir", str(cache_dir),
-        "--model", model, "--operator-calls-open",  # loopback: GetRuntimeConfig without a token
-    ]  # fmt: skip
     generate = [
-        *cli, "generate", "--target", f"127.0.0.1:{port}", "--max-new-tokens", "1",
-        "--cache-dir", str(cache_dir), "--model", model, "The capital of France is",
+        sys.executable, "-m", "executor", "generate", "--target", f"127.0.0.1:{port}",
+        "--max-new-tokens", "1", "--cache-dir", str(cache_dir), "--model", model,
+        "The capital of France is",
     ]  # fmt: skip
     t0 = time.perf_counter()
     server = subprocess.Popen(
-        [*serve, *flags], env=env, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT
+        [*serve_command(cache_dir, port, model), *flags],
+        env=env,
+        cwd=ROOT,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
     )
     done = subprocess.run(generate, env=env, cwd=ROOT, capture_output=True, timeout=900)
     run = Run(log.stem, first_token_s=time.perf_counter() - t0, answer=done.stdout.decode().strip())
@@ -121,6 +144,88 @@ def launch(
         server.kill()
         raise RuntimeError(f"generate failed: {done.stderr.decode()[-2000:]}")
     return run, server, port
+
+
+class Decoder:
+    """bs-1 DECODE steps on one server: a new request every `DECODE_SPAN` steps, on the next
+    row (the one before released with it)."""
+
+    def __init__(self, client: ExecutorClient) -> None:
+        self.client = client
+        self.row, self.slot_base, self.step = 1, 1, 0
+        self.released: torch.Tensor | None = None
+        self.current, self.slots = 1, [0]
+
+    def decode(self) -> tuple[float, ForwardOutput]:
+        """One step (after the next request's prefill, untimed, when one starts): client ms."""
+        if self.step % DECODE_SPAN == 0:
+            self.current = self.row
+            self.slots = list(range(self.slot_base, self.slot_base + PROMPT_TOKENS + DECODE_SPAN))
+            prefill = make_extend_batch(
+                input_ids=[[(17 * j) % 400 + 50 for j in range(PROMPT_TOKENS)]],
+                req_pool_indices=[self.current],
+                out_cache_loc=[self.slots[:PROMPT_TOKENS]],
+            )
+            if self.released is not None:
+                prefill = dataclasses.replace(prefill, released_req_pool_indices=self.released)
+            self.client.forward(prefill)
+            self.released = torch.tensor([self.current])
+            self.row = self.row % 100 + 1
+            self.slot_base = 1 + (self.row - 1) * (PROMPT_TOKENS + DECODE_SPAN)
+            self.step = 0
+        n = PROMPT_TOKENS + self.step
+        batch = make_decode_batch(
+            input_ids=[11],
+            req_pool_indices=[self.current],
+            seq_lens=[n + 1],
+            out_cache_loc=[self.slots[n]],
+        )
+        t = time.perf_counter()
+        out = self.client.forward(batch)
+        self.step += 1
+        return (time.perf_counter() - t) * 1e3, out
+
+
+@dataclass
+class Beside:
+    """An eager server (`--graph-mode none`) beside the cold one while it compiles: after every
+    `BLOCK` of the cold server's steps, `BESIDE` steps run on it, paced as those were, with the
+    cold server's compile worker stopped (that server is idle then, so nothing continues the
+    worker): the eager step at the same moment on the same machine, no compile running.
+    Minutes apart, this machine's speed drifted by a third; and a step after an idle gap runs
+    several times slower than back to back (docs/performance.md)."""
+
+    decoder: Decoder
+    server_pid: int  # the cold server, whose compile worker is stopped for these steps
+    ms: list[float] = field(default_factory=list)
+    busy: list[bool] = field(default_factory=list)  # each one: back to back, or paced
+    stopped_s: float = 0.0  # how long these steps held the compile worker stopped, in all
+
+    def worker(self) -> int | None:
+        found = subprocess.run(
+            ["pgrep", "-P", str(self.server_pid), "-f", "executor.compile_worker"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        return int(found[0]) if found else None
+
+    def run(self, pace_s: float) -> None:
+        worker = self.worker()
+        if worker is not None:
+            os.killpg(worker, signal.SIGSTOP)
+        t = time.perf_counter()
+        try:
+            for _ in range(BESIDE):
+                time.sleep(pace_s)
+                self.ms.append(self.decoder.decode()[0])
+                self.busy.append(pace_s == 0)
+        finally:
+            if worker is not None:
+                os.killpg(worker, signal.SIGCONT)
+                self.stopped_s += time.perf_counter() - t
+
+
+BLOCK, BESIDE = 30, 10  # the cold server's steps, then the eager server's (`Beside`)
 
 
 def decode_until_idle(
@@ -132,13 +237,13 @@ def decode_until_idle(
     busy_s: float,
     pace_s: float,
     timeout: float,
+    beside: Beside | None = None,
 ) -> None:
     """bs-1 DECODE steps while the background capture runs: back to back for `busy_s` (the
     compile worker then gets only what the steps leave of the CPU), then one every `pace_s`
-    (a server that is not saturated); then `after` more, back to back. `t0`: the launch."""
-    row, slot_base, step = 1, 1, 0
-    released: torch.Tensor | None = None
-    current, current_slots = row, [0]
+    (a server that is not saturated); then `after` more, back to back. `t0`: the launch.
+    With `beside`, its eager steps come between blocks of these (`Beside`)."""
+    decoder = Decoder(client)
     config = client.get_runtime_config()
     capturing = config.graph_capture.startswith("capturing")
     if not capturing and config.graph_mode != "none":  # a load already done (upper bound)
@@ -146,45 +251,22 @@ def decode_until_idle(
     start = time.perf_counter()
     remaining = after
     while remaining > 0:
-        if step % DECODE_SPAN == 0:  # a new request on the next row (the last one released)
-            current, current_slots = (
-                row,
-                list(range(slot_base, slot_base + PROMPT_TOKENS + DECODE_SPAN)),
-            )
-            prefill = make_extend_batch(
-                input_ids=[[(17 * j) % 400 + 50 for j in range(PROMPT_TOKENS)]],
-                req_pool_indices=[current],
-                out_cache_loc=[current_slots[:PROMPT_TOKENS]],
-            )
-            if released is not None:
-                prefill = dataclasses.replace(prefill, released_req_pool_indices=released)
-            client.forward(prefill)
-            released = torch.tensor([current])
-            row = row % 100 + 1
-            slot_base = 1 + (row - 1) * (PROMPT_TOKENS + DECODE_SPAN)
-            step = 0
-        n = PROMPT_TOKENS + step
-        batch = make_decode_batch(
-            input_ids=[11],
-            req_pool_indices=[current],
-            seq_lens=[n + 1],
-            out_cache_loc=[current_slots[n]],
-        )
         t = time.perf_counter()
-        out = client.forward(batch)
-        ms = (time.perf_counter() - t) * 1e3
-        step += 1
+        ms, out = decoder.decode()
         if not capturing:
             run.after_ms.append(ms)
             run.paths_after.append(out.stats.path)
             remaining -= 1
             continue
+        busy = time.perf_counter() - start < busy_s
         run.during_ms.append(ms)
         run.during_at.append(t - t0)
+        run.during_busy.append(busy)
         timed = out.stats.timings_ns
         run.during_server_ms.append((timed.get("queue", 0) + timed.get("total", 0)) / 1e6)
-        busy = time.perf_counter() - start < busy_s
-        if busy and step % 10:
+        if beside is not None and len(run.during_ms) % BLOCK == 0:
+            beside.run(0.0 if busy else pace_s)
+        if busy and decoder.step % 10:
             continue
         if not client.get_runtime_config().graph_capture.startswith("capturing"):
             capturing = False
@@ -195,7 +277,15 @@ def decode_until_idle(
             time.sleep(pace_s)
 
 
-def measure(name: str, cache_dir: Path, flags: list[str], args: argparse.Namespace) -> Run:
+def measure(
+    name: str,
+    cache_dir: Path,
+    flags: list[str],
+    args: argparse.Namespace,
+    *,
+    steps: int = 0,
+    besides: bool = False,
+) -> Run:
     log = cache_dir.parent / f"{name}.log"
     t0 = time.perf_counter()
     launched = time.strftime("%H:%M:%S", time.gmtime())
@@ -207,23 +297,46 @@ def measure(name: str, cache_dir: Path, flags: list[str], args: argparse.Namespa
         server.terminate()
         server.wait(timeout=120)
         return run
+    eager: subprocess.Popen[bytes] | None = None
     try:
-        with ExecutorClient(f"127.0.0.1:{port}") as client:
+        with ExitStack() as stack:
+            client = stack.enter_context(ExecutorClient(f"127.0.0.1:{port}"))
             client.wait_ready(timeout=600)
             run.ready_s = time.perf_counter() - t0  # (already ready: generate answered)
+            beside = None
+            if besides:
+                eager_port = free_port()
+                eager = subprocess.Popen(
+                    [*serve_command(cache_dir, eager_port, args.model), "--graph-mode", "none"],
+                    env=environment(),
+                    cwd=ROOT,
+                    stdout=(cache_dir.parent / f"{name}-beside.log").open("ab"),
+                    stderr=subprocess.STDOUT,
+                )
+                other = stack.enter_context(ExecutorClient(f"127.0.0.1:{eager_port}"))
+                other.wait_ready(timeout=600)
+                beside = Beside(Decoder(other), server.pid, run.beside_ms, run.beside_busy)
             decode_until_idle(
                 client,
                 run,
                 t0,
-                after=args.steps,
+                after=steps or args.steps,
                 busy_s=args.busy_s,
                 pace_s=args.pace_s,
                 timeout=args.timeout,
+                beside=beside,
             )
+            if beside is not None:
+                run.beside_stopped_s = beside.stopped_s
     finally:
-        server.terminate()
-        server.wait(timeout=120)
+        for proc in (server, eager):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=120)
     print(f"{name}: {json.dumps(run.summary())}", flush=True)
+    if args.dump:
+        with (Path(args.dump) / f"{name}.json").open("w") as fh:
+            json.dump(dataclasses.asdict(run), fh)
     return run
 
 
@@ -232,6 +345,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="the default model unless a smoke test")
     ap.add_argument("--cache-dir", default="", help="'' = a fresh temporary directory")
     ap.add_argument("--steps", type=int, default=100, help="steps measured after the capture")
+    ap.add_argument(
+        "--eager-steps", type=int, default=2000, help="the eager run's steps (its median: the base)"
+    )
+    ap.add_argument("--dump", default="", help="a directory for each run's steps (JSON)")
     ap.add_argument("--timeout", type=float, default=3600, help="the longest background compile")
     ap.add_argument("--busy-s", type=float, default=60, help="steps back to back this long")
     ap.add_argument("--pace-s", type=float, default=0.5, help="then one step every this long")
@@ -250,15 +367,20 @@ def main() -> None:
         f"load {os.getloadavg()}; cache dir {cache} (fresh: {not cache.exists()})",
         flush=True,
     )
-    cold = measure("cold", cache, [], args)
+    cold = measure("cold", cache, [], args, besides=True)
     if args.first_token_only:
         measure("warm", cache, [], args)
         print(f"load after: {os.getloadavg()}")
         return
-    eager = measure("eager", cache, ["--graph-mode", "none"], args)
+    eager = measure("eager", cache, ["--graph-mode", "none"], args, steps=args.eager_steps)
     warm = measure("warm", cache, [], args)
     base = statistics.median(eager.after_ms)
     print(f"load after: {os.getloadavg()}")
+    print(
+        f"eager: {len(eager.after_ms)} steps, median {base:.1f} ms, p99 "
+        f"{percentile(eager.after_ms, 99):.1f} ms = {percentile(eager.after_ms, 99) / base:.2f}x "
+        "(the machine's own spread, no compile)"
+    )
     for run in (cold, warm):
         during = run.during_ms or [float("nan")]
         print(
@@ -268,6 +390,29 @@ def main() -> None:
             f"eager median {base:.1f} ms (max {max(during):.1f} ms); after: "
             f"{statistics.median(run.after_ms):.1f} ms on {sorted(set(run.paths_after))}"
         )
+        if run.beside_ms:
+            print(
+                f"  against the eager server beside it ({len(run.beside_ms)} steps between, no "
+                f"compile running; the worker stopped {run.beside_stopped_s:.1f} s for them):"
+            )
+        for phase, busy in (("back to back", True), ("paced", False)):
+            xs = [ms for ms, b in zip(run.during_ms, run.during_busy, strict=True) if b is busy]
+            near = [ms for ms, b in zip(run.beside_ms, run.beside_busy, strict=True) if b is busy]
+            if not xs:
+                continue
+            line = (
+                f"  {phase}: {len(xs)} steps, median {statistics.median(xs):.1f} ms = "
+                f"{statistics.median(xs) / base:.2f}x, p99 {percentile(xs, 99):.1f} ms = "
+                f"{percentile(xs, 99) / base:.2f}x"
+            )
+            if near:
+                m = statistics.median(near)
+                line += (
+                    f"; eager beside: median {m:.1f} ms, p99 {percentile(near, 99):.1f} ms; "
+                    f"meanwhile against it: median {statistics.median(xs) / m:.2f}x, "
+                    f"p99 {percentile(xs, 99) / m:.2f}x"
+                )
+            print(line)
     if cold.compiled_s and warm.compiled_s:
         print(f"restart to the compiled path: {warm.compiled_s / cold.compiled_s:.1%} of cold")
 

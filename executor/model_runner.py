@@ -27,6 +27,7 @@ from executor.core.runner_output import GraphFallback, RunnerOutput
 from executor.core.toggles import Toggles
 from executor.eager_inputs import EagerInputs
 from executor.graphs.capture import CaptureReport
+from executor.graphs.compile_pause import CompilePause
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.factory import GraphFactory
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
@@ -98,6 +99,7 @@ class ModelRunner:
         )
         # One intra-op thread fewer while a compile worker runs beside the server (CPU).
         self.step_threads = StepThreads()
+        self.compile_pause = CompilePause()  # a compile worker stopped while a step runs
         self._compiled_fns: LayerFns | None = None
         self._fns_lock = threading.Lock()  # the capture thread and the step thread make them
         self.decode_graphs: DecodeGraphRunner | None = None

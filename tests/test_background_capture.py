@@ -27,6 +27,7 @@ from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphCaptureError
 from executor.graphs.step_graph import StepCall, StepCompiledGraph
+from executor.graphs.step_threads import LOAD_SWITCH_S
 from executor.model_executor import ModelExecutor
 from executor.service.runtime_config import RuntimeConfigUpdate, RuntimeControl
 from executor.step import graph_control
@@ -48,8 +49,12 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     lock_held: dict[str, list[bool]] = {"compile": [], "capture": []}
     real_compile, real_capture = DecodeGraphRunner._compile_one, DecodeGraphRunner._capture_one
 
+    switch: list[float] = []
+    interval = sys.getswitchinterval()
+
     def compile_one(self: DecodeGraphRunner, bs: int) -> None:
         lock_held["compile"].append(is_held(ex.control.step_lock))
+        switch.append(sys.getswitchinterval())  # short GIL turns: steps get it back in time
         compiling.set()
         assert release.wait(30)
         real_compile(self, bs)
@@ -79,6 +84,7 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     assert ex.control.wait_for_capture(60)
     assert control.current().graph_capture == "idle" and ex.toggles.graph_mode == "decode"
     assert lock_held == {"compile": [False, False], "capture": [True, True]}
+    assert switch == [pytest.approx(LOAD_SWITCH_S)] * 2 and sys.getswitchinterval() == interval
     step = make_decode_batch(input_ids=[6], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[10])
     assert ex.forward(step).stats.path == "full_graph"
     assert threads.reserved == 0 and torch.get_num_threads() == threads.full
@@ -132,7 +138,7 @@ def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
     assert isinstance(graph, StepCompiledGraph) and graph.loaded
 
 
-def no_worker(job: CompileJob, stop: threading.Event) -> str | None:
+def no_worker(job: CompileJob, stop: threading.Event, pause: object = None) -> str | None:
     raise AssertionError("a compile worker started for saved graphs")
 
 

@@ -5,11 +5,11 @@ keeps serving.
 Compiling a whole-step graph is minutes of Python (dynamo's trace, inductor's lowering and
 code generation) and C++ compiles. In the server's process that Python holds the GIL, and
 every eager step then waits for it once per op (measured: several times slower). In the
-worker it holds another process's GIL, at a low CPU priority (`WORKER_NICE`): it runs mostly
-on what the server's steps leave of the CPU. What the worker leaves behind is in the cache
-dir: the whole compiled steps (`<cache_dir>/graphs`) and inductor's caches (the layer halves'
-compiled code). The server's own capture then loads them: its compile phase is a load, its
-capture (under the step lock) the warm-up runs.
+worker it holds another process's GIL, at a low CPU priority (`WORKER_NICE`); on a CPU
+device it also stops while each step runs (`CompilePause`). What the worker leaves behind is
+in the cache dir: the whole compiled steps (`<cache_dir>/graphs`) and inductor's caches (the
+layer halves' compiled code). The server's own capture then loads them: its compile phase is
+a load, its capture (under the step lock) the warm-up runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import structlog
 
 from executor.config import ExecutorConfig
+from executor.graphs.compile_pause import CompilePause
 
 log = structlog.get_logger(__name__)
 
@@ -72,13 +73,17 @@ def worker_command(job_file: Path, result_file: Path) -> list[str]:
     return [sys.executable, "-m", WORKER_MODULE, str(job_file), str(result_file)]
 
 
-def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
+def compile_in_worker(
+    job: CompileJob, stop: threading.Event, pause: CompilePause | None = None
+) -> str | None:
     """Run the worker for `job` and wait for it (the calling thread only); None when it
     compiled every bucket, else why not (the server's capture then compiles what is
-    missing itself). Killed when `stop` is set (a shutdown)."""
+    missing itself). Killed when `stop` is set (a shutdown). With `pause` (a CPU device),
+    the worker stops while each step runs (`CompilePause`)."""
     root = str(Path(__file__).resolve().parents[2])  # where the `executor` package lives
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    pause = pause if pause is not None else CompilePause()  # no step pauses it: only the waiting
     with tempfile.TemporaryDirectory(prefix="compile-worker-") as tmp:
         job_file, result_file, out_file = (Path(tmp) / n for n in ("job", "result", "out"))
         job_file.write_text(job.to_json())
@@ -90,18 +95,27 @@ def compile_in_worker(job: CompileJob, stop: threading.Event) -> str | None:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
+                process_group=0,  # its group: the compiler processes it starts stop with it
             )
+            pause.attach(proc)
             log.info("compile worker started", pid=proc.pid, runners=job.runners)
-            while proc.poll() is None:
-                if stop.wait(POLL_S):
-                    proc.kill()
-                    proc.wait()
-                    return "stopped: the server is shutting down"
+            try:
+                while pause.poll() is None:
+                    if stop.wait(POLL_S):
+                        return "stopped: the server is shutting down"
+            finally:
+                pause.kill()  # still running (a shutdown, an error here): its whole group
         seconds = round(time.perf_counter() - t0, 3)
         if proc.returncode != 0 or not result_file.is_file():
             tail = out_file.read_bytes()[-LOG_TAIL_BYTES:].decode(errors="replace")
             return f"the compile worker exited with {proc.returncode} after {seconds} s: {tail}"
         result = json.loads(result_file.read_text())
     failed = {kind: buckets for kind, buckets in result["failed"].items() if buckets}
-    log.info("compile worker done", seconds=seconds, failed=failed)
+    log.info(
+        "compile worker done",
+        seconds=seconds,
+        failed=failed,
+        paused_s=round(pause.paused_s, 3),
+        pauses=pause.pauses,
+    )
     return f"buckets failed to compile: {failed}" if failed else None

@@ -11,7 +11,17 @@ between two steps (`apply`); the capture thread only says how many cores the wor
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+# The GIL's switch interval while this process loads (or compiles) a graph beside the steps.
+# That thread holds the GIL for seconds (inductor's import, its cache loads); a step's thread
+# that released it for an op then waits up to the interval (5 ms by default) to run its next
+# line, hundreds of times a step: a SmolLM2 step took 2.7 s. A short interval bounds each wait.
+LOAD_SWITCH_S = 1e-4
 
 
 class StepThreads:
@@ -28,3 +38,15 @@ class StepThreads:
         wanted = self.wanted
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
+
+
+@contextmanager
+def short_gil_turns(interval: float = LOAD_SWITCH_S) -> Iterator[None]:
+    """Around a background load or compile in this process (one at a time): the GIL's
+    switch interval `interval`, the process's own again after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)

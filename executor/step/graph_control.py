@@ -30,6 +30,7 @@ from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.settings import background_graph_mode, resolve_graph_mode
+from executor.graphs.step_threads import short_gil_turns
 from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
 from executor.parallel import broadcast
@@ -259,14 +260,18 @@ class GraphControl:
         log.info("graph capture started in the background", graph_mode=str(mode))
 
         def body() -> None:
-            # The compile worker, then this thread's load of what it compiled, take a core:
-            # the steps run with one intra-op thread fewer meanwhile (`StepThreads`).
+            # On a CPU, the compile worker stops while each step runs (`CompilePause`); this
+            # thread's load of what it compiled (or its own compile) takes a core: the steps
+            # run with one intra-op thread fewer meanwhile (`StepThreads`).
             threads = self.runner.step_threads
             with device_scope(self.device):
                 try:
-                    threads.reserved = 1 if self.device.type == "cpu" else 0
                     self._compile_in_worker(mode)
-                    captured = self.runner.capture_for(mode, progress=False, lock=self.step_lock)
+                    threads.reserved = 1 if self.device.type == "cpu" else 0
+                    with short_gil_turns():  # the steps' threads get the GIL back in time
+                        captured = self.runner.capture_for(
+                            mode, progress=False, lock=self.step_lock
+                        )
                 except BaseException as e:  # a shutdown (StartupCancelled) or a bug
                     self.toggles.capture_error = f"{type(e).__name__}: {e}"
                     self.toggles.capture = CaptureState.FAILED
@@ -307,7 +312,8 @@ class GraphControl:
             runners,
             self.toggles.needs_cpu_seq_lens,
         )
-        reason = compile_in_worker(job, factory.stop)
+        pause = self.runner.compile_pause if self.device.type == "cpu" else None
+        reason = compile_in_worker(job, factory.stop, pause)
         if reason is not None:
             log.warning("compile worker failed: the capture compiles here", reason=reason)
 

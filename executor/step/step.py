@@ -144,6 +144,7 @@ class Step:
         clock = sb.clock
         with self.lock, self.hooks.device_step_guard(), _Counted(sb):
             try:
+                self.runner.compile_pause.pause()  # a CPU's compile worker: stopped till read
                 launched_ns, start = time.perf_counter_ns(), self.timeline.launching()
                 self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
                 with clock.phase("forward"):
@@ -165,6 +166,7 @@ class Step:
                 self.timeline.launched(sb.flight)
             except BaseException:
                 self._end_group()
+                self.runner.compile_pause.resume()
                 sb.undo()
                 raise
 
@@ -185,6 +187,7 @@ class Step:
                 raise
             finally:
                 self._end_group()
+                self.runner.compile_pause.resume()
             at = len(flight.draw.device)
             out = flight.draw.output(host[:at], StepStats())
             sb.commit(out, host[at:], flight.parts)

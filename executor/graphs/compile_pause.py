@@ -1,0 +1,95 @@
+"""`CompilePause`: on a CPU device, the compile worker's processes stop while a step runs and
+go on between steps.
+
+The worker (`compile_job`) compiles for minutes. Beside a CPU step it takes a core that the
+step's OpenMP team counts on: a parallel region then waits at its barrier for the displaced
+thread (docs/performance.md). So a step stops the worker's process group (SIGSTOP: the
+worker and the C++ compiler processes it started) before its device work and continues it
+(SIGCONT) once the step is read. The compile runs on what the steps leave: between steps,
+and all of it while the server is idle; a server that is never idle compiles nothing until
+it is. Only the capture thread attaches and detaches a worker; only the step's thread
+pauses and resumes. A lock keeps a signal from reaching a group that has ended: the worker
+is reaped only under it (`poll`), and it cannot end while stopped (except killed, under it
+too).
+
+The worker runs in a process group of its own in the server's session: if the server dies
+while the group is stopped, the group is orphaned with stopped members, and the kernel sends
+it SIGHUP and SIGCONT, which end it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+
+
+class CompilePause:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None  # the attached worker, its group's leader
+        self._stopped_at: float | None = None  # monotonic time of the stop now in force
+        self.paused_s = 0.0  # the attached worker's time stopped, in all
+        self.pauses = 0  # how many times it was stopped
+
+    @property
+    def attached(self) -> bool:
+        return self._proc is not None
+
+    def attach(self, proc: subprocess.Popen[bytes]) -> None:
+        """The capture thread: `proc` (started with `process_group=0`) pauses with the steps."""
+        with self._lock:
+            self._proc, self.paused_s, self.pauses = proc, 0.0, 0
+
+    def poll(self) -> int | None:
+        """The capture thread: the worker's exit code (reaped, and detached), or None."""
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return None
+            code = proc.poll()
+            if code is not None:
+                self._continue()
+                self._proc = None
+            return code
+
+    def kill(self) -> None:
+        """The capture thread (a shutdown): the worker's whole group killed, reaped, detached."""
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return
+            with contextlib.suppress(ProcessLookupError):  # stopped or not: it acts at once
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self._stopped_at = None
+            self._proc = None
+
+    def pause(self) -> None:
+        """The step's thread, before its device work: the worker stops (nothing attached: a
+        no-op, one attribute read)."""
+        if self._proc is None:
+            return
+        with self._lock:
+            if self._proc is not None and self._stopped_at is None:
+                os.killpg(self._proc.pid, signal.SIGSTOP)
+                self._stopped_at = time.monotonic()
+                self.pauses += 1
+
+    def resume(self) -> None:
+        """The step's thread, once the step is read (or failed): the worker goes on."""
+        if self._stopped_at is None:
+            return
+        with self._lock:
+            self._continue()
+
+    def _continue(self) -> None:
+        if self._stopped_at is None or self._proc is None:
+            self._stopped_at = None
+            return
+        os.killpg(self._proc.pid, signal.SIGCONT)
+        self.paused_s += time.monotonic() - self._stopped_at
+        self._stopped_at = None

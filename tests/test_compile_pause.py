@@ -1,0 +1,160 @@
+"""`CompilePause` (issue 36): on a CPU, a step stops the compile worker's whole process group
+(the worker and the compiler processes it started) for its device work and continues it
+once read; a shutdown kills the group, stopped or not."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from executor.batch_prep import make_decode_batch
+from executor.config import ExecutorConfig
+from executor.graphs import compile_job
+from executor.graphs.compile_job import CompileJob, compile_in_worker
+from executor.graphs.compile_pause import CompilePause
+from executor.model_executor import ModelExecutor
+from tests.test_graphs import _prefill
+
+# A worker that starts a child (as inductor starts the C++ compiler) and prints its pid.
+_PARENT = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.01)'])\n"
+    "print(child.pid, flush=True)\n"
+    "while True: time.sleep(0.01)\n"
+)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (T: stopped; "gone" once it is reaped or never was)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _wait_state(pid: int, want: Callable[[str], bool], timeout: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not want(state := _state(pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, process_group=0
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    yield proc, child
+    for pid in (proc.pid, child):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_pause_stops_the_worker_and_its_children_and_a_resume_continues_them(
+    worker: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    proc, child = worker
+    pause = CompilePause()
+    pause.pause()  # nothing attached: nothing to stop
+    assert pause.pauses == 0
+    pause.attach(proc)
+    pause.pause()
+    pause.pause()  # already stopped: one stop
+    assert _wait_state(proc.pid, "T".__eq__) == "T" and _wait_state(child, "T".__eq__) == "T"
+    assert pause.poll() is None  # stopped, not ended
+    time.sleep(0.05)
+    pause.resume()
+    assert _wait_state(proc.pid, "T".__ne__) != "T" and _wait_state(child, "T".__ne__) != "T"
+    assert pause.pauses == 1 and pause.paused_s >= 0.05
+    pause.pause()
+    pause.kill()  # stopped: the whole group dies all the same, the worker reaped
+    assert not pause.attached and proc.returncode is not None
+    assert _wait_state(child, lambda s: s in ("gone", "Z")) in ("gone", "Z")
+    pause.pause()  # detached: a no-op again
+    pause.resume()
+
+
+def test_the_worker_compiles_between_the_steps_and_ends_detached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """compile_in_worker attaches its worker: a step's pause stops it (its work waits), the
+    resume lets it finish; then it is reaped and detached."""
+    marker = tmp_path / "started"
+    script = (
+        "import pathlib, sys, time, json\n"
+        f"pathlib.Path({str(marker)!r}).write_text('x')\n"
+        "time.sleep(0.3)\n"
+        "pathlib.Path(sys.argv[1]).write_text(json.dumps({'failed': {}, 'seconds': 0.3}))\n"
+    )
+    monkeypatch.setattr(
+        compile_job,
+        "worker_command",
+        lambda job, result: [sys.executable, "-c", script, str(result)],
+    )
+    job = CompileJob(ExecutorConfig(model="tiny-random", device="cpu"), ("decode",), False)
+    pause = CompilePause()
+    answer: list[str | None] = []
+    t = threading.Thread(
+        target=lambda: answer.append(compile_in_worker(job, threading.Event(), pause))
+    )
+    t.start()
+    deadline = time.monotonic() + 10
+    while not (marker.exists() and pause.attached) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pause.pause()  # a step: the worker cannot finish meanwhile
+    t.join(1.0)
+    assert t.is_alive()
+    pause.resume()
+    t.join(10)
+    assert answer == [None] and not pause.attached
+    assert pause.pauses == 1 and pause.paused_s >= 1.0
+
+
+def test_a_step_stops_the_attached_worker_for_its_device_work(
+    make_executor: Callable[..., ModelExecutor],
+    worker: tuple[subprocess.Popen[bytes], int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped during the forward and the draw, continued once the step is read; a step
+    that fails continues it too."""
+    proc, child = worker
+    ex = make_executor(graph_mode="none")
+    _prefill(ex, [1], [3], first_slot=1)
+    ex.runner.compile_pause.attach(proc)
+    seen: list[tuple[str, str]] = []
+    forward = ex.runner.forward
+
+    def spy(fb):
+        seen.append((_state(proc.pid), _state(child)))
+        return forward(fb)
+
+    monkeypatch.setattr(ex.runner, "forward", spy)
+    out = ex.forward(
+        make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
+    )
+    assert out.stats.path == "eager" and seen == [("T", "T")]
+    assert _wait_state(proc.pid, "T".__ne__) != "T" and _wait_state(child, "T".__ne__) != "T"
+
+    def broken(fb):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(ex.runner, "forward", broken)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        ex.forward(
+            make_decode_batch(input_ids=[6], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[10])
+        )
+    assert _wait_state(proc.pid, "T".__ne__) != "T"
+    assert ex.runner.compile_pause.pauses == 2
