@@ -158,3 +158,27 @@ def test_a_step_stops_the_attached_worker_for_its_device_work(
         )
     assert _wait_state(proc.pid, "T".__ne__) != "T"
     assert ex.runner.compile_pause.pauses == 2
+
+
+def test_a_stopped_worker_group_ends_when_its_server_dies() -> None:
+    """A server killed while a step holds its worker stopped leaves no stopped orphans: the
+    group (its own, in the server's session) is orphaned with stopped members, and the
+    kernel sends it SIGHUP and SIGCONT."""
+    server = (
+        "import os, signal, subprocess, sys, time\n"
+        f"worker = subprocess.Popen([sys.executable, '-c', {_PARENT!r}],"
+        " stdout=subprocess.PIPE, process_group=0)\n"
+        "child = int(worker.stdout.readline())\n"
+        "os.killpg(worker.pid, signal.SIGSTOP)\n"
+        "print(worker.pid, child, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", server], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    worker, child = map(int, proc.stdout.readline().split())
+    assert _wait_state(worker, "T".__eq__) == "T" and _wait_state(child, "T".__eq__) == "T"
+    proc.kill()
+    proc.wait()
+    ended = ("gone", "Z")
+    assert _wait_state(worker, ended.__contains__) in ended
+    assert _wait_state(child, ended.__contains__) in ended
