@@ -214,7 +214,7 @@ class ReqToTokenPool:
             return None
         n = rows.numel()
         out = torch.empty((3, n), dtype=torch.int64)  # cols, flat index, old lengths
-        cols, index, old = out
+        cols, index, old = out[0], out[1], out[2]  # (not unpacked: a tensor's iteration is slow)
         owners = self.owners
         failed = k.decode_cells(
             n, rows.data_ptr(), seq_lens.data_ptr(), slots.data_ptr(),

@@ -49,8 +49,8 @@ from executor.service.jobs import (
     ControlJob,
     HeldAnswer,
     Job,
+    JobScope,
     Turn,
-    job_scope,
     resolve,
 )
 from executor.service.tenancy import RowTenants
@@ -85,6 +85,7 @@ class DeviceWorker(JobQueue):
         self.tenants: RowTenants | None = None
         # The step on the device now, for the watchdog: (batch_id, start, its clock).
         self._on_device: tuple[int, float, StepClock] | None = None
+        self._scope = JobScope()  # the device thread's log and trace context
         self._thread = threading.Thread(target=self._run, name="device-worker", daemon=True)
 
     def start(self) -> None:
@@ -109,11 +110,15 @@ class DeviceWorker(JobQueue):
         ahead: object = _NOTHING  # what was taken from the queue while a step ran
         answer: HeldAnswer | None = None  # the step before `ahead`'s, sent after its launch
         while True:
-            item = self._queue.get() if ahead is _NOTHING else ahead
+            item: object = ahead
+            if ahead is _NOTHING:
+                self._scope.clear()  # waiting: no job's ids on what the thread logs
+                item = self._queue.get()
             ahead = _NOTHING
             if item is None:
                 return
             if isinstance(item, ControlJob):
+                self._scope.clear()
                 if self._take(item):
                     self._control(item)
                 continue
@@ -173,13 +178,13 @@ class DeviceWorker(JobQueue):
             self._send(before)
         self._on_device = (job.batch_id, time.monotonic(), sb.clock)
         if not turn.launched:
-            with job_scope(job):
-                try:
-                    self.executor.launch(sb)
-                except BaseException as exc:  # undone by the step
-                    self._send(before)
-                    self._fail(job, exc)
-                    return _NOTHING, None
+            self._scope.enter(job)
+            try:
+                self.executor.launch(sb)
+            except BaseException as exc:  # undone by the step
+                self._send(before)
+                self._fail(job, exc)
+                return _NOTHING, None
         self._send(before)  # the device has this step: the host answers the one before
         ahead = self._take_ahead(job, sb)
         if (
@@ -189,14 +194,14 @@ class DeviceWorker(JobQueue):
             and not ahead.sb.awaits_mask  # launched in its turn, after this step's answer
         ):
             self._launch_ahead(ahead)
-        with job_scope(job):
-            try:
-                out = self.executor.finish(sb)
-            except BaseException as exc:  # undone by the step, what came ahead first
-                if isinstance(ahead, Turn):
-                    self._forget(ahead)
-                self._fail(job, exc)
-                return ahead, None
+        self._scope.enter(job)
+        try:
+            out = self.executor.finish(sb)
+        except BaseException as exc:  # undone by the step, what came ahead first
+            if isinstance(ahead, Turn):
+                self._forget(ahead)
+            self._fail(job, exc)
+            return ahead, None
         if isinstance(ahead, Turn) and ahead.launched:
             self._done(job, out, on_device=False)
             assert ahead.sb is not None
@@ -215,14 +220,14 @@ class DeviceWorker(JobQueue):
         assert turn.sb is not None
         refusal = turn.job.refusal()
         if refusal is None:
-            with job_scope(turn.job):
-                try:
-                    self.executor.launch(turn.sb)
-                except BaseException as exc:
-                    refusal = exc
-                else:
-                    turn.launched = True
-                    return
+            self._scope.enter(turn.job)
+            try:
+                self.executor.launch(turn.sb)
+            except BaseException as exc:
+                refusal = exc
+            else:
+                turn.launched = True
+                return
         else:
             self.executor.undo(turn.sb)
         turn.sb, turn.error = None, refusal
@@ -257,13 +262,13 @@ class DeviceWorker(JobQueue):
         clock.record("queue", job.enqueued_wall_ns, time.perf_counter_ns() - job.enqueued_ns)
         if on_device:
             self._on_device = (job.batch_id, time.monotonic(), clock)
-        with job_scope(job):
-            try:
-                if self.tenants is not None:
-                    self.tenants.check_batch(job.batch, job.caller)
-                turn.sb = self.executor.prepare(job.batch, clock)
-            except BaseException as exc:  # refused: nothing changed; failed: undone
-                turn.error = exc
+        self._scope.enter(job)
+        try:
+            if self.tenants is not None:
+                self.tenants.check_batch(job.batch, job.caller)
+            turn.sb = self.executor.prepare(job.batch, clock)
+        except BaseException as exc:  # refused: nothing changed; failed: undone
+            turn.error = exc
 
     def _take_ahead(self, job: Job, sb: StepBatch) -> object:
         """While `sb` runs on the device: the next queued item, a batch prepared against the
@@ -329,9 +334,9 @@ class DeviceWorker(JobQueue):
             self.tenants.record_batch(job.batch, job.caller)
         # Applied: from here on the batch is remembered, whatever the bookkeeping does.
         self.applied.store(job.batch_id, job.fingerprint, out)
+        self._scope.enter(job)  # this job's batch_id and trace, even when answered late
         try:
-            with job_scope(job):  # this job's batch_id and trace, even when answered late
-                self._report(out.stats)
+            self._report(out.stats)
         except BaseException:  # a hook's failure must not report an applied batch as failed
             log.error("post-step hook failed", batch_id=job.batch_id, exc_info=True)
         resolve(job.future, out)

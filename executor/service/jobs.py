@@ -16,9 +16,8 @@ is waiting for:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,14 +141,30 @@ class HeldAnswer:
     sent: bool = False
 
 
-@contextmanager
-def job_scope(job: Job) -> Iterator[None]:
-    """The job's log context (batch_id) and its RPC's trace context, around its phases."""
-    structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
-    token = otel_context.attach(job.trace_context) if job.trace_context is not None else None
-    try:
-        yield
-    finally:
-        if token is not None:
-            otel_context.detach(token)
+class JobScope:
+    """The device thread's log context (batch_id) and trace context: the job whose phase runs
+    now, so that log lines written during it carry its ids. `enter` at each phase: the job
+    already in scope costs one comparison (a step's phases follow each other), another job
+    replaces it; `clear` before the thread waits for work or runs a control job."""
+
+    def __init__(self) -> None:
+        self._job: Job | None = None
+        self._token: object = None
+
+    def enter(self, job: Job) -> None:
+        if job is self._job:
+            return
+        self.clear()
+        structlog.contextvars.bind_contextvars(batch_id=job.batch_id)
+        if job.trace_context is not None:
+            self._token = otel_context.attach(job.trace_context)
+        self._job = job
+
+    def clear(self) -> None:
+        if self._job is None:
+            return
+        if self._token is not None:
+            otel_context.detach(self._token)  # type: ignore[arg-type]
+            self._token = None
         structlog.contextvars.unbind_contextvars("batch_id")
+        self._job = None

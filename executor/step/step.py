@@ -24,7 +24,6 @@ their part of the model and its collectives; rank 0 samples).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from functools import partial
@@ -243,37 +242,33 @@ class Step:
         if self.leader is not None:
             self.leader.end_step()
 
-    def _stats(self, sb: StepBatch, parts: StepStats) -> StepStats:
-        """The step's stats; `parts` holds what the draw and the parts wrote."""
+    def _stats(self, sb: StepBatch, stats: StepStats) -> StepStats:
+        """The step's stats, written into `stats` (this step's own, where the draw and the
+        parts wrote theirs): set in place, every step, not copied."""
         host, ran, clock = sb.host, sb.ran, sb.clock
         assert ran is not None
         clock.record("total", sb.started_wall_ns, time.perf_counter_ns() - sb.started_ns)
         if ran.graph_fallback is not None:
             self.observer.on_graph_fallback(ran.graph_fallback.kind, ran.graph_fallback.reason)
-        d2h, h2d_syncs, h2d_copies = sb.transfers
-        return dataclasses.replace(
-            parts,
-            path=ran.path,
-            batch_size=host.batch_size,
-            padded_batch_size=ran.padded_batch_size,
-            num_tokens=host.num_tokens,
-            padded_num_tokens=ran.padded_num_tokens,
-            timings_ns=clock.durations_ns,
-            mode=MODE_NAMES[host.forward_mode],
-            fill_registry=ran.fill_registry,
-            fill_tensors=ran.fill_stats.tensors_copied,
-            fill_bytes=ran.fill_stats.bytes_copied,
-            fill_copy_calls=ran.fill_stats.copy_calls,
-            graph_fallback=ran.graph_fallback,
-            d2h_syncs=d2h,
-            h2d_syncs=h2d_syncs,
-            h2d_copies=h2d_copies,
-            future_refs=host.future_refs,
-            started_ns=clock.started_ns,
-            allreduce_ns=self.comm.take_allreduce_ns(),
-            host_gap_ns=sb.host_gap_ns,
-            device_busy_ns=sb.device_busy_ns,
-        )
+        stats.d2h_syncs, stats.h2d_syncs, stats.h2d_copies = sb.transfers
+        stats.path = ran.path
+        stats.batch_size = host.batch_size
+        stats.padded_batch_size = ran.padded_batch_size
+        stats.num_tokens = host.num_tokens
+        stats.padded_num_tokens = ran.padded_num_tokens
+        stats.timings_ns = clock.durations_ns
+        stats.mode = MODE_NAMES[host.forward_mode]
+        stats.fill_registry = ran.fill_registry
+        fill = ran.fill_stats
+        stats.fill_tensors, stats.fill_bytes = fill.tensors_copied, fill.bytes_copied
+        stats.fill_copy_calls = fill.copy_calls
+        stats.graph_fallback = ran.graph_fallback
+        stats.future_refs = host.future_refs
+        stats.started_ns = clock.started_ns
+        stats.allreduce_ns = self.comm.take_allreduce_ns()
+        stats.host_gap_ns = sb.host_gap_ns
+        stats.device_busy_ns = sb.device_busy_ns
+        return stats
 
 
 class _Counted:
