@@ -20,6 +20,7 @@ its own process.
 3. warm: the same cache dir again: first token, steps while the saved compile is loaded, and
    the time to the compiled path (against the cold one: the issue's <= 10%).
 
+`--idle-probe`: an eager server's steps back to back and after idle gaps, nothing else.
 `--first-token-only`: 1 and 3's first tokens, no steps (the background compile is not waited
 for: the first token does not depend on it). `--model tiny-random`: the compile and restart
 figures of a small model (a compile of minutes, not tens of minutes, on a busy machine).
@@ -340,6 +341,40 @@ def measure(
     return run
 
 
+def idle_probe(cache_dir: Path, model: str, steps: int = 40) -> None:
+    """An eager server alone: steps back to back, then each after an idle gap (no compile
+    anywhere). On some machines a step after a gap runs several times slower, every phase
+    alike (as if the CPU ran slower after idle): a paced step during a compile pays it too."""
+    _, server, port = launch(
+        cache_dir, ["--graph-mode", "none"], cache_dir.parent / "idle.log", model
+    )
+    try:
+        with ExecutorClient(f"127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=600)
+            decoder = Decoder(client)
+            for _ in range(20):
+                decoder.decode()
+            for gap in (0.0, 0.05, 0.5, 0.0, 0.5):
+                ms, phases = [], []
+                for _ in range(steps):
+                    time.sleep(gap)
+                    took, out = decoder.decode()
+                    ms.append(took)
+                    phases.append(out.stats.timings_ns)
+                names = ("queue", "validate", "stage", "forward")
+                split = ", ".join(
+                    f"{n} {statistics.median(p.get(n, 0) for p in phases) / 1e6:.2f}" for n in names
+                )
+                print(
+                    f"idle gap {gap} s: {steps} steps, median {statistics.median(ms):.1f} ms, "
+                    f"max {max(ms):.1f} ms; server medians, ms: {split}",
+                    flush=True,
+                )
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="the default model unless a smoke test")
@@ -349,6 +384,11 @@ def main() -> None:
         "--eager-steps", type=int, default=2000, help="the eager run's steps (its median: the base)"
     )
     ap.add_argument("--dump", default="", help="a directory for each run's steps (JSON)")
+    ap.add_argument(
+        "--idle-probe",
+        action="store_true",
+        help="only an eager server's steps back to back and after idle gaps (no compile)",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="the longest background compile")
     ap.add_argument("--busy-s", type=float, default=60, help="steps back to back this long")
     ap.add_argument("--pace-s", type=float, default=0.5, help="then one step every this long")
@@ -367,6 +407,9 @@ def main() -> None:
         f"load {os.getloadavg()}; cache dir {cache} (fresh: {not cache.exists()})",
         flush=True,
     )
+    if args.idle_probe:
+        idle_probe(cache, args.model)
+        return
     cold = measure("cold", cache, [], args, besides=True)
     if args.first_token_only:
         measure("warm", cache, [], args)

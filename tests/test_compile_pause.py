@@ -182,3 +182,23 @@ def test_a_stopped_worker_group_ends_when_its_server_dies() -> None:
     ended = ("gone", "Z")
     assert _wait_state(worker, ended.__contains__) in ended
     assert _wait_state(child, ended.__contains__) in ended
+
+
+def test_a_worker_killed_while_stopped_is_reaped_and_never_signalled_again(
+    worker: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    """The OOM killer may end a stopped worker: `poll` reaps it and detaches without a
+    SIGCONT to its group id, which is no longer the worker's once it is reaped."""
+    proc, _ = worker
+    pause = CompilePause()
+    pause.attach(proc)
+    pause.pause()
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while (code := pause.poll()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert code == -signal.SIGKILL and not pause.attached
+    assert pause.pauses == 1 and pause.paused_s > 0
+    pause.resume()  # nothing in force: no signal
+    pause.pause()  # detached: nothing
+    assert pause.pauses == 1

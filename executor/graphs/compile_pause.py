@@ -9,8 +9,8 @@ worker and the C++ compiler processes it started) before its device work and con
 and all of it while the server is idle; a server that is never idle compiles nothing until
 it is. Only the capture thread attaches and detaches a worker; only the step's thread
 pauses and resumes. A lock keeps a signal from reaching a group that has ended: the worker
-is reaped only under it (`poll`), and it cannot end while stopped (except killed, under it
-too).
+is reaped only under it (`poll`), and it ends while stopped only when killed (a shutdown,
+under the lock; or the kernel's OOM killer, after which nothing signals its group again).
 
 The worker runs in a process group of its own in the server's session: if the server dies
 while the group is stopped, the group is orphaned with stopped members, and the kernel sends
@@ -51,8 +51,8 @@ class CompilePause:
             if proc is None:
                 return None
             code = proc.poll()
-            if code is not None:
-                self._continue()
+            if code is not None:  # reaped: its group id is no longer ours to signal
+                self._end_stop()
                 self._proc = None
             return code
 
@@ -75,7 +75,8 @@ class CompilePause:
             return
         with self._lock:
             if self._proc is not None and self._stopped_at is None:
-                os.killpg(self._proc.pid, signal.SIGSTOP)
+                with contextlib.suppress(ProcessLookupError):  # a step never fails for it
+                    os.killpg(self._proc.pid, signal.SIGSTOP)
                 self._stopped_at = time.monotonic()
                 self.pauses += 1
 
@@ -87,9 +88,12 @@ class CompilePause:
             self._continue()
 
     def _continue(self) -> None:
-        if self._stopped_at is None or self._proc is None:
+        if self._stopped_at is not None and self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGCONT)
+        self._end_stop()
+
+    def _end_stop(self) -> None:
+        if self._stopped_at is not None:
+            self.paused_s += time.monotonic() - self._stopped_at
             self._stopped_at = None
-            return
-        os.killpg(self._proc.pid, signal.SIGCONT)
-        self.paused_s += time.monotonic() - self._stopped_at
-        self._stopped_at = None
