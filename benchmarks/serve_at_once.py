@@ -12,9 +12,9 @@ its own process.
    compiled path in use): back to back for `--busy-s` (the compile worker, at a low CPU
    priority and stopped while each step runs, then gets only the gaps), then one every
    `--pace-s` (a server that is not saturated). Every step during the compile, and the time
-   from launch to the compiled path. Between blocks of them, a few steps on an eager server
-   (`--graph-mode none`) beside it, with the compile worker stopped (`Beside`): the eager step
-   at the same time, the base of the steps meanwhile.
+   from launch to the compiled path. Back to back, each is followed by a step on an eager server
+   (`--graph-mode none`) beside it, the compile worker stopped (`Beside`): the eager step at
+   the same time, the base of the steps meanwhile.
 2. eager: the same cache dir with `--graph-mode none`, `--eager-steps` back to back: the
    machine's own spread (p99 over median), with no compile.
 3. warm: the same cache dir again: first token, steps while the saved compile is loaded, and
@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -68,8 +67,7 @@ class Run:
     # executor's, one only in `during_ms` is the transport's or this client's.
     during_server_ms: list[float] = field(default_factory=list)
     beside_ms: list[float] = field(default_factory=list)  # the eager server's steps (`Beside`)
-    beside_busy: list[bool] = field(default_factory=list)
-    beside_stopped_s: float = 0.0  # of `compiled_s`: the compile worker stopped for them
+    beside_worker_ran: int = 0  # of those, the ones that found the compile worker running
     launched_utc: str = ""  # the launch, to read `during_slowest` against the server's log
     after_ms: list[float] = field(default_factory=list)  # steps after (or eager steps)
     paths_after: list[str] = field(default_factory=list)
@@ -189,18 +187,17 @@ class Decoder:
 
 @dataclass
 class Beside:
-    """An eager server (`--graph-mode none`) beside the cold one while it compiles: after every
-    `BLOCK` of the cold server's steps, `BESIDE` steps run on it, paced as those were, with the
-    cold server's compile worker stopped (that server is idle then, so nothing continues the
-    worker): the eager step at the same moment on the same machine, no compile running.
-    Minutes apart, this machine's speed drifted by a third; and a step after an idle gap runs
-    several times slower than back to back (docs/performance.md)."""
+    """An eager server (`--graph-mode none`) beside the cold one while it compiles: while the
+    cold server's steps run back to back, one step on it follows each of theirs, within the
+    cold server's linger (`CompilePause`: its compile worker stays stopped between steps that
+    close together): the eager step at the same moment on the same machine, no compile
+    running. Each of these steps checks that the worker was stopped. Minutes apart, this
+    machine's speed drifted by a third, so a separate eager run is a poor base."""
 
     decoder: Decoder
-    server_pid: int  # the cold server, whose compile worker is stopped for these steps
+    server_pid: int  # the cold server, whose compile worker must be stopped for these steps
     ms: list[float] = field(default_factory=list)
-    busy: list[bool] = field(default_factory=list)  # each one: back to back, or paced
-    stopped_s: float = 0.0  # how long these steps held the compile worker stopped, in all
+    worker_ran: int = 0  # of these steps, those that found the worker running
 
     def worker(self) -> int | None:
         found = subprocess.run(
@@ -210,23 +207,18 @@ class Beside:
         ).stdout.split()
         return int(found[0]) if found else None
 
-    def run(self, pace_s: float) -> None:
-        worker = self.worker()
-        if worker is not None:
-            os.killpg(worker, signal.SIGSTOP)
-        t = time.perf_counter()
-        try:
-            for _ in range(BESIDE):
-                time.sleep(pace_s)
-                self.ms.append(self.decoder.decode()[0])
-                self.busy.append(pace_s == 0)
-        finally:
-            if worker is not None:
-                os.killpg(worker, signal.SIGCONT)
-                self.stopped_s += time.perf_counter() - t
+    def step(self, worker: int | None) -> None:
+        self.ms.append(self.decoder.decode()[0])
+        if worker is not None and _state(worker) not in ("T", "gone"):
+            self.worker_ran += 1
 
 
-BLOCK, BESIDE = 30, 10  # the cold server's steps, then the eager server's (`Beside`)
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def decode_until_idle(
@@ -243,8 +235,9 @@ def decode_until_idle(
     """bs-1 DECODE steps while the background capture runs: back to back for `busy_s` (the
     compile worker then gets only what the steps leave of the CPU), then one every `pace_s`
     (a server that is not saturated); then `after` more, back to back. `t0`: the launch.
-    With `beside`, its eager steps come between blocks of these (`Beside`)."""
+    With `beside`, one of its eager steps follows each step back to back (`Beside`)."""
     decoder = Decoder(client)
+    worker: int | None = None  # the cold server's compile worker (`beside` looks it up)
     config = client.get_runtime_config()
     capturing = config.graph_capture.startswith("capturing")
     if not capturing and config.graph_mode != "none":  # a load already done (upper bound)
@@ -265,8 +258,10 @@ def decode_until_idle(
         run.during_busy.append(busy)
         timed = out.stats.timings_ns
         run.during_server_ms.append((timed.get("queue", 0) + timed.get("total", 0)) / 1e6)
-        if beside is not None and len(run.during_ms) % BLOCK == 0:
-            beside.run(0.0 if busy else pace_s)
+        if beside is not None and busy:
+            if worker is None or len(run.during_ms) % 100 == 0:
+                worker = beside.worker()  # (it starts after the server, and ends)
+            beside.step(worker)
         if busy and decoder.step % 10:
             continue
         if not client.get_runtime_config().graph_capture.startswith("capturing"):
@@ -316,7 +311,7 @@ def measure(
                 )
                 other = stack.enter_context(ExecutorClient(f"127.0.0.1:{eager_port}"))
                 other.wait_ready(timeout=600)
-                beside = Beside(Decoder(other), server.pid, run.beside_ms, run.beside_busy)
+                beside = Beside(Decoder(other), server.pid, run.beside_ms)
             decode_until_idle(
                 client,
                 run,
@@ -328,7 +323,7 @@ def measure(
                 beside=beside,
             )
             if beside is not None:
-                run.beside_stopped_s = beside.stopped_s
+                run.beside_worker_ran = beside.worker_ran
     finally:
         for proc in (server, eager):
             if proc is not None:
@@ -433,14 +428,8 @@ def main() -> None:
             f"eager median {base:.1f} ms (max {max(during):.1f} ms); after: "
             f"{statistics.median(run.after_ms):.1f} ms on {sorted(set(run.paths_after))}"
         )
-        if run.beside_ms:
-            print(
-                f"  against the eager server beside it ({len(run.beside_ms)} steps between, no "
-                f"compile running; the worker stopped {run.beside_stopped_s:.1f} s for them):"
-            )
         for phase, busy in (("back to back", True), ("paced", False)):
             xs = [ms for ms, b in zip(run.during_ms, run.during_busy, strict=True) if b is busy]
-            near = [ms for ms, b in zip(run.beside_ms, run.beside_busy, strict=True) if b is busy]
             if not xs:
                 continue
             line = (
@@ -448,12 +437,14 @@ def main() -> None:
                 f"{statistics.median(xs) / base:.2f}x, p99 {percentile(xs, 99):.1f} ms = "
                 f"{percentile(xs, 99) / base:.2f}x"
             )
-            if near:
+            near = run.beside_ms
+            if busy and near:
                 m = statistics.median(near)
                 line += (
-                    f"; eager beside: median {m:.1f} ms, p99 {percentile(near, 99):.1f} ms; "
-                    f"meanwhile against it: median {statistics.median(xs) / m:.2f}x, "
-                    f"p99 {percentile(xs, 99) / m:.2f}x"
+                    f"; the eager server beside it ({len(near)} steps, the worker running in "
+                    f"{run.beside_worker_ran}): median {m:.1f} ms, p99 "
+                    f"{percentile(near, 99):.1f} ms; meanwhile against it: median "
+                    f"{statistics.median(xs) / m:.2f}x, p99 {percentile(xs, 99) / m:.2f}x"
                 )
             print(line)
     if cold.compiled_s and warm.compiled_s:

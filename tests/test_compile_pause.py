@@ -20,7 +20,7 @@ from executor.batch_prep import make_decode_batch
 from executor.config import ExecutorConfig
 from executor.graphs import compile_job
 from executor.graphs.compile_job import CompileJob, compile_in_worker
-from executor.graphs.compile_pause import CompilePause
+from executor.graphs.compile_pause import LINGER_S, CompilePause
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
 
@@ -63,7 +63,7 @@ def worker() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     proc.wait()
 
 
-def test_a_pause_stops_the_worker_and_its_children_and_a_resume_continues_them(
+def test_steps_stop_the_worker_and_its_children_which_go_on_once_the_server_idles(
     worker: tuple[subprocess.Popen[bytes], int],
 ) -> None:
     proc, child = worker
@@ -72,26 +72,34 @@ def test_a_pause_stops_the_worker_and_its_children_and_a_resume_continues_them(
     assert pause.pauses == 0
     pause.attach(proc)
     pause.pause()
-    pause.pause()  # already stopped: one stop
     assert _wait_state(proc.pid, "T".__eq__) == "T" and _wait_state(child, "T".__eq__) == "T"
     assert pause.poll() is None  # stopped, not ended
-    time.sleep(0.05)
+    time.sleep(LINGER_S * 2)
+    pause.tick()  # a step runs: it stays stopped
+    assert _state(proc.pid) == "T"
     pause.resume()
+    pause.pause()  # the next step, back to back: no second stop
+    pause.resume()
+    pause.tick()  # idle for less than the linger: still stopped
+    assert _state(proc.pid) == "T" and pause.pauses == 1
+    time.sleep(LINGER_S * 1.5)
+    pause.tick()
     assert _wait_state(proc.pid, "T".__ne__) != "T" and _wait_state(child, "T".__ne__) != "T"
-    assert pause.pauses == 1 and pause.paused_s >= 0.05
+    assert pause.pauses == 1 and pause.paused_s >= LINGER_S * 3
     pause.pause()
     pause.kill()  # stopped: the whole group dies all the same, the worker reaped
     assert not pause.attached and proc.returncode is not None
     assert _wait_state(child, lambda s: s in ("gone", "Z")) in ("gone", "Z")
     pause.pause()  # detached: a no-op again
     pause.resume()
+    pause.tick()
 
 
 def test_the_worker_compiles_between_the_steps_and_ends_detached(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """compile_in_worker attaches its worker: a step's pause stops it (its work waits), the
-    resume lets it finish; then it is reaped and detached."""
+    """compile_in_worker attaches its worker: a step's pause stops it (its work waits); once
+    the step ends its wait loop lets it go on and finish; then it is reaped and detached."""
     marker = tmp_path / "started"
     script = (
         "import pathlib, sys, time, json\n"
@@ -128,8 +136,8 @@ def test_a_step_stops_the_attached_worker_for_its_device_work(
     worker: tuple[subprocess.Popen[bytes], int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Stopped during the forward and the draw, continued once the step is read; a step
-    that fails continues it too."""
+    """Stopped during the forward and the draw, on again once the server idles after the
+    step; after a step that fails too."""
     proc, child = worker
     ex = make_executor(graph_mode="none")
     _prefill(ex, [1], [3], first_slot=1)
@@ -137,8 +145,8 @@ def test_a_step_stops_the_attached_worker_for_its_device_work(
     seen: list[tuple[str, str]] = []
     forward = ex.runner.forward
 
-    def spy(fb):
-        seen.append((_state(proc.pid), _state(child)))
+    def spy(fb):  # (a stop is delivered a moment after the signal is sent)
+        seen.append((_wait_state(proc.pid, "T".__eq__, 2), _wait_state(child, "T".__eq__, 2)))
         return forward(fb)
 
     monkeypatch.setattr(ex.runner, "forward", spy)
@@ -146,6 +154,10 @@ def test_a_step_stops_the_attached_worker_for_its_device_work(
         make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
     )
     assert out.stats.path == "eager" and seen == [("T", "T")]
+    pause = ex.runner.compile_pause
+    assert not pause._stepping  # the step ended: the idle time runs
+    time.sleep(LINGER_S * 1.5)
+    pause.tick()  # (the capture thread's, every TICK_S)
     assert _wait_state(proc.pid, "T".__ne__) != "T" and _wait_state(child, "T".__ne__) != "T"
 
     def broken(fb):
@@ -156,8 +168,11 @@ def test_a_step_stops_the_attached_worker_for_its_device_work(
         ex.forward(
             make_decode_batch(input_ids=[6], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[10])
         )
+    assert _wait_state(proc.pid, "T".__eq__) == "T" and not pause._stepping
+    time.sleep(LINGER_S * 1.5)
+    pause.tick()
     assert _wait_state(proc.pid, "T".__ne__) != "T"
-    assert ex.runner.compile_pause.pauses == 2
+    assert pause.pauses == 2
 
 
 def test_a_stopped_worker_group_ends_when_its_server_dies() -> None:

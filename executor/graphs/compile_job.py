@@ -28,7 +28,7 @@ from pathlib import Path
 import structlog
 
 from executor.config import ExecutorConfig
-from executor.graphs.compile_pause import CompilePause
+from executor.graphs.compile_pause import TICK_S, CompilePause
 
 log = structlog.get_logger(__name__)
 
@@ -100,9 +100,15 @@ def compile_in_worker(
             pause.attach(proc)
             log.info("compile worker started", pid=proc.pid, runners=job.runners)
             try:
-                while pause.poll() is None:
-                    if stop.wait(POLL_S):
-                        return "stopped: the server is shutting down"
+                polled = 0.0
+                while not stop.wait(TICK_S):
+                    pause.tick()  # stopped by the steps: on again once they pause
+                    if time.monotonic() - polled >= POLL_S:
+                        polled = time.monotonic()
+                        if pause.poll() is not None:
+                            break
+                else:
+                    return "stopped: the server is shutting down"
             finally:
                 pause.kill()  # still running (a shutdown, an error here): its whole group
         seconds = round(time.perf_counter() - t0, 3)

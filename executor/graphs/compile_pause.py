@@ -1,16 +1,20 @@
-"""`CompilePause`: on a CPU device, the compile worker's processes stop while a step runs and
-go on between steps.
+"""`CompilePause`: on a CPU device, the compile worker's processes stop while steps run and go
+on once the server has been idle for a moment.
 
 The worker (`compile_job`) compiles for minutes. Beside a CPU step it takes a core that the
 step's OpenMP team counts on: a parallel region then waits at its barrier for the displaced
-thread (docs/performance.md). So a step stops the worker's process group (SIGSTOP: the
-worker and the C++ compiler processes it started) before its device work and continues it
-(SIGCONT) once the step is read. The compile runs on what the steps leave: between steps,
-and all of it while the server is idle; a server that is never idle compiles nothing until
-it is. Only the capture thread attaches and detaches a worker; only the step's thread
-pauses and resumes. A lock keeps a signal from reaching a group that has ended: the worker
-is reaped only under it (`poll`), and it ends while stopped only when killed (a shutdown,
-under the lock; or the kernel's OOM killer, after which nothing signals its group again).
+thread; and between two steps it delays the RPC path that carries the next one
+(docs/performance.md). So a step stops the worker's process group (SIGSTOP: the worker and
+the C++ compiler processes it started) before its device work, and the worker goes on
+(SIGCONT) only once no step has run for `LINGER_S`: steps back to back keep it stopped, with
+no signal between them. The compile runs on what the steps leave: the server's idle time; a
+server that is never idle compiles nothing until it is.
+
+Only the capture thread attaches, continues (`tick`, from its wait loop) and detaches a
+worker; only the step's thread stops it (`pause`) and marks the step's end (`resume`). A lock
+keeps a signal from reaching a group that has ended: the worker is reaped only under it
+(`poll`), and it ends while stopped only when killed (a shutdown, under the lock; or the
+kernel's OOM killer, after which nothing signals its group again).
 
 The worker runs in a process group of its own in the server's session: if the server dies
 while the group is stopped, the group is orphaned with stopped members, and the kernel sends
@@ -26,12 +30,17 @@ import subprocess
 import threading
 import time
 
+LINGER_S = 0.05  # the idle time after a step before the worker goes on
+TICK_S = 0.01  # how often the capture thread looks (`tick`) while a worker is attached
+
 
 class CompilePause:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None  # the attached worker, its group's leader
         self._stopped_at: float | None = None  # monotonic time of the stop now in force
+        self._stepping = False  # a step between `pause` and `resume`
+        self._idle_since = 0.0  # monotonic time of the last step's end
         self.paused_s = 0.0  # the attached worker's time stopped, in all
         self.pauses = 0  # how many times it was stopped
 
@@ -56,6 +65,18 @@ class CompilePause:
                 self._proc = None
             return code
 
+    def tick(self) -> None:
+        """The capture thread: a stopped worker goes on once no step ran for `LINGER_S`."""
+        if self._stopped_at is None or self._stepping:
+            return
+        with self._lock:
+            if self._stepping or time.monotonic() - self._idle_since < LINGER_S:
+                return
+            if self._stopped_at is not None and self._proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._proc.pid, signal.SIGCONT)
+            self._end_stop()
+
     def kill(self) -> None:
         """The capture thread (a shutdown): the worker's whole group killed, reaped, detached."""
         with self._lock:
@@ -69,11 +90,12 @@ class CompilePause:
             self._proc = None
 
     def pause(self) -> None:
-        """The step's thread, before its device work: the worker stops (nothing attached: a
-        no-op, one attribute read)."""
+        """The step's thread, before its device work: the worker stops, unless it is stopped
+        already (steps back to back: no signal). Nothing attached: one attribute read."""
         if self._proc is None:
             return
-        with self._lock:
+        with self._lock:  # (a `tick` continues the worker under it, or sees this step)
+            self._stepping = True
             if self._proc is not None and self._stopped_at is None:
                 with contextlib.suppress(ProcessLookupError):  # a step never fails for it
                     os.killpg(self._proc.pid, signal.SIGSTOP)
@@ -81,17 +103,11 @@ class CompilePause:
                 self.pauses += 1
 
     def resume(self) -> None:
-        """The step's thread, once the step is read (or failed): the worker goes on."""
-        if self._stopped_at is None:
-            return
-        with self._lock:
-            self._continue()
-
-    def _continue(self) -> None:
-        if self._stopped_at is not None and self._proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGCONT)
-        self._end_stop()
+        """The step's thread, once the step is read (or failed): the idle time starts (the
+        worker goes on at a `tick` after `LINGER_S` of it)."""
+        if self._stepping:
+            self._idle_since = time.monotonic()
+            self._stepping = False
 
     def _end_stop(self) -> None:
         if self._stopped_at is not None:
