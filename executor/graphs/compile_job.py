@@ -6,7 +6,7 @@ Compiling a whole-step graph is minutes of Python (dynamo's trace, inductor's lo
 code generation) and C++ compiles. In the server's process that Python holds the GIL, and
 every eager step then waits for it once per op (measured: several times slower). In the
 worker it holds another process's GIL, at a low CPU priority (`WORKER_NICE`); on a CPU
-device it also stops while each step runs (`CompilePause`). What the worker leaves behind is
+device it also stops while steps run (`CompilePause`). What the worker leaves behind is
 in the cache dir: the whole compiled steps (`<cache_dir>/graphs`) and inductor's caches (the
 layer halves' compiled code). The server's own capture then loads them: its compile phase is
 a load, its capture (under the step lock) the warm-up runs.
@@ -33,7 +33,7 @@ from executor.graphs.compile_pause import TICK_S, CompilePause
 log = structlog.get_logger(__name__)
 
 WORKER_MODULE = "executor.compile_worker"  # the worker's entry (it builds an executor)
-POLL_S = 0.2  # how often the server looks at the worker and at its stop event
+POLL_S = 0.2  # how often the server looks whether the worker ended (its stop: every TICK_S)
 # The worker's niceness: CFS then gives it about a tenth of a core that a step's thread also
 # wants (weights 110 against 1024), and all of a core nobody wants. Lower priorities
 # (nice 19, SCHED_IDLE) starved it on a busy machine: a tiny model's compile made no
@@ -79,7 +79,7 @@ def compile_in_worker(
     """Run the worker for `job` and wait for it (the calling thread only); None when it
     compiled every bucket, else why not (the server's capture then compiles what is
     missing itself). Killed when `stop` is set (a shutdown). With `pause` (a CPU device),
-    the worker stops while each step runs (`CompilePause`)."""
+    the worker stops while steps run (`CompilePause`)."""
     root = str(Path(__file__).resolve().parents[2])  # where the `executor` package lives
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -20,7 +20,7 @@ import torch
 # The GIL's switch interval while this process loads (or compiles) a graph beside the steps.
 # That thread holds the GIL for seconds (inductor's import, its cache loads); a step's thread
 # that released it for an op then waits up to the interval (5 ms by default) to run its next
-# line, hundreds of times a step: a SmolLM2 step took 2.7 s. A short interval bounds each wait.
+# line, hundreds of times a step: a step took seconds. A short interval bounds each wait.
 LOAD_SWITCH_S = 1e-4
 
 

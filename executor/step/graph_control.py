@@ -260,7 +260,7 @@ class GraphControl:
         log.info("graph capture started in the background", graph_mode=str(mode))
 
         def body() -> None:
-            # On a CPU, the compile worker stops while each step runs (`CompilePause`); this
+            # On a CPU, the compile worker stops while steps run (`CompilePause`); this
             # thread's load of what it compiled (or its own compile) takes a core: the steps
             # run with one intra-op thread fewer meanwhile (`StepThreads`).
             threads = self.runner.step_threads
