@@ -47,6 +47,7 @@ from benchmarks.served import ROOT, cpu_description, free_port
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.core.outputs import ForwardOutput
+from executor.graphs.compile_pause import process_state
 
 PROMPT_TOKENS = 64
 DECODE_SPAN = 128  # decode steps per request before the next one starts (fixed KV bucket)
@@ -209,16 +210,8 @@ class Beside:
 
     def step(self, worker: int | None) -> None:
         self.ms.append(self.decoder.decode()[0])
-        if worker is not None and _state(worker) not in ("T", "gone"):
+        if worker is not None and process_state(worker) not in ("T", "gone"):
             self.worker_ran += 1
-
-
-def _state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return "gone"
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def decode_until_idle(

@@ -20,7 +20,7 @@ from executor.batch_prep import make_decode_batch
 from executor.config import ExecutorConfig
 from executor.graphs import compile_job
 from executor.graphs.compile_job import CompileJob, compile_in_worker
-from executor.graphs.compile_pause import LINGER_S, CompilePause
+from executor.graphs.compile_pause import LINGER_S, CompilePause, process_state
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
 
@@ -33,18 +33,9 @@ _PARENT = (
 )
 
 
-def _state(pid: int) -> str:
-    """The process's state letter (T: stopped; "gone" once it is reaped or never was)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return "gone"
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 def _wait_state(pid: int, want: Callable[[str], bool], timeout: float = 5.0) -> str:
     deadline = time.monotonic() + timeout
-    while not want(state := _state(pid)) and time.monotonic() < deadline:
+    while not want(state := process_state(pid)) and time.monotonic() < deadline:
         time.sleep(0.01)
     return state
 
@@ -76,12 +67,12 @@ def test_steps_stop_the_worker_and_its_children_which_go_on_once_the_server_idle
     assert pause.poll() is None  # stopped, not ended
     time.sleep(LINGER_S * 2)
     pause.tick()  # a step runs: it stays stopped
-    assert _state(proc.pid) == "T"
+    assert process_state(proc.pid) == "T"
     pause.resume()
     pause.pause()  # the next step, back to back: no second stop
     pause.resume()
     pause.tick()  # idle for less than the linger: still stopped
-    assert _state(proc.pid) == "T" and pause.pauses == 1
+    assert process_state(proc.pid) == "T" and pause.pauses == 1
     time.sleep(LINGER_S * 1.5)
     pause.tick()
     assert _wait_state(proc.pid, "T".__ne__) != "T" and _wait_state(child, "T".__ne__) != "T"

@@ -33,7 +33,6 @@ from executor.graphs.compile_pause import TICK_S, CompilePause
 log = structlog.get_logger(__name__)
 
 WORKER_MODULE = "executor.compile_worker"  # the worker's entry (it builds an executor)
-POLL_S = 0.2  # how often the server looks whether the worker ended (its stop: every TICK_S)
 # The worker's niceness: CFS then gives it about a tenth of a core that a step's thread also
 # wants (weights 110 against 1024), and all of a core nobody wants. Lower priorities
 # (nice 19, SCHED_IDLE) starved it on a busy machine: a tiny model's compile made no
@@ -100,13 +99,10 @@ def compile_in_worker(
             pause.attach(proc)
             log.info("compile worker started", pid=proc.pid, runners=job.runners)
             try:
-                polled = 0.0
                 while not stop.wait(TICK_S):
                     pause.tick()  # stopped by the steps: on again once they pause
-                    if time.monotonic() - polled >= POLL_S:
-                        polled = time.monotonic()
-                        if pause.poll() is not None:
-                            break
+                    if pause.poll() is not None:
+                        break
                 else:
                     return "stopped: the server is shutting down"
             finally:

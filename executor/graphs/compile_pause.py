@@ -29,9 +29,10 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 LINGER_S = 0.05  # the idle time after a step before the worker goes on
-TICK_S = 0.01  # how often the capture thread looks (`tick`) while a worker is attached
+TICK_S = 0.01  # how often the capture thread looks (`tick`, `poll`) while a worker is attached
 
 
 class CompilePause:
@@ -113,3 +114,12 @@ class CompilePause:
         if self._stopped_at is not None:
             self.paused_s += time.monotonic() - self._stopped_at
             self._stopped_at = None
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc ("T": stopped), or "gone" (reaped, or never was)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]

@@ -193,7 +193,7 @@ class Step:
             out.logits = logits
             if not sb.keep_rows:  # warm-up
                 sb.undo()
-        out.stats = self._stats(sb, out.stats)
+        self._fill_stats(sb, out.stats)
         out.weight_version = self.weight_version  # changed only between two steps (the lock)
         return out
 
@@ -242,9 +242,9 @@ class Step:
         if self.leader is not None:
             self.leader.end_step()
 
-    def _stats(self, sb: StepBatch, stats: StepStats) -> StepStats:
-        """The step's stats, written into `stats` (this step's own, where the draw and the
-        parts wrote theirs): set in place, every step, not copied."""
+    def _fill_stats(self, sb: StepBatch, stats: StepStats) -> None:
+        """The step's stats, set in `stats` (this step's own, where the draw and the parts
+        wrote theirs)."""
         host, ran, clock = sb.host, sb.ran, sb.clock
         assert ran is not None
         clock.record("total", sb.started_wall_ns, time.perf_counter_ns() - sb.started_ns)
@@ -268,7 +268,6 @@ class Step:
         stats.allreduce_ns = self.comm.take_allreduce_ns()
         stats.host_gap_ns = sb.host_gap_ns
         stats.device_busy_ns = sb.device_busy_ns
-        return stats
 
 
 class _Counted:
