@@ -12,13 +12,14 @@ its own process.
    compiled path in use): back to back for `--busy-s` (the compile worker, at a low CPU
    priority and stopped while each step runs, then gets only the gaps), then one every
    `--pace-s` (a server that is not saturated). Every step during the compile, and the time
-   from launch to the compiled path. Back to back, each is followed by a step on an eager server
+   from launch to the compiled path. Each is followed by a step on an eager server
    (`--graph-mode none`) beside it, the compile worker stopped (`Beside`): the eager step at
-   the same time, the base of the steps meanwhile.
+   the same time, after the same idle gap, the base of the steps meanwhile.
 2. eager: the same cache dir with `--graph-mode none`, `--eager-steps` back to back: the
    machine's own spread (p99 over median), with no compile.
-3. warm: the same cache dir again: first token, steps while the saved compile is loaded, and
-   the time to the compiled path (against the cold one: the issue's <= 10%).
+3. warm: the same cache dir again: first token, steps while the saved compile is loaded (each
+   followed by one on an eager server beside it, as in 1), and the time to the compiled path
+   (against the cold one: the issue's <= 10%).
 
 `--idle-probe`: an eager server's steps back to back and after idle gaps, nothing else.
 `--first-token-only`: 1 and 3's first tokens, no steps (the background compile is not waited
@@ -68,6 +69,7 @@ class Run:
     # executor's, one only in `during_ms` is the transport's or this client's.
     during_server_ms: list[float] = field(default_factory=list)
     beside_ms: list[float] = field(default_factory=list)  # the eager server's steps (`Beside`)
+    beside_busy: list[bool] = field(default_factory=list)  # each one: back to back, or paced
     beside_worker_ran: int = 0  # of those, the ones that found the compile worker running
     launched_utc: str = ""  # the launch, to read `during_slowest` against the server's log
     after_ms: list[float] = field(default_factory=list)  # steps after (or eager steps)
@@ -79,12 +81,17 @@ class Run:
         }
         busy = [ms for ms, b in zip(self.during_ms, self.during_busy, strict=True) if b]
         paced = [ms for ms, b in zip(self.during_ms, self.during_busy, strict=True) if not b]
+        beside = {
+            b: [ms for ms, c in zip(self.beside_ms, self.beside_busy, strict=True) if c is b]
+            for b in (True, False)
+        }
         for name, xs in (
             ("during", self.during_ms),
             ("during_busy", busy),
             ("during_paced", paced),
             ("during_server", self.during_server_ms),
-            ("beside", self.beside_ms),
+            ("beside_busy", beside[True]),
+            ("beside_paced", beside[False]),
             ("after", self.after_ms),
         ):
             if xs:
@@ -188,12 +195,13 @@ class Decoder:
 
 @dataclass
 class Beside:
-    """An eager server (`--graph-mode none`) beside the cold one while it compiles: while the
-    cold server's steps run back to back, one step on it follows each of theirs, within the
-    cold server's linger (`CompilePause`: its compile worker stays stopped between steps that
-    close together): the eager step at the same moment on the same machine, no compile
-    running. Each of these steps checks that the worker was stopped. Minutes apart, this
-    machine's speed drifted by a third, so a separate eager run is a poor base."""
+    """An eager server (`--graph-mode none`) beside the one that compiles (or loads): one
+    step on it follows each of theirs, back to back or paced (after the same idle gap: a step
+    after one is slower on this machine), within the compiling server's linger
+    (`CompilePause`: its compile worker stays stopped between steps that close together): the
+    eager step at the same moment on the same machine, no compile running. Each of these steps
+    checks that the worker was stopped. Minutes apart, this machine's speed drifted by a
+    third, so a separate eager run is a poor base."""
 
     decoder: Decoder
     server_pid: int  # the cold server, whose compile worker must be stopped for these steps
@@ -251,10 +259,11 @@ def decode_until_idle(
         run.during_busy.append(busy)
         timed = out.stats.timings_ns
         run.during_server_ms.append((timed.get("queue", 0) + timed.get("total", 0)) / 1e6)
-        if beside is not None and busy:
-            if worker is None or len(run.during_ms) % 100 == 0:
+        if beside is not None:
+            if worker is None or len(run.during_ms) % 100 == 0 or not busy:
                 worker = beside.worker()  # (it starts after the server, and ends)
             beside.step(worker)
+            run.beside_busy.append(busy)
         if busy and decoder.step % 10:
             continue
         if not client.get_runtime_config().graph_capture.startswith("capturing"):
@@ -404,7 +413,7 @@ def main() -> None:
         print(f"load after: {os.getloadavg()}")
         return
     eager = measure("eager", cache, ["--graph-mode", "none"], args, steps=args.eager_steps)
-    warm = measure("warm", cache, [], args)
+    warm = measure("warm", cache, [], args, besides=True)
     base = statistics.median(eager.after_ms)
     print(f"load after: {os.getloadavg()}")
     print(
@@ -430,8 +439,8 @@ def main() -> None:
                 f"{statistics.median(xs) / base:.2f}x, p99 {percentile(xs, 99):.1f} ms = "
                 f"{percentile(xs, 99) / base:.2f}x"
             )
-            near = run.beside_ms
-            if busy and near:
+            near = [ms for ms, b in zip(run.beside_ms, run.beside_busy, strict=True) if b is busy]
+            if near:
                 m = statistics.median(near)
                 line += (
                     f"; the eager server beside it ({len(near)} steps, the worker running in "

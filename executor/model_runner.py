@@ -30,6 +30,7 @@ from executor.graphs.capture import CaptureReport
 from executor.graphs.compile_pause import CompilePause
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.factory import GraphFactory
+from executor.graphs.idle_gate import IdleGate
 from executor.graphs.piecewise_runner import PiecewiseGraphRunner
 from executor.graphs.settings import GraphSettings
 from executor.graphs.step_threads import StepThreads
@@ -100,6 +101,7 @@ class ModelRunner:
         # One intra-op thread fewer while a compile worker runs beside the server (CPU).
         self.step_threads = StepThreads()
         self.compile_pause = CompilePause()  # a compile worker stopped while a step runs
+        self.idle_gate = IdleGate()  # the capture thread's own load waits for the steps
         self._compiled_fns: LayerFns | None = None
         self._fns_lock = threading.Lock()  # the capture thread and the step thread make them
         self.decode_graphs: DecodeGraphRunner | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,9 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A compile held open (as a minutes-long one is): the step lock is free, steps run
-    eagerly, GetRuntimeConfig says capturing; the capture that follows holds the lock and
-    the graph serves once installed."""
+    eagerly, GetRuntimeConfig says capturing; the compile phase yields to the steps (the
+    `IdleGate`'s hook is on), the capture that follows holds the lock (the hook off) and the
+    graph serves once installed."""
     ex = make_executor(graph_mode="none", graph_batch_sizes="1,2")
     compiling, release = threading.Event(), threading.Event()
     lock_held: dict[str, list[bool]] = {"compile": [], "capture": []}
@@ -51,9 +53,11 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
 
     switch: list[float] = []
     interval = sys.getswitchinterval()
+    hooks: dict[str, list[object]] = {"compile": [], "capture": []}
 
     def compile_one(self: DecodeGraphRunner, bs: int) -> None:
         lock_held["compile"].append(is_held(ex.control.step_lock))
+        hooks["compile"].append(sys.getprofile())
         switch.append(sys.getswitchinterval())  # short GIL turns: steps get it back in time
         compiling.set()
         assert release.wait(30)
@@ -61,6 +65,7 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
 
     def capture_one(self: DecodeGraphRunner, bs: int) -> None:
         lock_held["capture"].append(is_held(ex.control.step_lock))
+        hooks["capture"].append(sys.getprofile())
         real_capture(self, bs)
 
     monkeypatch.setattr(DecodeGraphRunner, "_compile_one", compile_one)
@@ -76,18 +81,74 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
     assert ex.forward(step).stats.path == "eager"
     assert control.current().graph_capture == "capturing graph_mode=decode"
-    # ... with one intra-op thread fewer: the compile holds a core (`StepThreads`).
+    # ... with every intra-op thread: nothing compiles beside them (the stand-in's compile
+    # phase is this thread's, which waits for the steps); a failed compile worker's C++
+    # compiles here would hold a core (`StepThreads`).
     threads = ex.runner.step_threads
-    assert threads.reserved == 1
-    assert torch.get_num_threads() == max(1, threads.full - 1)
+    assert threads.reserved == 0 and torch.get_num_threads() == threads.full
     release.set()
     assert ex.control.wait_for_capture(60)
     assert control.current().graph_capture == "idle" and ex.toggles.graph_mode == "decode"
     assert lock_held == {"compile": [False, False], "capture": [True, True]}
+    gate = ex.runner.idle_gate
+    assert hooks == {"compile": [gate._hook, gate._hook], "capture": [None, None]}
+    assert not gate._on  # (the capture thread ended its `yielding`)
     assert switch == [pytest.approx(LOAD_SWITCH_S)] * 2 and sys.getswitchinterval() == interval
     step = make_decode_batch(input_ids=[6], req_pool_indices=[1], seq_lens=[5], out_cache_loc=[10])
     assert ex.forward(step).stats.path == "full_graph"
     assert threads.reserved == 0 and torch.get_num_threads() == threads.full
+
+
+def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_graphs(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket's whole compiled steps, smallest KV bucket first: only the first runs the
+    eager step under the capture rules, the next is checked against its output; a step that
+    waited for the lock during the first runs before the next graph (the lock is let go)."""
+    monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: call.fn)
+    monkeypatch.setattr(graph_control, "compile_in_worker", lambda job, stop, pause=None: None)
+    ruled: list[str] = []
+    real_rules = step_graph.check_capture_rules
+
+    def rules(call: StepCall) -> None:
+        ruled.append(call.tag)
+        real_rules(call)
+
+    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    ex = make_executor(graph_mode="none", graph_backend="compiled_step", graph_batch_sizes="1")
+    _prefill(ex, [1], [3], first_slot=1)
+    step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
+    order: list[str] = []
+    forward = ex.runner.forward
+
+    def counted(fb: Any) -> Any:  # a step's forward, under the lock
+        order.append("step")
+        return forward(fb)
+
+    monkeypatch.setattr(ex.runner, "forward", counted)
+    stepper: list[threading.Thread] = []
+    real_capture = StepCompiledGraph.capture
+
+    def capture(self: StepCompiledGraph, fn: Any, reference: Any = None) -> None:
+        order.append(fn.tag)
+        if not stepper:  # the first graph, the lock held: a step arrives and waits for it
+            stepper.append(threading.Thread(target=ex.forward, args=(step,), daemon=True))
+            stepper[0].start()
+            time.sleep(0.2)
+        real_capture(self, fn, reference)
+
+    monkeypatch.setattr(StepCompiledGraph, "capture", capture)
+    control = RuntimeControl(
+        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
+    )
+    control.update(RuntimeConfigUpdate(graph_mode="decode"))
+    assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
+    stepper[0].join(30)
+    assert order == ["decode-bs1-kv256", "step", "decode-bs1-kv1024"]
+    assert ruled == ["decode-bs1-kv256"]
+    [graphs] = ex.runner.decode_graphs.captured.values()  # type: ignore[union-attr]
+    first, second = (graphs[False, kv].graph for kv in (256, 1024))
+    assert isinstance(second, StepCompiledGraph) and second.reference is first.reference
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ batch's bucket, and how a replay runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -21,7 +21,7 @@ from attention.base import AttentionBackend
 from executor.core.buckets import pad_to_bucket
 from executor.core.forward_batch import ForwardBatch
 from executor.core.runner_output import RunnerOutput
-from executor.graphs.capture import CaptureReport, capture_buckets
+from executor.graphs.capture import CaptureReport, LockHold, capture_buckets
 from executor.graphs.factory import GraphFactory
 from executor.models.decoder_model import DecoderModel
 from executor.parallel.agreement import agree_on_capture
@@ -50,23 +50,26 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
         self.factory = factory
         self.captured: dict[int, CapturedT] = {}
         self.report: CaptureReport | None = None
+        self._hold: LockHold | None = None  # the step lock, during a background capture
 
     def capture(
         self, *, progress: bool = True, lock: AbstractContextManager[object] | None = None
     ) -> CaptureReport:
         """Capture every bucket, largest first; a failed bucket is left out (eager for it).
-        With `lock`, the preparation and each bucket's capture hold it (a background
-        capture); each bucket's compile phase runs without it."""
+        With `lock`, the preparation of the buffers and each bucket's capture hold it (a
+        background capture); the factory's (dynamo's first import, its limits) and each
+        bucket's compile phase run without it."""
+        self.factory.prepare(len(self.buckets))
         with lock or nullcontext():
             self._prepare_capture()
-            self.factory.prepare(len(self.buckets))
         self.captured.clear()
+        self._hold = LockHold(lock) if lock is not None else None
         comm = self.model.comm
         if comm.enabled:
             # One real collective first: NCCL creates its communicator on the first one,
             # which must not happen inside a capture.
             comm.all_reduce_(torch.zeros(1, device=self.device))
-        with comm.capture_runs() if comm.enabled else nullcontext():
+        with comm.capture_runs() if comm.enabled else nullcontext(), self._holding():
             self.report = capture_buckets(
                 self.kind,
                 self.buckets,
@@ -74,12 +77,25 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
                 self.factory,
                 compile_one=self._compile_one,
                 progress=progress,
-                lock=lock,
+                lock=self._hold,
                 graphs_per_bucket=self.graphs_per_bucket(),
                 agree=partial(agree_on_capture, comm) if comm.enabled else None,
                 drop=lambda size: self.keep_only([s for s in self.captured if s != size]),
             )
         return self.report
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self._hold = None
+
+    def let_steps_in(self) -> None:
+        """Between two graphs of a bucket in a background capture (not under tensor
+        parallelism, whose ranks capture in step): a step waiting for the lock runs."""
+        if self._hold is not None and not self.model.comm.enabled:
+            self._hold.let_steps_in()
 
     def compile_only(self) -> dict[int, str]:
         """Every bucket's compile phase and nothing else (no capture, nothing kept): what

@@ -3,15 +3,20 @@
 Each bucket is captured in two phases: its compile (`compile_one`: no device state, so it runs
 without the step lock: inductor's work, or the load of a saved compile) and its capture
 (`capture_one`: warm-up runs, checks, recording), which holds the lock. A background capture
-(`lock` given) therefore blocks steps only for the runs, not for the compile.
+(`lock` given) therefore blocks steps only for the runs, not for the compile; a bucket of
+whole-step compiled graphs lets a waiting step run between two of its graphs
+(`LockHold.let_steps_in`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
 
 import structlog
 from tqdm import tqdm
@@ -23,6 +28,10 @@ from executor.parallel.agreement import CaptureOutcome, GroupOutcome
 
 log = structlog.get_logger(__name__)
 
+# `LockHold.let_steps_in`'s pause with the lock let go: the lock is not fair (this thread would
+# take it again at once); in this time a step blocked on it wakes and takes it.
+LET_IN_S = 0.005
+
 
 @dataclass
 class CaptureReport:
@@ -32,7 +41,7 @@ class CaptureReport:
     captured: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
-    # Under the step lock (a background capture): the longest hold of one bucket, and in all.
+    # Under the step lock (a background capture): the longest hold, and in all.
     held_max_seconds: float = 0.0
     held_seconds: float = 0.0
     memory_bytes: int = 0
@@ -46,6 +55,44 @@ class CaptureReport:
     # Set when a capture poisoned the factory (this pass's or an earlier one): nothing more
     # is captured or replayed, graph mode runs eagerly with this reason.
     poisoned: str | None = None
+
+
+class LockHold:
+    """The step lock as a capture pass holds it: each hold timed (the report's `held_*`), and
+    the thread's profile hook (an `IdleGate`'s) off meanwhile: no step runs then to wait for,
+    and the capture's runs do not pay for the hook."""
+
+    def __init__(self, lock: AbstractContextManager[Any]) -> None:
+        self._lock = lock
+        self._since = 0.0
+        self._hook: Any = None
+        self.longest = 0.0
+        self.total = 0.0
+
+    def __enter__(self) -> None:
+        self._lock.__enter__()  # (a hook on waits for the steps first)
+        self._hook = sys.getprofile()
+        sys.setprofile(None)
+        self._since = time.perf_counter()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        held = time.perf_counter() - self._since
+        self.total += held
+        self.longest = max(self.longest, held)
+        sys.setprofile(self._hook)
+        return self._lock.__exit__(kind, exc, tb)
+
+    def let_steps_in(self) -> None:
+        """Between two graphs of a bucket: the lock let go for `LET_IN_S`, so a step that
+        waits for it runs, and taken again (after that step)."""
+        self.__exit__(None, None, None)
+        time.sleep(LET_IN_S)
+        self.__enter__()
 
 
 def capture_buckets(
@@ -69,7 +116,8 @@ def capture_buckets(
 
     `compile_one(size)` runs first, without `lock`: a bucket's compile phase, which touches
     no device state. With `lock`, each bucket's `capture_one` holds it (a background capture:
-    the steps that take it run during the compiles and between two buckets).
+    the steps that take it run during the compiles and between two buckets; a `LockHold`
+    given as `lock` may be let go between two graphs of a bucket).
 
     With `agree` (tensor parallelism: `executor.parallel.agreement.agree_on_capture` on
     this rank's group), every bucket's outcome is the group's: a bucket captured here but
@@ -82,6 +130,7 @@ def capture_buckets(
         report.poisoned = factory.poisoned
         log.warning("graph capture skipped", kind=kind, poisoned=factory.poisoned)
         return report
+    hold = lock if lock is None or isinstance(lock, LockHold) else LockHold(lock)
     mem_before = factory.memory_bytes()
     t0 = time.perf_counter()
     with factory.capturing():
@@ -99,14 +148,9 @@ def capture_buckets(
             try:
                 if compile_one is not None:
                     compile_one(size)
-                with lock or nullcontext():
-                    held = time.perf_counter()
-                    try:
-                        capture_one(size)
-                    finally:
-                        held = time.perf_counter() - held
-                        report.held_seconds += held
-                        report.held_max_seconds = max(report.held_max_seconds, held)
+                before = hold.total if hold is not None else 0.0
+                with hold or nullcontext():
+                    capture_one(size)
             except GraphCapturePoisoned as e:
                 report.failed[size] = report.poisoned = f"{type(e).__name__}: {e}"
                 factory.poison(report.poisoned)
@@ -139,9 +183,11 @@ def capture_buckets(
                 kind=kind,
                 size=size,
                 seconds=round(time.perf_counter() - t, 4),
-                capture_seconds=round(held, 4),
+                held_seconds=round(hold.total - before, 4) if hold is not None else None,
             )
     report.seconds = time.perf_counter() - t0
+    if hold is not None:
+        report.held_seconds, report.held_max_seconds = hold.total, hold.longest
     report.memory_bytes = factory.memory_bytes() - mem_before
     log.info(
         "graphs captured",

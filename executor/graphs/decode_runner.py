@@ -26,7 +26,7 @@ from executor.core.runner_output import RunnerOutput
 from executor.graphs.bucket_runner import BucketGraphRunner
 from executor.graphs.factory import GraphFactory
 from executor.graphs.graph import Graph
-from executor.graphs.step_graph import StepCall
+from executor.graphs.step_graph import StepCall, StepCompiledGraph
 from executor.models.decoder_model import DecoderModel
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
@@ -163,17 +163,27 @@ class DecodeGraphRunner(BucketGraphRunner[dict[tuple[bool, int], _Captured]]):
         """Every (LoRA, KV) bucket of batch size `bs`; all or none (a failure fails the
         batch-size bucket, whose batches then run eagerly). Largest first, so on CUDA the
         smaller graphs reuse its memory; where twins are free (compiled) smallest first, and the
-        larger KV buckets are captured as its twins (no run at up to max_context_len keys)."""
+        larger KV buckets are captured as its twins (no run at up to max_context_len keys).
+        Whole compiled steps: smallest first too; the first is checked against the eager step
+        (the cheapest one), the others against its output, and a step waiting for the lock
+        runs between two of them."""
         graphs: dict[tuple[bool, int], _Captured] = {}
+        whole = self.factory.whole_steps
         twins = self.factory.shares_twin_captures
         for lora in self.lora_variants:
             first: Graph | None = None
-            for kv in sorted(self.kv_buckets, reverse=not twins):
+            reference: torch.Tensor | None = None  # a whole step's eager output, checked once
+            for kv in sorted(self.kv_buckets, reverse=not (twins or whole)):
+                if whole and first is not None:
+                    self.let_steps_in()
                 call = self._bucket_call(bs, kv, lora, stage=True)
                 compiled = self._compiled.pop((bs, lora, kv), None)
                 graph = compiled or self.factory.new(whole_step=True)
                 if twins and first is not None:
                     graph.capture_twin(call, first)
+                elif isinstance(graph, StepCompiledGraph):
+                    graph.capture(call, reference)
+                    reference = graph.reference
                 else:
                     graph.capture(call)
                 first = first or graph

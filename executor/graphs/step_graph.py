@@ -110,6 +110,7 @@ class StepCompiledGraph(Graph):
         self._call: StepCall | None = None
         self._key = ""
         self.loaded = False  # the compiled step came from the store
+        self.reference: torch.Tensor | None = None  # the eager step's output it was checked on
 
     def compile(self, fn: Callable[[], None]) -> None:
         """Load the compiled step from the store, or compile it (and save it); touches no
@@ -135,14 +136,21 @@ class StepCompiledGraph(Graph):
         if self._store is not None:
             self._store.save(call.tag, self._key, self._compiled)
 
-    def capture(self, fn: Callable[[], None]) -> None:
+    def capture(self, fn: Callable[[], None], reference: torch.Tensor | None = None) -> None:
         """The eager step under CUDA's capture rules, then the compiled step (compiled here
-        first if `compile` did not run), which must give the eager step's output."""
+        first if `compile` did not run), which must give the eager step's output.
+
+        `reference`: that output, from another graph of the same inputs and code (a DECODE
+        batch's larger KV buckets: the same padded requests, whose output does not depend on
+        the bucket), which checked the rules: the eager step does not run again. Not with
+        batch_invariant, whose compiled step must equal its own bucket's eager step."""
         call = _as_call(fn)
         if self._compiled is None:
             self.compile(call)
-        check_capture_rules(call)  # eagerly, as the stand-in does: its output is the reference
-        expected = call.out.clone()
+        if reference is None or self._exact:
+            check_capture_rules(call)  # eagerly, as the stand-in does: the reference
+            reference = call.out.clone()
+        expected = reference
         try:
             self._compiled(*call.args)
         except torch.OutOfMemoryError as e:
@@ -164,7 +172,7 @@ class StepCompiledGraph(Graph):
                 f"{error:.3g} > {MATCH_TOLERANCE}): not used, and not kept in the cache"
             )
         log.info("compiled step checked", tag=call.tag, loaded=self.loaded, error=round(error, 5))
-        self._call = call
+        self._call, self.reference = call, expected
 
     def _forget(self, call: StepCall) -> None:
         """A compiled step that does not work is not kept, on disk either."""

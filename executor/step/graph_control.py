@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import structlog
 import torch
@@ -260,15 +261,21 @@ class GraphControl:
         log.info("graph capture started in the background", graph_mode=str(mode))
 
         def body() -> None:
-            # On a CPU, the compile worker stops while steps run (`CompilePause`); this
-            # thread's load of what it compiled (or its own compile) takes a core: the steps
-            # run with one intra-op thread fewer meanwhile (`StepThreads`).
-            threads = self.runner.step_threads
+            # On a CPU, the compile worker stops while steps run (`CompilePause`), and this
+            # thread's own work, the load of what it compiled, waits for them too (`IdleGate`;
+            # it holds the step lock only to run and install each graph). If the worker
+            # failed, this thread compiles, and its C++ compiles take a core beside the steps:
+            # they run with one intra-op thread fewer then (`StepThreads`).
+            threads, cpu = self.runner.step_threads, self.device.type == "cpu"
             with device_scope(self.device):
                 try:
-                    self._compile_in_worker(mode)
-                    threads.reserved = 1 if self.device.type == "cpu" else 0
-                    with short_gil_turns():  # the steps' threads get the GIL back in time
+                    # short GIL turns: a step's thread gets the GIL back in time to say it runs
+                    with (
+                        short_gil_turns(),
+                        self.runner.idle_gate.yielding() if cpu else nullcontext(),
+                    ):
+                        compiles_here = self._compile_in_worker(mode)
+                        threads.reserved = 1 if cpu and compiles_here else 0
                         captured = self.runner.capture_for(
                             mode, progress=False, lock=self.step_lock
                         )
@@ -289,19 +296,21 @@ class GraphControl:
         self._capture_thread = threading.Thread(target=body, name="graph-capture", daemon=True)
         self._capture_thread.start()
 
-    def _compile_in_worker(self, mode: GraphMode) -> None:
+    def _compile_in_worker(self, mode: GraphMode) -> bool:
         """A compiling graph backend: compile `mode`'s buckets in a worker process into the
-        caches, which the capture then loads. If the worker fails, the capture compiles in
-        this process (off the step lock still, but sharing this process's CPU and GIL). Not
-        for dynamo's eager backend (batch_invariant): its trace leaves no cache to load."""
+        caches, which the capture then loads. Whether the capture compiles in this process
+        (off the step lock still, but sharing this process's CPU): where the worker failed,
+        and for dynamo's eager backend (batch_invariant), whose trace leaves no cache to load."""
         factory = self.runner.graph_factory
         settings = self.runner.graph_settings
         runners = self.runner.missing_runners(mode)
-        if not factory.compiles or factory.compiler != INDUCTOR or settings is None or not runners:
-            return
+        if not factory.compiles or settings is None or not runners:
+            return False
+        if factory.compiler != INDUCTOR:
+            return True
         if self.runner.all_saved(runners, self.step_lock):
             log.info("compiled graphs saved in the cache dir: loading them", runners=runners)
-            return
+            return False
         job = CompileJob(
             self.config.replace(
                 graph_mode="none",
@@ -316,6 +325,7 @@ class GraphControl:
         reason = compile_in_worker(job, factory.stop, pause)
         if reason is not None:
             log.warning("compile worker failed: the capture compiles here", reason=reason)
+        return reason is not None
 
     def wait_for_capture(self, timeout: float | None = None) -> bool:
         """Wait for a background capture to end; False if it is still running. Any thread."""

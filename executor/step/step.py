@@ -144,6 +144,7 @@ class Step:
         with self.lock, self.hooks.device_step_guard(), _Counted(sb):
             try:
                 self.runner.compile_pause.pause()  # a CPU's compile worker: stopped till read
+                self.runner.idle_gate.step_started()  # a load in this process: waits too
                 launched_ns, start = time.perf_counter_ns(), self.timeline.launching()
                 self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
                 with clock.phase("forward"):
@@ -166,6 +167,7 @@ class Step:
             except BaseException:
                 self._end_group()
                 self.runner.compile_pause.resume()
+                self.runner.idle_gate.step_ended()
                 sb.undo()
                 raise
 
@@ -187,6 +189,7 @@ class Step:
             finally:
                 self._end_group()
                 self.runner.compile_pause.resume()
+                self.runner.idle_gate.step_ended()
             at = len(flight.draw.device)
             out = flight.draw.output(host[:at], StepStats())
             sb.commit(out, host[at:], flight.parts)

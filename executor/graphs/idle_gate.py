@@ -1,0 +1,85 @@
+"""`IdleGate`: the capture thread's own work in this process runs in the server's idle time.
+
+Loading a compiled step is seconds of Python on the capture thread: dynamo's and inductor's
+imports, each saved step's deserialization. Beside it, a step's thread, which lets go of the
+GIL around every op, waits to get it back each time: a step took up to a second
+(docs/performance.md). So inside `yielding`, a profile hook on the capture thread alone makes
+it wait, at its next call, while a step runs and until `LINGER_S` after the last one ended:
+the compile worker's rule (`CompilePause`), here for the threads of one process. Steps back
+to back keep it waiting; the load goes on in the server's idle time.
+
+The steps' thread marks each step (`step_started`, `step_ended`): one attribute read while
+nothing yields. The capture thread never waits while it holds the step lock (no step runs
+then; `capture.LockHold` turns its hook off there, so the capture's own runs do not pay for
+it). A step that runs longer than `MAX_WAIT_S` (a long prefill; or one that waits for a lock
+the capture thread holds, such as a module's import lock) lets the capture thread go on for
+the rest of that step: a wait never becomes a deadlock.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from executor.graphs.compile_pause import LINGER_S
+
+MAX_WAIT_S = 1.0  # the longest wait for one step
+
+
+class IdleGate:
+    def __init__(self) -> None:
+        self._on = False  # a thread is yielding (its hook is installed)
+        self._steps = 0  # steps started while on
+        self._running = False  # a step between `step_started` and `step_ended`
+        self._ended = threading.Event()
+        self._ended.set()
+        self._passed = -1  # the step the capture thread stopped waiting for (`MAX_WAIT_S`)
+        self.waits = 0  # how many times the capture thread waited
+        self.waited_s = 0.0  # for how long, in all
+
+    def step_started(self) -> None:
+        """The steps' thread, before a step's device work."""
+        if self._on:
+            self._steps += 1
+            self._running = True
+            self._ended.clear()
+
+    def step_ended(self) -> None:
+        """The steps' thread, once the step is read (or failed)."""
+        if self._running:
+            self._running = False
+            self._ended.set()
+
+    @contextmanager
+    def yielding(self) -> Iterator[None]:
+        """On the capture thread: its work inside waits for the steps (not nested)."""
+        self._on, self.waits, self.waited_s = True, 0, 0.0
+        sys.setprofile(self._hook)
+        try:
+            yield
+        finally:
+            sys.setprofile(None)
+            self._on = False
+            self.step_ended()
+
+    def _hook(self, frame: FrameType, event: str, arg: object) -> None:
+        if self._running and self._steps != self._passed:
+            self._wait()
+
+    def _wait(self) -> None:
+        """Until no step has run for `LINGER_S`, or one step ran for `MAX_WAIT_S`."""
+        start = time.monotonic()
+        while True:
+            step = self._steps
+            if not self._ended.wait(MAX_WAIT_S):
+                self._passed = step
+                break
+            time.sleep(LINGER_S)
+            if not self._running and self._steps == step:
+                break
+        self.waits += 1
+        self.waited_s += time.monotonic() - start

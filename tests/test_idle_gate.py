@@ -1,0 +1,132 @@
+"""`IdleGate`: the capture thread's own work waits while steps run and for LINGER_S after the
+last one (issue 36: a load of the compiled step never stalls a step); never while it holds the
+step lock (`LockHold`: its hook off there); never for longer than MAX_WAIT_S for one step (a
+step blocked on a lock that the capture thread holds cannot deadlock with it)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from executor.graphs import idle_gate
+from executor.graphs.capture import LockHold
+from executor.graphs.idle_gate import LINGER_S, IdleGate
+
+
+class _Worker:
+    """A capture thread: counts the calls it makes inside `gate.yielding()` until stopped."""
+
+    def __init__(self, gate: IdleGate, lock: threading.RLock | None = None) -> None:
+        self.gate, self.lock = gate, lock
+        self.calls, self.stop, self.inside = 0, threading.Event(), threading.Event()
+        self.hook_in_lock: list[object] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.inside.wait(5)
+
+    def _tick(self) -> None:
+        self.calls += 1
+
+    def _run(self) -> None:
+        with self.gate.yielding():
+            self.inside.set()
+            while not self.stop.is_set():
+                if self.lock is not None:
+                    with LockHold(self.lock):  # as a capture pass holds the step lock
+                        self.hook_in_lock.append(sys.getprofile())
+                        self._tick()
+                else:
+                    self._tick()
+                time.sleep(0.0005)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+def _progress(worker: _Worker, seconds: float) -> int:
+    before = worker.calls
+    time.sleep(seconds)
+    return worker.calls - before
+
+
+def test_it_waits_while_a_step_runs_and_goes_on_after_the_linger() -> None:
+    gate = IdleGate()
+    worker = _Worker(gate)
+    assert _progress(worker, 0.05) > 0  # idle: it runs
+    gate.step_started()
+    time.sleep(0.01)  # (its call in flight ends)
+    assert _progress(worker, 0.1) == 0  # a step runs: it waits
+    gate.step_ended()
+    assert _progress(worker, LINGER_S / 2) == 0  # the linger
+    time.sleep(LINGER_S)
+    assert _progress(worker, 0.05) > 0  # idle again
+    worker.end()
+    assert gate.waits >= 1 and gate.waited_s >= 0.1
+
+
+def test_steps_back_to_back_keep_it_waiting() -> None:
+    gate = IdleGate()
+    worker = _Worker(gate)
+    gate.step_started()
+    time.sleep(0.01)
+    start = worker.calls
+    for _ in range(10):  # gaps shorter than the linger
+        gate.step_ended()
+        time.sleep(LINGER_S / 5)
+        gate.step_started()
+        time.sleep(0.005)
+    assert worker.calls == start
+    gate.step_ended()
+    time.sleep(LINGER_S * 2)
+    assert worker.calls > start
+    worker.end()
+
+
+def test_a_step_longer_than_the_longest_wait_lets_it_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(idle_gate, "MAX_WAIT_S", 0.1)
+    gate = IdleGate()
+    worker = _Worker(gate)
+    gate.step_started()  # a step that waits for something the capture thread holds
+    time.sleep(0.01)
+    assert _progress(worker, 0.05) == 0
+    time.sleep(0.1)
+    assert _progress(worker, 0.05) > 0  # this step no longer holds it back
+    gate.step_ended()
+    gate.step_started()  # the next step does
+    time.sleep(0.01)
+    assert _progress(worker, 0.05) == 0
+    gate.step_ended()
+    worker.end()
+
+
+def test_it_never_waits_holding_the_step_lock_and_its_hook_is_off_there() -> None:
+    gate, lock = IdleGate(), threading.RLock()
+    worker = _Worker(gate, lock)
+    assert _progress(worker, 0.05) > 0
+    with lock:  # a step: holds the lock, then says it runs
+        gate.step_started()
+        time.sleep(0.01)
+        during = _progress(worker, 0.05)
+    assert during == 0
+    gate.step_ended()
+    time.sleep(LINGER_S * 2)
+    assert _progress(worker, 0.05) > 0
+    worker.end()
+    assert set(worker.hook_in_lock) == {None}
+
+
+def test_steps_pay_nothing_and_change_nothing_while_nothing_yields() -> None:
+    gate = IdleGate()
+    gate.step_started()
+    assert not gate._running and gate._steps == 0 and gate._ended.is_set()
+    gate.step_ended()
+    with gate.yielding():
+        assert sys.getprofile() == gate._hook
+    assert sys.getprofile() is None and not gate._on
