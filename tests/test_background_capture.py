@@ -312,3 +312,81 @@ def test_under_batch_invariant_a_compiled_step_must_equal_the_eager_step_bitwise
     StepCompiledGraph(compiler=INDUCTOR).capture(_call(out, 2.0))
     with pytest.raises(GraphCaptureError, match="must be equal"):
         StepCompiledGraph(compiler=EAGER_KERNELS).capture(_call(out, 2.0))
+
+
+class _Saved(ArtifactStore):
+    """A store whose saved steps (files written here) load as `x * 2`."""
+
+    def load(self, tag: str, key: str) -> Any:
+        return lambda x, o: o.copy_(x * 2.0)
+
+
+class _Compiled:
+    def save_compiled_function(self, path: str) -> None:
+        Path(path).write_bytes(b"a compiled step")
+
+
+def test_a_step_checked_once_runs_its_eager_step_without_the_capture_rules_after(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A saved step's first capture runs the eager step under the capture rules and marks
+    the step checked; a later capture (a restart) runs it without them; saving the step again,
+    or dropping it, clears the mark."""
+    ruled: list[str] = []
+    real_rules = step_graph.check_capture_rules
+
+    def rules(call: StepCall) -> None:
+        ruled.append(call.tag)
+        real_rules(call)
+
+    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    store, out = _Saved(tmp_path), torch.zeros(4)
+    key = _call(out, 2.0).key()
+    store.save("toy", key, _Compiled())
+    assert store.has("toy", key) and not store.checked("toy", key)
+    StepCompiledGraph(store).capture(_call(out, 2.0))
+    assert ruled == ["toy"] and store.checked("toy", key)
+    restarted = StepCompiledGraph(store)
+    restarted.capture(_call(out, 2.0))
+    assert ruled == ["toy"] and restarted.loaded and out.tolist() == [0.0, 2.0, 4.0, 6.0]
+    store.save("toy", key, _Compiled())
+    assert not store.checked("toy", key)
+    store.mark_checked("toy", key)
+    store.discard("toy", key)
+    assert not store.has("toy", key) and list(tmp_path.iterdir()) == []
+    store.mark_checked("toy", key)  # nothing saved: nothing marked
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compile_worker_checks_the_smallest_kv_bucket_it_compiled(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's compile phase (`store_only`) checks each batch size's smallest KV bucket
+    as a capture would (the eager step under the capture rules, the outputs compared) and
+    marks it: the server's capture then runs that eager step without the rules' slow mode."""
+
+    class Step(_Compiled):  # "compiled": the step itself, saved as a file
+        def __init__(self, fn: Callable[..., None]) -> None:
+            self.fn = fn
+
+        def __call__(self, *args: Any) -> None:
+            self.fn(*args)
+
+    monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: Step(call.fn))
+    ruled: list[str] = []
+    real_rules = step_graph.check_capture_rules
+
+    def rules(call: StepCall) -> None:
+        ruled.append(call.tag)
+        real_rules(call)
+
+    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    ex = make_executor(graph_mode="none", graph_backend="compiled_step", graph_batch_sizes="1")
+    factory, store = ex.runner.graph_factory, ex.runner.graph_factory.store
+    assert store is not None
+    factory.store_only = True  # as in the compile worker
+    assert ex.runner._decode_runner(needs_cpu_seq_lens=False).compile_only() == {}
+    assert ruled == ["decode-bs1-kv256"]
+    saved = sorted(p.stem for p in store.directory.glob("*.aot"))
+    assert [s.split("-")[2] for s in saved] == ["kv1024", "kv256"]
+    assert sorted(p.stem for p in store.directory.glob("*.checked")) == saved[1:]

@@ -130,7 +130,9 @@ def _describe(value: object, *, full: bool, seen: dict[int, object]) -> Iterator
 
 
 class ArtifactStore:
-    """Saved compiled steps in one directory (`<cache_dir>/graphs`), one file a graph."""
+    """Saved compiled steps in one directory (`<cache_dir>/graphs`), one file a graph, and
+    beside each one that was checked (its eager step under the capture rules, its output
+    matched) an empty `.checked` file."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -162,9 +164,26 @@ class ArtifactStore:
         """Write `compiled` (an aot-compiled function) atomically; a failure is logged."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._checked(tag, key).unlink(missing_ok=True)
             compiled.save_compiled_function(str(self.path(tag, key)))
         except Exception as e:  # a full disk, a read-only cache: the graph still serves
             log.warning("compiled graph not saved", tag=tag, error=f"{type(e).__name__}: {e}")
 
+    def checked(self, tag: str, key: str) -> bool:
+        """Whether the saved step was checked (`mark_checked`)."""
+        return self.has(tag, key) and self._checked(tag, key).is_file()
+
+    def mark_checked(self, tag: str, key: str) -> None:
+        """The saved step's eager step passed the capture rules and its output matched."""
+        try:
+            if self.has(tag, key):
+                self._checked(tag, key).touch()
+        except OSError as e:  # a read-only cache: the next start checks it again
+            log.warning("compiled graph check not saved", tag=tag, error=str(e))
+
     def discard(self, tag: str, key: str) -> None:
+        self._checked(tag, key).unlink(missing_ok=True)
         self.path(tag, key).unlink(missing_ok=True)
+
+    def _checked(self, tag: str, key: str) -> Path:
+        return self.path(tag, key).with_suffix(".checked")

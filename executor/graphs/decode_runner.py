@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from attention.base import AttentionBackend, GraphCaptureUnsupportedError
@@ -30,6 +31,8 @@ from executor.graphs.step_graph import StepCall, StepCompiledGraph
 from executor.models.decoder_model import DecoderModel
 from ops.future_tokens import resolve_future_tokens
 from registry import FillStats, build_decode_registry
+
+log = structlog.get_logger(__name__)
 
 
 def decode_step(
@@ -144,6 +147,23 @@ class DecodeGraphRunner(BucketGraphRunner[dict[tuple[bool, int], _Captured]]):
             for lora, kv in keys:
                 self._compiled.pop((bs, lora, kv), None)
             raise
+        if self.factory.store_only:
+            self._check_in_worker(bs)
+
+    def _check_in_worker(self, bs: int) -> None:
+        """In the compile worker, where no step runs: each LoRA variant's smallest KV bucket,
+        if compiled here, checked as a capture checks it (the eager step under the capture
+        rules, the outputs compared) and so marked in the store: the server's capture of it
+        then runs the eager step without the rules' slow mode, under its step lock. A failed
+        check drops the saved step (the server's capture would drop it too)."""
+        kv = min(self.kv_buckets)
+        for lora in self.lora_variants:
+            graph = self._compiled.get((bs, lora, kv))
+            if isinstance(graph, StepCompiledGraph) and graph.compiled:
+                try:
+                    graph.capture(self._bucket_call(bs, kv, lora, stage=True))
+                except Exception as e:  # any failure: the server's capture checks it again
+                    log.warning("compiled step failed its check", bs=bs, kv=kv, error=str(e))
 
     def all_saved(self) -> bool:
         """Whether every whole step this runner compiles is saved already (a restart: the

@@ -143,12 +143,19 @@ class StepCompiledGraph(Graph):
         `reference`: that output, from another graph of the same inputs and code (a DECODE
         batch's larger KV buckets: the same padded requests, whose output does not depend on
         the bucket), which checked the rules: the eager step does not run again. Not with
-        batch_invariant, whose compiled step must equal its own bucket's eager step."""
+        batch_invariant, whose compiled step must equal its own bucket's eager step. A saved
+        step checked before (in the compile worker, or an earlier start; the store's
+        `.checked` mark) runs its eager step without the rules' slow mode."""
         call = _as_call(fn)
         if self._compiled is None:
             self.compile(call)
+        ruled = False
         if reference is None or self._exact:
-            check_capture_rules(call)  # eagerly, as the stand-in does: the reference
+            if self._store is not None and self._store.checked(call.tag, self._key):
+                call()  # eagerly: the reference (its code passed the rules before)
+            else:
+                check_capture_rules(call)  # eagerly, as the stand-in does: the reference
+                ruled = True
             reference = call.out.clone()
         expected = reference
         try:
@@ -172,7 +179,14 @@ class StepCompiledGraph(Graph):
                 f"{error:.3g} > {MATCH_TOLERANCE}): not used, and not kept in the cache"
             )
         log.info("compiled step checked", tag=call.tag, loaded=self.loaded, error=round(error, 5))
+        if ruled and self._store is not None:
+            self._store.mark_checked(call.tag, self._key)
         self._call, self.reference = call, expected
+
+    @property
+    def compiled(self) -> bool:
+        """Whether a compiled step is held (compiled or loaded here)."""
+        return self._compiled is not None
 
     def _forget(self, call: StepCall) -> None:
         """A compiled step that does not work is not kept, on disk either."""
