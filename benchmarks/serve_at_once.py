@@ -68,6 +68,7 @@ class Run:
     # The same steps as the server timed them (queue + step, no RPC): a stall there is the
     # executor's, one only in `during_ms` is the transport's or this client's.
     during_server_ms: list[float] = field(default_factory=list)
+    during_phases: list[dict[str, int]] = field(default_factory=list)  # each one's timings_ns
     beside_ms: list[float] = field(default_factory=list)  # the eager server's steps (`Beside`)
     beside_busy: list[bool] = field(default_factory=list)  # each one: back to back, or paced
     beside_worker_ran: int = 0  # of those, the ones that found the compile worker running
@@ -259,6 +260,7 @@ def decode_until_idle(
         run.during_busy.append(busy)
         timed = out.stats.timings_ns
         run.during_server_ms.append((timed.get("queue", 0) + timed.get("total", 0)) / 1e6)
+        run.during_phases.append(dict(timed))
         if beside is not None:
             if worker is None or len(run.during_ms) % 100 == 0 or not busy:
                 worker = beside.worker()  # (it starts after the server, and ends)

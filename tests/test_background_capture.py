@@ -104,9 +104,18 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
 ) -> None:
     """A bucket's whole compiled steps, smallest KV bucket first: only the first runs the
     eager step under the capture rules, the next is checked against its output; a step that
-    waited for the lock during the first runs before the next graph (the lock is let go)."""
+    waited for the lock during the first runs before the next graph (the lock is let go).
+    Inductor's probes run before the worker, and the load precompiles no header."""
+    import torch._inductor.config as inductor_config
+
+    order: list[str] = []
     monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: call.fn)
-    monkeypatch.setattr(graph_control, "compile_in_worker", lambda job, stop, pause=None: None)
+    monkeypatch.setattr(graph_control, "probe_vec_isas", lambda: order.append("probes"))
+
+    def worker(job: CompileJob, stop: threading.Event, pause: object = None) -> None:
+        order.append("worker")
+
+    monkeypatch.setattr(graph_control, "compile_in_worker", worker)
     ruled: list[str] = []
     real_rules = step_graph.check_capture_rules
 
@@ -118,7 +127,6 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     ex = make_executor(graph_mode="none", graph_backend="compiled_step", graph_batch_sizes="1")
     _prefill(ex, [1], [3], first_slot=1)
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
-    order: list[str] = []
     forward = ex.runner.forward
 
     def counted(fb: Any) -> Any:  # a step's forward, under the lock
@@ -131,6 +139,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
 
     def capture(self: StepCompiledGraph, fn: Any, reference: Any = None) -> None:
         order.append(fn.tag)
+        assert inductor_config.cpp_cache_precompile_headers is False
         if not stepper:  # the first graph, the lock held: a step arrives and waits for it
             stepper.append(threading.Thread(target=ex.forward, args=(step,), daemon=True))
             stepper[0].start()
@@ -144,7 +153,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     stepper[0].join(30)
-    assert order == ["decode-bs1-kv256", "step", "decode-bs1-kv1024"]
+    assert order == ["probes", "worker", "decode-bs1-kv256", "step", "decode-bs1-kv1024"]
     assert ruled == ["decode-bs1-kv256"]
     [graphs] = ex.runner.decode_graphs.captured.values()  # type: ignore[union-attr]
     first, second = (graphs[False, kv].graph for kv in (256, 1024))
