@@ -105,15 +105,21 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     """A bucket's whole compiled steps, smallest KV bucket first: only the first runs the
     eager step under the capture rules, the next is checked against its output; a step that
     waited for the lock during the first runs before the next graph (the lock is let go).
-    Inductor's probes run before the worker, and the load precompiles no header."""
-    import torch._inductor.config as inductor_config
-
+    Inductor's probes run while the worker compiles, not at the load."""
     order: list[str] = []
     monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: call.fn)
     monkeypatch.setattr(graph_control, "probe_vec_isas", lambda: order.append("probes"))
 
-    def worker(job: CompileJob, stop: threading.Event, pause: object = None) -> None:
+    def worker(
+        job: CompileJob,
+        stop: threading.Event,
+        pause: object = None,
+        *,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
         order.append("worker")
+        assert meanwhile is not None
+        meanwhile()
 
     monkeypatch.setattr(graph_control, "compile_in_worker", worker)
     ruled: list[str] = []
@@ -139,7 +145,6 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
 
     def capture(self: StepCompiledGraph, fn: Any, reference: Any = None) -> None:
         order.append(fn.tag)
-        assert inductor_config.cpp_cache_precompile_headers is False
         if not stepper:  # the first graph, the lock held: a step arrives and waits for it
             stepper.append(threading.Thread(target=ex.forward, args=(step,), daemon=True))
             stepper[0].start()
@@ -153,7 +158,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     stepper[0].join(30)
-    assert order == ["probes", "worker", "decode-bs1-kv256", "step", "decode-bs1-kv1024"]
+    assert order == ["worker", "probes", "decode-bs1-kv256", "step", "decode-bs1-kv1024"]
     assert ruled == ["decode-bs1-kv256"]
     [graphs] = ex.runner.decode_graphs.captured.values()  # type: ignore[union-attr]
     first, second = (graphs[False, kv].graph for kv in (256, 1024))
@@ -208,7 +213,7 @@ def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
     assert isinstance(graph, StepCompiledGraph) and graph.loaded
 
 
-def no_worker(job: CompileJob, stop: threading.Event, pause: object = None) -> str | None:
+def no_worker(job: CompileJob, stop: threading.Event, pause: object = None, **_: Any) -> str | None:
     raise AssertionError("a compile worker started for saved graphs")
 
 

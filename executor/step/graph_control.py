@@ -29,7 +29,7 @@ from executor.core.names import INDUCTOR, GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
 from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
-from executor.graphs.compile_cache import loading_compiled, probe_vec_isas
+from executor.graphs.compile_cache import probe_vec_isas
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.settings import background_graph_mode, resolve_graph_mode
 from executor.graphs.step_threads import short_gil_turns
@@ -264,13 +264,10 @@ class GraphControl:
         def body() -> None:
             # On a CPU, the compile worker stops while steps run (`CompilePause`), and this
             # thread's own work, the load of what it compiled, waits for them too (`IdleGate`;
-            # it holds the step lock only to run and install each graph); inductor's own
-            # processes run first, at start-up (`probe_vec_isas`), or not at all
-            # (`loading_compiled`). If the worker failed, this thread compiles, and its C++
-            # compiles take a core beside the steps: they run with one intra-op thread fewer
-            # then (`StepThreads`).
+            # it holds the step lock only to run and install each graph). If the worker
+            # failed, this thread compiles, and its C++ compiles take a core beside the steps:
+            # they run with one intra-op thread fewer then (`StepThreads`).
             threads, cpu = self.runner.step_threads, self.device.type == "cpu"
-            inductor = cpu and self.runner.graph_factory.compiles
             with device_scope(self.device):
                 try:
                     # short GIL turns: a step's thread gets the GIL back in time to say it runs
@@ -278,15 +275,11 @@ class GraphControl:
                         short_gil_turns(),
                         self.runner.idle_gate.yielding() if cpu else nullcontext(),
                     ):
-                        if inductor:
-                            probe_vec_isas()
                         compiles_here = self._compile_in_worker(mode)
                         threads.reserved = 1 if cpu and compiles_here else 0
-                        loads = inductor and not compiles_here
-                        with loading_compiled() if loads else nullcontext():
-                            captured = self.runner.capture_for(
-                                mode, progress=False, lock=self.step_lock
-                            )
+                        captured = self.runner.capture_for(
+                            mode, progress=False, lock=self.step_lock
+                        )
                 except BaseException as e:  # a shutdown (StartupCancelled) or a bug
                     self.toggles.capture_error = f"{type(e).__name__}: {e}"
                     self.toggles.capture = CaptureState.FAILED
@@ -329,8 +322,11 @@ class GraphControl:
             runners,
             self.toggles.needs_cpu_seq_lens,
         )
-        pause = self.runner.compile_pause if self.device.type == "cpu" else None
-        reason = compile_in_worker(job, factory.stop, pause)
+        cpu = self.device.type == "cpu"
+        pause = self.runner.compile_pause if cpu else None
+        # Meanwhile, inductor's own processes for the load (CPU): not beside its steps later.
+        meanwhile = probe_vec_isas if cpu else None
+        reason = compile_in_worker(job, factory.stop, pause, meanwhile=meanwhile)
         if reason is not None:
             log.warning("compile worker failed: the capture compiles here", reason=reason)
         return reason is not None
