@@ -104,24 +104,9 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
 ) -> None:
     """A bucket's whole compiled steps, smallest KV bucket first: only the first runs the
     eager step under the capture rules, the next is checked against its output; a step that
-    waited for the lock during the first runs before the next graph (the lock is let go).
-    Inductor's probes run while the worker compiles, not at the load."""
-    order: list[str] = []
+    waited for the lock during the first runs before the next graph (the lock is let go)."""
     monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: call.fn)
-    monkeypatch.setattr(graph_control, "probe_vec_isas", lambda: order.append("probes"))
-
-    def worker(
-        job: CompileJob,
-        stop: threading.Event,
-        pause: object = None,
-        *,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> None:
-        order.append("worker")
-        assert meanwhile is not None
-        meanwhile()
-
-    monkeypatch.setattr(graph_control, "compile_in_worker", worker)
+    monkeypatch.setattr(graph_control, "compile_in_worker", lambda job, stop, pause=None: None)
     ruled: list[str] = []
     real_rules = step_graph.check_capture_rules
 
@@ -133,6 +118,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     ex = make_executor(graph_mode="none", graph_backend="compiled_step", graph_batch_sizes="1")
     _prefill(ex, [1], [3], first_slot=1)
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
+    order: list[str] = []
     forward = ex.runner.forward
 
     def counted(fb: Any) -> Any:  # a step's forward, under the lock
@@ -158,7 +144,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     stepper[0].join(30)
-    assert order == ["worker", "probes", "decode-bs1-kv256", "step", "decode-bs1-kv1024"]
+    assert order == ["decode-bs1-kv256", "step", "decode-bs1-kv1024"]
     assert ruled == ["decode-bs1-kv256"]
     [graphs] = ex.runner.decode_graphs.captured.values()  # type: ignore[union-attr]
     first, second = (graphs[False, kv].graph for kv in (256, 1024))
@@ -213,7 +199,7 @@ def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
     assert isinstance(graph, StepCompiledGraph) and graph.loaded
 
 
-def no_worker(job: CompileJob, stop: threading.Event, pause: object = None, **_: Any) -> str | None:
+def no_worker(job: CompileJob, stop: threading.Event, pause: object = None) -> str | None:
     raise AssertionError("a compile worker started for saved graphs")
 
 

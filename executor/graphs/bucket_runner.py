@@ -10,8 +10,8 @@ batch's bucket, and how a replay runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -69,27 +69,23 @@ class BucketGraphRunner(ABC, Generic[CapturedT]):
             # One real collective first: NCCL creates its communicator on the first one,
             # which must not happen inside a capture.
             comm.all_reduce_(torch.zeros(1, device=self.device))
-        with comm.capture_runs() if comm.enabled else nullcontext(), self._holding():
-            self.report = capture_buckets(
-                self.kind,
-                self.buckets,
-                self._capture_one,
-                self.factory,
-                compile_one=self._compile_one,
-                progress=progress,
-                lock=self._hold,
-                graphs_per_bucket=self.graphs_per_bucket(),
-                agree=partial(agree_on_capture, comm) if comm.enabled else None,
-                drop=lambda size: self.keep_only([s for s in self.captured if s != size]),
-            )
-        return self.report
-
-    @contextmanager
-    def _holding(self) -> Iterator[None]:
         try:
-            yield
+            with comm.capture_runs() if comm.enabled else nullcontext():
+                self.report = capture_buckets(
+                    self.kind,
+                    self.buckets,
+                    self._capture_one,
+                    self.factory,
+                    compile_one=self._compile_one,
+                    progress=progress,
+                    lock=self._hold,
+                    graphs_per_bucket=self.graphs_per_bucket(),
+                    agree=partial(agree_on_capture, comm) if comm.enabled else None,
+                    drop=lambda size: self.keep_only([s for s in self.captured if s != size]),
+                )
         finally:
             self._hold = None
+        return self.report
 
     def let_steps_in(self) -> None:
         """Between two graphs of a bucket in a background capture (not under tensor

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,17 +73,12 @@ def worker_command(job_file: Path, result_file: Path) -> list[str]:
 
 
 def compile_in_worker(
-    job: CompileJob,
-    stop: threading.Event,
-    pause: CompilePause | None = None,
-    *,
-    meanwhile: Callable[[], None] | None = None,
+    job: CompileJob, stop: threading.Event, pause: CompilePause | None = None
 ) -> str | None:
     """Run the worker for `job` and wait for it (the calling thread only); None when it
     compiled every bucket, else why not (the server's capture then compiles what is
     missing itself). Killed when `stop` is set (a shutdown). With `pause` (a CPU device),
-    the worker stops while steps run (`CompilePause`). `meanwhile` runs once the worker
-    has started (this thread's own preparation of the load)."""
+    the worker stops while steps run (`CompilePause`)."""
     root = str(Path(__file__).resolve().parents[2])  # where the `executor` package lives
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -105,8 +99,6 @@ def compile_in_worker(
             pause.attach(proc)
             log.info("compile worker started", pid=proc.pid, runners=job.runners)
             try:
-                if meanwhile is not None:
-                    meanwhile()
                 while not stop.wait(TICK_S):
                     pause.tick()  # stopped by the steps: on again once they pause
                     if pause.poll() is not None:

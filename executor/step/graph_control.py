@@ -29,7 +29,6 @@ from executor.core.names import INDUCTOR, GraphMode, SeqLensPolicy
 from executor.core.observer import ExecutorObserver
 from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
-from executor.graphs.compile_cache import probe_vec_isas
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.settings import background_graph_mode, resolve_graph_mode
 from executor.graphs.step_threads import short_gil_turns
@@ -322,11 +321,8 @@ class GraphControl:
             runners,
             self.toggles.needs_cpu_seq_lens,
         )
-        cpu = self.device.type == "cpu"
-        pause = self.runner.compile_pause if cpu else None
-        # Meanwhile, inductor's own processes for the load (CPU): not beside its steps later.
-        meanwhile = probe_vec_isas if cpu else None
-        reason = compile_in_worker(job, factory.stop, pause, meanwhile=meanwhile)
+        pause = self.runner.compile_pause if self.device.type == "cpu" else None
+        reason = compile_in_worker(job, factory.stop, pause)
         if reason is not None:
             log.warning("compile worker failed: the capture compiles here", reason=reason)
         return reason is not None
