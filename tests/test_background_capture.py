@@ -100,7 +100,7 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
 
 
 def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_graphs(
-    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A bucket's whole compiled steps, smallest KV bucket first: only the first runs the
     eager step under the capture rules, the next is checked against its output; a step that
@@ -115,7 +115,12 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
         real_rules(call)
 
     monkeypatch.setattr(step_graph, "check_capture_rules", rules)
-    ex = make_executor(graph_mode="none", graph_backend="compiled_step", graph_batch_sizes="1")
+    ex = make_executor(  # (a cache dir of its own: no step saved by another test is loaded)
+        graph_mode="none",
+        graph_backend="compiled_step",
+        graph_batch_sizes="1",
+        cache_dir=str(tmp_path),
+    )
     _prefill(ex, [1], [3], first_slot=1)
     step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
     order: list[str] = []
@@ -359,7 +364,7 @@ def test_a_step_checked_once_runs_its_eager_step_without_the_capture_rules_after
 
 
 def test_the_compile_worker_checks_the_smallest_kv_bucket_it_compiled(
-    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The worker's compile phase (`store_only`) checks each batch size's smallest KV bucket
     as a capture would (the eager step under the capture rules, the outputs compared) and
@@ -381,7 +386,12 @@ def test_the_compile_worker_checks_the_smallest_kv_bucket_it_compiled(
         real_rules(call)
 
     monkeypatch.setattr(step_graph, "check_capture_rules", rules)
-    ex = make_executor(graph_mode="none", graph_backend="compiled_step", graph_batch_sizes="1")
+    ex = make_executor(
+        graph_mode="none",
+        graph_backend="compiled_step",
+        graph_batch_sizes="1",
+        cache_dir=str(tmp_path),  # (its own: the suite's other steps are saved in the shared one)
+    )
     factory, store = ex.runner.graph_factory, ex.runner.graph_factory.store
     assert store is not None
     factory.store_only = True  # as in the compile worker

@@ -15,6 +15,8 @@ from executor.graphs import idle_gate
 from executor.graphs.capture import LockHold
 from executor.graphs.idle_gate import LINGER_S, IdleGate
 
+SETTLE_S = 0.03  # for the worker's call in flight to end (well under the longest wait, 0.1 s)
+
 
 class _Worker:
     """A capture thread: counts the calls it makes inside `gate.yielding()` until stopped."""
@@ -59,30 +61,32 @@ def test_it_waits_while_a_step_runs_and_goes_on_after_the_linger() -> None:
     worker = _Worker(gate)
     assert _progress(worker, 0.05) > 0  # idle: it runs
     gate.step_started()
-    time.sleep(0.01)  # (its call in flight ends)
+    time.sleep(SETTLE_S)  # (its call in flight ends)
     assert _progress(worker, 0.1) == 0  # a step runs: it waits
     gate.step_ended()
     assert _progress(worker, LINGER_S / 2) == 0  # the linger
     time.sleep(LINGER_S)
-    assert _progress(worker, 0.05) > 0  # idle again
+    assert _progress(worker, 0.2) > 0  # idle again
     worker.end()
     assert gate.waits >= 1 and gate.waited_s >= 0.1
 
 
-def test_steps_back_to_back_keep_it_waiting() -> None:
+def test_steps_back_to_back_keep_it_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    linger = 0.3  # (gaps far shorter than it, however slow this machine's sleeps are)
+    monkeypatch.setattr(idle_gate, "LINGER_S", linger)
     gate = IdleGate()
     worker = _Worker(gate)
     gate.step_started()
-    time.sleep(0.01)
+    time.sleep(SETTLE_S)
     start = worker.calls
-    for _ in range(10):  # gaps shorter than the linger
+    for _ in range(10):
         gate.step_ended()
-        time.sleep(LINGER_S / 5)
+        time.sleep(0.01)
         gate.step_started()
         time.sleep(0.005)
     assert worker.calls == start
     gate.step_ended()
-    time.sleep(LINGER_S * 2)
+    time.sleep(linger * 2)
     assert worker.calls > start
     worker.end()
 
@@ -94,13 +98,13 @@ def test_a_step_longer_than_the_longest_wait_lets_it_go_on(
     gate = IdleGate()
     worker = _Worker(gate)
     gate.step_started()  # a step that waits for something the capture thread holds
-    time.sleep(0.01)
-    assert _progress(worker, 0.05) == 0
+    time.sleep(SETTLE_S)
+    assert _progress(worker, 0.02) == 0
     time.sleep(0.1)
-    assert _progress(worker, 0.05) > 0  # this step no longer holds it back
+    assert _progress(worker, 0.2) > 0  # this step no longer holds it back
     gate.step_ended()
     gate.step_started()  # the next step does
-    time.sleep(0.01)
+    time.sleep(SETTLE_S)
     assert _progress(worker, 0.05) == 0
     gate.step_ended()
     worker.end()
@@ -112,12 +116,12 @@ def test_it_never_waits_holding_the_step_lock_and_its_hook_is_off_there() -> Non
     assert _progress(worker, 0.05) > 0
     with lock:  # a step: holds the lock, then says it runs
         gate.step_started()
-        time.sleep(0.01)
+        time.sleep(SETTLE_S)
         during = _progress(worker, 0.05)
     assert during == 0
     gate.step_ended()
     time.sleep(LINGER_S * 2)
-    assert _progress(worker, 0.05) > 0
+    assert _progress(worker, 0.2) > 0
     worker.end()
     assert set(worker.hook_in_lock) == {None}
 
