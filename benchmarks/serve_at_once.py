@@ -69,6 +69,9 @@ class Run:
     # executor's, one only in `during_ms` is the transport's or this client's.
     during_server_ms: list[float] = field(default_factory=list)
     during_phases: list[dict[str, int]] = field(default_factory=list)  # each one's timings_ns
+    # The compile worker's state read right after each step ("T": stopped, as it must be
+    # then; "" when the beside server is not run), for the dump.
+    during_worker: list[str] = field(default_factory=list)
     beside_ms: list[float] = field(default_factory=list)  # the eager server's steps (`Beside`)
     beside_busy: list[bool] = field(default_factory=list)  # each one: back to back, or paced
     beside_worker_ran: int = 0  # of those, the ones that found the compile worker running
@@ -264,6 +267,7 @@ def decode_until_idle(
         if beside is not None:
             if worker is None or len(run.during_ms) % 100 == 0 or not busy:
                 worker = beside.worker()  # (it starts after the server, and ends)
+            run.during_worker.append(process_state(worker) if worker is not None else "")
             beside.step(worker)
             run.beside_busy.append(busy)
         if busy and decoder.step % 10:

@@ -98,7 +98,7 @@ class ModelRunner:
             stop=stop,
             compiler=graphs.compiler if graphs is not None else INDUCTOR,
         )
-        # One intra-op thread fewer while a compile worker runs beside the server (CPU).
+        # One intra-op thread fewer while this process compiles beside its steps (CPU).
         self.step_threads = StepThreads()
         self.compile_pause = CompilePause()  # a compile worker stopped while a step runs
         self.idle_gate = IdleGate()  # the capture thread's own load waits for the steps

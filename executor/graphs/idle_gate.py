@@ -2,7 +2,7 @@
 
 Loading a compiled step is seconds of Python on the capture thread: dynamo's and inductor's
 imports, each saved step's deserialization. Beside it, a step's thread, which lets go of the
-GIL around every op, waits to get it back each time: a step took up to a second
+GIL around every op, waits to get it back each time: a step took many times its length
 (docs/performance.md). So inside `yielding`, a profile hook on the capture thread alone makes
 it wait, at its next call, while a step runs and until `LINGER_S` after the last one ended:
 the compile worker's rule (`CompilePause`), here for the threads of one process. Steps back

@@ -1,12 +1,12 @@
-"""`StepThreads`: the intra-op threads a CPU step runs with, one fewer while a compile worker
-runs beside the server.
+"""`StepThreads`: the intra-op threads a CPU step runs with, one fewer while this process
+compiles beside its steps (its compile worker failed).
 
-The worker (`compile_job`) traces and compiles on a core of its own for minutes, at a low
-priority. The step's OpenMP team still counts on every core: a parallel region then waits at
-its barrier for the thread the worker displaced, and a step now and then took many times its
-length (docs/performance.md). With one thread fewer the team fits beside the worker.
-The count is per thread in torch (OpenMP's), so the thread that runs the steps applies it,
-between two steps (`apply`); the capture thread only says how many cores the worker holds.
+Such a compile runs its C++ compiler processes beside the steps (the worker's stop while steps
+run, `CompilePause`, and so do not). The step's OpenMP team still counts on every core: a
+parallel region then waits at its barrier for the thread a compiler displaced, and a step now
+and then took many times its length (docs/performance.md). With one thread fewer the team fits
+beside it. The count is per thread in torch (OpenMP's), so the thread that runs the steps
+applies it, between two steps (`apply`); the capture thread only says how many cores it holds.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LOAD_SWITCH_S = 1e-4
 class StepThreads:
     def __init__(self) -> None:
         self.full = torch.get_num_threads()  # the process's, as configured at start-up
-        self.reserved = 0  # cores a compile worker holds now (set by the capture thread)
+        self.reserved = 0  # cores a compile in this process holds now (the capture thread's)
 
     @property
     def wanted(self) -> int:
