@@ -400,3 +400,34 @@ def test_the_compile_worker_checks_the_smallest_kv_bucket_it_compiled(
     saved = sorted(p.stem for p in store.directory.glob("*.aot"))
     assert [s.split("-")[2] for s in saved] == ["kv1024", "kv256"]
     assert sorted(p.stem for p in store.directory.glob("*.checked")) == saved[1:]
+
+
+def test_a_failed_worker_leaves_the_compile_here_with_one_intra_op_thread_fewer(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The worker failed: this process compiles, its C++ compiles beside the steps, which run
+    with one intra-op thread fewer meanwhile (`StepThreads`), and all of them again after."""
+    monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: call.fn)
+    monkeypatch.setattr(
+        graph_control, "compile_in_worker", lambda job, stop, pause=None: "exited with 3"
+    )
+    ex = make_executor(
+        graph_mode="none",
+        graph_backend="compiled_step",
+        graph_batch_sizes="1",
+        cache_dir=str(tmp_path),
+    )
+    threads, reserved = ex.runner.step_threads, []
+    real_compile = DecodeGraphRunner._compile_one
+
+    def compile_one(self: DecodeGraphRunner, bs: int) -> None:
+        reserved.append(threads.reserved)
+        real_compile(self, bs)
+
+    monkeypatch.setattr(DecodeGraphRunner, "_compile_one", compile_one)
+    control = RuntimeControl(
+        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
+    )
+    control.update(RuntimeConfigUpdate(graph_mode="decode"))
+    assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
+    assert reserved == [1] and threads.reserved == 0
