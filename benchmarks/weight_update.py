@@ -8,7 +8,10 @@ sent `--repeats` times (after one round not counted) by each transport:
 - `group`: UpdateWeightsFromGroup over a gloo weights group this process forms with it;
 - `broadcast`: the baseline of `group`, a bare gloo broadcast of the same tensors between
   this process and a spawned one, into fresh buffers (the receiver acknowledges the last
-  tensor).
+  tensor);
+- `grpc`: the baseline of `stream`, a bare grpcio client stream of the same bytes in the same
+  4 MiB messages to a spawned server that copies each into one buffer (one copy a side, no
+  checksum, no protobuf).
 Each figure is from the call to its answer (the update swapped in); the executor's answer
 splits it into staging (while steps could run) and the swap (the pause between two steps).
 Then ReleaseMemory and ResumeMemory of both tags, with the executor's resident set.
@@ -23,8 +26,10 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,6 +82,62 @@ def _receiver(port: int, shapes: list[tuple[int, ...]], repeats: int) -> None:
         del received
 
 
+def _bare_grpc_server(conn: Any, nbytes: int) -> None:
+    import grpc
+
+    buffer = memoryview(bytearray(nbytes))
+
+    def receive(messages: Any, context: Any) -> bytes:
+        n = 0
+        for m in messages:
+            buffer[n : n + len(m)] = m
+            n += len(m)
+        return n.to_bytes(8, "little")
+
+    options = [("grpc.max_receive_message_length", 64 * MIB)]
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
+    handler = grpc.stream_unary_rpc_method_handler(receive)
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("bare.B", {"S": handler})]
+    )
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    conn.recv()  # (until told to stop)
+    server.stop(0)
+
+
+def bare_grpc_stream(tensors: list[torch.Tensor], repeats: int) -> list[float]:
+    """Seconds to stream `tensors`' bytes in CHUNK_BYTES messages to a bare grpcio server in a
+    spawned process, `repeats` times."""
+    import grpc
+
+    from executor.service.weights_codec import CHUNK_BYTES
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    views = [memoryview(t.numpy()).cast("B") for t in tensors]
+    parent, conn = mp.get_context("spawn").Pipe()
+    child = mp.get_context("spawn").Process(target=_bare_grpc_server, args=(conn, nbytes))
+    child.start()
+    port = parent.recv()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.stream_unary("/bare.B/S")
+
+    def messages() -> Any:
+        for v in views:
+            for offset in range(0, len(v), CHUNK_BYTES):
+                yield bytes(v[offset : offset + CHUNK_BYTES])  # one copy, as an encoding
+
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        assert int.from_bytes(call(messages()), "little") == nbytes
+        seconds.append(time.perf_counter() - t0)
+    channel.close()
+    parent.send(None)
+    child.join(60)
+    return seconds
+
+
 def bare_broadcast(tensors: list[torch.Tensor], repeats: int) -> list[float]:
     """Seconds to broadcast `tensors` to one spawned gloo member, `repeats` times."""
     port = free_port()
@@ -116,7 +177,8 @@ def measure(
                     figures[name].stage.append(result.stage_seconds)
                     figures[name].swap.append(result.swap_seconds)
     base = Figures("broadcast", nbytes, bare_broadcast(list(tensors.values()), repeats + 1)[1:])
-    return [*figures.values(), base]
+    grpc = Figures("grpc", nbytes, bare_grpc_stream(list(tensors.values()), repeats + 1)[1:])
+    return [*figures.values(), base, grpc]
 
 
 def _rss(pid: int) -> int:
@@ -181,9 +243,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for f in figures:
         print(f.row())
-    group, base = figures[2], figures[3]
+    stream, group, base, grpc = figures[0], figures[2], figures[3], figures[4]
     ratio = statistics.median(group.seconds) / statistics.median(base.seconds)
-    print(f"\ngroup / bare broadcast: {ratio:.2f}x\n")
+    print(f"\ngroup / bare broadcast: {ratio:.2f}x")
+    ratio = statistics.median(stream.seconds) / statistics.median(grpc.seconds)
+    print(f"stream / bare grpcio stream: {ratio:.2f}x\n")
     print("\n".join(mem))
 
 
