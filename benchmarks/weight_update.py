@@ -114,7 +114,7 @@ def bare_grpc_stream(tensors: list[torch.Tensor], repeats: int) -> list[float]:
     from executor.service.weights_codec import CHUNK_BYTES
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    views = [memoryview(t.numpy()).cast("B") for t in tensors]
+    views = [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in tensors]
     parent, conn = mp.get_context("spawn").Pipe()
     child = mp.get_context("spawn").Process(target=_bare_grpc_server, args=(conn, nbytes))
     child.start()

@@ -194,11 +194,12 @@ def test_kv_transfer_measures_export_import_and_push(cache_dir: Path) -> None:
 
 
 @pytest.mark.slow  # the baseline spawns its receiver
-def test_weight_update_times_every_transport_and_the_bare_broadcast(
+def test_weight_update_times_every_transport_and_the_bare_baselines(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    """Tiny-random's whole checkpoint once through each transport and the baseline; every
-    figure is a time, and the executor ends on the last update's version."""
+    """Tiny-random's whole checkpoint once through each transport and the two baselines (a
+    bare gloo broadcast, a bare grpcio stream); every figure is a time, and the executor ends
+    on the last update's version."""
     from safetensors.torch import save_file
 
     from benchmarks import weight_update
@@ -216,7 +217,7 @@ def test_weight_update_times_every_transport_and_the_bare_broadcast(
         figures = weight_update.measure(client, tensors, "model.safetensors", repeats=1)
         assert client.info().info.weight_version == "group-1"
         lines = weight_update.memory(client, os.getpid())
-    assert [f.transport for f in figures] == ["stream", "path", "group", "broadcast"]
+    assert [f.transport for f in figures] == ["stream", "path", "group", "broadcast", "grpc"]
     for f in figures:
         assert len(f.seconds) == 1 and f.seconds[0] > 0 and f.nbytes == 558336
         assert f.row().startswith(f"| {f.transport} | 1 |")
