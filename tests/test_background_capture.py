@@ -38,6 +38,25 @@ from tests.test_graphs import _prefill
 MakeExecutor = Callable[..., ModelExecutor]
 
 
+def _count_capture_rules(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The tags of the steps run under the capture rules from now on (they still run)."""
+    ruled: list[str] = []
+    real_rules = step_graph.check_capture_rules
+
+    def rules(call: StepCall) -> None:
+        ruled.append(call.tag)
+        real_rules(call)
+
+    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    return ruled
+
+
+def _runtime_control(ex: ModelExecutor) -> RuntimeControl:
+    return RuntimeControl(
+        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
+    )
+
+
 @pytest.mark.slow
 def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_lock(
     make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
@@ -70,9 +89,7 @@ def test_steps_complete_while_a_bucket_compiles_and_only_the_capture_holds_the_l
 
     monkeypatch.setattr(DecodeGraphRunner, "_compile_one", compile_one)
     monkeypatch.setattr(DecodeGraphRunner, "_capture_one", capture_one)
-    control = RuntimeControl(
-        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
-    )
+    control = _runtime_control(ex)
     answer = control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert (answer.graph_mode, answer.graph_capture) == ("none", "capturing graph_mode=decode")
     assert compiling.wait(30)
@@ -107,14 +124,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     waited for the lock during the first runs before the next graph (the lock is let go)."""
     monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: call.fn)
     monkeypatch.setattr(graph_control, "compile_in_worker", lambda job, stop, pause=None: None)
-    ruled: list[str] = []
-    real_rules = step_graph.check_capture_rules
-
-    def rules(call: StepCall) -> None:
-        ruled.append(call.tag)
-        real_rules(call)
-
-    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    ruled = _count_capture_rules(monkeypatch)
     ex = make_executor(  # (a cache dir of its own: no step saved by another test is loaded)
         graph_mode="none",
         graph_backend="compiled_step",
@@ -143,9 +153,7 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
         real_capture(self, fn, reference)
 
     monkeypatch.setattr(StepCompiledGraph, "capture", capture)
-    control = RuntimeControl(
-        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
-    )
+    control = _runtime_control(ex)
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     stepper[0].join(30)
@@ -337,14 +345,7 @@ def test_a_step_checked_once_runs_its_eager_step_without_the_capture_rules_after
     """A saved step's first capture runs the eager step under the capture rules and marks
     the step checked; a later capture (a restart) runs it without them; saving the step again,
     or dropping it, clears the mark."""
-    ruled: list[str] = []
-    real_rules = step_graph.check_capture_rules
-
-    def rules(call: StepCall) -> None:
-        ruled.append(call.tag)
-        real_rules(call)
-
-    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    ruled = _count_capture_rules(monkeypatch)
     store, out = _Saved(tmp_path), torch.zeros(4)
     key = _call(out, 2.0).key()
     store.save("toy", key, _Compiled())
@@ -378,14 +379,7 @@ def test_the_compile_worker_checks_the_smallest_kv_bucket_it_compiled(
             self.fn(*args)
 
     monkeypatch.setattr(step_graph, "compile_step", lambda call, compiler=INDUCTOR: Step(call.fn))
-    ruled: list[str] = []
-    real_rules = step_graph.check_capture_rules
-
-    def rules(call: StepCall) -> None:
-        ruled.append(call.tag)
-        real_rules(call)
-
-    monkeypatch.setattr(step_graph, "check_capture_rules", rules)
+    ruled = _count_capture_rules(monkeypatch)
     ex = make_executor(
         graph_mode="none",
         graph_backend="compiled_step",
@@ -425,9 +419,7 @@ def test_a_failed_worker_leaves_the_compile_here_with_one_intra_op_thread_fewer(
         real_compile(self, bs)
 
     monkeypatch.setattr(DecodeGraphRunner, "_compile_one", compile_one)
-    control = RuntimeControl(
-        ex, trace_sample_ratio=0.0, set_trace_sample_ratio=lambda _: None, on_change=lambda c: None
-    )
+    control = _runtime_control(ex)
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     assert reserved == [1] and threads.reserved == 0
