@@ -75,6 +75,18 @@ def pipeline_choice(config: ExecutorConfig, device: torch.device) -> SettingChoi
     return SettingChoice("pipeline_steps", "off", "auto: a CPU device's forward is synchronous")
 
 
+def eager_inputs_choice(config: ExecutorConfig) -> SettingChoice:
+    """Which eager path a step takes at start-up (`eager_input_no_copy`; a runtime toggle too)."""
+    if config.eager_input_no_copy:
+        return SettingChoice("eager_input_no_copy", "true", "configured")
+    return SettingChoice(
+        "eager_input_no_copy",
+        "false",
+        "default: eager inputs go through the input registry (one grouped device copy a step, "
+        "within the spread of a real model's eager step; benchmarks/eager_registry.py)",
+    )
+
+
 def lm_head_choice(config: ExecutorConfig, model: DecoderModel) -> SettingChoice:
     """The dtype the LM head computes in (`lm_head_dtype`); sets it on `model`."""
     act = str(model.activation_dtype).removeprefix("torch.")
@@ -129,5 +141,6 @@ def start_up_choices(
             "on" if config.batch_invariant else "off",
             "configured" if config.batch_invariant else "default",
         ),
+        eager_inputs_choice(config),
         pipeline_choice(config, device),
     )

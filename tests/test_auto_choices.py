@@ -66,9 +66,17 @@ def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecuto
         "lm_head_dtype",
         "pipeline_steps",
         "batch_invariant",
+        "eager_input_no_copy",
         "graph_mode",
         "graph_backend",
     }
+    assert choices["eager_input_no_copy"].value == "false"
+    assert "eager_registry.py" in choices["eager_input_no_copy"].reason  # the measurement
+    on = {c.setting: c for c in make_executor(eager_input_no_copy=True).info.choices}
+    assert (on["eager_input_no_copy"].value, on["eager_input_no_copy"].reason) == (
+        "true",
+        "configured",
+    )
     assert (choices["pipeline_steps"].value, choices["pipeline_steps"].reason) == (
         "off",
         "auto: a CPU device's forward is synchronous",
