@@ -88,11 +88,12 @@ def _bare_grpc_server(conn: Any, nbytes: int) -> None:
     buffer = memoryview(bytearray(nbytes))
 
     def receive(messages: Any, context: Any) -> bytes:
-        n = 0
+        n = count = 0
         for m in messages:
             buffer[n : n + len(m)] = m
             n += len(m)
-        return n.to_bytes(8, "little")
+            count += 1
+        return n.to_bytes(8, "little") + count.to_bytes(8, "little")
 
     options = [("grpc.max_receive_message_length", 64 * MIB)]
     server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
@@ -106,15 +107,18 @@ def _bare_grpc_server(conn: Any, nbytes: int) -> None:
     server.stop(0)
 
 
-def bare_grpc_stream(tensors: list[torch.Tensor], repeats: int) -> list[float]:
-    """Seconds to stream `tensors`' bytes in CHUNK_BYTES messages to a bare grpcio server in a
-    spawned process, `repeats` times."""
+def bare_grpc_stream(
+    tensors: list[torch.Tensor], repeats: int, chunk_bytes: int | None = None
+) -> list[float]:
+    """Seconds to stream `tensors`' bytes in messages of `chunk_bytes` (UpdateWeights' chunk
+    size by default) to a bare grpcio server in a spawned process, `repeats` times."""
     import grpc
 
     from executor.service.weights_codec import CHUNK_BYTES
 
+    chunk = chunk_bytes or CHUNK_BYTES
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    views = [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in tensors]
+    views = [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors]
     parent, conn = mp.get_context("spawn").Pipe()
     child = mp.get_context("spawn").Process(target=_bare_grpc_server, args=(conn, nbytes))
     child.start()
@@ -124,17 +128,22 @@ def bare_grpc_stream(tensors: list[torch.Tensor], repeats: int) -> list[float]:
 
     def messages() -> Any:
         for v in views:
-            for offset in range(0, len(v), CHUNK_BYTES):
-                yield bytes(v[offset : offset + CHUNK_BYTES])  # one copy, as an encoding
+            for offset in range(0, len(v), chunk):
+                yield bytes(v[offset : offset + chunk])  # one copy, as an encoding
 
+    count = sum(-(-(t.numel() * t.element_size()) // chunk) for t in tensors)
     seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        assert int.from_bytes(call(messages()), "little") == nbytes
-        seconds.append(time.perf_counter() - t0)
-    channel.close()
-    parent.send(None)
-    child.join(60)
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            answer = call(messages())
+            seconds.append(time.perf_counter() - t0)
+            got = (int.from_bytes(answer[:8], "little"), int.from_bytes(answer[8:], "little"))
+            assert got == (nbytes, count), (got, nbytes, count)
+    finally:  # the server process ends whatever happened here
+        channel.close()
+        parent.send(None)
+        child.join(60)
     return seconds
 
 

@@ -222,6 +222,9 @@ def test_weight_update_times_every_transport_and_the_bare_baselines(
         assert len(f.seconds) == 1 and f.seconds[0] > 0 and f.nbytes == 558336
         assert f.row().startswith(f"| {f.transport} | 1 |")
     assert lines[2].startswith("| ReleaseMemory | weights, kv_cache |")
+    # The bare stream's messages are at most a chunk, each tensor cut as UpdateWeights cuts it
+    # (its server checks the bytes and the number of messages it received).
+    assert len(weight_update.bare_grpc_stream(list(tensors.values()), 1, chunk_bytes=4096)) == 1
 
 
 @pytest.mark.slow

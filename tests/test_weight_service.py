@@ -352,14 +352,16 @@ def test_caps_are_in_getinfo_and_refused_from_the_header(client: ExecutorClient)
 def test_a_stream_that_fails_midway_changes_nothing(
     server: RunningServer, client: ExecutorClient, updated: Any
 ) -> None:
-    """Cut short, a chunk out of order, the caller gone: DATA_LOSS / CANCELLED, the weights
-    and the version as they were; the whole update then goes in."""
+    """Cut short, a chunk out of order or past the last tensor, the caller gone: DATA_LOSS /
+    CANCELLED, the weights and the version as they were; the whole update then goes in."""
     assert server.executor is not None
     before, md = digest(server.executor.model), [("authorization", f"Bearer {TOKEN}")]
     tensors = updated[0]
     whole = list(_stream(tensors))
     swapped = [whole[0], whole[2], whole[1], *whole[3:]]
-    for what, requests in (("cut short", whole[:-1]), ("out of order", swapped)):
+    extra = pb.WeightChunk(tensor=len(tensors), offset=0, data=b"x", crc32=checksum(b"x"))
+    past = [*whole, pb.WeightUpdateRequest(chunk=extra)]
+    for what, requests in (("cut short", whole[:-1]), ("out of order", swapped), ("past", past)):
         with pytest.raises(grpc.RpcError) as refused:
             client.stub.UpdateWeights(iter(requests), metadata=md)
         assert refused.value.code() == grpc.StatusCode.DATA_LOSS, what

@@ -335,14 +335,16 @@ _VERIFY_AHEAD = 8  # chunks read ahead of the oldest still being checked (memory
 
 def _receive(
     requests: Iterator[pb.WeightUpdateRequest | RawChunk | UndecodableRequest], plan: UpdatePlan
-) -> list[torch.Tensor]:
-    """Every tensor of `plan` from its chunks, each copied once and verified (DATA_LOSS: a
-    chunk out of place, too large, or whose CRC-32 does not match). The place of a chunk is
-    checked as it arrives; its CRC and its copy run on a few threads while the next chunks
-    are read."""
-    buffers = [bytearray(s.nbytes) for s in plan.specs]  # as `host_bytes`: zeroed pages
-    views = [memoryview(b) for b in buffers]
+) -> Iterator[torch.Tensor]:
+    """Every tensor of `plan` from its chunks, in order, each yielded as soon as its last chunk
+    is in (the staging casts and packs it while the next chunks arrive), each copied once and
+    verified (DATA_LOSS: a chunk out of place, too large, or whose CRC-32 does not match; a
+    stream that ends early or runs past the last tensor). The place of a chunk is checked as
+    it arrives; its CRC and its copy run on a few threads while the next chunks are read."""
+    specs = plan.specs
     index, offset = 0, 0
+    buffer = bytearray(specs[0].nbytes) if specs else bytearray()  # as `host_bytes`: zeroed
+    view = memoryview(buffer)
     pending: deque[Future[None]] = deque()
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="weights-verify") as pool:
         for n, request in enumerate(requests):
@@ -351,32 +353,33 @@ def _receive(
             chunk = request if isinstance(request, RawChunk) else _raw(request)
             size = len(chunk.data)
             where = f"chunk {n} (tensor {chunk.tensor}, offset {chunk.offset})"
+            if index == len(specs):
+                raise WeightChunkError(f"{where}: the header's {len(specs)} tensors are complete")
             if chunk.tensor != index or chunk.offset != offset:
                 raise WeightChunkError(
                     f"{where}: expected tensor {index} at offset {offset} (chunks come in order)"
                 )
-            if not 0 < size <= CHUNK_BYTES or offset + size > plan.specs[index].nbytes:
+            if not 0 < size <= CHUNK_BYTES or offset + size > specs[index].nbytes:
                 raise WeightChunkError(
                     f"{where}: {size} bytes do not fit (at most {CHUNK_BYTES} a chunk, "
-                    f"{plan.specs[index].nbytes - offset} left of the tensor)"
+                    f"{specs[index].nbytes - offset} left of the tensor)"
                 )
-            target = views[index][offset : offset + size]
-            pending.append(pool.submit(_verify_copy, chunk, target, where))
+            pending.append(pool.submit(_verify_copy, chunk, view[offset : offset + size], where))
             while len(pending) > _VERIFY_AHEAD:
                 pending.popleft().result()
             offset += size
-            while index < len(buffers) and offset == plan.specs[index].nbytes:
+            while index < len(specs) and offset == specs[index].nbytes:
+                while pending:  # this tensor's chunks, all verified and copied
+                    pending.popleft().result()
+                yield torch.frombuffer(buffer, dtype=specs[index].dtype).reshape(specs[index].shape)
                 index, offset = index + 1, 0
-        while pending:
-            pending.popleft().result()
-    if index < len(buffers):
+                if index < len(specs):
+                    buffer = bytearray(specs[index].nbytes)
+                    view = memoryview(buffer)
+    if index < len(specs):
         raise WeightChunkError(
-            f"the stream ended after {offset} of tensor {index}'s {plan.specs[index].nbytes} bytes"
+            f"the stream ended after {offset} of tensor {index}'s {specs[index].nbytes} bytes"
         )
-    return [
-        torch.frombuffer(b, dtype=s.dtype).reshape(s.shape)
-        for s, b in zip(plan.specs, buffers, strict=True)
-    ]
 
 
 def _verify_copy(chunk: RawChunk, target: memoryview, where: str) -> None:

@@ -172,9 +172,11 @@ class WeightsControl:
             pin=self.device.type == "cuda",
         )
 
-    def stage_tensors(self, plan: UpdatePlan, tensors: list[torch.Tensor]) -> StagedUpdate:
-        """Stage host tensors (a stream's); the other ranks get them from rank 0."""
+    def stage_tensors(self, plan: UpdatePlan, tensors: Iterable[torch.Tensor]) -> StagedUpdate:
+        """Stage host tensors (a stream's, each staged as it comes); the other ranks get them
+        all from rank 0 once they are in."""
         if self.leader is not None:
+            tensors = list(tensors)
             with self.leader.holding():
                 ranks.send_stage(self.leader, plan, "payload", payload=ranks.pack(tensors))
         return self._staged_or_drop(lambda: self.stage(plan, tensors))
