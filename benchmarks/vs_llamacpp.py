@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,12 @@ from served import Served, cpu_description, served  # benchmarks/served.py (the 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.models.loader import resolve_model_spec
 
+# ggml's AMX matmul segfaults on some Sapphire Rapids machines (llama.cpp issue 20824).
+AMX = (
+    "on a CPU with AMX, build it without ggml's AMX kernels: CMAKE_ARGS='-DGGML_NATIVE=ON "
+    "-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF' pip install --force-reinstall "
+    "--no-deps llama-cpp-python"
+)
 LLAMA_CPP_MISSING = (
     "llama-cpp-python is not installed, llama.cpp not measured: pip install '.[bench]' "
     "(compiles llama.cpp from source, about 6 minutes on two cores)"
@@ -123,6 +130,13 @@ def executor_decode(
         return Measured(results, info.weight_bytes, server.ready_s, graphs_s, choices)
 
 
+def _signal_name(done: subprocess.CompletedProcess[str]) -> str:
+    try:
+        return signal.Signals(-done.returncode).name
+    except ValueError:
+        return f"signal {-done.returncode}"
+
+
 def llama_cpp_decode(
     path: str, prompt: int, steps: int, threads: int, python: str
 ) -> tuple[float, float] | None:
@@ -133,6 +147,9 @@ def llama_cpp_decode(
     done = subprocess.run(
         [*cmd, "--threads", str(threads)], capture_output=True, text=True, check=False
     )
+    if done.returncode < 0:  # it crashed: llama-cpp-python is there
+        print(f"llama.cpp not measured: {python} {script.name} died of {_signal_name(done)}; {AMX}")
+        return None
     if done.returncode != 0:
         reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
         print(f"{LLAMA_CPP_MISSING} ({python}: {reason})")

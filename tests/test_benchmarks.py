@@ -268,6 +268,25 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+def test_vs_llamacpp_says_why_llama_cpp_was_not_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interpreter without llama-cpp-python, and one whose llama.cpp crashes (ggml's AMX
+    kernels on some Sapphire Rapids): each skips llama.cpp with its own reason."""
+    from benchmarks import vs_llamacpp
+
+    crashes = tmp_path / "crashes"
+    crashes.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crashes.chmod(0o755)
+    missing = tmp_path / "missing"
+    missing.write_text("#!/bin/sh\necho 'ModuleNotFoundError: llama_cpp' >&2; exit 1\n")
+    missing.chmod(0o755)
+    assert vs_llamacpp.llama_cpp_decode("m.gguf", 4, 4, 1, str(crashes)) is None
+    assert "died of SIGSEGV" in capsys.readouterr().out
+    assert vs_llamacpp.llama_cpp_decode("m.gguf", 4, 4, 1, str(missing)) is None
+    assert "not installed" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_hardening_benchmark_measures_access_health_and_headers(
     cache_dir: Path, tmp_path: Path
