@@ -107,6 +107,17 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
 
+    def step_started(self) -> None:
+        """Before a step's device work: the background work yields to it, on a CPU (the
+        compile worker's processes stop, the capture thread's own load waits)."""
+        self.compile_pause.pause()
+        self.idle_gate.step_started()
+
+    def step_ended(self) -> None:
+        """Once the step is read (or failed): the background work may go on after a linger."""
+        self.compile_pause.resume()
+        self.idle_gate.step_ended()
+
     # --- graphs --------------------------------------------------------------------------
     def _layer_fns(self) -> LayerFns:
         """The compiled layer functions, made once (their compiled code is cached in them)."""

@@ -143,8 +143,7 @@ class Step:
         clock = sb.clock
         with self.lock, self.hooks.device_step_guard(), _Counted(sb):
             try:
-                self.runner.compile_pause.pause()  # a CPU's compile worker: stopped till read
-                self.runner.idle_gate.step_started()  # a load in this process: waits too
+                self.runner.step_started()  # background compiles and loads wait till read
                 launched_ns, start = time.perf_counter_ns(), self.timeline.launching()
                 self.comm.take_allreduce_ns()  # drop what warm-up or a capture accumulated
                 with clock.phase("forward"):
@@ -166,8 +165,7 @@ class Step:
                 self.timeline.launched(sb.flight)
             except BaseException:
                 self._end_group()
-                self.runner.compile_pause.resume()
-                self.runner.idle_gate.step_ended()
+                self.runner.step_ended()
                 sb.undo()
                 raise
 
@@ -188,8 +186,7 @@ class Step:
                 raise
             finally:
                 self._end_group()
-                self.runner.compile_pause.resume()
-                self.runner.idle_gate.step_ended()
+                self.runner.step_ended()
             at = len(flight.draw.device)
             out = flight.draw.output(host[:at], StepStats())
             sb.commit(out, host[at:], flight.parts)
