@@ -44,11 +44,11 @@ from served import Served, cpu_description, served  # benchmarks/served.py (the 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.models.loader import resolve_model_spec
 
-# ggml's AMX matmul segfaults on some Sapphire Rapids machines (llama.cpp issue 20824).
+# ggml's AMX matmul segfaults on some Sapphire Rapids machines (llama.cpp issue 20824), and
+# GGML_NATIVE=ON turns it on wherever the CPU has AMX.
 AMX = (
-    "on a CPU with AMX, build it without ggml's AMX kernels: CMAKE_ARGS='-DGGML_NATIVE=ON "
-    "-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF' pip install --force-reinstall "
-    "--no-deps llama-cpp-python"
+    "on a CPU with AMX, build it with GGML_NATIVE=OFF and the CPU's ISA flags without AMX's "
+    "(the CMAKE_ARGS in docs/performance.md)"
 )
 LLAMA_CPP_MISSING = (
     "llama-cpp-python is not installed, llama.cpp not measured: pip install '.[bench]' "

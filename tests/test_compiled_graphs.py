@@ -18,10 +18,11 @@ from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.core.buckets import kv_bucket
 from executor.core.runner_output import GraphFallback
+from executor.graphs import step_graph
 from executor.graphs.factory import GraphFactory
-from executor.graphs.graph import CompiledGraph
+from executor.graphs.graph import CompiledGraph, GraphCaptureError
 from executor.graphs.settings import resolve_graph_backend
-from executor.graphs.step_graph import StepCompiledGraph
+from executor.graphs.step_graph import StepCall, StepCompiledGraph
 from executor.model_executor import ModelExecutor
 from tests.test_graphs import _prefill
 
@@ -266,3 +267,34 @@ def test_compiled_step_graphs_give_eager_tokens_and_write_the_kv_cache_in_place(
             assert torch.allclose(pool.v[:, written], eager_pool.v[:, written], atol=1e-5)
             ids = a.next_token_ids.tolist()
     assert pool.k.data_ptr() == pool_ptr
+
+
+@pytest.mark.parametrize(
+    ("dtype", "error", "kept"),
+    [
+        (torch.bfloat16, 0.16, True),  # SmolLM2's bfloat16 step at the capture's padded request
+        (torch.bfloat16, 0.9, False),  # a graph traced from other inputs
+        (torch.float32, 0.16, False),  # float32 differs by rounding only
+        (torch.float32, 1e-5, True),
+    ],
+)
+def test_the_compiled_steps_check_allows_half_precision_rounding_not_a_wrong_graph(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, error: float, kept: bool
+) -> None:
+    """A compiled step whose output is `error` (relative to its norm) off the eager step's:
+    kept within its dtype's tolerance, refused (GraphCaptureError, naming the dtype) beyond."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = torch.empty_like(x)
+    # x.roll(1, 1) has x's norm: the compiled output is `error` off, up to rounding.
+    monkeypatch.setattr(
+        step_graph,
+        "compile_step",
+        lambda call, compiler: lambda x, out: out.copy_(x + error * x.roll(1, 1)),
+    )
+    call = StepCall(lambda x, out: out.copy_(x), (x, out), out, "decode-bs4-kv64")
+    graph = StepCompiledGraph(store=None)
+    if kept:
+        graph.capture(call)
+        return
+    with pytest.raises(GraphCaptureError, match=str(dtype).removeprefix("torch.")):
+        graph.capture(call)

@@ -36,9 +36,19 @@ from executor.graphs.graph import Graph, GraphCaptureError, GraphCaptureOOM, che
 log = structlog.get_logger(__name__)
 
 # How far the compiled step's first output may be from the eager step's (relative to its
-# norm): fused bfloat16 arithmetic differs by ~1e-2; a graph traced from other inputs is
-# off by the order of the values themselves.
+# norm). A graph traced from other inputs is off by the order of the values themselves. In
+# float32 the two differ by rounding only. In bfloat16 and float16 the compiled step keeps
+# float32 intermediates that the eager step rounds after each op; at the capture's padded
+# request (one token at position 0, whose hidden state holds a model's large first-token
+# activations) that reaches a sixth of the norm on SmolLM2, while on real steps the compiled
+# and the eager step are as far from float32 as each other (docs/performance.md).
 MATCH_TOLERANCE = 0.1
+HALF_MATCH_TOLERANCE = 0.3
+
+
+def match_tolerance(dtype: torch.dtype) -> float:
+    """The relative error a compiled step's `dtype` output may have against the eager one."""
+    return HALF_MATCH_TOLERANCE if dtype in (torch.bfloat16, torch.float16) else MATCH_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -172,11 +182,13 @@ class StepCompiledGraph(Graph):
                 f"the compiled step's output differs from the eager step's (relative error "
                 f"{error:.3g}) where it must be equal (batch_invariant): not used"
             )
-        if not error <= MATCH_TOLERANCE:
+        tolerance = match_tolerance(call.out.dtype)
+        if not error <= tolerance:
             self._forget(call)
             raise GraphCaptureError(
                 f"the compiled step's output differs from the eager step's (relative error "
-                f"{error:.3g} > {MATCH_TOLERANCE}): not used, and not kept in the cache"
+                f"{error:.3g} > {tolerance} in {str(call.out.dtype).removeprefix('torch.')}): "
+                "not used, and not kept in the cache"
             )
         log.info("compiled step checked", tag=call.tag, loaded=self.loaded, error=round(error, 5))
         if ruled and self._store is not None:
