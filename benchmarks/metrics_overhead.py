@@ -138,6 +138,15 @@ class _Context:
     def invocation_metadata(self) -> tuple[()]:
         return ()
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+    def is_active(self) -> bool:
+        return True
+
+    def time_remaining(self) -> float | None:
+        return None
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -268,6 +268,19 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+def test_metrics_overhead_measures_each_part_on_a_tiny_model() -> None:
+    """A few steps and calls: every part of the row is a positive time (the RPC scope runs on
+    a stand-in for gRPC's context with what Telemetry reads of it)."""
+    import argparse
+
+    from benchmarks import metrics_overhead
+
+    row = metrics_overhead.measure("tiny-random", argparse.Namespace(steps=4, iters=20))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "tiny-random"
+    assert all(float(c.rstrip("%")) > 0 for c in cells[1:]), row
+
+
 def test_vs_llamacpp_says_why_llama_cpp_was_not_measured(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
