@@ -76,7 +76,7 @@ PHASES: tuple[tuple[str, str, str, int], ...] = (
     ("sampler.draw_step", "executor.sampling", "Sampler.draw_step", 2),
     ("finish", "executor.model_executor", "ModelExecutor.finish", 1),
     ("read", "executor.step.step", "Step.read", 2),
-    ("_stats", "executor.step.step", "Step._stats", 3),
+    ("_fill_stats", "executor.step.step", "Step._fill_stats", 3),
     ("_done", "executor.service.device_worker", "DeviceWorker._done", 1),
     ("applied.store", "executor.service.applied_batches", "AppliedBatches.store", 2),
     ("_report (metrics)", "executor.service.device_worker", "DeviceWorker._report", 2),
@@ -117,21 +117,32 @@ def _wrap(fn: Callable[..., Any], label: str, rec: Recorder) -> Callable[..., An
     return timed
 
 
+def phase_targets() -> list[tuple[str, Any, str]]:
+    """(label, owner, attribute) of every timed phase; AttributeError names a phase whose
+    function moved or was renamed."""
+    import importlib
+
+    targets = []
+    for label, module_name, attr, _ in PHASES:
+        if not module_name:
+            continue
+        owner: Any = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if not hasattr(owner, name):
+            raise AttributeError(f"phase {label!r}: {module_name}.{attr} does not exist")
+        targets.append((label, owner, name))
+    return targets
+
+
 def install(rec: Recorder) -> None:
     """Patch every phase's function with a timer, and the hand-off marks."""
-    import importlib
     import inspect
 
     from executor.service import device_worker, handlers, servicer
 
-    for label, module_name, attr, _ in PHASES:
-        if not module_name:
-            continue
-        module = importlib.import_module(module_name)
-        owner: Any = module
-        *path, name = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
+    for label, owner, name in phase_targets():
         timed = _wrap(getattr(owner, name), label, rec)
         if isinstance(inspect.getattr_static(owner, name), staticmethod):
             timed = staticmethod(timed)
@@ -287,7 +298,16 @@ def main() -> None:
             process = subprocess.Popen(cmd, env=env)
             client = ExecutorClient(f"127.0.0.1:{port}")
             try:
-                client.wait_ready(timeout=600)
+                deadline = time.monotonic() + 600
+                while True:  # ready, or the server died (a phase it could not patch)
+                    try:
+                        client.wait_ready(timeout=5)
+                        break
+                    except TimeoutError:
+                        if process.poll() is not None or time.monotonic() > deadline:
+                            raise SystemExit(
+                                f"the profiled server is not ready (exit {process.poll()})"
+                            ) from None
                 prefill, decodes = decode_batches(bs, 1 + args.warmup + args.steps, 1)
                 client.forward(prefill)
                 ids = itertools.count(secrets.randbits(62) + 1)

@@ -268,6 +268,16 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+def test_overhead_phases_names_functions_that_exist() -> None:
+    """Every phase the profile times resolves to a function of the tree (a rename breaks the
+    profiled server's start-up otherwise)."""
+    from benchmarks import overhead_phases
+
+    targets = overhead_phases.phase_targets()
+    assert len(targets) == sum(1 for p in overhead_phases.PHASES if p[1])
+    assert all(callable(getattr(owner, name)) for _, owner, name in targets)
+
+
 def test_metrics_overhead_measures_each_part_on_a_tiny_model() -> None:
     """A few steps and calls: every part of the row is a positive time (the RPC scope runs on
     a stand-in for gRPC's context with what Telemetry reads of it)."""
