@@ -7,9 +7,9 @@ with a PNG plot.
 
 DECODE is timed at each batch size on requests with a 128-token context; EXTEND as one
 fresh request of each token count. One executor serves every path: the eager toggles and
-`set_graph_mode` switch it between steps, exactly as the runtime toggles do. On CPU the
-"graphs" are the capture-checked stand-in (the callable runs again at replay), so they show
-what padding and staging cost there, not what a CUDA graph saves; run it on a GPU for that.
+`set_graph_mode` switch it between steps, exactly as the runtime toggles do. On a CPU the
+graphs are `graph_backend=auto`'s: inductor-compiled layer halves (`compiled`), padded to
+their buckets; on a GPU, CUDA graphs.
 """
 
 from __future__ import annotations
