@@ -174,7 +174,8 @@ class ExecutorConfig:
     )
     quantization: str = setting(
         "auto",
-        "auto (gguf for a GGUF file on a CPU where the qmm kernel loads, else none) | "
+        "auto (gguf for a GGUF file on a CPU where the qmm kernel loads or with native "
+        "bfloat16 activations, else none) | "
         "none | gguf (run the GGUF's own Q4_0/Q4_1/Q8_0 blocks, the embedding and tied LM head "
         "included) | int8 (per-channel; CPU only: refused on CUDA) | int4 (group 32): int8/int4 "
         "quantize the decoder linears at load, the embedding and LM head stay float",
@@ -184,8 +185,8 @@ class ExecutorConfig:
         "auto | qmm | torch: what group-quantized linears (gguf, int4) run on; qmm is a CPU "
         "kernel built for this machine on first use (int8 activations times the stored 4- or "
         "8-bit weights, as llama.cpp computes), torch is torch's int4 kernels (bfloat16 "
-        "activations); auto = qmm where it builds and loads (x86-64, AVX2, a C compiler), "
-        "else torch",
+        "activations); auto = torch for bfloat16 activations on a CPU with native bfloat16, "
+        "else qmm where it builds and loads (x86-64, AVX2, a C compiler), else torch",
     )
     linear_kernel: str = setting(
         "auto",

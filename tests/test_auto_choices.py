@@ -17,7 +17,7 @@ from executor.core.limits import BatchLimits
 from executor.graphs.settings import background_graph_mode, graph_settings
 from executor.model_executor import ModelExecutor
 from executor.models import quant_kernel
-from executor.models.quant_kernel import choose_quantization
+from executor.models.quant_kernel import choose_quant_kernel, choose_quantization
 from executor.service.info_codec import info_from_proto, info_to_proto
 from ops import qmm
 
@@ -52,6 +52,35 @@ def test_auto_quantization_keeps_a_gguf_quantized_where_the_kernel_loads(
     monkeypatch.setattr(quant_kernel.qmm, "load", unavailable)
     mode, why = choose_quantization("auto", "gguf", CPU, cache_dir)
     assert mode == "none" and "no C compiler" in why
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_activations_on_native_bfloat16_take_torchs_int4_kernel(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """On a CPU with native bfloat16, bfloat16 activations run a GGUF's blocks on torch's int4
+    kernel (as fast as qmm there, closer to float32); float32 activations, or a CPU without
+    it, keep the qmm rule (and stay float without qmm)."""
+    monkeypatch.setattr(quant_kernel, "cpu_has_native_bf16", lambda: native)
+    bf16, f32 = torch.bfloat16, torch.float32
+    kernel = choose_quant_kernel("auto", CPU, cache_dir, bf16)
+    mode, why = choose_quantization("auto", "gguf", CPU, cache_dir, dtype=bf16)
+    if native:
+        assert kernel.kernel == "torch" and "native bfloat16" in kernel.reason
+        assert mode == "gguf" and "torch's int4 kernel" in why
+        configured = choose_quantization(
+            "auto", "gguf", CPU, cache_dir, quant_kernel="torch", dtype=bf16
+        )
+        assert configured[0] == "gguf"
+        assert choose_quant_kernel("qmm", CPU, cache_dir, bf16).reason == "configured"
+    else:
+        assert "native bfloat16" not in kernel.reason and "native bfloat16" not in why
+    # float32 activations: the qmm rule, natively bfloat16 or not
+    assert "native bfloat16" not in choose_quant_kernel("auto", CPU, cache_dir, f32).reason
+    assert (
+        choose_quantization("auto", "gguf", CPU, cache_dir, quant_kernel="torch", dtype=f32)[0]
+        == "none"
+    )
 
 
 def test_getinfo_reports_every_choice_with_its_reason(make_executor: MakeExecutor) -> None:

@@ -120,13 +120,15 @@ def resolve_quantization(config: ExecutorConfig) -> tuple[str, str]:
     quantization is refused by `check_batch_invariance`)."""
     if config.batch_invariant and config.quantization == "auto":
         return "none", "auto: batch_invariant runs float linears"
+    device = resolve_device(config)
     return choose_quantization(
         config.quantization,
         resolve_model_spec(config.model).kind,
-        resolve_device(config),
+        device,
         resolve_cache_dir(config),
         quant_kernel=config.quant_kernel,
         tp_size=config.tp_size,
+        dtype=choose_dtype(config, device).dtype,
     )
 
 
@@ -264,7 +266,7 @@ def load_model(
         )
     kernel = choose_linear_kernel(linear_kernel, device, dtype)  # refuses before loading
     quant = (
-        choose_quant_kernel(quant_kernel, device, cache_dir)
+        choose_quant_kernel(quant_kernel, device, cache_dir, dtype)
         if quantization in ("gguf", "int4") and not (comm and comm.enabled)
         else QuantKernelChoice("torch", f"not used: quantization={quantization}")
     )

@@ -2,10 +2,11 @@
 
 `quantization=auto` keeps a GGUF file's own quantization where a kernel for its blocks beats
 the float path (as llama.cpp always runs the file as shipped): on a CPU where the qmm kernel
-loads (benchmarks/vs_llamacpp.py measures both paths side by side). Everywhere else it is
-`none`: float checkpoints, tensor parallelism (it shards float weights only), CUDA (the
-graphs and float kernels there are the measured path), and a CPU without the kernel (torch's
-int4 kernel loses to float32 at larger batches).
+loads, or whose activations are bfloat16 on native bfloat16 (torch's int4 kernel)
+(benchmarks/vs_llamacpp.py measures the paths side by side). Everywhere else it is `none`:
+float checkpoints, tensor parallelism (it shards float weights only), CUDA (the graphs and
+float kernels there are the measured path), and a float32 CPU without the qmm kernel (torch's
+int4 kernel, converting float32 activations, loses to float32 at larger batches).
 
 Which kernel the quantized linears run on (`quant_kernel`):
 
@@ -13,8 +14,9 @@ Which kernel the quantized linears run on (`quant_kernel`):
   the 4- or 8-bit weights as stored; 8-bit GGUF blocks in one term);
 - `torch`: torch's own weight-only kernels (`_weight_int4pack_mm*`, bfloat16 activations; an
   8-bit block as two int4 terms);
-- `auto`: `qmm` on a CPU where it builds and loads (x86-64 with AVX2 and a C compiler), else
-  `torch`, with the reason.
+- `auto`: `torch` for bfloat16 activations on a CPU with native bfloat16 (there it is as fast
+  as qmm and closer to float32: docs/performance.md); else `qmm` on a CPU where it builds and
+  loads (x86-64 with AVX2 and a C compiler); else `torch`; with the reason.
 Only group-quantized weights (GGUF blocks, `int4`) take it; `int8`'s per-channel weights run
 torch's int8 kernel either way.
 """
@@ -26,8 +28,13 @@ from pathlib import Path
 
 import torch
 
-from executor.config import QUANT_KERNELS
+from executor.config import QUANT_KERNELS, cpu_has_native_bf16
 from ops import qmm
+
+NATIVE_BF16 = (
+    "bfloat16 activations on this CPU's native bfloat16, which torch's int4 kernel takes as "
+    "they are (as fast as qmm, closer to float32)"
+)
 
 
 @dataclass(frozen=True)
@@ -40,17 +47,27 @@ class QuantKernelChoice:
         return self.kernel == "qmm"
 
 
+def native_bf16(device: torch.device, dtype: torch.dtype) -> bool:
+    """Activations in bfloat16 on a CPU that computes it natively (AVX512-BF16/AMX)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_native_bf16()
+
+
 def choose_quant_kernel(
-    requested: str, device: torch.device, cache_dir: Path | None
+    requested: str,
+    device: torch.device,
+    cache_dir: Path | None,
+    dtype: torch.dtype = torch.float32,
 ) -> QuantKernelChoice:
-    """Resolve `requested` on `device`, loading (building) the qmm kernel when it is chosen;
-    `qmm` where it cannot run is refused with the reason."""
+    """Resolve `requested` on `device` for `dtype` activations, loading (building) the qmm
+    kernel when it is chosen; `qmm` where it cannot run is refused with the reason."""
     if requested not in QUANT_KERNELS:
         raise ValueError(
             f"quant_kernel must be one of {', '.join(QUANT_KERNELS)}, got {requested!r}"
         )
     if requested == "torch":
         return QuantKernelChoice("torch", "configured")
+    if requested == "auto" and native_bf16(device, dtype):
+        return QuantKernelChoice("torch", f"auto: {NATIVE_BF16}")
     refusal = _qmm_refusal(device, cache_dir)
     if refusal is None:
         kernel = qmm.loaded()
@@ -70,8 +87,10 @@ def choose_quantization(
     *,
     quant_kernel: str = "auto",
     tp_size: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[str, str]:
-    """(mode, reason) for `requested` on a `source_kind` model (gguf | hf | tiny-random)."""
+    """(mode, reason) for `requested` on a `source_kind` model (gguf | hf | tiny-random) whose
+    activations are `dtype`."""
     if requested != "auto":
         return requested, "configured"
     if source_kind != "gguf":
@@ -80,6 +99,8 @@ def choose_quantization(
         return "none", "auto: tensor parallelism shards float weights only"
     if device.type != "cpu":
         return "none", f"auto: on {device.type} the float path is the measured one"
+    if quant_kernel in ("auto", "torch") and native_bf16(device, dtype):
+        return "gguf", f"auto: the GGUF's own blocks on torch's int4 kernel ({NATIVE_BF16})"
     if quant_kernel == "torch":
         return (
             "none",
