@@ -31,10 +31,7 @@ import torch
 from executor.config import QUANT_KERNELS, cpu_has_native_bf16
 from ops import qmm
 
-NATIVE_BF16 = (
-    "bfloat16 activations on this CPU's native bfloat16, which torch's int4 kernel takes as "
-    "they are (as fast as qmm, closer to float32)"
-)
+NATIVE_BF16 = "bfloat16 activations on this CPU's native bfloat16"
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,8 @@ def choose_quant_kernel(
     if requested == "torch":
         return QuantKernelChoice("torch", "configured")
     if requested == "auto" and native_bf16(device, dtype):
-        return QuantKernelChoice("torch", f"auto: {NATIVE_BF16}")
+        why = "torch's int4 kernel takes them as they are: as fast as qmm, closer to float32"
+        return QuantKernelChoice("torch", f"auto: {NATIVE_BF16}; {why}")
     refusal = _qmm_refusal(device, cache_dir)
     if refusal is None:
         kernel = qmm.loaded()
