@@ -42,6 +42,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Run from a checkout (`python benchmarks/serve_at_once.py`): this tree's packages and stubs.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
 from benchmarks.served import ROOT, cpu_description, free_port

@@ -268,6 +268,18 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
 
 
+def test_every_benchmark_script_runs_from_a_checkout() -> None:
+    """`python benchmarks/X.py` puts the script's folder first on sys.path, not the checkout:
+    a script that imports `benchmarks.*` inserts the checkout's root before that import."""
+    root = Path(__file__).resolve().parents[1]
+    for script in sorted((root / "benchmarks").glob("*.py")):
+        text = script.read_text()
+        if "from benchmarks." not in text or '__name__ == "__main__"' not in text:
+            continue
+        first_import = text.index("from benchmarks.")
+        assert "sys.path.insert(0" in text[:first_import], script.name
+
+
 def test_overhead_phases_names_functions_that_exist() -> None:
     """Every phase the profile times resolves to a function of the tree (a rename breaks the
     profiled server's start-up otherwise)."""
