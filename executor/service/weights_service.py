@@ -343,8 +343,7 @@ def _receive(
     it arrives; its CRC and its copy run on a few threads while the next chunks are read."""
     specs = plan.specs
     index, offset = 0, 0
-    buffer = bytearray(specs[0].nbytes) if specs else bytearray()  # as `host_bytes`: zeroed
-    view = memoryview(buffer)
+    buffer, view = bytearray(), memoryview(b"")
     pending: deque[Future[None]] = deque()
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="weights-verify") as pool:
         for n, request in enumerate(requests):
@@ -364,18 +363,18 @@ def _receive(
                     f"{where}: {size} bytes do not fit (at most {CHUNK_BYTES} a chunk, "
                     f"{specs[index].nbytes - offset} left of the tensor)"
                 )
+            if offset == 0:  # a tensor's first chunk: its buffer (as `host_bytes`: zeroed pages)
+                buffer = bytearray(specs[index].nbytes)
+                view = memoryview(buffer)
             pending.append(pool.submit(_verify_copy, chunk, view[offset : offset + size], where))
             while len(pending) > _VERIFY_AHEAD:
                 pending.popleft().result()
             offset += size
-            while index < len(specs) and offset == specs[index].nbytes:
+            if offset == specs[index].nbytes:  # (every dimension >= 1: no empty tensor)
                 while pending:  # this tensor's chunks, all verified and copied
                     pending.popleft().result()
                 yield torch.frombuffer(buffer, dtype=specs[index].dtype).reshape(specs[index].shape)
                 index, offset = index + 1, 0
-                if index < len(specs):
-                    buffer = bytearray(specs[index].nbytes)
-                    view = memoryview(buffer)
     if index < len(specs):
         raise WeightChunkError(
             f"the stream ended after {offset} of tensor {index}'s {specs[index].nbytes} bytes"
