@@ -5,7 +5,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # This checkout's generated stubs (`model_executor.v1` lives under proto/), not those of the
 # checkout an editable install points at: a git worktree shares another checkout's venv.
@@ -29,6 +29,32 @@ if TYPE_CHECKING:
 # Nothing changes where triton is not installed, or where CUDA is present.
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _row_invariant_interpreter_dot() -> None:
+    """The interpreter's `tl.dot` is numpy's matmul, whose BLAS kernel gives a row's last bits
+    by the row's place in the block on some CPUs (OpenBLAS, AVX2): a query row that a chunk
+    boundary moves within its block then reads differently. A GPU's tile product computes
+    each output the same way wherever it sits, which is what the batch-invariant kernels
+    rely on; this dot does too: each output summed over k in order, rows independent."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, precision: Any, imprecise: Any) -> Any:
+        fp8 = any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b))
+        if fp8 or a.data.ndim != 2:
+            return original(self, a, b, d, precision, imprecise)
+        dtype = d.data.dtype
+        products = a.data.astype(dtype)[:, :, None] * b.data.astype(dtype)[None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    _row_invariant_interpreter_dot()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

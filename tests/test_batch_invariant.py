@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from attention.sdpa import sdpa
 from executor.batch_prep import make_decode_batch, make_extend_batch, make_idle_batch
 from executor.core.extras_types import RowOutputs
 
@@ -240,6 +241,26 @@ def test_what_it_cannot_run_with_is_refused_at_start_up(
 ) -> None:
     with pytest.raises(ValueError, match=f"batch_invariant and {named}"):
         make_executor(batch_invariant=True, **overrides)
+
+
+@pytest.mark.parametrize("keys_len", [8, 64])
+def test_a_soft_capped_rows_attention_is_the_same_alone_and_beside_others(keys_len: int) -> None:
+    """The soft-cap path's products with gathered (strided) keys, as torch_paged hands them
+    over: a lone request's row equals the same row beside others, bitwise (on an AVX2 CPU a
+    lone request's strided view went to another GEMM kernel)."""
+    g = torch.Generator().manual_seed(keys_len)
+
+    def gathered(n: int) -> torch.Tensor:  # [n, keys, Hk, D] viewed [n, Hk, keys, D]
+        return torch.randn(n, keys_len, 2, 32, generator=g).transpose(1, 2)
+
+    query, keys, values = torch.randn(8, 2, 2, 32, generator=g), gathered(8), gathered(8)
+    mask = torch.ones(8, 1, 1, keys_len, dtype=torch.bool)
+    mask[:, :, :, keys_len // 2 + 1 :] = False
+    kw = {"scale": 0.2, "softcap": 50.0}
+    together = sdpa(query, keys, values, mask, **kw)
+    for i in (0, 7):
+        alone = sdpa(query[i : i + 1], keys[i : i + 1], values[i : i + 1], mask[i : i + 1], **kw)
+        assert torch.equal(alone[0], together[i]), i
 
 
 def test_verify_steps_run_batch_invariant_and_keep_the_greedy_tokens(
