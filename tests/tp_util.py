@@ -1,6 +1,6 @@
-"""Run an in-process generation on a tensor-parallel group of spawned ranks (gloo, CPU).
+"""Run an in-process generation on a tensor-parallel group of ranks (gloo, CPU).
 
-`generate_tp` starts `tp_size` processes (torch.multiprocessing spawn): rank 0 generates
+`generate_tp` starts `tp_size` processes (`rank_context`): rank 0 generates
 through `ModelExecutor.forward` (validation, broadcast, sampling), the others run the worker
 loop; rank 0's tokens come back through a queue. Every process is joined or killed before it
 returns, even when one fails, and the rendezvous port is a free one.
@@ -19,6 +19,17 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from executor.parallel.group import TpEndpoint, free_port
+
+
+def rank_context() -> Any:
+    """Where the ranks come from: forked from one server process per test process, which
+    imported torch and the executor once (forkserver). Spawned, each rank imported them
+    again, about 3.5 s of CPU on a 2-core machine, for some fifty ranks in the suite. The
+    server forks before any rank's code runs (no thread, no CUDA), as spawn starts fresh;
+    the production launcher (`executor.service.tp_launch`) still spawns."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "executor.model_executor", "tests.tp_util"])
+    return ctx
 
 
 class PickleUsedError(AssertionError):
@@ -218,9 +229,9 @@ def _leave_group(rank: int, port: int, out: Any) -> None:
 
 
 def leave_group_tp() -> list[tuple[int, bool, list[str]]]:
-    """`_leave_group` on 2 spawned ranks: each rank's (rank, freed, group threads left),
+    """`_leave_group` on 2 ranks: each rank's (rank, freed, group threads left),
     after checking both exited 0."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_leave_group, args=(r, port, out), daemon=True) for r in (0, 1)]
@@ -251,7 +262,7 @@ def generate_tp(
     """Rank 0's `run_generations(...)` at `config.tp_size` ranks; `faults`: rank -> the
     capture it fails (`fail_captures`); `forbid_pickle`: pickle raises on every rank while the
     steps run (`pickle_forbidden`)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [
