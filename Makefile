@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 # `make test` runs the suite in this many processes (pytest-xdist; 0: in this one). Much of it
 # waits on servers, subprocesses and compiles, so two overlap well on two cores; each runs torch
 # on one intra-op thread (OMP_NUM_THREADS, unless set), so that neither waits at an OpenMP
-# barrier for a thread the other displaced.
+# barrier for a thread the other displaced. A worker that runs out of tests takes queued ones
+# from the other (worksteal), so a long test near the end does not leave one core idle.
 TEST_WORKERS ?= 2
 
 # The Python of the GPU machine `make device-wheels` downloads for (3.11: a dry run here).
@@ -54,7 +55,7 @@ serve: install
 # (CI runs it); `test-fast` is the developer's loop after each change: the unit tests, without
 # the `slow` ones (model loads, servers, subprocesses, compiles).
 test: install lint typecheck
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
