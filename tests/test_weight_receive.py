@@ -1,7 +1,8 @@
 """An UpdateWeights stream's receiver (`weights_service._receive`), without a server: each
 tensor is handed to the staging as soon as its last chunk is verified and copied, before the
 next tensor's chunks are read; a chunk out of place, corrupted, or past the last tensor, and a
-stream cut short, are refused (DATA_LOSS)."""
+stream cut short, are refused (DATA_LOSS). The tensors land in a staging arena that the next
+update reuses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from executor.core.errors import WeightChunkError
 from executor.service.weights_codec import RawChunk
 from executor.service.weights_service import _receive
 from executor.weights.catalog import TensorSpec
+from executor.weights.staging import ALIGN, StagingArena
 from ops.checksum import checksum
 
 TENSORS = [torch.arange(300, dtype=torch.float32), torch.ones(5, 7), torch.full((2,), 3.0)]
@@ -46,7 +48,7 @@ def test_each_tensor_is_yielded_once_its_chunks_are_in_before_the_next_is_read()
             yield c
 
     seen = []
-    for i, tensor in enumerate(_receive(requests(), _plan())):
+    for i, tensor in enumerate(_receive(requests(), _plan(), StagingArena())):
         assert torch.equal(tensor, TENSORS[i])
         seen.append((i, list(read)))
     # tensor 0 (1200 bytes: 5 chunks) came before any chunk of tensor 1 was read
@@ -67,7 +69,7 @@ def test_a_bad_stream_is_refused(fault: str) -> None:
     else:
         chunks.append(RawChunk(len(TENSORS), 0, memoryview(b"x"), checksum(b"x")))
     with pytest.raises(WeightChunkError) as refused:
-        list(_receive(iter(chunks), _plan()))
+        list(_receive(iter(chunks), _plan(), StagingArena()))
     message = str(refused.value)
     assert {
         "cut short": "ended after",
@@ -75,3 +77,33 @@ def test_a_bad_stream_is_refused(fault: str) -> None:
         "corrupted": "CRC-32",
         "past the end": "3 tensors are complete",
     }[fault] in message, message
+
+
+def test_the_next_update_lands_in_the_same_memory_and_a_release_lets_it_go() -> None:
+    arena = StagingArena()
+    first = list(_receive(iter(_chunks()), _plan(), arena))
+    held = arena.nbytes
+    assert held == sum(-(-t.nbytes // ALIGN) * ALIGN for t in TENSORS)
+    places = [t.data_ptr() for t in first]
+    assert all(p % ALIGN == 0 for p in places)  # torch's host allocator aligns the arena
+    del first
+    second = list(_receive(iter(_chunks(100)), _plan(), arena))  # other chunk sizes
+    assert [t.data_ptr() for t in second] == places  # no new memory, no new page faults
+    assert all(torch.equal(a, b) for a, b in zip(second, TENSORS, strict=True))
+    assert arena.nbytes == held
+    arena.drop()
+    assert arena.nbytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(second, TENSORS, strict=True))  # still theirs
+    third = list(_receive(iter(_chunks()), _plan(), arena))
+    assert arena.nbytes == held and torch.equal(third[0], TENSORS[0])
+
+
+def test_an_arena_grows_for_a_larger_update_and_refuses_to_hand_out_more() -> None:
+    arena = StagingArena()
+    arena.begin([10])
+    small = arena.nbytes
+    arena.take(10)
+    with pytest.raises(RuntimeError):
+        arena.take(ALIGN)
+    arena.begin([10, 3 * ALIGN])
+    assert arena.nbytes == 4 * ALIGN > small

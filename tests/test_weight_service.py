@@ -383,6 +383,30 @@ def test_a_stream_that_fails_midway_changes_nothing(
     assert _remote_greedy(client) == updated[1]
 
 
+def test_a_stream_that_fails_after_an_update_leaves_that_updates_weights(
+    server: RunningServer, client: ExecutorClient, updated: Any
+) -> None:
+    """The next stream lands in the memory the last one staged in (`StagingArena`): one that
+    fails midway, having overwritten nearly all of it, leaves the weights the last update
+    wrote (nothing of the model points into the staging memory); a release lets it go."""
+    assert server.executor is not None
+    control, md = server.executor.weights, [("authorization", f"Bearer {TOKEN}")]
+    tensors, want, _ = updated
+    assert client.weights.update(tensors.items(), version="first").version == "first"
+    after, held = digest(server.executor.model), control.staging.nbytes
+    assert held >= sum(t.nbytes for t in tensors.values())
+    with pytest.raises(grpc.RpcError) as refused:  # every tensor but the last chunk's bytes
+        client.stub.UpdateWeights(_stream(new_weights(seed=2), corrupt=True), metadata=md)
+    assert refused.value.code() == grpc.StatusCode.DATA_LOSS
+    assert digest(server.executor.model) == after
+    assert _remote_greedy(client) == want
+    assert control.staging.nbytes == held
+    client.weights.release(["kv_cache"])
+    assert control.staging.nbytes == 0
+    client.weights.resume(["kv_cache"])
+    assert _remote_greedy(client) == want
+
+
 def test_a_group_transfer_that_fails_midway_changes_nothing(
     server: RunningServer, client: ExecutorClient, updated: Any
 ) -> None:

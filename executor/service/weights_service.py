@@ -44,6 +44,7 @@ from executor.weights.catalog import FLOAT_DTYPES, TensorSpec, UpdatePlan, check
 from executor.weights.control import SwapResult, WeightsControl, check_tags
 from executor.weights.group import BACKENDS, DEFAULT_TIMEOUT_S, GroupSpec
 from executor.weights.memory import MemoryReport
+from executor.weights.staging import StagingArena
 from executor.weights.writer import StagedUpdate
 from model_executor.v1 import executor_pb2 as pb
 from ops.checksum import checksum
@@ -159,7 +160,7 @@ class WeightsService:
             header = first.header
             specs = specs_from_proto(list(header.tensors), control.catalog.max_tensors)
             plan = self._plan(control, specs, header.weight_version)
-            return control.stage_tensors(plan, _receive(requests, plan))
+            return control.stage_tensors(plan, _receive(requests, plan, control.staging))
 
         return self._update("stream", stage)
 
@@ -334,16 +335,20 @@ _VERIFY_AHEAD = 8  # chunks read ahead of the oldest still being checked (memory
 
 
 def _receive(
-    requests: Iterator[pb.WeightUpdateRequest | RawChunk | UndecodableRequest], plan: UpdatePlan
+    requests: Iterator[pb.WeightUpdateRequest | RawChunk | UndecodableRequest],
+    plan: UpdatePlan,
+    arena: StagingArena,
 ) -> Iterator[torch.Tensor]:
     """Every tensor of `plan` from its chunks, in order, each yielded as soon as its last chunk
-    is in (the staging casts and packs it while the next chunks arrive), each copied once and
-    verified (DATA_LOSS: a chunk out of place, too large, or whose CRC-32 does not match; a
-    stream that ends early or runs past the last tensor). The place of a chunk is checked as
-    it arrives; its CRC and its copy run on a few threads while the next chunks are read."""
+    is in (the staging casts and packs it while the next chunks arrive), each copied once into
+    `arena` and verified (DATA_LOSS: a chunk out of place, too large, or whose CRC-32 does not
+    match; a stream that ends early or runs past the last tensor). The place of a chunk is
+    checked as it arrives; its CRC and its copy run on a few threads while the next chunks
+    are read."""
     specs = plan.specs
     index, offset = 0, 0
-    buffer, view = bytearray(), memoryview(b"")
+    arena.begin([spec.nbytes for spec in specs])
+    buffer, view = torch.empty(0, dtype=torch.uint8), memoryview(b"")
     pending: deque[Future[None]] = deque()
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="weights-verify") as pool:
         for n, request in enumerate(requests):
@@ -363,9 +368,9 @@ def _receive(
                     f"{where}: {size} bytes do not fit (at most {CHUNK_BYTES} a chunk, "
                     f"{specs[index].nbytes - offset} left of the tensor)"
                 )
-            if offset == 0:  # a tensor's first chunk: its buffer (as `host_bytes`: zeroed pages)
-                buffer = bytearray(specs[index].nbytes)
-                view = memoryview(buffer)
+            if offset == 0:  # a tensor's first chunk: its place in the arena
+                buffer = arena.take(specs[index].nbytes)
+                view = buffer.numpy().data
             pending.append(pool.submit(_verify_copy, chunk, view[offset : offset + size], where))
             while len(pending) > _VERIFY_AHEAD:
                 pending.popleft().result()
@@ -373,7 +378,7 @@ def _receive(
             if offset == specs[index].nbytes:  # (every dimension >= 1: no empty tensor)
                 while pending:  # this tensor's chunks, all verified and copied
                     pending.popleft().result()
-                yield torch.frombuffer(buffer, dtype=specs[index].dtype).reshape(specs[index].shape)
+                yield buffer.view(specs[index].dtype).reshape(specs[index].shape)
                 index, offset = index + 1, 0
     if index < len(specs):
         raise WeightChunkError(

@@ -48,6 +48,7 @@ from executor.weights import ranks, writer
 from executor.weights.catalog import TensorSpec, UpdatePlan, WeightCatalog
 from executor.weights.group import GroupSpec, WeightsGroup
 from executor.weights.memory import KV_CACHE, TAGS, WEIGHTS, MemoryReport, TaggedMemory
+from executor.weights.staging import StagingArena
 from executor.weights.writer import StagedUpdate
 from ops.device_scope import on_own_device
 
@@ -107,6 +108,7 @@ class WeightsControl:
         self.kv_epoch = 0
         self.awaiting_update = False
         self.group: WeightsGroup | None = None
+        self.staging = StagingArena()  # a stream's tensors land here (rank 0: it takes the calls)
         self._catalog: WeightCatalog | None = None
         self.ranks = ranks.RankSide(self)  # a worker rank's side of every command
 
@@ -304,6 +306,7 @@ class WeightsControl:
                 with self.leader.holding():
                     ranks.send(self.leader, {"op": "release", "tags": list(tags)})
             freed = self.release_local(tags)
+            self.staging.drop()  # host memory kept for the next update: let go as well
         return self.report(freed, time.perf_counter() - t0)
 
     @on_own_device
