@@ -107,3 +107,16 @@ def test_an_arena_grows_for_a_larger_update_and_refuses_to_hand_out_more() -> No
         arena.take(ALIGN)
     arena.begin([10, 3 * ALIGN])
     assert arena.nbytes == 4 * ALIGN > small
+
+
+def test_a_release_during_an_update_leaves_its_tensors_whole() -> None:
+    """A release drops the arena from the device thread while a stream is received: the
+    tensors taken keep their memory, the next ones get their own."""
+    arena = StagingArena()
+    arena.begin([8, 8])
+    first = arena.take(8)
+    first[:] = 7
+    arena.drop()
+    second = arena.take(8)
+    assert second.numel() == 8 and second.data_ptr() != first.data_ptr()
+    assert bool((first == 7).all()) and arena.nbytes == 0

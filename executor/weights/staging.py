@@ -46,12 +46,17 @@ class StagingArena:
         self._used = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """The next `nbytes` of this update's buffer (uint8, contiguous)."""
-        if self._buffer is None or self._used + nbytes > self._buffer.numel():
+        """The next `nbytes` of this update's buffer (uint8, contiguous); memory of its own
+        when a release dropped the buffer while the update was being received (the swap
+        then refuses the update: the weights are released)."""
+        buffer = self._buffer  # read once: a release may drop it from the device thread
+        if buffer is None:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._used + nbytes > buffer.numel():
             raise RuntimeError("StagingArena.take past what begin() was told")
         start = self._used
         self._used = start + aligned(nbytes)
-        return self._buffer[start : start + nbytes]
+        return buffer[start : start + nbytes]
 
     def drop(self) -> None:
         """Let the memory go (tensors still alive keep theirs until they die)."""
