@@ -23,10 +23,10 @@ from executor.parallel.group import TpEndpoint, free_port
 
 def rank_context() -> Any:
     """Where the ranks come from: forked from one server process per test process, which
-    imported torch and the executor once (forkserver). Spawned, each rank imported them
-    again, about 3.5 s of CPU on a 2-core machine, for some fifty ranks in the suite. The
-    server forks before any rank's code runs (no thread, no CUDA), as spawn starts fresh;
-    the production launcher (`executor.service.tp_launch`) still spawns."""
+    imported torch and the executor once (forkserver). Spawned, each of the suite's many
+    ranks imported them again, seconds of CPU each on a 2-core machine. The server forks
+    before any rank's code runs (no thread, no CUDA), as spawn starts fresh; the production
+    launcher (`executor.service.tp_launch`) still spawns."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "executor.model_executor", "tests.tp_util"])
     return ctx
