@@ -38,12 +38,12 @@ def sdpa(
         group = query.shape[-3] // keys.shape[-3]
         keys = keys.repeat_interleave(group, dim=-3)
         values = values.repeat_interleave(group, dim=-3)
-    # Both products on contiguous operands: matmul folds the batch dims into one, which
-    # copies a gathered (strided) operand whenever two or more requests share the call, but
-    # hands a lone request's view to the GEMM as it is: another kernel, whose last bits
-    # differ (MKL, AVX2). Contiguous, a row's products are the same in every batch.
-    keys_t = keys.transpose(-1, -2).contiguous()
-    scores = soft_cap(torch.matmul(query, keys_t) * scale, softcap)
+    # Keys and values contiguous (a no-op where they are already): matmul folds the batch
+    # dims into one, which copies a gathered (strided) operand whenever two or more requests
+    # share the call, but hands a lone request's view to the GEMM as it is: another kernel,
+    # whose last bits differ (MKL, AVX2). Contiguous, every batch folds alike, no copy.
+    keys, values = keys.contiguous(), values.contiguous()
+    scores = soft_cap(torch.matmul(query, keys.transpose(-1, -2)) * scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), values.contiguous())
+    return torch.matmul(scores.softmax(dim=-1), values)

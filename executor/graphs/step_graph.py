@@ -40,7 +40,7 @@ log = structlog.get_logger(__name__)
 # float32 the two differ by rounding only. In bfloat16 and float16 the compiled step keeps
 # float32 intermediates that the eager step rounds after each op; at the capture's padded
 # request (one token at position 0, whose hidden state holds a model's large first-token
-# activations) that reaches a sixth of the norm on SmolLM2, while on real steps the compiled
+# activations) that exceeds float32's bound on a real model, while on real steps the compiled
 # and the eager step are as far from float32 as each other (docs/performance.md).
 MATCH_TOLERANCE = 0.1
 HALF_MATCH_TOLERANCE = 0.3
