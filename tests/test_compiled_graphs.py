@@ -68,15 +68,15 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
     compiled = make_executor(
         graph_mode="both",
         graph_backend="compiled",
-        graph_batch_sizes="1,2,4",
-        piecewise_token_sizes="8,16",
+        graph_batch_sizes="1,4",  # few buckets: inductor compiles one graph set per bucket
+        piecewise_token_sizes="16",
         cache_dir=str(tmp_path),
     )
     assert all(not r.failed for r in compiled.control.capture_reports), (
         compiled.control.capture_reports
     )
     decode = compiled.runner.decode_graphs
-    assert decode is not None and set(decode.captured) == {1, 2, 4}
+    assert decode is not None and set(decode.captured) == {1, 4}
     assert all(
         isinstance(c.graph, CompiledGraph) for kv in decode.captured.values() for c in kv.values()
     )
@@ -84,7 +84,7 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
     assert any((tmp_path / "inductor").rglob("*"))
 
     slot = 1
-    # EXTEND: 5 and 8 tokens pad to 8, 12 to 16 (piecewise); 20 is past the largest bucket.
+    # EXTEND: 5, 8 and 12 tokens pad to 16 (piecewise); 20 is past the largest bucket.
     for row, n in zip((1, 2, 3, 4), (5, 8, 12, 20), strict=True):
         batch = make_extend_batch(
             input_ids=[[(7 * row + j) % 200 + 3 for j in range(n)]],
@@ -105,7 +105,7 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         assert float((a.logits - b.logits).abs().max()) <= LOGIT_TOL, n
         assert torch.equal(a.next_token_ids, b.next_token_ids), n
 
-    # DECODE: every batch size 1..4 on a bucket (3 pads to 4); 5 runs eagerly, saying why.
+    # DECODE: every batch size 1..4 on a bucket (2 and 3 pad to 4); 5 runs eagerly, saying why.
     for bs in range(1, 6):
         rows = list(range(10, 10 + bs))
         lens = [3 + (5 * r) % 11 for r in rows]
@@ -120,7 +120,7 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
         a = eager.forward(batch, return_logits=True)
         b = compiled.forward(batch, return_logits=True)
         if bs <= 4:
-            assert (b.stats.path, b.stats.padded_batch_size) == ("full_graph", 4 if bs == 3 else bs)
+            assert (b.stats.path, b.stats.padded_batch_size) == ("full_graph", 1 if bs == 1 else 4)
         else:
             assert (b.stats.path, b.stats.graph_fallback) == (
                 "eager",

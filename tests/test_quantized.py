@@ -393,7 +393,11 @@ def test_quantized_layers_run_on_the_graph_paths(
     eager = ModelExecutor(base.replace(graph_mode="none"))
     graph = ModelExecutor(
         base.replace(
-            graph_mode="both", graph_batch_sizes="1,2,4,8", piecewise_token_sizes="8,32,128"
+            # Two buckets each (inductor compiles one graph set per bucket): batches of 1-6
+            # pad to 2 or 8, the generator's extends to 16 or 128, or run eagerly past it.
+            graph_mode="both",
+            graph_batch_sizes="2,8",
+            piecewise_token_sizes="16,128",
         )
     )
     assert all(not r.failed for r in graph.control.capture_reports), graph.control.capture_reports

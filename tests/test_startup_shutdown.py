@@ -29,6 +29,10 @@ def _serve(tmp_path: Path, port: int, graphs: bool) -> subprocess.Popen[str]:
         cmd += [
             "--graph-mode",
             "both",
+            # The CUDA-graph stand-in: the start-up capture's bucket loop, without the minutes
+            # inductor spends compiling (tests/test_background_capture.py stops a compile).
+            "--graph-backend",
+            "standin",
             "--graph-batch-sizes",
             ",".join(str(n) for n in range(1, 33)),
             "--piecewise-token-sizes",
