@@ -82,19 +82,43 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("model-cache")
 
 
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every process of this test run sees: under pytest-xdist, the parent of the
+    workers' own temporary folders."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def hf_smollm2() -> torch.nn.Module:
+def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """transformers' SmolLM2-135M read from the packaged GGUF file by its own GGUF loader
-    (float32, eval mode): loaded once per session (about 17 s on C). Shared: tests read it and
-    never change it."""
+    (float32, eval mode). Shared: tests read it and never change it. The first process of the
+    run that needs it reads the GGUF file (about 28 s on a 2-core machine) and saves what it
+    read as safetensors; the other test processes load that."""
     transformers = pytest.importorskip("transformers")
+    from filelock import FileLock
+    from safetensors.torch import save_file
+
     from executor.models.loader import packaged_smollm2_path
 
-    path = packaged_smollm2_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    auto = transformers.AutoModelForCausalLM
+    saved = shared_tmp(tmp_path_factory) / "hf-smollm2"
+    weights = saved / "model.safetensors"
+    with FileLock(f"{saved}.lock"):
+        if not weights.exists():
+            path = packaged_smollm2_path()
+            model = auto.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            model.config.save_pretrained(saved)
+            tied = model.config.tie_word_embeddings  # the head is the embedding: saved once
+            state = {
+                k: v.contiguous()
+                for k, v in model.state_dict().items()
+                if not (tied and k == "lm_head.weight")
+            }
+            save_file(state, str(saved / "partial.safetensors"))
+            (saved / "partial.safetensors").rename(weights)
+            return model.eval()
+    return auto.from_pretrained(saved, dtype=torch.float32).eval()
 
 
 @pytest.fixture
