@@ -76,17 +76,21 @@ def _fresh_dynamo_per_module() -> object:
     torch._dynamo.reset()
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One weights cache per test session (a fresh clone pays the GGUF dequantization once)."""
-    return tmp_path_factory.mktemp("model-cache")
-
-
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder every process of this test run sees: under pytest-xdist, the parent of the
     workers' own temporary folders."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache dir for the whole test run, shared by the xdist workers (every entry is
+    written under a temporary name, then renamed: processes can share it): a fresh clone
+    pays the GGUF dequantization, the host kernels' builds and a graph's compile once."""
+    path = shared_tmp(tmp_path_factory) / "model-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
