@@ -15,11 +15,12 @@ TRITON_SPEC ?= triton==3.9.0
 HOST ?= 127.0.0.1
 PORT ?= 50051
 PYTEST_ARGS ?=
-# `make test` runs the suite in this many processes (pytest-xdist; 0: in this one). Much of it
-# waits on servers, subprocesses and compiles, so two overlap well on two cores; each runs torch
-# on one intra-op thread (OMP_NUM_THREADS, unless set), so that neither waits at an OpenMP
-# barrier for a thread the other displaced. A worker that runs out of tests takes queued ones
-# from the other (worksteal), so a long test near the end does not leave one core idle.
+# `make test` and `test-fast` run the tests in this many processes (pytest-xdist; 0: in this
+# one). Much of it waits on servers, subprocesses and compiles, so two overlap well on two
+# cores; each runs torch on one intra-op thread (OMP_NUM_THREADS, unless set), so that
+# neither waits at an OpenMP barrier for a thread the other displaced. A worker that runs out
+# of tests takes queued ones from the other (worksteal), so a long test near the end does not
+# leave one core idle.
 TEST_WORKERS ?= 2
 
 # The Python of the GPU machine `make device-wheels` downloads for (3.11: a dry run here).
@@ -55,7 +56,7 @@ serve: install
 # with the type check beside it at a lower priority (mypy with no cache is a minute and more
 # of one core, most of it reading torch's stubs), its verdict printed after the suite's.
 # `test-fast` is the developer's loop after each change: the unit tests, without the `slow`
-# ones (model loads, servers, subprocesses, compiles).
+# ones (model loads, servers, subprocesses, compiles), in as many processes.
 test: install lint
 	@nice -n 10 $(VENV)/bin/mypy >$(VENV)/.mypy.out 2>&1 & types=$$!; \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
@@ -64,7 +65,8 @@ test: install lint
 	test $$suite -eq 0 && test $$typed -eq 0
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
+		-m "not slow" -q $(PYTEST_ARGS)
 
 # On a CUDA machine that has torch (and triton): every CUDA path checked against eager, the
 # kernels against float64, latencies, graph memory; one table (docs/gpu.md). Nothing is
