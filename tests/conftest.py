@@ -97,8 +97,8 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """transformers' SmolLM2-135M read from the packaged GGUF file by its own GGUF loader
     (float32, eval mode). Shared: tests read it and never change it. The first process of the
-    run that needs it reads the GGUF file (about 28 s on a 2-core machine) and saves what it
-    read as safetensors; the other test processes load that."""
+    run that needs it reads the GGUF file (slow: transformers dequantizes it in Python) and
+    saves what it read as safetensors; the other test processes load that."""
     transformers = pytest.importorskip("transformers")
     from filelock import FileLock
     from safetensors.torch import save_file
