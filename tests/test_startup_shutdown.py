@@ -29,8 +29,8 @@ def _serve(tmp_path: Path, port: int, graphs: bool) -> subprocess.Popen[str]:
         cmd += [
             "--graph-mode",
             "both",
-            # The CUDA-graph stand-in: the start-up capture's bucket loop, without the minutes
-            # inductor spends compiling (tests/test_background_capture.py stops a compile).
+            # The CUDA-graph stand-in: the start-up capture's bucket loop, without inductor's
+            # compile of each bucket (tests/test_background_capture.py stops a compile).
             "--graph-backend",
             "standin",
             "--graph-batch-sizes",
