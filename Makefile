@@ -26,7 +26,7 @@ TEST_WORKERS ?= 2
 # The Python of the GPU machine `make device-wheels` downloads for (3.11: a dry run here).
 DEVICE_PYTHON ?= 3.12
 
-.PHONY: install serve test test-fast lint typecheck clean gpu-check device-wheels
+.PHONY: install serve test test-fast test-long lint typecheck clean gpu-check device-wheels
 
 $(PY):
 	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
@@ -55,18 +55,25 @@ serve: install
 # `test` is the whole gate (CI runs it): lint first (seconds; it fails fast), then the suite
 # with the type check beside it at a lower priority (mypy with no cache is a minute and more
 # of one core, most of it reading torch's stubs), its verdict printed after the suite's.
+# The gate leaves out the `long` tests and runs their short versions (inductor's compiles of
+# the test models: dynamo's eager backend in the gate); `test-long` runs them, before a change
+# to the compiled graph backends lands.
 # `test-fast` is the developer's loop after each change: the unit tests, without the `slow`
 # ones (model loads, servers, subprocesses, compiles), in as many processes.
 test: install lint
 	@nice -n 10 $(VENV)/bin/mypy >$(VENV)/.mypy.out 2>&1 & types=$$!; \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
-		$(PYTEST_ARGS); suite=$$?; \
+		-m "not long" $(PYTEST_ARGS); suite=$$?; \
 	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/.mypy.out; \
 	test $$suite -eq 0 && test $$typed -eq 0
 
 test-fast: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
-		-m "not slow" -q $(PYTEST_ARGS)
+		-m "not slow and not long" -q $(PYTEST_ARGS)
+
+test-long: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
+		-m long $(PYTEST_ARGS)
 
 # On a CUDA machine that has torch (and triton): every CUDA path checked against eager, the
 # kernels against float64, latencies, graph memory; one table (docs/gpu.md). Nothing is

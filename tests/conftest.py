@@ -76,6 +76,24 @@ def _fresh_dynamo_per_module() -> object:
     torch._dynamo.reset()
 
 
+@pytest.fixture(
+    params=[
+        pytest.param("eager", id="eager"),
+        pytest.param("inductor", id="inductor", marks=pytest.mark.long),
+    ]
+)
+def graph_compiler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What compiles the graphs of the `compiled` and `compiled_step` backends in this test:
+    dynamo's `eager` backend in the gate (the same tracing, guards, buckets, fallbacks and
+    device writes, without code generation), inductor in `make test-long` (its C++ kernels
+    take minutes of a 2-core machine). Executors built in the test process only."""
+    from executor.graphs import settings
+
+    compiler = str(request.param)
+    monkeypatch.setattr(settings, "graph_compiler", lambda config: compiler)
+    return compiler
+
+
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder every process of this test run sees: under pytest-xdist, the parent of the
     workers' own temporary folders."""

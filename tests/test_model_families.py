@@ -262,7 +262,9 @@ def test_experts_run_grouped_and_dense_alike_and_capture_safely() -> None:
 
 
 @pytest.mark.slow
-def test_experts_compile_in_the_compiled_graph_backend(cache_dir: Path) -> None:
+def test_experts_compile_in_the_compiled_graph_backend(
+    cache_dir: Path, graph_compiler: str
+) -> None:
     """Under torch.compile (float32 on CPU) the experts take the dense form the compiler
     traces; the full-graph path then gives the eager tokens."""
     prompts = [[5, 6, 7, 8], [9, 10]]

@@ -373,7 +373,7 @@ GRAPH_LOGIT_TOLERANCE = {"torch": ROUNDED_TOL, "qmm": 0.05}
 @pytest.mark.slow
 @pytest.mark.parametrize("quant_kernel", ["qmm"])  # torch's kernels: the whole-step test below
 def test_quantized_layers_run_on_the_graph_paths(
-    tmp_path: Path, cache_dir: Path, quant_kernel: str
+    tmp_path: Path, cache_dir: Path, quant_kernel: str, graph_compiler: str
 ) -> None:
     """Full-graph DECODE and piecewise EXTEND (the CPU stand-in refuses host reads and
     data-dependent sizes at capture) agree with eager on a quantized model."""
@@ -393,7 +393,7 @@ def test_quantized_layers_run_on_the_graph_paths(
     eager = ModelExecutor(base.replace(graph_mode="none"))
     graph = ModelExecutor(
         base.replace(
-            # Two buckets each (inductor compiles one graph set per bucket): batches of 1-6
+            # Two buckets each (a compiler traces one graph set per bucket): batches of 1-6
             # pad to 2 or 8, the generator's extends to 16 or 128, or run eagerly past it.
             graph_mode="both",
             graph_batch_sizes="2,8",
@@ -421,18 +421,18 @@ def test_quantized_layers_run_on_the_graph_paths(
 @pytest.mark.slow
 @pytest.mark.parametrize("quant_kernel", ["qmm", "torch"])
 def test_quantized_layers_run_in_whole_step_compiled_decode_graphs(
-    tmp_path: Path, cache_dir: Path, quant_kernel: str
+    tmp_path: Path, cache_dir: Path, quant_kernel: str, graph_compiler: str
 ) -> None:
     """`compiled_step`: the quantized kernels (qmm as an extern op), the KV write and attention
-    inside one inductor graph per DECODE bucket give eager's greedy tokens and logits on a
-    Q4_1 model."""
+    inside one graph per DECODE bucket give eager's greedy tokens and logits on a Q4_1
+    model."""
     path = _write(tmp_path, "tiny-random-qwen2", Q.Q4_1)
     base = ExecutorConfig(
         model=str(path),
         max_reqs=4,
         kv_slots=512,
         max_context_len=256,
-        cache_dir=str(tmp_path / "compiled"),  # a cold inductor cache: the compile is tested
+        cache_dir=str(tmp_path / "compiled"),  # a cold compile cache: the compile is tested
         quantization="gguf",
         quant_kernel=quant_kernel,
         dtype="float32",

@@ -97,6 +97,9 @@ def test_sigterm_finishes_every_accepted_batch_then_exits_zero(tmp_path: Path) -
         # Every accepted batch must finish however slow this machine is: no queue-wait bound
         # (test_wire_contract.py tests that bound).
         *("--queue-wait-s", "0"),
+        # Eager steps only: at the defaults a compile worker would compile the bs-1 step
+        # beside them (SIGTERM stopping a compile: tests/test_background_capture.py).
+        *("--graph-mode", "none"),
     )
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(

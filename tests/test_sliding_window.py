@@ -262,7 +262,7 @@ def test_plain_layouts_build_no_window_metadata() -> None:
 
 
 @pytest.mark.slow
-def test_the_compiled_step_decode_path_matches_the_reference() -> None:
+def test_the_compiled_step_decode_path_matches_the_reference(graph_compiler: str) -> None:
     """`compiled_step` traces torch_paged's DECODE as indexing, products and sums."""
     case = _case(ForwardMode.DECODE, [0, 30, 199], [1, 1, 1], _layout(8, CAP))
     paged = TorchPagedBackend(case.layout, case.req_to_token_pool, case.kv_pool)
@@ -273,6 +273,7 @@ def test_the_compiled_step_decode_path_matches_the_reference() -> None:
         lambda layer_id: paged.forward(case.q, case.k, case.v, layer_id, fb),
         fullgraph=True,
         dynamic=False,
+        backend=graph_compiler,
     )
     for layer_id in (0, 1):
         torch.testing.assert_close(step(layer_id), refs[layer_id], atol=TOL, rtol=0)
@@ -281,10 +282,10 @@ def test_the_compiled_step_decode_path_matches_the_reference() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("graph_backend", ["compiled", "compiled_step"])
 def test_windowed_model_decodes_alike_on_the_compiled_graph_backends(
-    make_executor: Callable[..., ModelExecutor], graph_backend: str
+    make_executor: Callable[..., ModelExecutor], graph_backend: str, graph_compiler: str
 ) -> None:
     """tiny-random-gemma2 (windows of 8 on layers 0 and 2, soft-caps): captured DECODE through
-    inductor gives the eager path's tokens, past the window."""
+    a compiled graph gives the eager path's tokens, past the window."""
     prompts = [list(range(3, 23)), [7, 9, 11]]
     settings = {"model": "tiny-random-gemma2", "max_context_len": 256}
     eager = make_executor(**settings)
