@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +113,29 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """transformers' GGUF load with two of its repeats memoized (both read-only): the file's
+    parse (once for the config, again for the tensors) and gguf's name map (rebuilt for each
+    of the model's modules, the same each time). What it reads is unchanged."""
+    import gguf
+
+    readers: dict[str, Any] = {}
+    reader, name_map = gguf.GGUFReader, functools.cache(gguf.get_tensor_name_map)
+
+    def read(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return reader(path, *args, **kwargs)
+        if str(path) not in readers:
+            readers[str(path)] = reader(path)
+        return readers[str(path)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", read)
+        patch.setattr(gguf, "get_tensor_name_map", name_map)
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """transformers' SmolLM2-135M read from the packaged GGUF file by its own GGUF loader
@@ -129,7 +154,8 @@ def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     with FileLock(f"{saved}.lock"):
         if not weights.exists():
             path = packaged_smollm2_path()
-            model = auto.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            with _gguf_read_once():
+                model = auto.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
             model.config.save_pretrained(saved)
             tied = model.config.tie_word_embeddings  # the head is the embedding: saved once
             state = {
