@@ -56,8 +56,8 @@ serve: install
 # with the type check beside it at a lower priority (mypy with no cache is a minute and more
 # of one core, most of it reading torch's stubs), its verdict printed after the suite's.
 # The gate leaves out the `long` tests and runs their short versions (inductor's compiles of
-# the test models: dynamo's eager backend in the gate); `test-long` runs them, before a change
-# to the compiled graph backends lands.
+# the test models: dynamo's eager backend in the gate; SmolLM2's transports, KV transfer and
+# tp 3: tiny-random's); `test-long` runs them, before a change to what they cover lands.
 # `test-fast` is the developer's loop after each change: the unit tests, without the `slow`
 # ones (model loads, servers, subprocesses, compiles), in as many processes.
 test: install lint

@@ -735,9 +735,11 @@ def test_staging_refuses_chunks_that_do_not_fit(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_prefilled_on_a_and_decoded_on_b_equals_one_executor(cache_dir: Path) -> None:
     """SmolLM2-135M, float32, held-out prompts: disaggregated and migrated generation give
-    one executor's greedy tokens."""
+    one executor's greedy tokens (the gate's: tiny-random's, test_disaggregated_generate_...
+    and test_migrating_a_running_request_...)."""
     config = tiny_config(cache_dir, model="smollm2", graph_mode="none", kv_slots=2048, max_reqs=8)
     with (
         running_server(config, kv_transfer=True) as b,

@@ -255,7 +255,10 @@ def _prefill(prompt: list[int], i: int):  # type: ignore[no-untyped-def]
     return batch
 
 
-@pytest.mark.slow  # SmolLM2 three times: transformers, the server, a fresh executor
+# SmolLM2 three times (transformers, the server, a fresh executor): the gate runs each
+# transport on tiny-random (above) and the resident-set release on a medium-random model
+# (tests/test_memory_release.py).
+@pytest.mark.long
 def test_smollm2_float32_updates_by_each_transport_equal_a_fresh_executor(
     tmp_path: Path, cache_dir: Path, hf_smollm2: torch.nn.Module
 ) -> None:
