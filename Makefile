@@ -53,8 +53,8 @@ serve: install
 	$(VENV)/bin/model-executor serve --host $(HOST) --port $(PORT)
 
 # `test` is the whole gate (CI runs it): lint first (seconds; it fails fast), then the suite
-# with the type check beside it at a lower priority (mypy with no cache is a minute and more
-# of one core, most of it reading torch's stubs), its verdict printed after the suite's.
+# with the type check beside it at a lower priority (mypy with no cache is half a minute of
+# one core, most of it reading torch), its verdict printed after the suite's.
 # The gate leaves out the `long` tests and runs their short versions (inductor's compiles of
 # the test models: dynamo's eager backend in the gate; SmolLM2's transports, KV transfer and
 # tp 3: tiny-random's); `test-long` runs them, before a change to what they cover lands.
