@@ -22,6 +22,8 @@ PYTEST_ARGS ?=
 # of tests takes queued ones from the other (worksteal), so a long test near the end does not
 # leave one core idle.
 TEST_WORKERS ?= 2
+PYTEST_RUN = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) \
+	--dist worksteal
 
 # The Python of the GPU machine `make device-wheels` downloads for (3.11: a dry run here).
 DEVICE_PYTHON ?= 3.12
@@ -62,18 +64,15 @@ serve: install
 # ones (model loads, servers, subprocesses, compiles), in as many processes.
 test: install lint
 	@nice -n 10 $(VENV)/bin/mypy >$(VENV)/.mypy.out 2>&1 & types=$$!; \
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
-		-m "not long" $(PYTEST_ARGS); suite=$$?; \
+	$(PYTEST_RUN) -m "not long" $(PYTEST_ARGS); suite=$$?; \
 	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/.mypy.out; \
 	test $$suite -eq 0 && test $$typed -eq 0
 
 test-fast: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
-		-m "not slow and not long" -q $(PYTEST_ARGS)
+	$(PYTEST_RUN) -m "not slow and not long" -q $(PYTEST_ARGS)
 
 test-long: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
-		-m long $(PYTEST_ARGS)
+	$(PYTEST_RUN) -m long $(PYTEST_ARGS)
 
 # On a CUDA machine that has torch (and triton): every CUDA path checked against eager, the
 # kernels against float64, latencies, graph memory; one table (docs/gpu.md). Nothing is

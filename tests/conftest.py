@@ -19,6 +19,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PROTO, os.environ.get("P
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from executor.core.names import EAGER_KERNELS, INDUCTOR  # noqa: E402
+
 # Imported where used: collecting the `gpu` tests needs pytest and torch here and nothing of
 # the dev extras (the GPU machine has only the runtime's; benchmarks/device_check.sh).
 if TYPE_CHECKING:
@@ -80,8 +82,8 @@ def _fresh_dynamo_per_module() -> object:
 
 @pytest.fixture(
     params=[
-        pytest.param("eager", id="eager"),
-        pytest.param("inductor", id="inductor", marks=pytest.mark.long),
+        pytest.param(EAGER_KERNELS, id="eager"),
+        pytest.param(INDUCTOR, id="inductor", marks=pytest.mark.long),
     ]
 )
 def graph_compiler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:

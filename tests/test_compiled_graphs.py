@@ -18,6 +18,7 @@ from attention.torch_paged import TorchPagedBackend
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.core.buckets import kv_bucket
+from executor.core.names import INDUCTOR
 from executor.core.runner_output import GraphFallback
 from executor.graphs import step_graph
 from executor.graphs.factory import GraphFactory
@@ -81,7 +82,7 @@ def test_compiled_graphs_give_eager_tokens_on_every_bucket_and_fall_back_outside
     assert all(
         isinstance(c.graph, CompiledGraph) for kv in decode.captured.values() for c in kv.values()
     )
-    if graph_compiler == "inductor":
+    if graph_compiler == INDUCTOR:
         # inductor's caches live under --cache-dir, so a restart loads instead of compiling
         assert any((tmp_path / "inductor").rglob("*"))
 
