@@ -53,10 +53,11 @@ def check_parity(
     hf: torch.nn.Module,
     prompts: list[list[int]],
     reference: dict[tuple[int, ...], Any] | None = None,
+    new_tokens: int = NEW_TOKENS,
 ) -> Counter[str]:
-    """Prefill logits and greedy tokens against transformers; the paths our steps took.
-    `reference`: transformers' answers per prompt, filled on the first call and reused by the
-    next (another executor on the same weights)."""
+    """Prefill logits and `new_tokens` greedy tokens against transformers; the paths our steps
+    took. `reference`: transformers' answers per prompt, filled on the first call and reused
+    by the next (another executor on the same weights, the same `new_tokens`)."""
     reference = {} if reference is None else reference
 
     def theirs(prompt: list[int]) -> Any:  # (last prefill logits, greedy tokens, top-2 gaps)
@@ -64,7 +65,7 @@ def check_parity(
         if key not in reference:
             with torch.inference_mode():
                 logits = hf(torch.tensor([prompt])).logits[0, -1].float()
-            reference[key] = (logits, *hf_greedy(hf, prompt, NEW_TOKENS))
+            reference[key] = (logits, *hf_greedy(hf, prompt, new_tokens))
         return reference[key]
 
     paths: Counter[str] = Counter()
@@ -87,7 +88,7 @@ def check_parity(
         ref = theirs(prompt)[0]
         diff = float((ours[0] - ref).abs().max())
         assert diff <= LOGIT_TOL, f"prompt {row}: prefill logits differ by {diff}"
-    ours_gen = generate(forward, ex.limits, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    ours_gen = generate(forward, ex.limits, prompts, max_new_tokens=new_tokens, ignore_eos=True)
     for prompt, ours_tokens in zip(prompts, ours_gen, strict=True):
         _, ref_tokens, gaps = theirs(prompt)
         assert_greedy_matches(ours_tokens, ref_tokens, gaps)

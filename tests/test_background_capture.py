@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 import torch
 
+from executor import model_executor
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.config import ExecutorConfig
 from executor.core.names import EAGER_KERNELS, INDUCTOR
 from executor.graphs import compile_job, step_graph
 from executor.graphs.artifacts import ArtifactStore, fingerprint
+from executor.graphs.compile_cache import use_compile_caches
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.decode_runner import DecodeGraphRunner
 from executor.graphs.graph import GraphCaptureError
@@ -166,16 +168,23 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
 
 @pytest.mark.slow
 def test_a_restart_loads_the_saved_compiled_steps_instead_of_compiling(
-    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cache_dir: Path
 ) -> None:
     """The first start compiles the bs-1 step and saves it under cache_dir/graphs; a second
     start on the same cache dir loads it (a compile there would raise) and it serves the
-    eager tokens."""
+    eager tokens. Its own cache dir holds the saved steps; inductor's caches are the run's
+    (the same step's generated C++ is built once a run: the default server's compile,
+    tests/test_auto_choices.py, compiles it too)."""
+    monkeypatch.setattr(
+        model_executor, "use_compile_caches", lambda _dir: use_compile_caches(cache_dir)
+    )
     settings: dict[str, Any] = {
         "graph_mode": "decode",
         "graph_backend": "compiled_step",
         "graph_batch_sizes": "1",
         "max_context_len": 64,
+        "max_reqs": 32,  # with kv_slots, the shapes of the default server's (tiny_config)
+        "kv_slots": 8192,
         "cache_dir": str(tmp_path),
     }
     first = make_executor(**settings)

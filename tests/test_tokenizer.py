@@ -22,11 +22,11 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, object]:
+def smollm2_tokenizers(cache_dir: Path) -> tuple[Tokenizer, object]:
+    """Ours as a server loads it (from the run's cache dir, converted from the GGUF file by
+    whichever test needed it first), and transformers' from the GGUF file."""
     path = packaged_smollm2_path()
-    ours = load_tokenizer(
-        resolve_model_spec("smollm2"), 49152, 1, (2,), tmp_path_factory.mktemp("tok")
-    )
+    ours = load_tokenizer(resolve_model_spec("smollm2"), 49152, 1, (2,), cache_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return ours, theirs
 
