@@ -9,6 +9,7 @@ The compile worker's failures come back as a reason (the capture then compiles i
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -164,6 +165,23 @@ def test_whole_steps_check_one_eager_step_and_let_a_waiting_step_in_between_grap
     [graphs] = ex.runner.decode_graphs.captured.values()  # type: ignore[union-attr]
     first, second = (graphs[False, kv].graph for kv in (256, 1024))
     assert isinstance(second, StepCompiledGraph) and second.reference is first.reference
+
+
+def test_a_cpu_capture_pass_walks_no_heap(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture pass on a CPU backend runs no full collection (it holds the interpreter lock,
+    stalling the steps a server runs meanwhile, for as long as the heap takes to walk) and
+    leaves the heap unfrozen; the graphs serve."""
+    collections: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+    ex = make_executor(graph_mode="none", graph_batch_sizes="1,2", piecewise_token_sizes="16")
+    frozen = gc.get_freeze_count()
+    ex.control.set_graph_mode("both")
+    assert collections == [] and gc.get_freeze_count() == frozen
+    _prefill(ex, [1], [3], first_slot=1)
+    step = make_decode_batch(input_ids=[5], req_pool_indices=[1], seq_lens=[4], out_cache_loc=[9])
+    assert ex.forward(step).stats.path == "full_graph"
 
 
 @pytest.mark.slow

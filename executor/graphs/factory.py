@@ -136,15 +136,21 @@ class GraphFactory:
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around a whole capture pass: a collected, frozen heap, so a GC pause cannot land
-        inside a capture, and no autograd state."""
-        gc.collect()
-        gc.freeze()
+        """Around a whole capture pass: no autograd state; on CUDA, a collected, frozen heap,
+        so a GC pause (freeing tensors) cannot land inside a capture. The CPU backends skip
+        the full collection: their captures are runs and compiles that a pause cannot break,
+        and it would hold the interpreter lock, stalling the steps a server runs meanwhile,
+        for as long as the whole heap takes to walk."""
+        cuda = self.backend == "cuda"
+        if cuda:
+            gc.collect()
+            gc.freeze()
         try:
             with torch.inference_mode():
                 yield
         finally:
-            gc.unfreeze()
+            if cuda:
+                gc.unfreeze()
 
     @property
     def poisoned(self) -> str | None:
