@@ -343,6 +343,7 @@ def measure(
                 proc.wait(timeout=120)
     print(f"{name}: {json.dumps(run.summary())}", flush=True)
     if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
         with (Path(args.dump) / f"{name}.json").open("w") as fh:
             json.dump(dataclasses.asdict(run), fh)
     return run
