@@ -7,8 +7,8 @@ sent `--repeats` times (after one round not counted) by each transport:
 - `path`: UpdateWeightsFromPath, the executor reading the safetensors file itself;
 - `group`: UpdateWeightsFromGroup over a gloo weights group this process forms with it;
 - `broadcast`: the baseline of `group`, a bare gloo broadcast of the same tensors between
-  this process and a spawned one, into fresh buffers (the receiver acknowledges the last
-  tensor);
+  this process and a spawned one, into a staging arena kept between rounds as the
+  executor's is (the receiver acknowledges the last tensor);
 - `grpc`: the baseline of `stream`, a bare grpcio client stream of the same bytes in the same
   4 MiB messages to a spawned server that copies each into one buffer (one copy a side, no
   checksum, no protobuf).
@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from executor.client.grpc_client import ExecutorClient
 from executor.parallel.group import free_port
 from executor.weights.group import GroupSpec, WeightsGroup
+from executor.weights.staging import StagingArena
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -73,11 +74,12 @@ def checkpoint(model: str, cache_dir: Path | None) -> dict[str, torch.Tensor]:
 
 
 def _receiver(port: int, shapes: list[tuple[int, ...]], repeats: int) -> None:
-    """Receives every round into fresh buffers, as an update's receiver does (it cannot write
-    into the weights in use)."""
+    """Receives every round into one staging arena kept between rounds, as an update's
+    receiver does (it cannot write into the weights in use)."""
     group = WeightsGroup(GroupSpec("127.0.0.1", port, 1, 2, timeout_s=600), torch.device("cpu"))
+    arena = StagingArena()
     for _ in range(repeats):
-        received = list(group.receive([(s, torch.float32) for s in shapes], 0))
+        received = list(group.receive([(s, torch.float32) for s in shapes], 0, arena))
         group.verdict(0, 1)  # received: the sender's clock stops here
         del received
 

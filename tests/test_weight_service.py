@@ -479,3 +479,40 @@ def _logprob_prefill(row: int, slot: int):  # type: ignore[no-untyped-def]
     )
     batch.return_logprob = True
     return batch
+
+
+def test_a_group_receives_into_the_arena_it_is_given_the_same_memory_each_update() -> None:
+    """Two gloo members in this process: the receiver's tensors are carved from its staging
+    arena, the next update's from the same memory (no fresh pages); without one, each
+    tensor gets memory of its own."""
+    from executor.weights.group import GroupSpec, WeightsGroup
+    from executor.weights.staging import StagingArena
+
+    port = free_port()
+    sent = [torch.randn(3, 5), torch.randn(7), torch.randn(2, 2, 2)]
+    shapes = [(tuple(t.shape), t.dtype) for t in sent]
+    members: dict[int, WeightsGroup] = {}
+
+    def join(rank: int) -> None:
+        spec = GroupSpec("127.0.0.1", port, rank, 2, timeout_s=60)
+        members[rank] = WeightsGroup(spec, torch.device("cpu"))
+
+    joining = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in joining:
+        t.start()
+    for t in joining:
+        t.join(60)
+    sender = threading.Thread(target=lambda: [members[0].send(sent, 0) for _ in range(3)])
+    sender.start()
+    arena = StagingArena()
+    rounds = [list(members[1].receive(shapes, 0, arena)) for _ in range(2)]
+    fresh = list(members[1].receive(shapes, 0))
+    sender.join(60)
+    for received in (*rounds, fresh):
+        assert all(torch.equal(a, b) for a, b in zip(received, sent, strict=True))
+    [first, second] = [[t.data_ptr() for t in r] for r in rounds]
+    assert first == second and arena.nbytes >= sum(t.nbytes for t in sent)
+    assert len({t.untyped_storage().data_ptr() for t in rounds[0]}) == 1  # one buffer
+    assert len({t.untyped_storage().data_ptr() for t in fresh}) == len(sent)
+    for member in members.values():
+        member.close()

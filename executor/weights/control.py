@@ -108,7 +108,7 @@ class WeightsControl:
         self.kv_epoch = 0
         self.awaiting_update = False
         self.group: WeightsGroup | None = None
-        self.staging = StagingArena()  # a stream's tensors land here (rank 0: it takes the calls)
+        self.staging = StagingArena()  # a stream's or a group's tensors land here
         self._catalog: WeightCatalog | None = None
         self.ranks = ranks.RankSide(self)  # a worker rank's side of every command
 
@@ -197,7 +197,8 @@ class WeightsControl:
         if self.leader is not None:
             with self.leader.holding():
                 ranks.send_stage(self.leader, plan, "group", src=src)
-        return self._staged_or_drop(lambda: self.stage(plan, ranks.receive(group, plan, src)))
+        received = ranks.receive(group, plan, src, arena=self.staging)
+        return self._staged_or_drop(lambda: self.stage(plan, received))
 
     def refuse_group(self, src: int) -> None:
         """A refused header: every member takes the verdict (nothing follows)."""

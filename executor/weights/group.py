@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from executor.core.errors import ModelStateError
 from executor.weights.memory import host_bytes
+from executor.weights.staging import StagingArena
 
 DEFAULT_TIMEOUT_S = 300.0
 RECEIVE_AHEAD = 2  # receives posted beyond the tensor being staged (their buffers held)
@@ -129,11 +130,25 @@ class WeightsGroup:
         return int(self.broadcast(flag, src).item())
 
     def receive(
-        self, shapes: list[tuple[tuple[int, ...], torch.dtype]], src: int
+        self,
+        shapes: list[tuple[tuple[int, ...], torch.dtype]],
+        src: int,
+        arena: StagingArena | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Each tensor `src` broadcasts, in order (allocated here, on `tensor_device`), the
-        next ones' receives already posted while the caller stages it (`_in_flight`)."""
-        yield from self._in_flight((self._buffer(*s) for s in shapes), src)
+        """Each tensor `src` broadcasts, in order, the next ones' receives already posted while
+        the caller stages it (`_in_flight`). On the CPU they land in `arena` when given (kept
+        from one update to the next: no page faults after the first), else in fresh memory;
+        on a CUDA device in memory allocated here."""
+        if arena is not None and self.tensor_device.type == "cpu":
+            sizes = [math.prod(shape) * _itemsize(dtype) for shape, dtype in shapes]
+            arena.begin(sizes)
+            buffers: Iterable[torch.Tensor] = (
+                arena.take(n).view(dtype).reshape(shape)
+                for n, (shape, dtype) in zip(sizes, shapes, strict=True)
+            )
+        else:
+            buffers = (self._buffer(*s) for s in shapes)
+        yield from self._in_flight(buffers, src)
 
     def send(self, tensors: Iterable[torch.Tensor], src: int) -> None:
         """Broadcast each tensor from `src` (this member), in order (`_in_flight`)."""
@@ -153,8 +168,7 @@ class WeightsGroup:
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.tensor_device.type == "cpu":
-            numel = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            return host_bytes(numel).view(dtype).reshape(shape)
+            return host_bytes(math.prod(shape) * _itemsize(dtype)).view(dtype).reshape(shape)
         return torch.empty(shape, dtype=dtype, device=self.tensor_device)
 
     def close(self) -> None:
@@ -163,3 +177,7 @@ class WeightsGroup:
         if shutdown is not None and self.spec.backend == "nccl":
             shutdown()
         self.pg = None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -33,6 +33,7 @@ from executor.parallel.comm import TpComm
 from executor.parallel.leader import TpLeader
 from executor.weights.catalog import TensorSpec, UpdatePlan
 from executor.weights.group import GroupSpec, WeightsGroup
+from executor.weights.staging import StagingArena
 from executor.weights.writer import StagedUpdate
 
 if TYPE_CHECKING:
@@ -102,11 +103,16 @@ def lazy_sources(plan: UpdatePlan, files: list[Path]) -> Iterator[Any]:
 
 
 def receive(
-    group: WeightsGroup, plan: UpdatePlan, src: int, verdict_rank: int | None = None
+    group: WeightsGroup,
+    plan: UpdatePlan,
+    src: int,
+    verdict_rank: int | None = None,
+    arena: StagingArena | None = None,
 ) -> Iterator[torch.Tensor]:
-    """The verdict (accepted), then each tensor of `plan` as `src` broadcasts it."""
+    """The verdict (accepted), then each tensor of `plan` as `src` broadcasts it (into
+    `arena` when given: `WeightsGroup.receive`)."""
     group.verdict(0, group.spec.rank if verdict_rank is None else verdict_rank)
-    yield from group.receive([(s.shape, s.dtype) for s in plan.specs], src)
+    yield from group.receive([(s.shape, s.dtype) for s in plan.specs], src, arena)
 
 
 def spec_json(spec: GroupSpec) -> dict[str, Any]:
@@ -178,9 +184,8 @@ class RankSide:
             self._pending = _on_thread(lambda: control.stage(plan, lazy_sources(plan, files)))
         else:
             group, src, verdict = self._group(), int(header["src"]), self._verdict_rank
-            self._pending = _on_thread(
-                lambda: control.stage(plan, receive(group, plan, src, verdict))
-            )
+            received = receive(group, plan, src, verdict, control.staging)
+            self._pending = _on_thread(lambda: control.stage(plan, received))
 
     def _take(self) -> StagedUpdate | None:
         pending, self._pending = self._pending, None

@@ -1,5 +1,5 @@
-"""`StagingArena`: the host memory a streamed update's tensors are received into, kept from one
-update to the next.
+"""`StagingArena`: the host memory an update's tensors are received into (a stream's, and a
+CPU weights group's), kept from one update to the next.
 
 A buffer allocated per update pays a page fault for each of its pages on the first write (the
 kernel hands out zeroed pages one at a time); an RL trainer sends the same tensors every few
