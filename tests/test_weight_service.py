@@ -502,7 +502,12 @@ def test_a_group_receives_into_the_arena_it_is_given_the_same_memory_each_update
         t.start()
     for t in joining:
         t.join(60)
-    sender = threading.Thread(target=lambda: [members[0].send(sent, 0) for _ in range(3)])
+
+    def send_three_times() -> None:
+        for _ in range(3):
+            members[0].send(sent, 0)
+
+    sender = threading.Thread(target=send_three_times)
     sender.start()
     arena = StagingArena()
     rounds = [list(members[1].receive(shapes, 0, arena)) for _ in range(2)]

@@ -140,7 +140,7 @@ class WeightsGroup:
         from one update to the next: no page faults after the first), else in fresh memory;
         on a CUDA device in memory allocated here."""
         if arena is not None and self.tensor_device.type == "cpu":
-            sizes = [math.prod(shape) * _itemsize(dtype) for shape, dtype in shapes]
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
             arena.begin(sizes)
             buffers: Iterable[torch.Tensor] = (
                 arena.take(n).view(dtype).reshape(shape)
@@ -168,7 +168,7 @@ class WeightsGroup:
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.tensor_device.type == "cpu":
-            return host_bytes(math.prod(shape) * _itemsize(dtype)).view(dtype).reshape(shape)
+            return host_bytes(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
         return torch.empty(shape, dtype=dtype, device=self.tensor_device)
 
     def close(self) -> None:
@@ -177,7 +177,3 @@ class WeightsGroup:
         if shutdown is not None and self.spec.backend == "nccl":
             shutdown()
         self.pg = None
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
