@@ -208,7 +208,7 @@ def test_every_rank_leaves_with_its_group_and_its_threads_gone() -> None:
 def test_smollm2_tp3_matches_tp1(cache_dir: Path) -> None:
     """SmolLM2-135M: 9 heads and 3 KV heads split over 3 ranks; greedy tokens equal tp 1's
     on a chat prompt (the reference run also fills the dequantized cache the ranks read their
-    shards from). Eager only: the graph paths at tp 3 cost ~100 s more on the 2-core machine,
+    shards from). Eager only: the graph paths at tp 3 cost minutes more on a 2-core machine,
     so `benchmarks/tp.py --graph-mode both` checks them (tiny-random covers them here, and
     tp 2 in the gate: test_tiny_random_tp2_matches_tp1)."""
     config = ExecutorConfig(
