@@ -1,20 +1,18 @@
-"""The CUDA caching allocator's process-wide state, as Python code must respect it.
+"""CUDA memory pools that are never destroyed.
 
-Two things are process-wide in the allocator and bite code that looks local:
-- While any thread captures a CUDA graph or routes its allocations into a private pool
-  (`torch.cuda.use_mem_pool`), the allocator may not empty a cache: a `torch.cuda.MemPool`
-  destroyed then (its destructor empties the pool's cache) aborts the process
-  (`captures_underway.empty()` assert). A capture that did not end cleanly leaves the
-  allocator in that state for good.
-- A MemPool object is destroyed whenever its last reference goes, which for a pool held by an
-  executor means whenever the garbage collector frees that executor: inside another
-  executor's capture, for one.
+A `torch.cuda.MemPool` whose last reference goes is destroyed, and its destructor empties the
+pool's own cache; CUDA's caching allocator aborts the process (`captures_underway.empty()`
+assert) when that happens while it believes a graph capture or a routed allocation is under
+way on the device: during another thread's capture, or for good after a capture that failed
+part way. A destructor runs wherever the garbage collector frees its owner, and no lock of
+this project can see the allocator's belief, so no safe point to destroy a pool exists.
 
-So `routing()` wraps every capture and every routed allocation of this project and counts
-them; `mark_poisoned()` records a capture that did not end; and `PoolKeeper` holds every
-MemPool the project makes until a point where destroying it is safe (nothing routing,
-nothing poisoned), checked and done under one lock so no capture can start in between. Pools
-still held at exit are left to the process's end, never destroyed during finalization.
+So this project never destroys a pool. A pool no longer needed is retired: the allocator is
+told its one user is gone (`_cuda_releasePool`, the first half of what the destructor does),
+which lets the next `torch.cuda.empty_cache` return the pool's free segments to the driver
+(that emptying skips, rather than aborts, while a capture is under way), and the Python
+object is kept alive until the process ends, so its destructor never runs. `PoolKeeper` holds
+the pools in use, each for an owner, and retires one when its owner discards it or is gone.
 """
 
 from __future__ import annotations
@@ -23,92 +21,83 @@ import atexit
 import ctypes
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-_lock = threading.Lock()
-_routing = 0
-_poisoned: list[str] = []
+import torch
+
+# Tells the allocator a pool on a device (its index) has no user left.
+Release = Callable[[int, Any], None]
 
 
-@contextmanager
-def routing() -> Iterator[None]:
-    """Around a CUDA graph capture or allocations routed into a pool (any thread)."""
-    global _routing
-    with _lock:
-        _routing += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _routing -= 1
+def release_cuda_pool(device_index: int, pool: Any) -> None:
+    torch._C._cuda_releasePool(device_index, pool.id)
 
 
-def mark_poisoned(reason: str) -> None:
-    """A capture did not end cleanly: the allocator may think one is under way for good."""
-    with _lock:
-        if not _poisoned:
-            _poisoned.append(reason)
-
-
-def _safe() -> bool:  # under _lock
-    return _routing == 0 and not _poisoned
+def keep_until_exit(obj: object) -> None:
+    """One reference that is never dropped: `obj` lives until the process ends, and no
+    destructor of it runs, not even during the interpreter's finalization."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 @dataclass
 class _Kept:
     key: int
     pool: Any
-    owner: weakref.ref[Any] | None  # None: its owner discarded it
+    device_index: int
+    owner: weakref.ref[Any]
 
 
 class PoolKeeper:
-    """Holds memory pools until they can be destroyed safely (module docstring). Callers
-    hold a pool's key, never the pool: the keeper's reference is the last one."""
+    """Holds the memory pools in use and retires them (module docstring). Callers hold a
+    pool's key; the keeper's reference outlives every other."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: Release = release_cuda_pool) -> None:
+        self._release = release
+        self._lock = threading.Lock()
         self._kept: list[_Kept] = []
         self._next = 0
+        self.retired = 0
 
-    def keep(self, pool: Any, owner: object) -> int:
-        """Hold `pool` for `owner` (destroyable once `owner` is gone); its key."""
-        with _lock:
+    def keep(self, pool: Any, owner: object, device_index: int) -> int:
+        """Hold `pool` (on device `device_index`) for `owner`, until `owner` discards it or
+        is gone; its key."""
+        with self._lock:
             self._next += 1
-            self._kept.append(_Kept(self._next, pool, weakref.ref(owner)))
+            self._kept.append(_Kept(self._next, pool, device_index, weakref.ref(owner)))
             return self._next
 
-    def discard(self, key: int) -> bool:
-        """The pool of `key` is no longer needed: destroyed now if that is safe, else at a
-        later `reap`. True if it is gone."""
-        with _lock:  # rebuilt, not set in a loop whose variable would keep the pool alive
-            self._kept = [_Kept(k.key, k.pool, None) if k.key == key else k for k in self._kept]
-        self.reap()
-        with _lock:
-            return all(k.key != key for k in self._kept)
+    def discard(self, key: int) -> None:
+        """The pool of `key` is no longer needed: retired now."""
+        with self._lock:
+            gone = [k for k in self._kept if k.key == key]
+            self._kept = [k for k in self._kept if k.key != key]
+        self._retire(gone)
 
     def reap(self) -> int:
-        """Destroy every discarded pool and every pool whose owner is gone, if safe now;
-        how many were destroyed."""
-        with _lock:
-            if not _safe():
-                return 0
-            before = len(self._kept)
-            # The keeper's were the last references: the pools are destroyed here, under
-            # the lock, so no capture can start meanwhile.
-            self._kept = [k for k in self._kept if k.owner is not None and k.owner() is not None]
-            return before - len(self._kept)
+        """Retire the pools whose owner is gone; how many."""
+        with self._lock:
+            gone = [k for k in self._kept if k.owner() is None]
+            self._kept = [k for k in self._kept if k.owner() is not None]
+        self._retire(gone)
+        return len(gone)
+
+    def _retire(self, gone: list[_Kept]) -> None:
+        for k in gone:
+            self._release(k.device_index, k.pool)
+            keep_until_exit(k.pool)
+        self.retired += len(gone)
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def leave_to_exit(self) -> None:
-        """At exit: every pool still held stays alive until the process ends (the driver
-        takes the memory back), so no destructor runs during finalization."""
-        with _lock:
-            for pool in [k.pool for k in self._kept]:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))
+        """At exit: every pool still held lives until the process ends (the driver takes
+        the memory back), so no destructor runs during finalization."""
+        with self._lock:
+            for k in self._kept:
+                keep_until_exit(k.pool)
             self._kept = []
 
 

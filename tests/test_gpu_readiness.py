@@ -26,7 +26,12 @@ from executor.core.forward_batch import SamplingParams
 from executor.core.runner_output import GraphFallback
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
 from executor.graphs.factory import GraphFactory
-from executor.graphs.graph import CpuGraph, GraphCapturePoisoned
+from executor.graphs.graph import (
+    CpuGraph,
+    GraphCaptureError,
+    GraphCapturePoisoned,
+    begin_capture,
+)
 from executor.kv_cache import ReqToTokenPool
 from executor.model_executor import ModelExecutor
 from executor.models.blocks import DecoderLayer
@@ -215,6 +220,58 @@ def test_a_poisoned_capture_stops_every_later_capture_and_every_replay(
 
 
 # --- on a GPU -----------------------------------------------------------------------------
+class BeginFails:
+    """A stand-in `torch.cuda.CUDAGraph` whose `capture_begin` fails after CUDA's allocator
+    routed to the pool (as the pinned-memory allocator's check did on torch 2.11)."""
+
+    def __init__(self, end_fails: bool = False) -> None:
+        self.ended = 0
+        self.end_fails = end_fails
+
+    def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
+        raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+
+    def capture_end(self) -> None:
+        self.ended += 1
+        if self.end_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_capture_that_failed_to_start_is_undone_in_the_allocator(
+    monkeypatch: pytest.MonkeyPatch, registered: bool
+) -> None:
+    """The allocator's routing to the pool is ended (it would otherwise believe a capture is
+    under way for good), and only this bucket is lost: not a poisoning."""
+    ended: list[tuple[int, Any]] = []
+
+    def end_allocate_to_pool(index: int, pool: Any) -> None:
+        if not registered:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        ended.append((index, pool))
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end_allocate_to_pool, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    graph = BeginFails()
+    with pytest.raises(GraphCaptureError, match="did not start") as info:
+        begin_capture(graph, (0, 7), torch.device("cuda", 3))
+    assert not isinstance(info.value, GraphCapturePoisoned)
+    assert ended == ([(3, (0, 7))] if registered else []) and graph.ended == 0
+
+
+@pytest.mark.parametrize("end_fails", [False, True])
+def test_a_stream_capture_that_started_before_the_failure_is_ended(
+    monkeypatch: pytest.MonkeyPatch, end_fails: bool
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    graph = BeginFails(end_fails=end_fails)
+    expected = GraphCapturePoisoned if end_fails else GraphCaptureError
+    with pytest.raises(expected) as info:
+        begin_capture(graph, (0, 7), torch.device("cuda", 0))
+    assert graph.ended == 1
+    assert isinstance(info.value, GraphCapturePoisoned) == end_fails
+
+
 @pytest.mark.gpu
 def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing() -> None:
     """In a process of its own: a capture that did not end leaves CUDA's caching allocator
@@ -230,7 +287,6 @@ def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing() -> None
 def _poisoned_capture() -> None:
     from executor.graphs import factory as factory_module
     from executor.graphs.capture import capture_buckets
-    from ops import allocator
 
     device = torch.device("cuda", torch.cuda.current_device())
     with ds.device_scope(device):
@@ -255,7 +311,7 @@ def _poisoned_capture() -> None:
         again = capture_buckets("piecewise", [8], capture_one, factory, progress=False)
         assert again.captured == [] and tried == [4]  # nothing captured after a poisoning
         assert float((x + 1).sum().cpu()) == 8.0  # eager work still runs on the device
-    assert factory_module._cuda_poisoned and allocator._poisoned  # for the process's life
+    assert factory_module._cuda_poisoned  # for the process's life
 
 
 @pytest.mark.gpu

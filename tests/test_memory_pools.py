@@ -1,18 +1,17 @@
 """Each tag's memory moved into a pool of its own (`executor.weights.memory.move_storages`, what
-`TaggedMemory.own_pools` does on CUDA), and the pools kept until they can be destroyed
-(`ops.allocator`): the logic on the CPU, with stand-ins for CUDA's memory pools. The CUDA release itself is
+`TaggedMemory.own_pools` does on CUDA), and the pools retired, never destroyed
+(`ops.allocator`): the logic on the CPU, with stand-ins for CUDA's memory pools. The CUDA
+release itself is
 `test_memory_release.py::test_release_gives_memory_back_before_answering_and_resume_restores_it`."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import ClassVar
 
-import pytest
 import torch
 from torch import nn
 
@@ -81,9 +80,10 @@ def test_off_cuda_there_is_no_pool_and_allocations_go_where_they_did() -> None:
     assert t.sum() == 3
 
 
-# --- ops.allocator: pools destroyed only where no capture or routing can be under way --------
+# --- ops.allocator: pools retired, never destroyed -------------------------------------------
 class Pool:
-    """A stand-in MemPool: records when it is destroyed (the real one empties its cache)."""
+    """A stand-in MemPool: records when it is destroyed (the real one's destructor empties its
+    cache, which aborts the process while CUDA's allocator sees a capture under way)."""
 
     destroyed: ClassVar[list[str]] = []
 
@@ -98,50 +98,44 @@ class Owner:
     pass
 
 
-def test_a_pool_outlives_its_owner_until_a_safe_reap(monkeypatch: pytest.MonkeyPatch) -> None:
-    keeper, Pool.destroyed = allocator.PoolKeeper(), []
+def keeper_and_releases() -> tuple[allocator.PoolKeeper, list[tuple[int, str]]]:
+    released: list[tuple[int, str]] = []
+    Pool.destroyed = []
+    return allocator.PoolKeeper(lambda index, pool: released.append((index, pool.name))), released
+
+
+def test_a_discarded_pool_is_released_at_once_and_never_destroyed() -> None:
+    keeper, released = keeper_and_releases()
     owner = Owner()
-    keeper.keep(Pool("a"), owner)
+    a = keeper.keep(Pool("a"), owner, 0)
+    keeper.keep(Pool("b"), owner, 1)
+    keeper.discard(a)
+    gc.collect()
+    assert released == [(0, "a")] and len(keeper) == 1 and keeper.retired == 1
+    assert Pool.destroyed == []  # the allocator frees its segments; the object lives on
+
+
+def test_a_pool_whose_owner_is_gone_is_released_at_the_next_reap() -> None:
+    keeper, released = keeper_and_releases()
+    owner, other = Owner(), Owner()
+    keeper.keep(Pool("a"), owner, 0)
+    keeper.keep(Pool("b"), other, 0)
     del owner  # the collector frees an executor anywhere: inside a capture, say
     gc.collect()
-    assert Pool.destroyed == [] and len(keeper) == 1
-    with allocator.routing():  # a capture under way (any thread)
-        assert keeper.reap() == 0
-    assert Pool.destroyed == []
-    monkeypatch.setattr(allocator, "_poisoned", ["a capture did not end"])
-    assert keeper.reap() == 0 and Pool.destroyed == []  # never, after a poisoning
-    monkeypatch.setattr(allocator, "_poisoned", [])
-    assert keeper.reap() == 1 and Pool.destroyed == ["a"]
-
-
-def test_a_discarded_pool_goes_at_once_when_safe_and_later_otherwise() -> None:
-    keeper, Pool.destroyed = allocator.PoolKeeper(), []
-    owner = Owner()
-    a, b = keeper.keep(Pool("a"), owner), keeper.keep(Pool("b"), owner)
-    assert keeper.discard(a) and Pool.destroyed == ["a"]
-    started, finish = threading.Event(), threading.Event()
-
-    def capture() -> None:
-        with allocator.routing():
-            started.set()
-            finish.wait(5)
-
-    t = threading.Thread(target=capture)
-    t.start()
-    started.wait(5)
-    assert not keeper.discard(b) and Pool.destroyed == ["a"]  # a capture on another thread
-    finish.set()
-    t.join()
-    assert keeper.reap() == 1 and Pool.destroyed == ["a", "b"]
-    assert len(keeper) == 0 and owner is not None
+    assert released == [] and Pool.destroyed == []  # nothing runs in the collector
+    assert keeper.reap() == 1 and released == [(0, "a")] and len(keeper) == 1
+    assert keeper.reap() == 0 and released == [(0, "a")]
+    del keeper
+    gc.collect()
+    assert "a" not in Pool.destroyed  # a retired pool outlives even its keeper
 
 
 def test_pools_held_at_exit_are_never_destroyed() -> None:
-    keeper, Pool.destroyed = allocator.PoolKeeper(), []
+    keeper, released = keeper_and_releases()
     pool = Pool("kept")
     alive = weakref.ref(pool)
-    keeper.keep(pool, Owner())
+    keeper.keep(pool, Owner(), 0)
     del pool
     keeper.leave_to_exit()
     gc.collect()
-    assert len(keeper) == 0 and alive() is not None and Pool.destroyed == []
+    assert len(keeper) == 0 and alive() is not None and Pool.destroyed == [] and released == []

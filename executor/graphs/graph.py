@@ -19,6 +19,7 @@ checks, recording) between two steps. The graph backends and their factory:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
-from ops.allocator import mark_poisoned, routing
 from ops.device_scope import check_device
 
 WARMUP_RUNS = 2
@@ -159,8 +159,9 @@ class CudaGraph(Graph):
 
     Capture does by hand what `torch.cuda.graph` does, so that a failure cannot leave the
     side stream current or the allocator in its "capture underway" state: the stream is
-    restored by its `with` and `capture_end` always runs once `capture_begin` did. A capture
-    that did not end cleanly raises GraphCapturePoisoned (no further capture is safe in
+    restored by its `with`, `capture_end` always runs once `capture_begin` did, and a
+    `capture_begin` that failed part way is undone (`begin_capture`). A capture that did not
+    end cleanly raises GraphCapturePoisoned (no further capture is safe in
     this process); an out-of-memory error in a capture that ended cleanly raises
     GraphCaptureOOM (only this bucket is lost)."""
 
@@ -181,13 +182,12 @@ class CudaGraph(Graph):
         torch.cuda.synchronize(self._device)
         graph = torch.cuda.CUDAGraph()
         body_error: BaseException | None = None
-        # The stream: the previous one comes back on any exit. routing(): no memory pool is
-        # destroyed while the capture is under way (ops.allocator).
-        with torch.cuda.stream(self._stream), routing():
+        # The stream: the previous one comes back on any exit.
+        with torch.cuda.stream(self._stream):
             # thread_local: a background capture (set_graph_mode(background=True)) holds the
             # step lock, so no other thread launches work meanwhile; other threads' host-side
             # CUDA calls (an RPC thread, a metrics scrape) must not invalidate the capture.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            begin_capture(graph, self._pool, self._device)
             try:
                 fn()
             except BaseException as e:  # the capture must still end (below)
@@ -195,7 +195,6 @@ class CudaGraph(Graph):
             try:
                 graph.capture_end()
             except RuntimeError as e:
-                mark_poisoned(f"CUDA graph capture did not end: {e}")
                 raise GraphCapturePoisoned(f"CUDA graph capture did not end: {e}") from (
                     body_error or e
                 )
@@ -211,3 +210,28 @@ class CudaGraph(Graph):
         if self._graph is None:
             raise RuntimeError("replay before capture")
         self._graph.replay()
+
+
+def begin_capture(graph: Any, pool: Any, device: torch.device) -> None:
+    """`graph.capture_begin` into `pool`, undone where it fails part way. CUDA's allocator
+    routes the thread's allocations to the pool before the stream capture starts, and a
+    failure after that (the pinned-memory allocator's own check, say) would leave the
+    allocator believing a capture is under way for good: every later `empty_cache` would
+    keep its segments. Undone, the failure costs one bucket (GraphCaptureError); a stream
+    capture that started and cannot end poisons (GraphCapturePoisoned)."""
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    except RuntimeError as e:
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()
+            except RuntimeError as end_error:
+                raise GraphCapturePoisoned(
+                    f"CUDA graph capture failed to start and did not end: {end_error}"
+                ) from e
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            # RuntimeError: the allocator had not routed to the pool yet, nothing to undo.
+            with contextlib.suppress(RuntimeError):
+                torch._C._cuda_endAllocateToPool(index, pool)
+        raise GraphCaptureError(f"CUDA graph capture did not start: {e}") from e

@@ -19,10 +19,10 @@ On CUDA each tag's memory lives in a memory pool of its own (`torch.cuda.MemPool
 allocator returns a segment to the driver only when every block in it is free, and a weight
 that shared a segment with anything else (activations, another executor's blocks) would keep
 that segment mapped. `own_pools` moves each tag into its pool once, before any graph captures
-the addresses; a release frees the pool's every block and drops the pool, a resume allocates
-into a new one. The pools themselves are held by `ops.allocator.POOLS`, which destroys one only
-where no graph capture can be under way (a release; a later executor's start-up for the pools
-of one the collector freed).
+the addresses; a release frees the pool's every block and retires the pool, a resume allocates
+into a new one. The pools are held by `ops.allocator.POOLS`, which never destroys one (a
+pool's destructor can abort the process): a retired pool's segments go back at the next
+`empty_cache`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from torch import nn
 from executor.core.errors import ModelStateError
 from executor.kv_cache import KVPool
 from executor.models.layers import PackedLinear
-from ops.allocator import POOLS, routing
+from ops.allocator import POOLS
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
@@ -107,6 +107,10 @@ def new_pool(device: torch.device) -> Any:
     return torch.cuda.MemPool() if device.type == "cuda" else None
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def allocating_in(pool: Any) -> Allocating:
     """What routes this thread's allocations into `pool` (None: the default allocator)."""
     if pool is None:
@@ -114,7 +118,7 @@ def allocating_in(pool: Any) -> Allocating:
 
     @contextlib.contextmanager
     def routed() -> Iterator[None]:
-        with routing(), torch.cuda.use_mem_pool(pool):  # counted: see ops.allocator
+        with torch.cuda.use_mem_pool(pool):
             yield
 
     return routed
@@ -180,7 +184,7 @@ class TaggedMemory:
         memory cannot be released stays where it is (its release will say why)."""
         if self.device.type != "cuda":
             return
-        POOLS.reap()  # the pools of executors gone since
+        POOLS.reap()  # the pools of executors gone since: their segments go back below
         for tag in TAGS:
             try:
                 held = self._collect(tag)
@@ -189,8 +193,8 @@ class TaggedMemory:
                 continue
             pool = new_pool(self.device)
             move_storages(held.storages, allocating_in(pool), keep=tag == WEIGHTS)
-            self._pools[tag] = POOLS.keep(pool, self)
-            del pool  # the keeper's reference is the last: it alone destroys the pool
+            self._pools[tag] = POOLS.keep(pool, self, _index(self.device))
+            del pool
             give_back(self.device)  # the storages' old segments
 
     @property
@@ -244,12 +248,8 @@ class TaggedMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         key = self._pools.pop(tag, None)
-        if key is not None and not POOLS.discard(key):  # else its segments went back
-            log.warning(
-                "released memory stays mapped until no CUDA graph capture is under way (a "
-                "capture that did not end keeps it for the process's life)",
-                tag=tag,
-            )
+        if key is not None:
+            POOLS.discard(key)  # retired: its segments, every block free, go back below
         give_back(self.device)
         return held.nbytes
 
@@ -261,8 +261,8 @@ class TaggedMemory:
         pool = new_pool(self.device)
         move_storages(held.storages, allocating_in(pool), keep=False)
         if pool is not None:
-            self._pools[tag] = POOLS.keep(pool, self)
-        del pool  # the keeper's reference is the last: it alone destroys the pool
+            self._pools[tag] = POOLS.keep(pool, self, _index(self.device))
+        del pool
         with torch.no_grad():
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)
