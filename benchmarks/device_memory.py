@@ -125,6 +125,13 @@ def _variant(
     if after != before:
         ok = False
         notes.append(f"{graph_mode}: greedy tokens after the resume differ: {after} vs {before}")
+    if graph_mode != "none":  # captured again after each resume, every bucket
+        runner = ex.runner.decode_graphs
+        report = getattr(runner, "report", None)
+        if report is None or report.failed or not report.captured:
+            ok = False
+            why = report.failed if report is not None else "no DECODE runner"
+            notes.append(f"{graph_mode}: the capture after the last resume failed: {why}")
     return rows, notes, ok
 
 

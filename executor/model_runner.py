@@ -149,6 +149,12 @@ class ModelRunner:
         self.install(captured)
         return captured.reports
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (the memory they captured is going away); the next
+        capture starts a new graph pool (`GraphFactory.new_round`)."""
+        self.decode_graphs = self.piecewise = None
+        self.graph_factory.new_round()
+
     def needs_capture(self, mode: GraphMode) -> bool:
         """Whether switching to `mode` captures a runner that does not exist yet."""
         return bool(self._missing(mode))

@@ -272,6 +272,33 @@ def test_a_stream_capture_that_started_before_the_failure_is_ended(
     assert isinstance(info.value, GraphCapturePoisoned) == end_fails
 
 
+def test_graphs_captured_after_all_were_dropped_go_into_a_new_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A release drops every graph; the resume's captures must not reuse the dropped graphs'
+    pool id (CUDA's pinned-memory allocator keeps the id's entry with no user, and a capture
+    into it fails in `capture_begin`: the H200 run of 2026-11-28)."""
+    handles = iter(range(1, 10))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    factory = GraphFactory(torch.device("cuda", 0), "cuda")
+    first, second = factory.new(), factory.new()
+    assert first._pool == second._pool == (0, 1)  # one round's graphs share a pool
+    factory.new_round()
+    assert factory.new()._pool == (0, 2)
+
+
+def test_a_runner_that_drops_its_graphs_starts_a_new_pool_round(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ex = make_executor(graph_mode="decode", graph_batch_sizes="1,2")
+    rounds: list[int] = []
+    monkeypatch.setattr(ex.runner.graph_factory, "new_round", lambda: rounds.append(1))
+    assert ex.runner.decode_graphs is not None
+    ex.runner.drop_graphs()
+    assert ex.runner.decode_graphs is None and ex.runner.piecewise is None and rounds == [1]
+
+
 @pytest.mark.gpu
 def test_cuda_poisoned_capture_restores_the_stream_and_stops_capturing() -> None:
     """In a process of its own: a capture that did not end leaves CUDA's caching allocator

@@ -83,6 +83,13 @@ class GraphFactory:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(device=device)
 
+    def new_round(self) -> None:
+        """Every graph captured so far is dropped: later captures go into a new pool. A pool
+        id outlives its graphs in CUDA's pinned-memory allocator (an entry with no user left),
+        and a capture into an id whose graphs are all gone fails in `capture_begin`."""
+        if self.backend == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+
     def new(self, *, whole_step: bool = False) -> Graph:
         """A graph for one bucket. `whole_step`: the callable is a whole model step (the
         DECODE runner's `StepCall`), which `compiled_step` compiles as one graph."""

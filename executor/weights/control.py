@@ -313,7 +313,7 @@ class WeightsControl:
     @on_own_device
     def release_local(self, tags: tuple[str, ...]) -> int:
         if self.device.type == "cuda":  # graphs captured these addresses (and hold a pool)
-            self.runner.decode_graphs = self.runner.piecewise = None
+            self.runner.drop_graphs()
         return sum(self.memory.release(tag) for tag in tags)
 
     @on_own_device
