@@ -142,7 +142,7 @@ def _pytest(args: list[str], xml: Path, timeout_s: float) -> tuple[dict[str, int
         "pytest",
         "-p",
         "no:cacheprovider",
-        "-q",
+        "-v",  # each test named as it ends: a run that aborts still says which ran
         "-rfEs",
         "-o",
         "timeout=120",

@@ -37,7 +37,8 @@ mkdir -p "$OUT"
 SCRATCH=$(mktemp -d -t device-check-scratch.XXXXXX)
 trap 'rm -rf "$SCRATCH"' EXIT
 exec > >(tee -a "$OUT/check.log") 2>&1
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# PYTHONFAULTHANDLER: a stage that aborts (a C++ assert) prints its Python stack.
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONFAULTHANDLER=1
 # Fresh compiler caches for this run, shared by its stages (each compiles once).
 export TRITON_CACHE_DIR=$SCRATCH/triton TORCHINDUCTOR_CACHE_DIR=$SCRATCH/inductor
 CACHE=$SCRATCH/executor-cache
