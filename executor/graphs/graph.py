@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from executor.graphs.capture_rules import HostReadError, HostReadGuard
-from ops.device_scope import check_device
+from ops.device_scope import check_device, resolve_index
 
 WARMUP_RUNS = 2
 
@@ -230,8 +230,7 @@ def begin_capture(graph: Any, pool: Any, device: torch.device) -> None:
                     f"CUDA graph capture failed to start and did not end: {end_error}"
                 ) from e
         else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
             # RuntimeError: the allocator had not routed to the pool yet, nothing to undo.
             with contextlib.suppress(RuntimeError):
-                torch._C._cuda_endAllocateToPool(index, pool)
+                torch._C._cuda_endAllocateToPool(resolve_index(device).index, pool)
         raise GraphCaptureError(f"CUDA graph capture did not start: {e}") from e

@@ -44,6 +44,7 @@ from executor.core.errors import ModelStateError
 from executor.kv_cache import KVPool
 from executor.models.layers import PackedLinear
 from ops.allocator import POOLS
+from ops.device_scope import resolve_index
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
@@ -105,10 +106,6 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 def new_pool(device: torch.device) -> Any:
     """A memory pool of its own on CUDA (`torch.cuda.MemPool`); None elsewhere."""
     return torch.cuda.MemPool() if device.type == "cuda" else None
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def allocating_in(pool: Any) -> Allocating:
@@ -193,9 +190,14 @@ class TaggedMemory:
                 continue
             pool = new_pool(self.device)
             move_storages(held.storages, allocating_in(pool), keep=tag == WEIGHTS)
-            self._pools[tag] = POOLS.keep(pool, self, _index(self.device))
+            self._pools[tag] = POOLS.keep(pool, self, self._index)
             del pool
             give_back(self.device)  # the storages' old segments
+
+    @property
+    def _index(self) -> int:
+        """The CUDA device's index (its pools are the allocator's of that device)."""
+        return resolve_index(self.device).index or 0
 
     @property
     def any_released(self) -> bool:
@@ -261,7 +263,7 @@ class TaggedMemory:
         pool = new_pool(self.device)
         move_storages(held.storages, allocating_in(pool), keep=False)
         if pool is not None:
-            self._pools[tag] = POOLS.keep(pool, self, _index(self.device))
+            self._pools[tag] = POOLS.keep(pool, self, self._index)
         del pool
         with torch.no_grad():
             for m in held.packed:
