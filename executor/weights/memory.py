@@ -191,7 +191,6 @@ class TaggedMemory:
             pool = new_pool(self.device)
             move_storages(held.storages, allocating_in(pool), keep=tag == WEIGHTS)
             self._pools[tag] = POOLS.keep(pool, self, self._index)
-            del pool
             give_back(self.device)  # the storages' old segments
 
     @property
@@ -264,7 +263,6 @@ class TaggedMemory:
         move_storages(held.storages, allocating_in(pool), keep=False)
         if pool is not None:
             self._pools[tag] = POOLS.keep(pool, self, self._index)
-        del pool
         with torch.no_grad():
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)
