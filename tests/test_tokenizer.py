@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,11 @@ def test_cached_tokenizer_is_identical(tmp_path: Path) -> None:
     second = load_tokenizer(source, 49152, 1, (2,), tmp_path)
     assert second.encode(TEXTS[4]) == first.encode(TEXTS[4])
     assert second.chat_template == first.chat_template
+    data = json.loads(first.to_json())
+    assert isinstance(data["tokenizer"], str)  # read by `tokenizers` as it is
+    data["tokenizer"] = json.loads(data["tokenizer"])  # a cache written as a nested object
+    older = Tokenizer.from_json(json.dumps(data))
+    assert older.encode(TEXTS[4]) == first.encode(TEXTS[4])
 
 
 def test_byte_tokenizer_round_trips_any_text() -> None:

@@ -72,14 +72,16 @@ class Tokenizer:
             "chat_template": self.chat_template,
             "special_ids": sorted(self.special_ids),
         }
-        return json.dumps({"tokenizer": json.loads(self.tokenizer.to_str()), "meta": meta})
+        # The tokenizer's own JSON as one string: read back by `tokenizers` alone, not
+        # parsed and dumped again in Python (a GGUF vocabulary's is megabytes).
+        return json.dumps({"tokenizer": self.tokenizer.to_str(), "meta": meta})
 
     @classmethod
     def from_json(cls, text: str) -> Tokenizer:
         data = json.loads(text)
-        meta = data["meta"]
+        meta, own = data["meta"], data["tokenizer"]
         return cls(
-            tokenizer=HFTokenizer.from_str(json.dumps(data["tokenizer"])),
+            tokenizer=HFTokenizer.from_str(own if isinstance(own, str) else json.dumps(own)),
             bos_token_id=meta["bos_token_id"],
             eos_token_ids=tuple(meta["eos_token_ids"]),
             add_bos=meta["add_bos"],
