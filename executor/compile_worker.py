@@ -17,6 +17,7 @@ from pathlib import Path
 import structlog
 
 from executor.graphs.compile_job import WORKER_NICE, CompileJob
+from executor.parallel.parent_watch import die_with_parent
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m executor.graphs.compile_worker JOB.json RESULT.json")
         return 2
+    die_with_parent()  # a server that died (even killed) leaves no compile behind
     priority = lower_priority()
     job = CompileJob.from_json(Path(args[0]).read_text())
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor.config import ExecutorConfig
+from executor.service import heap
 from executor.service.server import RunningServer, start_server
 from executor.service.server_config import ServerConfig
 from executor.service.tls import is_loopback
@@ -63,8 +64,14 @@ def tiny_config(cache_dir: Path, **overrides: object) -> ExecutorConfig:
 
 @contextmanager
 def running_server(
-    config: ExecutorConfig, *, span_exporter: SpanExporter | None = None, **server_overrides: object
+    config: ExecutorConfig,
+    *,
+    span_exporter: SpanExporter | None = None,
+    freeze_heap: bool = False,
+    **server_overrides: object,
 ) -> Iterator[RunningServer]:
+    """A server on loopback, drained at the end. `freeze_heap` as `serve` does it (this
+    process's heap is thawed again at the end)."""
     values: dict[str, object] = {
         "host": "127.0.0.1",
         "port": 0,
@@ -81,12 +88,15 @@ def running_server(
         ServerConfig(**values),  # type: ignore[arg-type]
         block_until_ready=True,
         span_exporter=span_exporter,
+        freeze_heap=freeze_heap,
     )
     try:
         yield running
     finally:
         if not running.servicer.draining.is_set():
             running.drain()
+        if freeze_heap:
+            heap.thaw()
 
 
 class Scrape:

@@ -141,17 +141,26 @@ def test_a_cpu_server_with_auto_graphs_captures_decode_graphs_in_the_background(
 def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    """`serve` with graph_mode=auto: ready before the compile ends, GetRuntimeConfig says
-    "capturing" until the bs-1 graph is in use, then DECODE runs on it. A weight update then
-    lands in that compiled graph, also after the weights' memory moved (a release, and a
-    resume awaiting the update)."""
+    """`serve` with graph_mode=auto: ready before the compile ends (its heap frozen),
+    GetRuntimeConfig says "capturing" until the bs-1 graph is in use (what its load added to
+    the heap frozen too), then DECODE runs on it. A weight update then lands in that compiled
+    graph, also after the weights' memory moved (a release, and a resume awaiting the
+    update)."""
+    import gc
+
     from executor.client.grpc_client import ExecutorClient
+    from executor.service import heap
     from tests.server_util import running_server, tiny_config
 
     config = tiny_config(
         cache_dir, graph_mode="auto", graph_backend="compiled_step", max_context_len=64
     )
-    with running_server(config) as running, ExecutorClient(f"127.0.0.1:{running.port}") as c:
+    with (
+        running_server(config, freeze_heap=True) as running,
+        ExecutorClient(f"127.0.0.1:{running.port}") as c,
+    ):
+        assert heap.frozen()
+        frozen_at_start = gc.get_freeze_count()
         assert c.get_runtime_config().graph_capture == "capturing graph_mode=decode"
         [mode] = [x for x in c.info().info.choices if x.setting == "graph_mode"]
         assert "background" in mode.reason
@@ -167,6 +176,7 @@ def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
             assert time.monotonic() < deadline, "the background capture did not end"
             time.sleep(0.2)
         assert c.get_runtime_config().graph_mode == "decode"
+        assert gc.get_freeze_count() > frozen_at_start  # the loaded step's objects
         assert running.executor is not None
         assert running.executor.control.start_background() is None  # in use: nothing to do
         # Compiled by the compile worker (its own process), loaded here from the cache dir.

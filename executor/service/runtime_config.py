@@ -18,6 +18,7 @@ from executor.config import NEEDS_CPU_SEQ_LENS_VALUES, RUNTIME_GRAPH_MODES
 from executor.core.errors import RuntimeConfigError
 from executor.model_executor import ModelExecutor
 from executor.observability.logs import LEVELS, current_level, set_log_level
+from executor.service import heap
 
 log = structlog.get_logger(__name__)
 
@@ -131,7 +132,9 @@ class RuntimeControl:
         self._on_change(self._current)
 
     def _capture_ended(self) -> None:
-        """A background graph capture ended (on its thread): publish the new state."""
+        """A background graph capture ended (on its thread): publish the new state; in a
+        process that froze its heap, freeze what the capture loaded (`heap.refreeze`)."""
+        heap.refreeze()
         self._current = self._read()
         log.warning(
             "runtime config updated",

@@ -35,6 +35,7 @@ from executor.observability.log_limit import RateLimitedLog
 from executor.observability.metrics import ExecutorMetrics, LiveSources
 from executor.observability.telemetry import Telemetry
 from executor.observability.tracing import Tracing
+from executor.service import heap, tp_launch
 from executor.service.access import AccessInterceptor
 from executor.service.admission import ByteBudget, CallLimit, forward_call_limit
 from executor.service.applied_batches import AppliedBatches
@@ -50,7 +51,6 @@ from executor.service.server_config import ServerConfig
 from executor.service.servicer import ExecutorServicer
 from executor.service.tenancy import RowTenants
 from executor.service.tls import CertificateFiles, is_loopback
-from executor.service.tp_launch import TpGroup, run_worker_rank, start_group, torchrun_endpoint
 from executor.service.watchdog import DeviceWatchdog, RunningStep
 from executor.service.weights_service import weights_service
 from executor.service.wire_limits import MESSAGE_SLACK, batch_budget_bytes, message_limits
@@ -83,7 +83,7 @@ class RunningServer:
     stop_loading: threading.Event = field(default_factory=threading.Event)
     loader: threading.Thread | None = None
     # Tensor parallel: the group rank 0 leads, and why it failed (a rank died or hangs).
-    tp_group: TpGroup | None = None
+    tp_group: tp_launch.TpGroup | None = None
     tp_failure: list[str] = field(default_factory=list)
     tp_failed: threading.Event = field(default_factory=threading.Event)
     executor: ModelExecutor | None = None
@@ -197,10 +197,12 @@ def start_server(
     *,
     block_until_ready: bool = False,
     span_exporter: SpanExporter | None = None,
+    freeze_heap: bool = False,
 ) -> RunningServer:
     """Open the ports now, load the model in the background; returns at once (or when ready).
 
-    `span_exporter` receives this server's spans too (tests pass an in-memory one).
+    `span_exporter` receives this server's spans too (tests pass an in-memory one); with
+    `freeze_heap` (`serve`'s own server) the heap is frozen before it serves (`service.heap`).
     """
     credentials = credentials_from(server_config)  # token files read: a bad one fails here
     access = credentials.rules
@@ -337,7 +339,7 @@ def start_server(
             t0 = time.perf_counter()
             comm = None
             if config.tp_size > 1:
-                running.tp_group = start_group(
+                running.tp_group = tp_launch.start_group(
                     config,
                     dict(os.environ),
                     log_level=server_config.log_level,
@@ -352,6 +354,8 @@ def start_server(
             executor.warmup()
             if running.stop_loading.is_set():
                 raise StartupCancelled("shutdown requested after warm-up")
+            if freeze_heap:
+                heap.freeze()
             worker = DeviceWorker(
                 executor,
                 server_config.queue_size,
@@ -417,18 +421,14 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
 
     Under torchrun, ranks other than 0 run the tensor-parallel worker loop instead (no
     ports). When the group fails (a rank died or hangs), exit 1 at once: the pod restarts."""
-    endpoint = torchrun_endpoint(config, dict(os.environ))
+    endpoint = tp_launch.torchrun_endpoint(config, dict(os.environ))
     if endpoint is not None and endpoint.rank != 0:
-        # torchrun forwards SIGTERM to every rank: a worker keeps serving rank 0's draining
-        # steps and stops on its command (or when rank 0 is gone).
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        return run_worker_rank(config, endpoint, server_config.log_level, server_config.log_format)
+        return tp_launch.run_torchrun_worker(config, endpoint, server_config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     log.info("starting", executor_config=config.__dict__, server_config=server_config.__dict__)
-    running = start_server(config, server_config)
+    running = start_server(config, server_config, freeze_heap=True)
     while not stop.wait(0.5):
         if running.ready.is_set() and running.load_error:
             running.server.stop(grace=None)

@@ -19,7 +19,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -33,26 +32,13 @@ from executor.models.loader import prepare_shared_weights
 from executor.parallel.comm import TpComm, TpGroupError
 from executor.parallel.group import TpEndpoint, close_comm, endpoint_from_env, init_comm
 from executor.parallel.nccl_env import set_nccl_error_handling
+from executor.parallel.parent_watch import die_with_parent
+from executor.service import heap
+from executor.service.server_config import ServerConfig
 
 log = structlog.get_logger(__name__)
 
 STOP_WAIT_S = 10.0  # how long `stop` waits for the workers to exit before killing them
-PARENT_POLL_S = 0.5  # how often a worker checks its parent is still there
-
-
-def _die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
-    """Exit (code 1) as soon as the parent is gone: a thread watches the parent pid.
-
-    Not PR_SET_PDEATHSIG: it fires when the parent *thread* that forked exits (here the
-    server's model-loader thread), not the parent process."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def worker_main(
@@ -60,7 +46,7 @@ def worker_main(
 ) -> None:
     """A spawned worker (`rank` >= 1): join, load this rank's shard, follow rank 0; exit 1
     when the group fails."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: rank 0 stops the group
     sys.exit(run_worker_rank(config, _with_rank(endpoint, rank), log_level, log_format))
 
@@ -86,6 +72,17 @@ def pin_to_loopback(environ: MutableMapping[str, str]) -> dict[str, str]:
     return pinned
 
 
+def run_torchrun_worker(
+    config: ExecutorConfig, endpoint: TpEndpoint, server_config: ServerConfig
+) -> int:
+    """A rank >= 1 that torchrun launched: the process exit code. torchrun forwards SIGTERM to
+    every rank: a worker keeps serving rank 0's draining steps and stops on its command (or
+    when rank 0 is gone)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return run_worker_rank(config, endpoint, server_config.log_level, server_config.log_format)
+
+
 def run_worker_rank(
     config: ExecutorConfig, endpoint: TpEndpoint, log_level: str, log_format: str
 ) -> int:
@@ -101,6 +98,7 @@ def run_worker_rank(
         set_nccl_error_handling(os.environ, device)
         comm = init_comm(endpoint, device)
         executor = ModelExecutor(config, comm=comm, local_rank=endpoint.local_rank)
+        heap.freeze()  # this process's own: a worker's collections would stall rank 0's steps
         run_worker(executor)
         return 0
     except TpGroupError as e:

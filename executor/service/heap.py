@@ -1,0 +1,50 @@
+"""A serving process's long-lived heap kept out of Python's cyclic garbage collector.
+
+A full collection walks every object the collector tracks while holding the interpreter lock,
+so a step that meets one waits for the whole heap: after start-up that is torch's and the
+model's objects, and after a compiled step is loaded, inductor's code too. `freeze` (called
+once the model is loaded and warmed, before the process serves) collects once, then moves
+every object alive into the permanent generation (`gc.freeze`), which collections skip: from
+then on a collection walks only what the process allocated since. `refreeze` does the same
+for what a later install added (a background graph capture's compiled step), without the full
+collection (a garbage cycle already in the oldest generation stays). A frozen object is still
+freed when its last reference goes; only a cycle among frozen objects is never collected.
+
+The state is the process's (the collector's is): only a process's own entry point freezes
+(`serve`, a tensor-parallel worker), never a library caller such as an in-process test server.
+"""
+
+from __future__ import annotations
+
+import gc
+
+_frozen = False
+
+
+def freeze() -> int:
+    """Collect, then freeze everything alive now; the objects frozen in all."""
+    global _frozen
+    gc.collect()
+    gc.freeze()
+    _frozen = True
+    return gc.get_freeze_count()
+
+
+def refreeze() -> int:
+    """In a process that froze its heap: collect the young generations, then freeze what was
+    added since; elsewhere nothing. The objects frozen in all."""
+    if _frozen:
+        gc.collect(1)
+        gc.freeze()
+    return gc.get_freeze_count()
+
+
+def frozen() -> bool:
+    return _frozen
+
+
+def thaw() -> None:
+    """Back to an ordinary heap (every frozen object collectable again)."""
+    global _frozen
+    gc.unfreeze()
+    _frozen = False

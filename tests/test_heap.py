@@ -1,0 +1,59 @@
+"""The serving process's heap frozen out of the cyclic collector (`executor.service.heap`)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from executor.service import heap
+
+
+class Node:
+    link: object = None
+
+
+def cycle() -> weakref.ref[Node]:
+    """A reference cycle nothing else holds: only the cyclic collector frees it."""
+    node = Node()
+    node.link = node
+    return weakref.ref(node)
+
+
+@pytest.fixture
+def thawed() -> Iterator[None]:
+    assert not heap.frozen()
+    try:
+        yield
+    finally:
+        heap.thaw()
+
+
+def test_a_frozen_heap_is_skipped_by_collections_and_what_comes_after_is_not(
+    thawed: None,
+) -> None:
+    garbage = cycle()  # garbage before the freeze: the freeze's own collection frees it
+    kept = Node()
+    kept.link = kept
+    alive = weakref.ref(kept)
+    heap.freeze()
+    assert heap.frozen() and garbage() is None
+    del kept  # a frozen cycle turned garbage: no collection walks it now
+    later = cycle()
+    gc.collect()
+    assert alive() is not None
+    assert later() is None  # made after the freeze: collected as ever
+    heap.thaw()
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_refreeze_freezes_what_was_added_only_in_a_frozen_process(thawed: None) -> None:
+    before = gc.get_freeze_count()
+    assert heap.refreeze() == before  # nothing frozen: nothing to do
+    heap.freeze()
+    frozen = gc.get_freeze_count()
+    added = [Node() for _ in range(1000)]
+    assert heap.refreeze() >= frozen + len(added)
