@@ -8,6 +8,7 @@ whose entries are all 0, and padded tokens write their K/V into slot 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,6 +21,7 @@ from executor.batch_prep import extend_positions
 from executor.core.forward_batch import ForwardBatch, ForwardMode
 from ops import host_kernels
 from ops.h2d_staging import StagedField
+from ops.host_pages import HostPages
 from ops.host_transfer import to_device
 
 
@@ -322,6 +324,8 @@ class KVPool:
     """K and V for every layer: [num_layers, num_slots + 1, num_kv_heads, head_dim] each.
 
     One tensor per kind (not one per layer) so that a snapshot or a memory report is one op.
+    On a CPU both are views of one mapping of their own (`pages`, `ops.host_pages`): zero
+    without a write, its pages committed on a thread while the server starts serving.
     """
 
     def __init__(
@@ -344,9 +348,15 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
-        alloc = torch.zeros if zeroed else torch.empty
-        self.k = alloc(shape, dtype=dtype, device=device)
-        self.v = alloc(shape, dtype=dtype, device=device)
+        self.pages: HostPages | None = None
+        if zeroed and device.type == "cpu":
+            self.pages = HostPages(2 * math.prod(shape) * dtype.itemsize)
+            self.k, self.v = self.pages.view(dtype, (2, *shape)).unbind()
+            self.pages.commit(background=True)
+        else:
+            alloc = torch.zeros if zeroed else torch.empty
+            self.k = alloc(shape, dtype=dtype, device=device)
+            self.v = alloc(shape, dtype=dtype, device=device)
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k[layer_id]  # [num_slots + 1, Hk, D]

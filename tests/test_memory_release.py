@@ -44,6 +44,7 @@ def test_release_gives_memory_back_before_answering_and_resume_restores_it(
         make_extend_batch(input_ids=[[5, 6, 7]], req_pool_indices=[2], out_cache_loc=[[9, 10, 11]])
     )
     rows, weights = ex.req_to_token_pool.rows_in_use(), digest(ex.model)
+    kv_address = ex.kv_pool.k.data_ptr()
     tagged = {tag: ex.weights.memory.nbytes(tag) for tag in TAGS}
     assert tagged[WEIGHTS] > 80e6 and tagged[KV_CACHE] > 64e6
     for tag in TAGS:
@@ -72,6 +73,9 @@ def test_release_gives_memory_back_before_answering_and_resume_restores_it(
     assert free - device_free_bytes(ex.device) >= 0.9 * sum(tagged.values())
     assert report.released == () and report.kv_epoch == 1
     assert ex.req_to_token_pool.rows_in_use() == 0  # every row released
+    assert not ex.kv_pool.k.any() and not ex.kv_pool.v.any()
+    if device == "cpu":  # the KV mapping given back and taken again in place
+        assert ex.kv_pool.k.data_ptr() == kv_address
     assert digest(ex.model) == weights  # reloaded from the model file
     if device == "cuda":
         decode = ex.runner.decode_graphs

@@ -7,7 +7,8 @@ the modules that hold the tensors and the code that reads them (eager steps, the
 backends, which read the parameters at each replay) are untouched; the memory's address may
 change, so CUDA graphs, which captured addresses, are captured again after a resume (the
 caller's: `executor.weights.control`). oneDNN-packed weights, which have no storage, are
-dropped from their table and packed again (`PackedWeight.release` / `restore`).
+dropped from their table and packed again (`PackedWeight.release` / `restore`). The CPU's KV
+cache, a mapping of its own (`ops.host_pages`), is given back and taken again in place.
 
 "Back to the system" is checked, not assumed: on CUDA the caching allocator's free blocks
 are returned (`empty_cache`) so `mem_get_info` counts them free; on the CPU glibc is asked to
@@ -45,6 +46,7 @@ from executor.kv_cache import KVPool
 from executor.models.layers import PackedLinear
 from ops.allocator import POOLS
 from ops.device_scope import resolve_index
+from ops.host_pages import HostPages
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
@@ -158,10 +160,12 @@ class _Held:
 
     storages: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     packed: list[PackedLinear] = field(default_factory=list)
+    pages: HostPages | None = None  # the CPU's KV cache: a mapping given back in place
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n in self.storages) + sum(m.packed.nbytes for m in self.packed)
+        mapped = self.pages.nbytes if self.pages is not None else 0
+        return sum(n for _, n in self.storages) + sum(m.packed.nbytes for m in self.packed) + mapped
 
 
 class TaggedMemory:
@@ -218,6 +222,8 @@ class TaggedMemory:
         return self._collect(tag).nbytes
 
     def _collect(self, tag: str) -> _Held:
+        if tag == KV_CACHE and self.kv_pool.pages is not None:
+            return _Held(pages=self.kv_pool.pages)
         held = _Held()
         seen: set[int] = set()
         for name, t in self._tensors(tag):
@@ -245,6 +251,8 @@ class TaggedMemory:
             t.untyped_storage().resize_(0)
         for m in held.packed:
             m.packed.release()
+        if held.pages is not None:
+            held.pages.release()
         self._held[tag] = held
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -263,6 +271,8 @@ class TaggedMemory:
         move_storages(held.storages, allocating_in(pool), keep=False)
         if pool is not None:
             self._pools[tag] = POOLS.keep(pool, self, self._index)
+        if held.pages is not None:
+            held.pages.commit()  # the same addresses, zero since the release
         with torch.no_grad():
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)

@@ -1,0 +1,80 @@
+"""Host memory in a mapping of its own: zero until written, committed off the caller's path,
+given back to the system and taken again in place.
+
+`torch.zeros` of a large CPU tensor faults every page in and then writes it once more, on the
+calling thread. A private anonymous mapping reads as zero until written, so nothing needs
+writing: `commit` asks the kernel to back every page now (`MADV_POPULATE_WRITE`, Linux 5.14),
+which changes no content and so may run on a thread of its own (ctypes lets go of the
+interpreter lock) while other threads write into the memory. `release` drops the pages
+(`MADV_DONTNEED`): the resident set shrinks before it returns, the addresses stay (views and
+the code that holds them stay valid), and the memory reads as zero again; `commit` takes it
+back. Where the kernel has no populate advice, pages are backed as they are first written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+
+import torch
+
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>; not in Python's mmap module before 3.13
+MADV_DONTNEED = 4
+COMMIT_CHUNK = 16 << 20  # bytes populated under one hold of the memory-map lock
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) without the interpreter lock; 0 or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(address, length, advice) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+class HostPages:
+    """`nbytes` of anonymous host memory as one uint8 tensor (`bytes`); views of it through
+    `view`. `commit(background=True)` backs it on a thread; `release` waits for that first."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        # The tensor holds the mapping (torch.frombuffer keeps its buffer alive).
+        mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.bytes = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        self.committed = False  # every page backed by the kernel (not only as written)
+        self._thread: threading.Thread | None = None
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.bytes.view(dtype).view(shape)
+
+    def commit(self, *, background: bool = False) -> None:
+        """Back every page now (its content unchanged), here or on a thread of its own."""
+        self.wait()
+        if background:
+            self._thread = threading.Thread(target=self._populate, name="host-pages", daemon=True)
+            self._thread.start()
+        else:
+            self._populate()
+
+    def _populate(self) -> None:
+        # In chunks: the kernel holds the process's memory-map lock while it populates, and
+        # any allocation of another thread that maps memory waits for the chunk under way.
+        start, end = self.bytes.data_ptr(), self.bytes.data_ptr() + self.nbytes
+        for at in range(start, end, COMMIT_CHUNK):
+            if _madvise(at, min(COMMIT_CHUNK, end - at), MADV_POPULATE_WRITE):
+                return
+        self.committed = bool(self.nbytes)
+
+    def wait(self) -> None:
+        """Until a background commit has ended."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def release(self) -> None:
+        """Give every page back to the system now; the memory reads as zero after."""
+        self.wait()
+        if self.nbytes and _madvise(self.bytes.data_ptr(), self.nbytes, MADV_DONTNEED):
+            self.bytes.zero_()  # no advice: at least the content is what a release leaves
+        self.committed = False

@@ -1,0 +1,53 @@
+"""Host memory in a mapping of its own (`ops.host_pages`): the CPU's KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.kv_cache import KVPool
+from executor.weights.memory import resident_bytes
+from ops.host_pages import HostPages
+
+MIB = 1 << 20
+
+
+def test_pages_read_zero_and_a_commit_backs_them_without_changing_a_byte() -> None:
+    pages = HostPages(64 * MIB)
+    assert not pages.bytes.any()  # nothing written: zero (the pages read are not backed)
+    pages.bytes[:4096] = 7
+    before = resident_bytes()
+    pages.commit(background=True)  # while this thread writes into it
+    pages.bytes[-4096:] = 9
+    pages.wait()
+    if not pages.committed:
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert resident_bytes() - before >= 0.9 * 60 * MIB
+    assert int(pages.bytes[:4096].sum()) == 7 * 4096 and int(pages.bytes[-4096:].sum()) == 9 * 4096
+    assert int(pages.bytes.sum()) == 16 * 4096  # nothing else written
+
+
+def test_a_release_gives_the_pages_back_in_place_and_they_read_zero() -> None:
+    pages = HostPages(64 * MIB)
+    view = pages.view(torch.float32, (16, MIB))
+    view.fill_(1.5)  # every page backed
+    address = view.data_ptr()
+    before = resident_bytes()
+    pages.release()
+    assert before - resident_bytes() >= 0.9 * 64 * MIB
+    assert view.data_ptr() == address and not view.any()
+    view[3, 5] = 2.0  # usable at once, the same view
+    pages.commit()
+    assert float(view.sum()) == 2.0
+
+
+def test_the_cpu_kv_cache_is_one_zero_mapping_and_a_cuda_or_unzeroed_one_is_not() -> None:
+    kv = KVPool(1000, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    assert kv.pages is not None and kv.pages.nbytes == kv.nbytes
+    assert kv.k.shape == kv.v.shape == (4, 1001, 2, 8) and kv.k.dtype == torch.bfloat16
+    assert kv.k.untyped_storage().data_ptr() == kv.v.untyped_storage().data_ptr()
+    assert not kv.k.any() and not kv.v.any()
+    kv.k[1, 2] = 1.0
+    assert not kv.v.any()  # two halves, apart
+    traced = KVPool(1000, 4, 2, 8, torch.float32, torch.device("cpu"), zeroed=False)
+    assert traced.pages is None  # a compile worker's: allocated, never written
