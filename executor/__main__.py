@@ -1,5 +1,3 @@
-import sys
+from executor.client.cli import run
 
-from executor.client.cli import main
-
-sys.exit(main())
+run()

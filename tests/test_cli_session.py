@@ -1,9 +1,14 @@
-"""The CLI's shared session pieces: how prompts become the texts sent (--chat, --system)."""
+"""The CLI's shared session pieces: how prompts become the texts sent (--chat, --system), and
+the process's entry."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
+import pytest
+
+from executor.client import cli
 from executor.client.cli import build_parser
 from executor.client.cli_session import prompt_texts
 
@@ -29,3 +34,18 @@ def test_chat_wraps_each_prompt_after_the_system_message() -> None:
         "system:be brief|user:a",
         "system:be brief|user:b",
     ]
+
+
+def test_the_process_entry_exits_with_the_code_and_a_frozen_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`run` (the console script): the interpreter's exit then skips its walks of the heap."""
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.run()
+        assert exited.value.code == 3
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
