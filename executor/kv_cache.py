@@ -347,16 +347,18 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        # K and V: the two halves of one buffer on every device, so that a compile worker's
+        # pool (never written) has the serving pool's strides and offsets, which a compiled
+        # step's key holds.
+        both = (2, num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.pages: HostPages | None = None
         if zeroed and device.type == "cpu":
-            self.pages = HostPages(2 * math.prod(shape) * dtype.itemsize)
-            self.k, self.v = self.pages.view(dtype, (2, *shape)).unbind()
+            self.pages = HostPages(math.prod(both) * dtype.itemsize)
+            kv = self.pages.view(dtype, both)
             self.pages.commit(background=True)
         else:
-            alloc = torch.zeros if zeroed else torch.empty
-            self.k = alloc(shape, dtype=dtype, device=device)
-            self.v = alloc(shape, dtype=dtype, device=device)
+            kv = (torch.zeros if zeroed else torch.empty)(both, dtype=dtype, device=device)
+        self.k, self.v = kv.unbind()
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k[layer_id]  # [num_slots + 1, Hk, D]

@@ -41,7 +41,7 @@ def test_a_release_gives_the_pages_back_in_place_and_they_read_zero() -> None:
     assert float(view.sum()) == 2.0
 
 
-def test_the_cpu_kv_cache_is_one_zero_mapping_and_a_cuda_or_unzeroed_one_is_not() -> None:
+def test_the_cpu_kv_cache_is_one_zero_mapping_laid_out_as_a_compile_workers() -> None:
     kv = KVPool(1000, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
     assert kv.pages is not None and kv.pages.nbytes == kv.nbytes
     assert kv.k.shape == kv.v.shape == (4, 1001, 2, 8) and kv.k.dtype == torch.bfloat16
@@ -49,5 +49,8 @@ def test_the_cpu_kv_cache_is_one_zero_mapping_and_a_cuda_or_unzeroed_one_is_not(
     assert not kv.k.any() and not kv.v.any()
     kv.k[1, 2] = 1.0
     assert not kv.v.any()  # two halves, apart
-    traced = KVPool(1000, 4, 2, 8, torch.float32, torch.device("cpu"), zeroed=False)
+    traced = KVPool(1000, 4, 2, 8, torch.bfloat16, torch.device("cpu"), zeroed=False)
     assert traced.pages is None  # a compile worker's: allocated, never written
+    for ours, theirs in ((kv.k, traced.k), (kv.v, traced.v)):  # what a compiled step's key holds
+        assert ours.stride() == theirs.stride()
+        assert ours.storage_offset() == theirs.storage_offset()
