@@ -14,7 +14,8 @@ its own process.
    `--pace-s` (a server that is not saturated). Every step during the compile, and the time
    from launch to the compiled path. Each is followed by a step on an eager server
    (`--graph-mode none`) beside it, the compile worker stopped (`Beside`): the eager step at
-   the same time, after the same idle gap, the base of the steps meanwhile.
+   the same time, after the same idle gap, the base of the steps meanwhile. Steps start once
+   both servers' resident sets have settled (`settled`: their KV caches committed).
 2. eager: the same cache dir with `--graph-mode none`, `--eager-steps` back to back: the
    machine's own spread (p99 over median), with no compile.
 3. warm: the same cache dir again: first token, steps while the saved compile is loaded (each
@@ -159,6 +160,21 @@ def launch(
         server.kill()
         raise RuntimeError(f"generate failed: {done.stderr.decode()[-2000:]}")
     return run, server, port
+
+
+def settled(pid: int, quiet_s: float = 1.0, timeout_s: float = 120.0) -> None:
+    """Until `pid`'s resident set has not grown for `quiet_s`: a server past "ready" still
+    commits its KV cache's pages on a thread (`ops.host_pages`), a core's work for seconds on
+    a small machine, which the steps measured beside it must not meet."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        if resident > last:
+            last, since = resident, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
 
 
 class Decoder:
@@ -311,6 +327,7 @@ def measure(
             client = stack.enter_context(ExecutorClient(f"127.0.0.1:{port}"))
             client.wait_ready(timeout=600)
             run.ready_s = time.perf_counter() - t0  # (already ready: generate answered)
+            settled(server.pid)
             beside = None
             if besides:
                 eager_port = free_port()
@@ -323,6 +340,7 @@ def measure(
                 )
                 other = stack.enter_context(ExecutorClient(f"127.0.0.1:{eager_port}"))
                 other.wait_ready(timeout=600)
+                settled(eager.pid)  # its KV cache committed: no start-up under the steps
                 beside = Beside(Decoder(other), server.pid, run.beside_ms)
             decode_until_idle(
                 client,
@@ -359,6 +377,7 @@ def idle_probe(cache_dir: Path, model: str, steps: int = 40) -> None:
     try:
         with ExecutorClient(f"127.0.0.1:{port}") as client:
             client.wait_ready(timeout=600)
+            settled(server.pid)
             decoder = Decoder(client)
             for _ in range(20):
                 decoder.decode()
