@@ -15,7 +15,7 @@ its own process.
    from launch to the compiled path. Each is followed by a step on an eager server
    (`--graph-mode none`) beside it, the compile worker stopped (`Beside`): the eager step at
    the same time, after the same idle gap, the base of the steps meanwhile. Steps start once
-   both servers' resident sets have settled (`settled`: their KV caches committed).
+   the eager server's resident set has settled (`settled`: its KV cache committed).
 2. eager: the same cache dir with `--graph-mode none`, `--eager-steps` back to back: the
    machine's own spread (p99 over median), with no compile.
 3. warm: the same cache dir again: first token, steps while the saved compile is loaded (each
@@ -327,7 +327,6 @@ def measure(
             client = stack.enter_context(ExecutorClient(f"127.0.0.1:{port}"))
             client.wait_ready(timeout=600)
             run.ready_s = time.perf_counter() - t0  # (already ready: generate answered)
-            settled(server.pid)
             beside = None
             if besides:
                 eager_port = free_port()
