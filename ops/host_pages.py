@@ -14,6 +14,7 @@ back. Where the kernel has no populate advice, pages are backed as they are firs
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import threading
 
@@ -24,11 +25,16 @@ MADV_DONTNEED = 4
 COMMIT_CHUNK = 16 << 20  # bytes populated under one hold of the memory-map lock
 
 
-def _madvise(address: int, length: int, advice: int) -> int:
-    """madvise(2) without the interpreter lock; 0 or the errno."""
+@functools.cache
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(address, length, advice) == 0:
+    return libc
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) without the interpreter lock; 0 or the errno."""
+    if _libc().madvise(address, length, advice) == 0:
         return 0
     return ctypes.get_errno()
 

@@ -16,7 +16,10 @@ import pytest
 from executor import compile_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = "from executor.parallel.parent_watch import die_with_parent as d; import time; d(0.05); time.sleep(60)"
+CHILD = (
+    "from executor.parallel.parent_watch import die_with_parent as d; "
+    "import time; d(0.05); time.sleep(60)"
+)
 PARENT = (
     "import subprocess, sys, time; "
     f"p = subprocess.Popen([sys.executable, '-c', {CHILD!r}]); "
