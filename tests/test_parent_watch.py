@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from executor import compile_worker
+from executor.graphs.compile_pause import process_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = (
@@ -29,11 +30,7 @@ PARENT = (
 
 def running(pid: int) -> bool:
     """Alive and not a zombie (a container's init may not reap an orphan at once)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    return process_state(pid) not in ("gone", "Z")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
