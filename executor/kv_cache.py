@@ -8,8 +8,10 @@ whose entries are all 0, and padded tokens write their K/V into slot 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -354,11 +356,18 @@ class KVPool:
         self.pages: HostPages | None = None
         if zeroed and device.type == "cpu":
             self.pages = HostPages(math.prod(both) * dtype.itemsize)
-            kv = self.pages.view(dtype, both)
-            self.pages.commit(background=True)
+            kv = self.pages.view(dtype, both)  # backed as written, until `commit_pages`
         else:
             kv = (torch.zeros if zeroed else torch.empty)(both, dtype=dtype, device=device)
         self.k, self.v = kv.unbind()
+
+    def commit_pages(
+        self, yielding: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+    ) -> None:
+        """On a CPU: back every page of the cache on a thread of its own, inside `yielding()`
+        (a server's `IdleGate`: the populate waits while steps run)."""
+        if self.pages is not None:
+            self.pages.commit(background=True, yielding=yielding)
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k[layer_id]  # [num_slots + 1, Hk, D]

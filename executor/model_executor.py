@@ -99,8 +99,7 @@ class ModelExecutor:
                 f"tp_size={config.tp_size} needs a process group of that size "
                 f"(got {self.comm.size}); start it with `serve` or torchrun"
             )
-        # Told about graph captures and fallbacks (the server's metrics; a no-op in-process).
-        self.observer: ExecutorObserver = observer or NullObserver()
+        self.observer: ExecutorObserver = observer or NullObserver()  # captures, fallbacks
         self.device = resolve_device(config, local_rank)
         # Every entry point makes the device current on the calling thread (loader, device
         # worker, runtime captures): CUDA launches and streams follow the current device.
@@ -209,6 +208,7 @@ class ModelExecutor:
             if config.simulated_step_ms
             else None,
         )
+        self.kv_pool.commit_pages(self.runner.idle_gate.yielding)  # CPU: between steps
         self.control = GraphControl(
             self.toggles,
             self.runner,

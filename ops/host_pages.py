@@ -9,20 +9,27 @@ interpreter lock) while other threads write into the memory. `release` drops the
 (`MADV_DONTNEED`): the resident set shrinks before it returns, the addresses stay (views and
 the code that holds them stay valid), and the memory reads as zero again; `commit` takes it
 back. Where the kernel has no populate advice, pages are backed as they are first written.
+
+The populate holds the memory-map lock, which a step's allocations and page faults wait for:
+a background commit runs inside the caller's `yielding` context (a server's `IdleGate`: its
+chunks wait while steps run) in chunks short enough that a step arriving mid-chunk waits little.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>; not in Python's mmap module before 3.13
 MADV_DONTNEED = 4
-COMMIT_CHUNK = 16 << 20  # bytes populated under one hold of the memory-map lock
+COMMIT_CHUNK = 4 << 20  # bytes populated under one hold of the memory-map lock
 
 
 @functools.cache
@@ -54,11 +61,22 @@ class HostPages:
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.bytes.view(dtype).view(shape)
 
-    def commit(self, *, background: bool = False) -> None:
-        """Back every page now (its content unchanged), here or on a thread of its own."""
+    def commit(
+        self,
+        *,
+        background: bool = False,
+        yielding: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        """Back every page now (its content unchanged), here or on a thread of its own that
+        runs inside `yielding()`."""
         self.wait()
         if background:
-            self._thread = threading.Thread(target=self._populate, name="host-pages", daemon=True)
+
+            def populate() -> None:
+                with yielding():
+                    self._populate()
+
+            self._thread = threading.Thread(target=populate, name="host-pages", daemon=True)
             self._thread.start()
         else:
             self._populate()

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
+from executor.graphs.idle_gate import IdleGate
 from executor.kv_cache import KVPool
+from executor.model_executor import ModelExecutor
 from executor.weights.memory import resident_bytes
+from ops import host_pages
 from ops.host_pages import HostPages
 
 MIB = 1 << 20
+MakeExecutor = Callable[..., ModelExecutor]
 
 
 def test_pages_read_zero_and_a_commit_backs_them_without_changing_a_byte() -> None:
@@ -54,3 +63,47 @@ def test_the_cpu_kv_cache_is_one_zero_mapping_laid_out_as_a_compile_workers() ->
     for ours, theirs in ((kv.k, traced.k), (kv.v, traced.v)):  # what a compiled step's key holds
         assert ours.stride() == theirs.stride()
         assert ours.storage_offset() == theirs.storage_offset()
+
+
+def test_a_background_commit_inside_an_idle_gate_waits_while_a_step_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The populate holds the memory-map lock a step's allocations wait for: a server's
+    commit (`KVPool.commit_pages` inside the runner's `IdleGate`) goes on only between steps."""
+    chunks: list[int] = []
+    madvise = host_pages._madvise
+
+    def counted(address: int, length: int, advice: int) -> int:
+        chunks.append(length)
+        return madvise(address, length, advice)
+
+    monkeypatch.setattr(host_pages, "_madvise", counted)
+    gate, go = IdleGate(), threading.Event()
+
+    @contextlib.contextmanager
+    def yielding() -> Iterator[None]:
+        with gate.yielding():
+            assert go.wait(5)  # the step below starts before the first chunk
+            yield
+
+    pages = HostPages(64 * MIB)
+    pages.commit(background=True, yielding=yielding)
+    gate.step_started()
+    go.set()
+    time.sleep(0.2)
+    assert chunks == [] and not pages.committed  # a step runs: nothing populated
+    gate.step_ended()
+    pages.wait()  # after the linger, the whole commit
+    if not pages.committed:
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert sum(chunks) == 64 * MIB and max(chunks) == host_pages.COMMIT_CHUNK
+    assert gate.waits >= 1 and not gate._on
+
+
+def test_an_executors_kv_pages_are_committed_inside_its_runners_idle_gate(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[object] = []
+    monkeypatch.setattr(KVPool, "commit_pages", lambda self, yielding: calls.append(yielding))
+    ex = make_executor()
+    assert calls == [ex.runner.idle_gate.yielding]

@@ -1,4 +1,4 @@
-"""`IdleGate`: the capture thread's own work in this process runs in the server's idle time.
+"""`IdleGate`: background threads' work in this process runs in the server's idle time.
 
 Loading a compiled step is seconds of Python on the capture thread: dynamo's and inductor's
 imports, each saved step's deserialization. Beside it, a step's thread, which lets go of the
@@ -6,7 +6,10 @@ GIL around every op, waits to get it back each time: a step took many times its 
 (docs/performance.md). So inside `yielding`, a profile hook on the capture thread alone makes
 it wait, at its next call, while a step runs and until `LINGER_S` after the last one ended:
 the compile worker's rule (`CompilePause`), here for the threads of one process. Steps back
-to back keep it waiting; the load goes on in the server's idle time.
+to back keep it waiting; the load goes on in the server's idle time. The CPU's KV cache is
+committed the same way (`ops.host_pages`: its populate holds the memory-map lock, and beside a
+step it made the warm-up and the first prefill three times as long). Several threads may yield
+at once; each one's hook is its own.
 
 The steps' thread marks each step (`step_started`, `step_ended`): one attribute read while
 nothing yields. The capture thread never waits while it holds the step lock (no step runs
@@ -32,18 +35,23 @@ MAX_WAIT_S = 1.0  # the longest wait for one step
 
 class IdleGate:
     def __init__(self) -> None:
-        self._on = False  # a thread is yielding (its hook is installed)
+        self._users = 0  # the threads yielding now (each with its hook installed)
+        self._users_lock = threading.Lock()
         self._steps = 0  # steps started while on
         self._running = False  # a step between `step_started` and `step_ended`
         self._ended = threading.Event()
         self._ended.set()
         self._passed = -1  # the step the capture thread stopped waiting for (`MAX_WAIT_S`)
-        self.waits = 0  # how many times the capture thread waited
+        self.waits = 0  # how many times a yielding thread waited
         self.waited_s = 0.0  # for how long, in all
+
+    @property
+    def _on(self) -> bool:
+        return self._users > 0
 
     def step_started(self) -> None:
         """The steps' thread, before a step's device work."""
-        if self._on:
+        if self._users:
             self._steps += 1
             self._running = True
             self._ended.clear()
@@ -56,15 +64,20 @@ class IdleGate:
 
     @contextmanager
     def yielding(self) -> Iterator[None]:
-        """On the capture thread: its work inside waits for the steps (not nested)."""
-        self._on, self.waits, self.waited_s = True, 0, 0.0
+        """On a background thread: its work inside waits for the steps (not nested on one
+        thread)."""
+        with self._users_lock:
+            self._users += 1
         sys.setprofile(self._hook)
         try:
             yield
         finally:
             sys.setprofile(None)
-            self._on = False
-            self.step_ended()
+            with self._users_lock:
+                self._users -= 1
+                last = not self._users
+            if last:
+                self.step_ended()
 
     def _hook(self, frame: FrameType, event: str, arg: object) -> None:
         if self._running and self._steps != self._passed:
