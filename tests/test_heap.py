@@ -57,3 +57,17 @@ def test_a_refreeze_freezes_what_was_added_only_in_a_frozen_process(thawed: None
     frozen = gc.get_freeze_count()
     added = [Node() for _ in range(1000)]
     assert heap.refreeze() >= frozen + len(added)
+
+
+def test_a_freeze_without_its_collection_keeps_the_garbage_alive_now_and_collects_later(
+    thawed: None,
+) -> None:
+    """`serve` freezes its imports' objects without a collection, then the rest collected."""
+    kept = cycle()  # garbage at the first freeze: kept for the process's life
+    heap.freeze(collect=False)
+    assert heap.frozen()
+    gc.collect()
+    assert kept() is not None
+    later = cycle()  # what the start-up added: the second freeze's collection frees it
+    heap.freeze()
+    assert later() is None and kept() is not None

@@ -2,10 +2,13 @@
 
 A full collection walks every object the collector tracks while holding the interpreter lock,
 so a step that meets one waits for the whole heap: after start-up that is torch's and the
-model's objects, and after a compiled step is loaded, inductor's code too. `freeze` (called
-once the model is loaded and warmed, before the process serves) collects once, then moves
-every object alive into the permanent generation (`gc.freeze`), which collections skip: from
-then on a collection walks only what the process allocated since. `refreeze` does the same
+model's objects, and after a compiled step is loaded, inductor's code too. `freeze` collects
+what is not frozen yet, then moves every object alive into the permanent generation
+(`gc.freeze`), which collections skip: from then on a collection walks only what the process
+allocated since. `serve` freezes twice: once its imports are done, without the collection
+(the imports' objects are alive but for a few dozen: a full walk of them is a fifth of a
+second of start-up for nothing), then once the model is loaded and warmed, before it serves,
+a collection of only what the start-up added. `refreeze` does the same
 for what a later install added (a background graph capture's compiled step), without the full
 collection (a garbage cycle already in the oldest generation stays). A frozen object is still
 freed when its last reference goes; only a cycle among frozen objects is never collected.
@@ -21,10 +24,13 @@ import gc
 _frozen = False
 
 
-def freeze() -> int:
-    """Collect, then freeze everything alive now; the objects frozen in all."""
+def freeze(*, collect: bool = True) -> int:
+    """Collect what is not frozen yet (`collect`; without it, a garbage cycle alive now is
+    kept for the process's life), then freeze everything alive now; the objects frozen in
+    all."""
     global _frozen
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
     _frozen = True
     return gc.get_freeze_count()

@@ -202,8 +202,7 @@ def start_server(
     """Open the ports now, load the model in the background; returns at once (or when ready).
 
     `span_exporter` receives this server's spans too (tests pass an in-memory one); with
-    `freeze_heap` (`serve`'s own server) the heap is frozen before it serves (`service.heap`).
-    """
+    `freeze_heap` (`serve`'s own server) the heap is frozen before it serves (`service.heap`)."""
     credentials = credentials_from(server_config)  # token files read: a bad one fails here
     access = credentials.rules
     server_config.check_with(config.deferred_mask_timeout_s)
@@ -428,6 +427,7 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     log.info("starting", executor_config=config.__dict__, server_config=server_config.__dict__)
+    heap.freeze(collect=False)  # the imports' objects (`heap`); the rest once warmed
     running = start_server(config, server_config, freeze_heap=True)
     while not stop.wait(0.5):
         if running.ready.is_set() and running.load_error:
