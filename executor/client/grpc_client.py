@@ -63,6 +63,10 @@ RETRYABLE = frozenset(
 )
 READINESS_SERVICE = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# The channel's reconnect backoff, first and longest (gRPC's own: 1 s and 120 s): a client
+# started beside its executor, or one that outlives an executor's restart, finds it listening
+# within a tenth of a second, then within a few seconds at most.
+RECONNECT_BACKOFF_MS = (100, 5000)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ class ExecutorClient:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]
         self.channel = (
             grpc.insecure_channel(target, options=options)
@@ -128,17 +134,26 @@ class ExecutorClient:
             yield str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.2) -> None:
-        """Block until readiness reports SERVING (the model is loaded and warmed up)."""
+        """Block until readiness reports SERVING (the model is loaded and warmed up): the
+        server pushes the change (health Watch); one not listening yet is tried again every
+        `interval`, at most, and the channel's reconnect backoff stays short
+        (`RECONNECT_BACKOFF_MS`)."""
         deadline = time.monotonic() + timeout
         last: str | Exception = "no answer"
-        while time.monotonic() < deadline:
+        request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
+        while (left := deadline - time.monotonic()) > 0:
+            call = self.health_stub.Watch(request, timeout=left, metadata=self._auth)
             try:
-                last = self.health()
-                if last == "SERVING":
-                    return
-            except grpc.RpcError as exc:
-                last = exc
-            time.sleep(interval)
+                for resp in call:
+                    last = str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+                    if last == "SERVING":
+                        return
+            except grpc.RpcError as exc:  # not listening, or gone; the deadline: the status
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    last = exc
+            finally:
+                call.cancel()
+            time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
         raise TimeoutError(f"{self.target} not ready after {timeout} s (last: {last})")
 
     def info(self, timeout: float | None = 30.0) -> RemoteInfo:
