@@ -20,10 +20,11 @@ variable; `--config file.toml` supplies defaults ([executor] and [server] tables
 from __future__ import annotations
 
 import argparse
-import gc
+import atexit
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -198,12 +199,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run() -> None:
     """The process's entry (the console script, `python -m executor`): `main`, then the exit
-    without the interpreter's last collections of the heap: with torch loaded they walk
-    every object for most of a second after the answer is out. Frozen (`gc.freeze`), the
-    objects are still freed as the modules are torn down; only cycles are left to the OS."""
+    without the interpreter's teardown. With torch loaded, the teardown (every module's
+    objects freed, the last collections) takes a good part of a second after the answer is
+    out; what a process's exit owes is done here: the threads that are not daemons joined,
+    the `atexit` functions run (logging's flush among them), the standard streams flushed."""
     code = main()
-    gc.freeze()
-    sys.exit(code)
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # (CPython's own exit runs them the same way)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a closed pipe (`| head`): the interpreter's own exit code for it
+            code = 120
+    os._exit(code)
 
 
 if __name__ == "__main__":
