@@ -450,3 +450,38 @@ def test_a_failed_worker_leaves_the_compile_here_with_one_intra_op_thread_fewer(
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     assert reserved == [1] and threads.reserved == 0
+
+
+@pytest.mark.parametrize("compiles_here", [False, True], ids=["loads", "compiles-here"])
+def test_a_load_runs_with_no_automatic_collection_until_its_listener_froze_it(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch, compiles_here: bool
+) -> None:
+    """Loading what a worker compiled (or a cache dir saved) adds a few hundred thousand
+    objects, which each collection of the oldest generation would walk holding the GIL: the
+    collector is off from the load until the listener (`serve`: `heap.refreeze`) has run.
+    A capture that compiles here (minutes) leaves it on."""
+    monkeypatch.setattr(
+        graph_control.GraphControl, "_compile_in_worker", lambda s, m: compiles_here
+    )
+    ex = make_executor(graph_mode="none", graph_batch_sizes="1")
+    seen: dict[str, bool] = {}
+    capture_for = ex.runner.capture_for
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen["load"] = gc.isenabled()
+        return capture_for(*args, **kwargs)
+
+    monkeypatch.setattr(ex.runner, "capture_for", recorded)
+    control = _runtime_control(ex)
+    refreeze = control._capture_ended
+    monkeypatch.setattr(
+        ex.control,
+        "graph_mode_listener",
+        lambda: (seen.update(listener=gc.isenabled()), refreeze()),
+    )
+    assert gc.isenabled()
+    control.update(RuntimeConfigUpdate(graph_mode="decode"))
+    assert ex.control.wait_for_capture(120)
+    assert ex.toggles.graph_mode == "decode"
+    assert seen == {"load": compiles_here, "listener": compiles_here}
+    assert gc.isenabled()

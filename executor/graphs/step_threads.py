@@ -11,6 +11,7 @@ applies it, between two steps (`apply`); the capture thread only says how many c
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,3 +51,20 @@ def short_gil_turns(interval: float = LOAD_SWITCH_S) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(before)
+
+
+@contextmanager
+def collections_paused() -> Iterator[None]:
+    """Around a background load and what follows it until its objects are frozen (`serve`'s
+    heap, `heap.refreeze`): no automatic collection of the cyclic garbage collector. The load
+    adds a few hundred thousand objects (dynamo's, inductor's and sympy's modules, the saved
+    steps deserialized) and the oldest generation is collected each time it has grown by a
+    quarter: every such collection walks them all holding the GIL, and a step waits for it
+    (docs/performance.md)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -8,10 +8,12 @@ what is not frozen yet, then moves every object alive into the permanent generat
 allocated since. `serve` freezes twice: once its imports are done, without the collection
 (the imports' objects are alive but for a few dozen: a full walk of them is a fifth of a
 second of start-up for nothing), then once the model is loaded and warmed, before it serves,
-a collection of only what the start-up added. `refreeze` does the same
-for what a later install added (a background graph capture's compiled step), without the full
-collection (a garbage cycle already in the oldest generation stays). A frozen object is still
-freed when its last reference goes; only a cycle among frozen objects is never collected.
+a collection of only what the start-up added. `refreeze` freezes what a later install added
+(a background graph capture's compiled step) without a collection: the load ran with the
+collector off (`graphs.step_threads.collections_paused`), so all it added is in the youngest
+generation, and even a collection of that one would walk all of it (the load's garbage cycles
+stay). A frozen object is still freed when its last reference goes; only a cycle among frozen
+objects is never collected.
 
 The state is the process's (the collector's is): only a process's own entry point freezes
 (`serve`, a tensor-parallel worker), never a library caller such as an in-process test server.
@@ -37,10 +39,9 @@ def freeze(*, collect: bool = True) -> int:
 
 
 def refreeze() -> int:
-    """In a process that froze its heap: collect the young generations, then freeze what was
-    added since; elsewhere nothing. The objects frozen in all."""
+    """In a process that froze its heap: freeze what was added since, without a collection;
+    elsewhere nothing. The objects frozen in all."""
     if _frozen:
-        gc.collect(1)
         gc.freeze()
     return gc.get_freeze_count()
 

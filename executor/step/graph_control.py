@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 import structlog
 import torch
@@ -31,7 +31,7 @@ from executor.core.toggles import CaptureState, Toggles
 from executor.graphs.capture import CaptureReport
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.settings import background_graph_mode, resolve_graph_mode
-from executor.graphs.step_threads import short_gil_turns
+from executor.graphs.step_threads import collections_paused, short_gil_turns
 from executor.info import SettingChoice
 from executor.model_runner import ModelRunner
 from executor.parallel import broadcast
@@ -265,9 +265,10 @@ class GraphControl:
             # thread's own work, the load of what it compiled, waits for them too (`IdleGate`;
             # it holds the step lock only to run and install each graph). If the worker
             # failed, this thread compiles, and its C++ compiles take a core beside the steps:
-            # they run with one intra-op thread fewer then (`StepThreads`).
+            # they run with one intra-op thread fewer then (`StepThreads`). A load runs with
+            # no automatic collection until the listener (`serve`'s heap) froze what it added.
             threads, cpu = self.runner.step_threads, self.device.type == "cpu"
-            with device_scope(self.device):
+            with device_scope(self.device), ExitStack() as paused:
                 try:
                     # short GIL turns: a step's thread gets the GIL back in time to say it runs
                     with (
@@ -276,6 +277,8 @@ class GraphControl:
                     ):
                         compiles_here = self._compile_in_worker(mode)
                         threads.reserved = 1 if cpu and compiles_here else 0
+                        if cpu and not compiles_here:
+                            paused.enter_context(collections_paused())
                         captured = self.runner.capture_for(
                             mode, progress=False, lock=self.step_lock
                         )
