@@ -200,9 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run() -> None:
     """The process's entry (the console script, `python -m executor`): `main`, then the exit
     without the interpreter's teardown. With torch loaded, the teardown (every module's
-    objects freed, the last collections) takes a good part of a second after the answer is
-    out; what a process's exit owes is done here: the threads that are not daemons joined,
-    the `atexit` functions run (logging's flush among them), the standard streams flushed."""
+    objects freed, the last collections) is slow, and the answer is out before it; what a
+    process's exit owes is done here: the threads that are not daemons joined, the `atexit`
+    functions run (logging's flush among them), the standard streams flushed."""
     code = main()
     current = threading.current_thread()
     for thread in threading.enumerate():

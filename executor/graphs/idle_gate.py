@@ -7,9 +7,9 @@ GIL around every op, waits to get it back each time: a step took many times its 
 it wait, at its next call, while a step runs and until `LINGER_S` after the last one ended:
 the compile worker's rule (`CompilePause`), here for the threads of one process. Steps back
 to back keep it waiting; the load goes on in the server's idle time. The CPU's KV cache is
-committed the same way (`ops.host_pages`: its populate holds the memory-map lock, and beside a
-step it made the warm-up and the first prefill three times as long). Several threads may yield
-at once; each one's hook is its own.
+committed the same way (`ops.host_pages`: its populate holds the memory-map lock that a step's
+allocations and page faults wait for, docs/performance.md). Several threads may yield at once;
+each one's hook is its own.
 
 The steps' thread marks each step (`step_started`, `step_ended`): one attribute read while
 nothing yields. The capture thread never waits while it holds the step lock (no step runs

@@ -6,9 +6,9 @@ model's objects, and after a compiled step is loaded, inductor's code too. `free
 what is not frozen yet, then moves every object alive into the permanent generation
 (`gc.freeze`), which collections skip: from then on a collection walks only what the process
 allocated since. `serve` freezes twice: once its imports are done, without the collection
-(the imports' objects are alive but for a few dozen: a full walk of them is a fifth of a
-second of start-up for nothing), then once the model is loaded and warmed, before it serves,
-a collection of only what the start-up added. `refreeze` freezes what a later install added
+(the imports' objects are alive but for a few dozen: a full walk of them is start-up time
+for nothing), then once the model is loaded and warmed, before it serves, after a collection
+of only what the start-up added. `refreeze` freezes what a later install added
 (a background graph capture's compiled step) without a collection: the load ran with the
 collector off (`graphs.step_threads.collections_paused`), so all it added is in the youngest
 generation, and even a collection of that one would walk all of it (the load's garbage cycles
