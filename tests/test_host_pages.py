@@ -78,16 +78,18 @@ def test_a_background_commit_inside_an_idle_gate_waits_while_a_step_runs(
         return madvise(address, length, advice)
 
     monkeypatch.setattr(host_pages, "_madvise", counted)
-    gate, go = IdleGate(), threading.Event()
+    gate, inside, go = IdleGate(), threading.Event(), threading.Event()
 
     @contextlib.contextmanager
     def yielding() -> Iterator[None]:
         with gate.yielding():
+            inside.set()  # the gate counts steps from here on
             assert go.wait(5)  # the step below starts before the first chunk
             yield
 
     pages = HostPages(64 * MIB)
     pages.commit(background=True, yielding=yielding)
+    assert inside.wait(5)
     gate.step_started()
     go.set()
     time.sleep(0.2)

@@ -134,3 +134,24 @@ def test_steps_pay_nothing_and_change_nothing_while_nothing_yields() -> None:
     with gate.yielding():
         assert sys.getprofile() == gate._hook
     assert sys.getprofile() is None and not gate._on
+
+
+def test_two_threads_yield_at_once_and_one_leaving_keeps_the_other_waiting() -> None:
+    """The capture thread and the KV commit yield together: each waits while a step runs, and
+    the gate stays on until the last of them leaves."""
+    gate = IdleGate()
+    first, second = _Worker(gate), _Worker(gate)
+    gate.step_started()
+    time.sleep(SETTLE_S)
+    assert _progress(first, 0.1) == 0 and _progress(second, 0.05) == 0
+    gate.step_ended()
+    first.end()
+    assert gate._on  # the second still yields
+    gate.step_started()
+    time.sleep(SETTLE_S)
+    assert _progress(second, 0.1) == 0
+    gate.step_ended()
+    time.sleep(LINGER_S * 2)
+    assert _progress(second, 0.2) > 0
+    second.end()
+    assert not gate._on and sys.getprofile() is None
