@@ -31,6 +31,16 @@ class CountedHealth(health.HealthServicer):
         return super().Check(request, context)
 
 
+def not_ready_server(port: int, servicer: health.HealthServicer) -> grpc.Server:
+    """A started gRPC server on `port` with only `servicer`, readiness NOT_SERVING."""
+    servicer.set(READINESS_SERVICE, NOT_SERVING)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
 def test_a_late_server_is_found_and_its_readiness_followed_as_pushed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -48,18 +58,17 @@ def test_a_late_server_is_found_and_its_readiness_followed_as_pushed(
     assert options[0]["grpc.initial_reconnect_backoff_ms"] == first
     assert options[0]["grpc.max_reconnect_backoff_ms"] == longest
     done: list[float] = []
-    waiter = threading.Thread(
-        target=lambda: (client.wait_ready(timeout=60), done.append(time.monotonic()))
-    )
+
+    def wait() -> None:
+        client.wait_ready(timeout=60)
+        done.append(time.monotonic())
+
+    waiter = threading.Thread(target=wait)
     waiter.start()
     time.sleep(0.3)  # nothing listens: the client's connects are refused
     assert not done
     servicer = CountedHealth()
-    servicer.set(READINESS_SERVICE, NOT_SERVING)
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
+    server = not_ready_server(port, servicer)
     try:
         time.sleep(0.5)
         assert not done  # listening, not ready
@@ -73,12 +82,7 @@ def test_a_late_server_is_found_and_its_readiness_followed_as_pushed(
 
 def test_a_server_never_ready_is_a_timeout_naming_its_last_status() -> None:
     port = free_port()
-    servicer = health.HealthServicer()
-    servicer.set(READINESS_SERVICE, NOT_SERVING)
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
+    server = not_ready_server(port, health.HealthServicer())
     try:
         with (
             ExecutorClient(f"127.0.0.1:{port}") as client,
