@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from executor.core.errors import ToggleRefusedError
@@ -11,9 +13,10 @@ from executor.parallel import broadcast
 log = structlog.get_logger(__name__)
 
 
-def run_worker(executor: ModelExecutor) -> None:
+def run_worker(executor: ModelExecutor, after_toggles: Callable[[], object] = lambda: None) -> None:
     """Until rank 0 says stop. A failed collective raises `TpGroupError` (the group is gone:
-    the process exits non-zero); a refused toggle was refused on rank 0 too."""
+    the process exits non-zero); a refused toggle was refused on rank 0 too. `after_toggles`
+    runs after each toggle command (the process's heap freezes what a capture loaded)."""
     comm = executor.comm
     log.info("tensor-parallel worker serving", rank=comm.rank, tp_size=comm.size)
     while True:
@@ -26,6 +29,7 @@ def run_worker(executor: ModelExecutor) -> None:
                 executor.control.apply_toggles(**command.toggles)
             except ToggleRefusedError as e:
                 log.info("toggle refused (as on rank 0)", reason=str(e))
+            after_toggles()
         elif command.kind == broadcast.KV_READ:
             executor.kv_transfer.serve_read(command.kv)
         elif command.kind == broadcast.KV_WRITE:

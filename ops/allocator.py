@@ -87,7 +87,8 @@ class PoolKeeper:
         for k in gone:
             self._release(k.device_index, k.pool)
             keep_until_exit(k.pool)
-        self.retired += len(gone)
+        with self._lock:  # `discard` and `reap` may retire on two threads at once
+            self.retired += len(gone)
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -48,7 +48,7 @@ def _madvise(address: int, length: int, advice: int) -> int:
 
 class HostPages:
     """`nbytes` of anonymous host memory as one uint8 tensor (`bytes`); views of it through
-    `view`. `commit(background=True)` backs it on a thread; `release` waits for that first."""
+    `view`. `commit(background=True)` backs it on a thread; `release` stops that first."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -57,6 +57,7 @@ class HostPages:
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         self.committed = False  # every page backed by the kernel (not only as written)
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # `release`: a background commit ends at its next chunk
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.bytes.view(dtype).view(shape)
@@ -86,6 +87,8 @@ class HostPages:
         # any allocation of another thread that maps memory waits for the chunk under way.
         start, end = self.bytes.data_ptr(), self.bytes.data_ptr() + self.nbytes
         for at in range(start, end, COMMIT_CHUNK):
+            if self._stop.is_set():
+                return
             if _madvise(at, min(COMMIT_CHUNK, end - at), MADV_POPULATE_WRITE):
                 return
         self.committed = bool(self.nbytes)
@@ -97,8 +100,14 @@ class HostPages:
             self._thread = None
 
     def release(self) -> None:
-        """Give every page back to the system now; the memory reads as zero after."""
-        self.wait()
+        """Give every page back to the system now; the memory reads as zero after. A
+        background commit under way stops at its next chunk (what it backed is given back
+        too), not committing pages only to drop them."""
+        self._stop.set()
+        try:
+            self.wait()
+        finally:
+            self._stop.clear()
         if self.nbytes and _madvise(self.bytes.data_ptr(), self.nbytes, MADV_DONTNEED):
             self.bytes.zero_()  # no advice: at least the content is what a release leaves
         self.committed = False

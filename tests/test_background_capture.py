@@ -33,6 +33,7 @@ from executor.graphs.graph import GraphCaptureError
 from executor.graphs.step_graph import StepCall, StepCompiledGraph
 from executor.graphs.step_threads import LOAD_SWITCH_S
 from executor.model_executor import ModelExecutor
+from executor.service import heap
 from executor.service.runtime_config import RuntimeConfigUpdate, RuntimeControl
 from executor.step import graph_control
 from tests.lock_util import is_held
@@ -450,6 +451,22 @@ def test_a_failed_worker_leaves_the_compile_here_with_one_intra_op_thread_fewer(
     control.update(RuntimeConfigUpdate(graph_mode="decode"))
     assert ex.control.wait_for_capture(60) and ex.toggles.graph_mode == "decode"
     assert reserved == [1] and threads.reserved == 0
+
+
+def test_a_graph_mode_changed_in_the_update_itself_freezes_what_it_loaded(
+    make_executor: MakeExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mode changed by the update itself, not by a background capture's listener (tensor
+    parallel captures run in step on every rank; a mode that needs no capture): the update
+    freezes the heap again (`heap.refreeze`; a no-op outside `serve`)."""
+    ex = make_executor(graph_mode="decode", graph_batch_sizes="1")
+    frozen: list[str] = []
+    monkeypatch.setattr(heap, "refreeze", lambda: frozen.append(ex.toggles.graph_mode) or 0)
+    control = _runtime_control(ex)
+    control.update(RuntimeConfigUpdate(log_level="info"))
+    assert frozen == []  # nothing of the graphs changed
+    control.update(RuntimeConfigUpdate(graph_mode="none"))
+    assert frozen == ["none"]
 
 
 @pytest.mark.parametrize("compiles_here", [False, True], ids=["loads", "compiles-here"])

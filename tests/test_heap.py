@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -71,3 +72,39 @@ def test_a_freeze_without_its_collection_keeps_the_garbage_alive_now_and_collect
     later = cycle()  # what the start-up added: the second freeze's collection frees it
     heap.freeze()
     assert later() is None and kept() is not None
+
+
+def test_a_tp_worker_freezes_again_after_each_toggle_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under tensor parallelism every rank captures in step on rank 0's toggle command, outside
+    any background thread: the worker's loop runs its hook (`heap.refreeze`) after each."""
+    from executor import tp_worker
+    from executor.parallel import broadcast
+
+    commands = iter(
+        [
+            broadcast.Command(broadcast.TOGGLES, toggles={"graph_mode": "decode"}),
+            broadcast.Command(broadcast.PING),
+            broadcast.Command(broadcast.STOP),
+        ]
+    )
+    seen: list[str] = []
+
+    class Control:
+        def apply_toggles(self, **toggles: object) -> None:
+            seen.append(f"toggles {toggles['graph_mode']}")
+
+    class Comm:
+        rank, size = 1, 2
+
+        def ping(self) -> None:
+            seen.append("ping")
+
+    class Executor:
+        comm, control = Comm(), Control()
+
+    monkeypatch.setattr(broadcast, "receive", lambda comm: next(commands))
+    worker: Any = Executor()
+    tp_worker.run_worker(worker, after_toggles=lambda: seen.append("refreeze"))
+    assert seen == ["toggles decode", "refreeze", "ping", "ping"]

@@ -50,6 +50,36 @@ def test_a_release_gives_the_pages_back_in_place_and_they_read_zero() -> None:
     assert float(view.sum()) == 2.0
 
 
+def test_a_release_stops_a_background_commit_under_way_and_a_commit_backs_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A release while the idle-time commit runs does not back the rest only to drop it."""
+    populated: list[int] = []
+    madvise = host_pages._madvise
+    started = threading.Event()
+
+    def slow(address: int, length: int, advice: int) -> int:
+        if advice == host_pages.MADV_POPULATE_WRITE:
+            populated.append(length)
+            started.set()
+            time.sleep(0.02)
+        return madvise(address, length, advice)
+
+    monkeypatch.setattr(host_pages, "_madvise", slow)
+    pages = HostPages(64 * MIB)  # 16 chunks: 0.32 s of populate here
+    pages.commit(background=True)
+    assert started.wait(5)
+    t0 = time.monotonic()
+    pages.release()
+    assert time.monotonic() - t0 < 0.2 and len(populated) < 64 * MIB // host_pages.COMMIT_CHUNK
+    assert not pages.committed and pages._thread is None and not pages.bytes.any()
+    populated.clear()
+    pages.commit()  # the resume: every chunk, the stop forgotten
+    if not pages.committed:
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert sum(populated) == 64 * MIB
+
+
 def test_the_cpu_kv_cache_is_one_zero_mapping_laid_out_as_a_compile_workers() -> None:
     kv = KVPool(1000, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
     assert kv.pages is not None and kv.pages.nbytes == kv.nbytes

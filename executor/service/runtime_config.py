@@ -177,6 +177,8 @@ class RuntimeControl:
         after = self._current = self._read()
         old, new = asdict(before), asdict(after)
         changed = {k: [old[k], new[k]] for k in new if old[k] != new[k]}
+        if "graph_mode" in changed:  # captured here (tensor parallel: every rank, in step)
+            heap.refreeze()
         # NOTE: warning, so that the change shows even when it raised the level past info.
         log.warning("runtime config updated", asked=update.changes(), changed=changed)
         self._on_change(after)

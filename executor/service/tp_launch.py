@@ -99,7 +99,7 @@ def run_worker_rank(
         comm = init_comm(endpoint, device)
         executor = ModelExecutor(config, comm=comm, local_rank=endpoint.local_rank)
         heap.freeze()  # this process's own: a worker's collections would stall rank 0's steps
-        run_worker(executor)
+        run_worker(executor, after_toggles=heap.refreeze)  # and what a capture loads
         return 0
     except TpGroupError as e:
         log.error("tensor-parallel group failed; worker exiting", reason=str(e))
