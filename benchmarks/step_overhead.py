@@ -5,6 +5,7 @@
     python benchmarks/step_overhead.py --server-env OMP_WAIT_POLICY=PASSIVE  # the executor's env
     python benchmarks/step_overhead.py --baseline-tree ../old-checkout  # A/B against another tree
     python benchmarks/step_overhead.py --python-paths  # host kernels against the Python paths
+    python benchmarks/step_overhead.py --simulated-step-ms 2  # the stand-in accelerator's model
 
 For each batch size, call by call in alternation (the order rotates every call, so drift and
 the neighbours' load fall on all alike):
@@ -27,6 +28,13 @@ scheduler-side codec (`batch_to_proto`, `response_from_proto`) is timed on its o
 in the ratio. The overhead is split by the step's own timings (queue, validate, stage, sample,
 and whatever `total` holds besides them) and the rest: the gRPC path, decoding, encoding,
 telemetry and the thread hand-offs.
+
+With `--simulated-step-ms D` the executor runs the stand-in accelerator (`serve
+--simulated-step-ms D`): no model runs on the CPU, each step's device work is D ms after its
+launch, and the overhead is the wall time minus D, as on a GPU host. On a CPU device the model's
+forward streams its weights through the caches the host path then runs without; the stand-in
+shows the same host path with the caches it would keep beside an accelerator. The split columns
+are the step's own timings then: the stand-in's few ops in `forward`, its wait in `read`.
 """
 
 from __future__ import annotations
@@ -175,10 +183,12 @@ def measure(
     first_row: int = 1,
     warmup: int = 10,
     baseline: ExecutorClient | None = None,
+    device_ns: int | None = None,
 ) -> Result:
     """A prefill of `bs` requests (rows first_row..), then one DECODE step that sizes the
     messages, `warmup` and `steps` measured ones against the executor, each alternated with the
-    same request to the bare server (and to `baseline`, another executor, when given)."""
+    same request to the bare server (and to `baseline`, another executor, when given).
+    `device_ns`: the stand-in's device time a step, the "model" then (None: the forward's)."""
     prefill, decodes = decode_batches(bs, 1 + warmup + steps, first_row)
     executors = [executor] if baseline is None else [executor, baseline]
     for client in executors:
@@ -204,18 +214,19 @@ def measure(
             continue
         if baseline is not None:
             base_ns, base_response = calls[id(baseline)]
-            base_model = base_response.stats.timings_ns[MODEL]
+            base_model = device_ns or base_response.stats.timings_ns[MODEL]
             result.baseline_us.append((base_ns - base_model) / 1e3)
             result.baseline_model_us.append(base_model / 1e3)
         timings = dict(response.stats.timings_ns)
-        overhead = wall_ns - timings[MODEL]
+        model = device_ns or timings[MODEL]
+        overhead = wall_ns - model
         step = timings.pop(TOTAL)
         split = {k: v for k, v in timings.items() if k != MODEL}
         split["step other"] = step - sum(v for k, v in timings.items() if k != "queue")
         split[REST] = wall_ns - step - timings.get("queue", 0)
         result.bare_us.append(bare_ns / 1e3)
         result.overhead_us.append(overhead / 1e3)
-        result.model_us.append(timings[MODEL] / 1e3)
+        result.model_us.append(model / 1e3)
         for k, v in split.items():
             result.phases_us.setdefault(k, []).append(v / 1e3)
         t0 = time.perf_counter_ns()
@@ -305,6 +316,12 @@ def main() -> None:
         action="store_true",
         help="the second executor: this tree with the host kernels off (the Python paths)",
     )
+    ap.add_argument(
+        "--simulated-step-ms",
+        type=float,
+        metavar="D",
+        help="serve the stand-in accelerator (D ms of device work a step) instead of the model",
+    )
     ap.add_argument("--bare-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server is not None:
@@ -319,6 +336,10 @@ def main() -> None:
         "--max-reqs", str(rows + 1), "--max-batch-size", str(max(sizes)),
         "--kv-slots", str(rows * span + 8), "--max-context-len", str(span + 8),
     ]  # fmt: skip
+    device_ns = None
+    if args.simulated_step_ms:
+        flags += ["--simulated-step-ms", str(args.simulated_step_ms)]
+        device_ns = round(args.simulated_step_ms * 1e6)
     model, simd = cpu_description()
     print(f"# {model} ({simd}); torch {torch.__version__}, grpcio {grpc.__version__}, ", end="")
     print(f"Python {platform.python_version()}; {args.steps} steps per bs after {args.warmup}")
@@ -352,6 +373,7 @@ def main() -> None:
                 first_row=first_row,
                 warmup=args.warmup,
                 baseline=baseline,
+                device_ns=device_ns,
             )
             first_row += bs
             results.append(r)
