@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,43 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
 
 
 @pytest.mark.slow
+def test_step_overhead_under_the_stand_in_counts_its_device_time_as_the_model(
+    cache_dir: Path,
+) -> None:
+    """`--simulated-step-ms D`: the model's time is the stand-in's D, the overhead the wall
+    time minus D (the stand-in's few ops are the executor's host work)."""
+    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, simulated_step_ms=1.0)
+    bare_server, bare_port = step_overhead.start_bare_server()
+    try:
+        with (
+            running_server(config) as running,
+            ExecutorClient(f"127.0.0.1:{running.port}") as executor,
+            ExecutorClient(f"127.0.0.1:{bare_port}") as bare,
+        ):
+            result = step_overhead.measure(
+                executor, bare, bs=1, steps=3, warmup=1, device_ns=1_000_000
+            )
+    finally:
+        bare_server.stop(grace=None)
+    assert result.model_us == [1000.0] * 3
+    for i, overhead in enumerate(result.overhead_us):
+        # The parts: the wall time less the stand-in's ops (`forward`), which take < 1 ms.
+        assert 0 < overhead < sum(values[i] for values in result.phases_us.values())
+
+
+def test_cold_host_times_an_admission_after_each_gap(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import cold_host
+
+    monkeypatch.setattr(sys, "argv", ["cold_host.py", "--repeats", "2"])
+    cold_host.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| before each admission")
+    assert rows[1].startswith("| nothing (back to back) |") and rows[1].endswith("| 1.00x |")
+    assert len(rows) == 1 + 7 and all(row.endswith("x |") for row in rows[1:])
+
+
 def test_constrained_decode_pairs_runs_of_the_same_shapes(cache_dir: Path) -> None:
     """One constrained/unconstrained pair at bs 2: the unconstrained run steps the lengths the
     constrained one had, every step of the constrained run carried a mask, and the table has
