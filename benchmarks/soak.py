@@ -4,6 +4,10 @@ in-process replay (tests/soak.py has the details).
 
     PYTHONPATH=.:proto .venv/bin/python benchmarks/soak.py                      # tiny-random, 10 min
     PYTHONPATH=.:proto .venv/bin/python benchmarks/soak.py --model smollm2 --seconds 120
+    PYTHONPATH=.:proto .venv/bin/python benchmarks/soak.py --simulated-step-ms 1 --seconds 120
+
+`--simulated-step-ms D` serves the stand-in accelerator: steps are launched ahead of the one
+running (the pipelined device thread, which a CPU model's synchronous forward leaves off).
 
 Reports the steps, resident memory (first / last / max of the samples, and the growth after
 the first tenth of the run, when caches and allocator pools are warm) and the rows / slots /
@@ -33,9 +37,14 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=600.0)
     ap.add_argument("--rss-every-s", type=float, default=5.0)
     ap.add_argument("--max-rss-growth-mib", type=float, default=64.0)
+    ap.add_argument("--simulated-step-ms", type=float, default=0.0, help="the stand-in's D")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    config = tiny_config(Path(tempfile.mkdtemp(prefix="soak-")), model=args.model)
+    config = tiny_config(
+        Path(tempfile.mkdtemp(prefix="soak-")),
+        model=args.model,
+        simulated_step_ms=args.simulated_step_ms,
+    )
     result = soak(
         config,
         streams=args.streams,

@@ -179,9 +179,14 @@ def soak(
     runs = [SchedulerRun(i, unary=i >= streams) for i in range(n)]
     process = psutil.Process()
     rss: list[float] = []
-    # A stream holds one gRPC handler thread for its whole life: one per scheduler, plus room.
+    # A stream holds one gRPC handler thread for its whole life: one per scheduler, plus room
+    # (health, GetInfo); each scheduler's call counts against max_forward_calls.
     with running_server(
-        config, queue_size=max(64, 2 * n), stream_window=2, rpc_threads=n + 4
+        config,
+        queue_size=max(64, 2 * n),
+        stream_window=2,
+        rpc_threads=n + 4,
+        max_forward_calls=n,
     ) as server:
         target = f"127.0.0.1:{server.port}"
         t0 = time.monotonic()
