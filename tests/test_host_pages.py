@@ -66,18 +66,17 @@ def test_a_release_stops_a_background_commit_under_way_and_a_commit_backs_them_a
         return madvise(address, length, advice)
 
     monkeypatch.setattr(host_pages, "_madvise", slow)
-    pages = HostPages(64 * MIB)  # 16 chunks: 0.32 s of populate here
+    pages = HostPages(128 * MIB)  # 32 chunks: at least 0.64 s of populate here
     pages.commit(background=True)
     assert started.wait(5)
-    t0 = time.monotonic()
     pages.release()
-    assert time.monotonic() - t0 < 0.2 and len(populated) < 64 * MIB // host_pages.COMMIT_CHUNK
+    assert len(populated) < 128 * MIB // host_pages.COMMIT_CHUNK // 2  # stopped, not finished
     assert not pages.committed and pages._thread is None and not pages.bytes.any()
     populated.clear()
     pages.commit()  # the resume: every chunk, the stop forgotten
     if not pages.committed:
         pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert sum(populated) == 64 * MIB
+    assert sum(populated) == 128 * MIB
 
 
 def test_the_cpu_kv_cache_is_one_zero_mapping_laid_out_as_a_compile_workers() -> None:
