@@ -3,6 +3,7 @@
     python benchmarks/overhead_phases.py                      # bs 1 and 32, 300 steps each
     python benchmarks/overhead_phases.py --batch-sizes 1 --steps 500
     python benchmarks/overhead_phases.py --tree ../old-checkout      # the same, another tree
+    python benchmarks/overhead_phases.py --server-flag=--device=cuda --server-flag=--graph-mode=both
 
 The executor runs in its own process (`python -m executor serve`, the flags of
 `step_overhead.py`) with timing wrappers around the functions of the step's path; a client in
@@ -12,7 +13,9 @@ phase itself burned, robust to other processes' load), and four timestamps for t
 hand-offs (submit -> the device thread's start; the future's resolve -> the RPC thread awake).
 The table gives medians per step; phases nest (a phase's time includes the ones indented
 under it). A wrapper costs about 1 us of its own, so the figures are slightly high; compare
-them with each other, and use `step_overhead.py` for the end-to-end figure.
+them with each other, and use `step_overhead.py` for the end-to-end figure. `--server-flag`
+adds a `serve` flag after those (a later one wins): a GPU's steps (`--device=cuda`, a graph
+mode), or the stand-in accelerator's (`--simulated-step-ms=2`).
 """
 
 from __future__ import annotations
@@ -256,6 +259,13 @@ def main() -> None:
     ap.add_argument(
         "--tree", type=Path, help="serve another checkout's executor (an A/B against it)"
     )
+    ap.add_argument(
+        "--server-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a `serve` flag after the defaults, e.g. --server-flag=--device=cuda (repeatable)",
+    )
     args, rest = ap.parse_known_args()
     if args.tree is not None:  # before anything imports the executor
         root = args.tree.resolve()
@@ -284,6 +294,7 @@ def main() -> None:
             "--model", "tiny-random", "--dtype", "float32", "--graph-mode", "none",
             "--max-reqs", str(bs + 1), "--max-batch-size", str(bs),
             "--kv-slots", str(bs * span + 8), "--max-context-len", str(span + 8),
+            *args.server_flag,
         ]  # fmt: skip
         port = free_port()
         with tempfile.TemporaryDirectory() as tmp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -327,6 +328,32 @@ def test_overhead_phases_names_functions_that_exist() -> None:
     targets = overhead_phases.phase_targets()
     assert len(targets) == sum(1 for p in overhead_phases.PHASES if p[1])
     assert all(callable(getattr(owner, name)) for _, owner, name in targets)
+
+
+@pytest.mark.slow
+def test_overhead_phases_serves_with_the_flags_it_is_given() -> None:
+    """`--server-flag` reaches `serve` after the defaults: under the stand-in accelerator the
+    model's phase is its few ops and the stand-in's wait is device-thread time outside it."""
+    root = Path(__file__).resolve().parents[1]
+    script = str(root / "benchmarks" / "overhead_phases.py")
+    args = ["--batch-sizes", "1", "--steps", "3", "--warmup", "1"]
+    result = subprocess.run(
+        [sys.executable, script, *args, "--server-flag=--simulated-step-ms=20"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {
+        line.split("|")[1].replace("&nbsp;", "").strip(): line.split("|")[2:4]
+        for line in result.stdout.splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["(steps)"][0].strip() == "3"
+    model_wall = float(rows["runner.forward (model)"][0])
+    serve_wall = float(rows["device: _serve"][0])
+    assert model_wall < 20_000 < serve_wall  # the 20 ms wait: the device thread, not the model
 
 
 def test_metrics_overhead_measures_each_part_on_a_tiny_model() -> None:
