@@ -258,6 +258,7 @@ def stages(out: Path) -> dict[str, Callable[[Context], StageResult]]:
         "graph_memory": device_timing.graph_memory_stage,
         "nccl": nccl,
         "memory_release": device_memory.stage,
+        "host_phases": device_timing.host_phases_stage,
     }
 
 

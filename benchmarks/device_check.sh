@@ -132,4 +132,5 @@ stage kernels 40
 stage graph_memory 90
 stage nccl 20
 stage memory_release 60
+stage host_phases 60
 finish

@@ -15,6 +15,11 @@ process. Device-busy time is the steps' device phases (forward + sample, CUDA ev
 occupancy is that over the run's wall time, beside the executor's phase timers. Reported,
 not judged.
 
+`host_phases`: where a served unary DECODE step's host time goes, phase by phase, on this
+device (`benchmarks/overhead_phases.py` with `--device=cuda --graph-mode=both
+--dtype=bfloat16`; the stand-in accelerator in a dry run): the RPC thread's and the device
+thread's CPU time per phase, and the hand-offs between them. Reported, not judged.
+
 `graph_memory`: a fresh executor with the default bucket ladders (`graph_batch_sizes` and
 `piecewise_token_sizes` empty, max_reqs 128) captures both graph kinds: buckets, graphs,
 seconds, the pool's growth (`CaptureReport.memory_bytes`) and the device's free-memory drop.
@@ -23,8 +28,12 @@ seconds, the pool's growth (`CaptureReport.memory_bytes`) and the device's free-
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -313,6 +322,34 @@ def occupancy_stage(ctx: Context) -> StageResult:
         f"{k} {v:.0%}" for k, v in out["occupancy"].items()
     )
     return StageResult("FAIL" if failures else "PASS", figures_text, lines, out)
+
+
+def host_phases_stage(ctx: Context) -> StageResult:
+    """`overhead_phases.py` in its own processes (the profiled server and its client)."""
+    flags = ["--device=cuda", "--graph-mode=both", "--dtype=bfloat16"]
+    if not ctx.cuda:
+        flags = ["--simulated-step-ms=2"]
+    steps, warmup = (10, 3) if ctx.dry_run else (300, 30)
+    script = Path(__file__).with_name("overhead_phases.py")
+    cmd = [sys.executable, str(script), "--batch-sizes", "1,8", "--steps", str(steps)]
+    cmd += ["--warmup", str(warmup), *(f"--server-flag={f}" for f in flags)]
+    budget = float(os.environ.get("DEVICE_CHECK_STAGE_S", "60")) - 5
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).splitlines()[-20:]
+        return StageResult("FAIL", f"overhead_phases exited {done.returncode}", tail)
+    lines = [x for x in done.stdout.splitlines() if x.startswith(("|", "##"))]
+    cpu: dict[str, str] = {}  # "bs 1, RPC thread CPU" -> us a step
+    bs = ""
+    for x in lines:
+        if x.startswith("## "):
+            bs = x[3:].split(":")[0]
+        elif x.startswith("| **"):
+            cpu[f"{bs}, {x.split('**')[1]}"] = x.split("|")[3].strip()
+    figures = f"{' '.join(flags)}; a step's CPU: " + ", ".join(
+        f"{k} {v} us" for k, v in cpu.items()
+    )
+    return StageResult("PASS", figures, lines, {"cpu_us": cpu, "stdout": done.stdout})
 
 
 def graph_memory_stage(ctx: Context) -> StageResult:

@@ -28,6 +28,7 @@ STAGES = [
     "graph_memory",
     "nccl",
     "memory_release",
+    "host_phases",
 ]
 
 
