@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -334,11 +335,20 @@ def host_phases_stage(ctx: Context) -> StageResult:
     cmd = [sys.executable, str(script), "--batch-sizes", "1,8", "--steps", str(steps)]
     cmd += ["--warmup", str(warmup), *(f"--server-flag={f}" for f in flags)]
     budget = float(os.environ.get("DEVICE_CHECK_STAGE_S", "60")) - 5
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
-    if done.returncode != 0:
-        tail = (done.stdout + done.stderr).splitlines()[-20:]
-        return StageResult("FAIL", f"overhead_phases exited {done.returncode}", tail)
-    lines = [x for x in done.stdout.splitlines() if x.startswith(("|", "##"))]
+    # A session of its own: out of time, its profiled server goes with it (it holds the GPU).
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=budget)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return StageResult("FAIL", f"overhead_phases ran past {budget:.0f} s")
+    if proc.returncode != 0:
+        tail = (stdout + stderr).splitlines()[-20:]
+        return StageResult("FAIL", f"overhead_phases exited {proc.returncode}", tail)
+    lines = [x for x in stdout.splitlines() if x.startswith(("|", "##"))]
     cpu: dict[str, str] = {}  # "bs 1, RPC thread CPU" -> us a step
     bs = ""
     for x in lines:
@@ -349,7 +359,7 @@ def host_phases_stage(ctx: Context) -> StageResult:
     figures = f"{' '.join(flags)}; a step's CPU: " + ", ".join(
         f"{k} {v} us" for k, v in cpu.items()
     )
-    return StageResult("PASS", figures, lines, {"cpu_us": cpu, "stdout": done.stdout})
+    return StageResult("PASS", figures, lines, {"cpu_us": cpu, "stdout": stdout})
 
 
 def graph_memory_stage(ctx: Context) -> StageResult:
