@@ -330,9 +330,9 @@ def host_phases_stage(ctx: Context) -> StageResult:
     flags = ["--device=cuda", "--graph-mode=both", "--dtype=bfloat16"]
     if not ctx.cuda:
         flags = ["--simulated-step-ms=2"]
-    steps, warmup = (10, 3) if ctx.dry_run else (300, 30)
+    sizes, steps, warmup = ("1", 10, 3) if ctx.dry_run else ("1,8", 300, 30)
     script = Path(__file__).with_name("overhead_phases.py")
-    cmd = [sys.executable, str(script), "--batch-sizes", "1,8", "--steps", str(steps)]
+    cmd = [sys.executable, str(script), "--batch-sizes", sizes, "--steps", str(steps)]
     cmd += ["--warmup", str(warmup), *(f"--server-flag={f}" for f in flags)]
     budget = float(os.environ.get("DEVICE_CHECK_STAGE_S", "60")) - 5
     # A session of its own: out of time, its profiled server goes with it (it holds the GPU).
