@@ -12,15 +12,13 @@ import pytest
 
 from benchmarks import constrained_decode, step_overhead
 from executor.client.grpc_client import ExecutorClient
+from executor.config import ExecutorConfig
 from tests.server_util import running_server, tiny_config
 
 
-def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
-    cache_dir: Path,
-) -> None:
-    """Three bs-1 steps against an in-process executor and bare server: every step has a bare
-    round trip, a model forward and an overhead whose parts add up to it."""
-    config = tiny_config(cache_dir, graph_mode="none", max_reqs=4)
+def _measured(config: ExecutorConfig, device_ns: int | None = None) -> step_overhead.Result:
+    """Three bs-1 steps of `step_overhead.measure` against an in-process executor on `config`
+    and the bare server."""
     bare_server, bare_port = step_overhead.start_bare_server()
     try:
         with (
@@ -28,9 +26,19 @@ def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
             ExecutorClient(f"127.0.0.1:{running.port}") as executor,
             ExecutorClient(f"127.0.0.1:{bare_port}") as bare,
         ):
-            result = step_overhead.measure(executor, bare, bs=1, steps=3, warmup=1)
+            return step_overhead.measure(
+                executor, bare, bs=1, steps=3, warmup=1, device_ns=device_ns
+            )
     finally:
         bare_server.stop(grace=None)
+
+
+def test_step_overhead_splits_the_executor_overhead_and_times_a_bare_round_trip(
+    cache_dir: Path,
+) -> None:
+    """Three bs-1 steps against an in-process executor and bare server: every step has a bare
+    round trip, a model forward and an overhead whose parts add up to it."""
+    result = _measured(tiny_config(cache_dir, graph_mode="none", max_reqs=4))
 
     assert result.bs == 1
     assert len(result.bare_us) == len(result.overhead_us) == len(result.model_us) == 3
@@ -56,18 +64,7 @@ def test_step_overhead_under_the_stand_in_counts_its_device_time_as_the_model(
     """`--simulated-step-ms D`: the model's time is the stand-in's D, the overhead the wall
     time minus D (the stand-in's few ops are the executor's host work)."""
     config = tiny_config(cache_dir, graph_mode="none", max_reqs=4, simulated_step_ms=1.0)
-    bare_server, bare_port = step_overhead.start_bare_server()
-    try:
-        with (
-            running_server(config) as running,
-            ExecutorClient(f"127.0.0.1:{running.port}") as executor,
-            ExecutorClient(f"127.0.0.1:{bare_port}") as bare,
-        ):
-            result = step_overhead.measure(
-                executor, bare, bs=1, steps=3, warmup=1, device_ns=1_000_000
-            )
-    finally:
-        bare_server.stop(grace=None)
+    result = _measured(config, device_ns=1_000_000)
     assert result.model_us == [1000.0] * 3
     assert "forward" in result.phases_us  # the stand-in's own ops: host work
     for i, overhead in enumerate(result.overhead_us):
