@@ -461,7 +461,7 @@ def test_a_graph_mode_changed_in_the_update_itself_freezes_what_it_loaded(
     freezes the heap again (`heap.refreeze`; a no-op outside `serve`)."""
     ex = make_executor(graph_mode="decode", graph_batch_sizes="1")
     frozen: list[str] = []
-    monkeypatch.setattr(heap, "refreeze", lambda: frozen.append(ex.toggles.graph_mode) or 0)
+    monkeypatch.setattr(heap, "refreeze", lambda: frozen.append(ex.toggles.graph_mode))
     control = _runtime_control(ex)
     control.update(RuntimeConfigUpdate(log_level="info"))
     assert frozen == []  # nothing of the graphs changed

@@ -13,7 +13,8 @@ of only what the start-up added. `refreeze` freezes what a later install added
 collector off (`graphs.step_threads.collections_paused`), so all it added is in the youngest
 generation, and even a collection of that one would walk all of it (the load's garbage cycles
 stay). A frozen object is still freed when its last reference goes; only a cycle among frozen
-objects is never collected.
+objects is never collected. Neither call counts the frozen objects (`gc.get_freeze_count`
+walks the whole permanent generation, holding the GIL as long as a collection of it would).
 
 The state is the process's (the collector's is): only a process's own entry point freezes
 (`serve`, a tensor-parallel worker), never a library caller such as an in-process test server.
@@ -26,24 +27,21 @@ import gc
 _frozen = False
 
 
-def freeze(*, collect: bool = True) -> int:
+def freeze(*, collect: bool = True) -> None:
     """Collect what is not frozen yet (`collect`; without it, a garbage cycle alive now is
-    kept for the process's life), then freeze everything alive now; the objects frozen in
-    all."""
+    kept for the process's life), then freeze everything alive now."""
     global _frozen
     if collect:
         gc.collect()
     gc.freeze()
     _frozen = True
-    return gc.get_freeze_count()
 
 
-def refreeze() -> int:
-    """In a process that froze its heap: freeze what was added since, without a collection;
-    elsewhere nothing. The objects frozen in all."""
+def refreeze() -> None:
+    """In a process that froze its heap: freeze what was added since, without a collection
+    (microseconds: the young generations join the permanent one); elsewhere nothing."""
     if _frozen:
         gc.freeze()
-    return gc.get_freeze_count()
 
 
 def frozen() -> bool:
