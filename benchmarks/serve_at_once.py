@@ -23,6 +23,8 @@ its own process.
    (against the cold one: the issue's <= 10%).
 
 `--idle-probe`: an eager server's steps back to back and after idle gaps, nothing else.
+`--warm-only`: 3 alone, on a `--cache-dir` an earlier run compiled into, with no server beside
+it (the steps start at ready): two trees' loads compared, each on its own warm cache dir.
 `--first-token-only`: 1 and 3's first tokens, no steps (the background compile is not waited
 for: the first token does not depend on it). `--model tiny-random`: the compile and restart
 figures of a small model (a compile of minutes, not tens of minutes, on a busy machine).
@@ -401,6 +403,38 @@ def idle_probe(cache_dir: Path, model: str, steps: int = 40) -> None:
         server.wait(timeout=120)
 
 
+def report(run: Run, base: float) -> None:
+    """A run's steps during its capture, against `base` (an eager median) and, step by step,
+    against the eager server beside it."""
+    during = run.during_ms or [float("nan")]
+    print(
+        f"{run.name}: first token {run.first_token_s:.1f} s ({run.answer!r}); compiled path "
+        f"after {run.compiled_s or float('nan'):.1f} s; {len(run.during_ms)} steps meanwhile, "
+        f"p99 {percentile(during, 99):.1f} ms = {percentile(during, 99) / base:.2f}x the "
+        f"eager median {base:.1f} ms (max {max(during):.1f} ms); after: "
+        f"{statistics.median(run.after_ms):.1f} ms on {sorted(set(run.paths_after))}"
+    )
+    for phase, busy in (("back to back", True), ("paced", False)):
+        xs = [ms for ms, b in zip(run.during_ms, run.during_busy, strict=True) if b is busy]
+        if not xs:
+            continue
+        line = (
+            f"  {phase}: {len(xs)} steps, median {statistics.median(xs):.1f} ms = "
+            f"{statistics.median(xs) / base:.2f}x, p99 {percentile(xs, 99):.1f} ms = "
+            f"{percentile(xs, 99) / base:.2f}x"
+        )
+        near = [ms for ms, b in zip(run.beside_ms, run.beside_busy, strict=True) if b is busy]
+        if near:
+            m = statistics.median(near)
+            line += (
+                f"; the eager server beside it ({len(near)} steps, the worker running in "
+                f"{run.beside_worker_ran}): median {m:.1f} ms, p99 "
+                f"{percentile(near, 99):.1f} ms; meanwhile against it: median "
+                f"{statistics.median(xs) / m:.2f}x, p99 {percentile(xs, 99) / m:.2f}x"
+            )
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="the default model unless a smoke test")
@@ -423,6 +457,12 @@ def main() -> None:
         action="store_true",
         help="cold and warm launches to the first token only (no steps, no wait for the compile)",
     )
+    ap.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="3 alone, on the compiled steps an earlier run left in --cache-dir (e.g. to compare"
+        " two trees' loads, each on its own warm cache dir)",
+    )
     args = ap.parse_args()
     cpu, flags = cpu_description()
     work = Path(args.cache_dir or tempfile.mkdtemp(prefix="serve-at-once-"))
@@ -435,6 +475,18 @@ def main() -> None:
     )
     if args.idle_probe:
         idle_probe(cache, args.model)
+        return
+    if args.warm_only:
+        if not cache.exists():
+            raise SystemExit(f"--warm-only: {cache} holds no earlier run's compiled steps")
+        warm = measure("warm", cache, [], args)  # no server beside: steps from ready on
+        during = warm.during_ms or [float("nan")]
+        print(
+            f"load after: {os.getloadavg()}\nwarm: {len(warm.during_ms)} steps while the saved "
+            f"steps load: median {statistics.median(during):.1f} ms, p99 "
+            f"{percentile(during, 99):.1f} ms, max {max(during):.1f} ms; compiled path after "
+            f"{warm.compiled_s or float('nan'):.1f} s, then {statistics.median(warm.after_ms):.1f} ms"
+        )
         return
     cold = measure("cold", cache, [], args, besides=True)
     if args.first_token_only:
@@ -451,33 +503,7 @@ def main() -> None:
         "(the machine's own spread, no compile)"
     )
     for run in (cold, warm):
-        during = run.during_ms or [float("nan")]
-        print(
-            f"{run.name}: first token {run.first_token_s:.1f} s ({run.answer!r}); compiled path "
-            f"after {run.compiled_s or float('nan'):.1f} s; {len(run.during_ms)} steps meanwhile, "
-            f"p99 {percentile(during, 99):.1f} ms = {percentile(during, 99) / base:.2f}x the "
-            f"eager median {base:.1f} ms (max {max(during):.1f} ms); after: "
-            f"{statistics.median(run.after_ms):.1f} ms on {sorted(set(run.paths_after))}"
-        )
-        for phase, busy in (("back to back", True), ("paced", False)):
-            xs = [ms for ms, b in zip(run.during_ms, run.during_busy, strict=True) if b is busy]
-            if not xs:
-                continue
-            line = (
-                f"  {phase}: {len(xs)} steps, median {statistics.median(xs):.1f} ms = "
-                f"{statistics.median(xs) / base:.2f}x, p99 {percentile(xs, 99):.1f} ms = "
-                f"{percentile(xs, 99) / base:.2f}x"
-            )
-            near = [ms for ms, b in zip(run.beside_ms, run.beside_busy, strict=True) if b is busy]
-            if near:
-                m = statistics.median(near)
-                line += (
-                    f"; the eager server beside it ({len(near)} steps, the worker running in "
-                    f"{run.beside_worker_ran}): median {m:.1f} ms, p99 "
-                    f"{percentile(near, 99):.1f} ms; meanwhile against it: median "
-                    f"{statistics.median(xs) / m:.2f}x, p99 {percentile(xs, 99) / m:.2f}x"
-                )
-            print(line)
+        report(run, base)
     if cold.compiled_s and warm.compiled_s:
         print(f"restart to the compiled path: {warm.compiled_s / cold.compiled_s:.1%} of cold")
 

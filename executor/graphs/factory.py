@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from executor.core.names import GRAPH_BACKENDS, GRAPH_COMPILERS, INDUCTOR
+from executor.graphs import code_cache
 from executor.graphs.artifacts import ArtifactStore
 from executor.graphs.compile_compat import raise_recompile_limits
 from executor.graphs.graph import CompiledGraph, CpuGraph, CudaGraph, Graph
@@ -136,9 +137,11 @@ class GraphFactory:
         """Before capturing `graphs` more graphs. For the compiled backends: room in dynamo's
         recompile limit (the compiled halves are one code object with one entry per shape,
         two where the first layer's residual differs). Their on-disk caches live under the
-        cache dir (`executor.graphs.compile_cache`)."""
+        cache dir (`executor.graphs.compile_cache`), and the code objects of inductor's
+        generated modules beside them (`executor.graphs.code_cache`)."""
         if not self.compiles:
             return
+        code_cache.install()
         raise_recompile_limits(2 * graphs, 4 * graphs)
 
     @contextmanager
