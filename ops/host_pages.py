@@ -9,6 +9,7 @@ interpreter lock) while other threads write into the memory. `release` drops the
 (`MADV_DONTNEED`): the resident set shrinks before it returns, the addresses stay (views and
 the code that holds them stay valid), and the memory reads as zero again; `commit` takes it
 back. Where the kernel has no populate advice, pages are backed as they are first written.
+`resident_bytes` counts the pages backed now (`mincore`): what a release gives back.
 
 The populate holds the memory-map lock, which a step's allocations and page faults wait for:
 a background commit runs inside the caller's `yielding` context (a server's `IdleGate`: its
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+import numpy as np
 import torch
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>; not in Python's mmap module before 3.13
@@ -36,6 +38,7 @@ COMMIT_CHUNK = 4 << 20  # bytes populated under one hold of the memory-map lock
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     return libc
 
 
@@ -93,21 +96,36 @@ class HostPages:
                 return
         self.committed = bool(self.nbytes)
 
+    def resident_bytes(self) -> int:
+        """The bytes of the mapping backed by memory now (`mincore`); `nbytes` where the
+        kernel cannot say."""
+        if not self.nbytes:
+            return 0
+        pages = -(-self.nbytes // mmap.PAGESIZE)
+        vec = np.zeros(pages, dtype=np.uint8)
+        if _libc().mincore(self.bytes.data_ptr(), self.nbytes, vec.ctypes.data) != 0:
+            return self.nbytes
+        return min(self.nbytes, int(np.count_nonzero(vec & 1)) * mmap.PAGESIZE)
+
     def wait(self) -> None:
         """Until a background commit has ended."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Give every page back to the system now; the memory reads as zero after. A
         background commit under way stops at its next chunk (what it backed is given back
-        too), not committing pages only to drop them."""
+        too), not committing pages only to drop them. The bytes given back: those resident
+        just before."""
         self._stop.set()
         try:
             self.wait()
         finally:
             self._stop.clear()
+        resident = self.resident_bytes()
         if self.nbytes and _madvise(self.bytes.data_ptr(), self.nbytes, MADV_DONTNEED):
             self.bytes.zero_()  # no advice: at least the content is what a release leaves
+            resident = 0  # and nothing was given back
         self.committed = False
+        return resident

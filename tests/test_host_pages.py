@@ -41,9 +41,10 @@ def test_a_release_gives_the_pages_back_in_place_and_they_read_zero() -> None:
     view = pages.view(torch.float32, (16, MIB))
     view.fill_(1.5)  # every page backed
     address = view.data_ptr()
+    assert pages.resident_bytes() == 64 * MIB
     before = resident_bytes()
-    pages.release()
-    assert before - resident_bytes() >= 0.9 * 64 * MIB
+    assert pages.release() == 64 * MIB  # what it gave back
+    assert before - resident_bytes() >= 0.9 * 64 * MIB and pages.resident_bytes() == 0
     assert view.data_ptr() == address and not view.any()
     view[3, 5] = 2.0  # usable at once, the same view
     pages.commit()
@@ -69,8 +70,9 @@ def test_a_release_stops_a_background_commit_under_way_and_a_commit_backs_them_a
     pages = HostPages(128 * MIB)  # 32 chunks: at least 0.64 s of populate here
     pages.commit(background=True)
     assert started.wait(5)
-    pages.release()
+    freed = pages.release()
     assert len(populated) < 128 * MIB // host_pages.COMMIT_CHUNK // 2  # stopped, not finished
+    assert freed in (sum(populated), 0)  # what the chunks backed (0: no populate advice here)
     assert not pages.committed and pages._thread is None and not pages.bytes.any()
     populated.clear()
     pages.commit()  # the resume: every chunk, the stop forgotten

@@ -85,6 +85,26 @@ def test_release_gives_memory_back_before_answering_and_resume_restores_it(
     assert greedy(ex) == before
 
 
+def test_a_kv_release_reports_the_pages_that_were_resident(cache_dir: Path) -> None:
+    """The CPU's KV mapping is backed in the server's idle time and where steps write: a
+    release before that commit is done gives back, and says, only what was resident (a
+    resume takes the whole mapping)."""
+    ex = ModelExecutor(config(cache_dir, kv_slots=8192))
+    pages = ex.kv_pool.pages
+    assert pages is not None
+    pages.release()  # as if the commit had not run yet: no page backed
+    assert pages.resident_bytes() == 0 == ex.weights.memory.nbytes(KV_CACHE)
+    ex.forward(
+        make_extend_batch(input_ids=[[5, 6, 7]], req_pool_indices=[2], out_cache_loc=[[9, 10, 11]])
+    )
+    written = ex.weights.memory.nbytes(KV_CACHE)  # the pages the step's KV writes backed
+    assert 0 < written < pages.nbytes // 8
+    report = ex.weights.release((KV_CACHE,))
+    assert report.nbytes == written and pages.resident_bytes() == 0
+    assert ex.weights.memory.nbytes(KV_CACHE) == written  # released: what it gave back
+    assert ex.weights.resume((KV_CACHE,), from_update=False).nbytes == pages.nbytes
+
+
 def test_weights_resumed_from_an_update_wait_for_every_tensor(
     tmp_path: Path, cache_dir: Path
 ) -> None:

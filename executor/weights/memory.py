@@ -8,7 +8,9 @@ backends, which read the parameters at each replay) are untouched; the memory's 
 change, so CUDA graphs, which captured addresses, are captured again after a resume (the
 caller's: `executor.weights.control`). oneDNN-packed weights, which have no storage, are
 dropped from their table and packed again (`PackedWeight.release` / `restore`). The CPU's KV
-cache, a mapping of its own (`ops.host_pages`), is given back and taken again in place.
+cache, a mapping of its own (`ops.host_pages`), is given back and taken again in place. A
+release's figure is what it gave back: the KV mapping counts its resident pages (it is backed
+in the server's idle time); a resume's is all the tag takes.
 
 "Back to the system" is checked, not assumed: on CUDA the caching allocator's free blocks
 are returned (`empty_cache`) so `mem_get_info` counts them free; on the CPU glibc is asked to
@@ -161,11 +163,21 @@ class _Held:
     storages: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     packed: list[PackedLinear] = field(default_factory=list)
     pages: HostPages | None = None  # the CPU's KV cache: a mapping given back in place
+    freed: int = 0  # released: the bytes its release gave back
 
     @property
-    def nbytes(self) -> int:
+    def allocated(self) -> int:
+        """What the tag's memory takes when it is all backed (a resume's figure)."""
         mapped = self.pages.nbytes if self.pages is not None else 0
         return sum(n for _, n in self.storages) + sum(m.packed.nbytes for m in self.packed) + mapped
+
+    @property
+    def resident(self) -> int:
+        """What it holds now: the KV mapping counts only its backed pages (it is committed in
+        the server's idle time, and pages a step wrote are backed before)."""
+        if self.pages is None:
+            return self.allocated
+        return self.allocated - self.pages.nbytes + self.pages.resident_bytes()
 
 
 class TaggedMemory:
@@ -216,10 +228,10 @@ class TaggedMemory:
         return list(self.model.state_dict(keep_vars=True).items())
 
     def nbytes(self, tag: str) -> int:
-        """Bytes the tag holds now (released: what it held)."""
+        """Bytes the tag holds in memory now (released: what its release gave back)."""
         if tag in self._held:
-            return self._held[tag].nbytes
-        return self._collect(tag).nbytes
+            return self._held[tag].freed
+        return self._collect(tag).resident
 
     def _collect(self, tag: str) -> _Held:
         if tag == KV_CACHE and self.kv_pool.pages is not None:
@@ -243,16 +255,18 @@ class TaggedMemory:
         return held
 
     def release(self, tag: str) -> int:
-        """Give `tag`'s memory back to the system; the bytes freed. Checked whole first."""
+        """Give `tag`'s memory back to the system; the bytes freed (what was resident).
+        Checked whole first."""
         if tag in self._held:
             return 0
         held = self._collect(tag)  # raises before anything is freed
+        held.freed = held.allocated
         for t, _ in held.storages:
             t.untyped_storage().resize_(0)
         for m in held.packed:
             m.packed.release()
         if held.pages is not None:
-            held.pages.release()
+            held.freed += held.pages.release() - held.pages.nbytes
         self._held[tag] = held
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -260,7 +274,7 @@ class TaggedMemory:
         if key is not None:
             POOLS.discard(key)  # retired: its segments, every block free, go back below
         give_back(self.device)
-        return held.nbytes
+        return held.freed
 
     def resume(self, tag: str) -> int:
         """Take `tag`'s memory back, zeroed (packed weights: packed zeros); the bytes."""
@@ -277,4 +291,4 @@ class TaggedMemory:
             for m in held.packed:
                 zeros = torch.zeros(m.out_features, m.in_features)
                 m.packed.restore(m.packed.pack(zeros))
-        return held.nbytes
+        return held.allocated
