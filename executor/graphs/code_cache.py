@@ -30,7 +30,6 @@ from types import CodeType
 from typing import Any
 
 SUFFIX = ".code"  # the kept file: `<source path>.<key>.code`
-_LOCK = threading.Lock()
 
 
 def kept_path(source: bytes, filename: str) -> Path:
@@ -73,18 +72,17 @@ def _compile(source: Any, filename: Any, mode: str, *args: Any, **kwargs: Any) -
 
 
 def install() -> bool:
-    """Route inductor's module loader through `compile_kept`, once per process (imports
-    inductor's runtime: call it where a compile or load is about to). False where this torch
+    """Route inductor's module loader through `compile_kept` (idempotent; imports inductor's
+    runtime: call it where a compile or load is about to). False where this torch
     has no such loader (then modules compile as inductor does itself)."""
-    with _LOCK:
-        try:
-            from torch._inductor.runtime import compile_tasks
-        except ImportError:  # pragma: no cover - a torch without inductor's runtime
-            return False
-        if not hasattr(compile_tasks, "_reload_python_module"):
-            return False  # pragma: no cover - another torch's loader
-        compile_tasks.compile = _compile  # type: ignore[attr-defined]  # its global, not builtins'
-        return True
+    try:
+        from torch._inductor.runtime import compile_tasks
+    except ImportError:  # pragma: no cover - a torch without inductor's runtime
+        return False
+    if not hasattr(compile_tasks, "_reload_python_module"):
+        return False  # pragma: no cover - another torch's loader
+    compile_tasks.compile = _compile  # type: ignore[attr-defined]  # its global, not builtins'
+    return True
 
 
 def installed() -> bool:

@@ -166,18 +166,21 @@ class _Held:
     freed: int = 0  # released: the bytes its release gave back
 
     @property
+    def allocator_bytes(self) -> int:
+        """The storages' and packed weights' bytes (resident whenever held)."""
+        return sum(n for _, n in self.storages) + sum(m.packed.nbytes for m in self.packed)
+
+    @property
     def allocated(self) -> int:
         """What the tag's memory takes when it is all backed (a resume's figure)."""
-        mapped = self.pages.nbytes if self.pages is not None else 0
-        return sum(n for _, n in self.storages) + sum(m.packed.nbytes for m in self.packed) + mapped
+        return self.allocator_bytes + (self.pages.nbytes if self.pages is not None else 0)
 
     @property
     def resident(self) -> int:
         """What it holds now: the KV mapping counts only its backed pages (it is committed in
         the server's idle time, and pages a step wrote are backed before)."""
-        if self.pages is None:
-            return self.allocated
-        return self.allocated - self.pages.nbytes + self.pages.resident_bytes()
+        pages = self.pages.resident_bytes() if self.pages is not None else 0
+        return self.allocator_bytes + pages
 
 
 class TaggedMemory:
@@ -260,13 +263,13 @@ class TaggedMemory:
         if tag in self._held:
             return 0
         held = self._collect(tag)  # raises before anything is freed
-        held.freed = held.allocated
+        held.freed = held.allocator_bytes
         for t, _ in held.storages:
             t.untyped_storage().resize_(0)
         for m in held.packed:
             m.packed.release()
         if held.pages is not None:
-            held.freed += held.pages.release() - held.pages.nbytes
+            held.freed += held.pages.release()  # its resident pages
         self._held[tag] = held
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
