@@ -17,9 +17,9 @@ PORT ?= 50051
 PYTEST_ARGS ?=
 # `make test` and `test-fast` run the tests in this many processes (pytest-xdist; 0: in this
 # one). Much of it waits on servers, subprocesses and compiles: on two cores three workers
-# keep the cores busier than two and end the gate sooner (docs/performance.md, "Figures behind
-# choices in the code"). Each runs torch on one intra-op thread (OMP_NUM_THREADS, unless set), so
-# that none waits at an OpenMP barrier for a thread another displaced. A worker that runs out
+# keep the cores busier than two and end the gate sooner (docs/choices.md). Each runs torch on
+# one intra-op thread (OMP_NUM_THREADS, unless set), so that none waits at an OpenMP barrier
+# for a thread another displaced. A worker that runs out
 # of tests takes queued ones from another (worksteal), so a long test near the end does not
 # leave a core idle.
 TEST_WORKERS ?= 3

@@ -408,7 +408,7 @@ class DtypeChoice:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: the CPUs where bfloat16 matmuls are not emulated (slower than
-    float32 elsewhere: docs/performance.md)."""
+    float32 elsewhere: docs/choices.md)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

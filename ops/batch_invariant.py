@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 # Rows per GEMM call: of 2 to 32 rows, the best balance of SmolLM2's bs-1 and bs-32 steps
-# (docs/performance.md); at this size every row position gives the same result (MKL and
+# (docs/choices.md); at this size every row position gives the same result (MKL and
 # oneDNN, float32 and bfloat16: tests/test_batch_invariant.py). A bs-1 step multiplies 16 rows.
 TILE_ROWS = 16
 # Key lengths are multiples of this: a request's real keys then never fall in a vector tail,

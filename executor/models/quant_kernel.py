@@ -15,7 +15,7 @@ Which kernel the quantized linears run on (`quant_kernel`):
 - `torch`: torch's own weight-only kernels (`_weight_int4pack_mm*`, bfloat16 activations; an
   8-bit block as two int4 terms);
 - `auto`: `torch` for bfloat16 activations on a CPU with native bfloat16 (there it is as fast
-  as qmm and closer to float32: docs/performance.md); else `qmm` on a CPU where it builds and
+  as qmm and closer to float32: docs/choices.md); else `qmm` on a CPU where it builds and
   loads (x86-64 with AVX2 and a C compiler); else `torch`; with the reason.
 Only group-quantized weights (GGUF blocks, `int4`) take it; `int8`'s per-channel weights run
 torch's int8 kernel either way.
