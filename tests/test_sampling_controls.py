@@ -253,7 +253,7 @@ def test_a_refused_or_failed_batch_leaves_the_row_state(
         return (
             [t.clone().numpy() for t in state.device.values()]
             + [a.copy() for a in state.host.values()]
-            + [state.active.copy()]
+            + [state.active.copy(), np.array(state.any_active)]
         )
 
     before = snapshot()
@@ -501,7 +501,8 @@ def test_an_idle_release_clears_a_rows_controls(make_executor: MakeExecutor) -> 
     d = Driver(ex)
     d.prefill({4: PROMPT}, {4: CONTROLS["all_penalties"]})
     state = ex.controls.state
-    assert state.active[4]
+    assert state.active[4] and state.any_active
     ex.forward(dataclasses.replace(make_idle_batch(), released_req_pool_indices=torch.tensor([4])))
     assert not state.active[4]
+    assert not state.any_active  # no row left with a control: admission's one look says so
     assert float(state.device["repetition"][4]) == 1.0

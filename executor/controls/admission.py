@@ -82,7 +82,7 @@ def admit_controls(
     eos_token_ids: tuple[int, ...],
 ) -> ControlsStep | None:
     asks = bool(batch.row_controls) or batch.vocab_mask is not None
-    if not asks and batch.deferred_mask is None and not state.active.any():
+    if not asks and batch.deferred_mask is None and not state.any_active:
         return None  # no row anywhere has controls: the usual step, one look
     rows = batch.req_pool_indices.numpy().astype(np.int64, copy=False)
     released = (

@@ -92,6 +92,9 @@ class RowControlState:
             self.device[name] = torch.from_numpy(getattr(neutral, name).copy()).to(device)
         self.host: dict[str, np.ndarray] = {name: getattr(neutral, name).copy() for name in _HOST}
         self.active = np.zeros(n, dtype=bool)  # the row uses any control
+        # Some row does: kept with `active` (it changes only when controls are written), so
+        # a step in a server where no row uses a control looks once, without a numpy call.
+        self.any_active = False
 
     def neutral(self, rows: np.ndarray) -> RowValues:
         """The values of a row with no controls."""
@@ -147,3 +150,4 @@ class RowControlState:
             | h["has_token_mask"][rows]
             | (h["min_len"][rows] > 0)
         )
+        self.any_active = bool(self.active.any())

@@ -26,6 +26,9 @@ from executor.models.decoder_model import DecoderModel
 from ops.future_tokens import resolve_future_tokens
 from ops.h2d_staging import StagedField
 
+NO_ROWS = np.zeros(0, dtype=np.int64)  # one shared empty array (read-only), not one a step
+NO_ROWS.flags.writeable = False
+
 
 class Extras:
     def __init__(
@@ -52,7 +55,7 @@ class Extras:
             pooled=self.pooled.counts,
             tp_size=self.tp_size,
         )
-        released = np.zeros(0, dtype=np.int64)
+        released = NO_ROWS
         if host.released_req_pool_indices is not None:
             rows = host.released_req_pool_indices.numpy().astype(np.int64)
             released = rows[self.pooled.counts[rows] > 0]  # rows that pooled something
