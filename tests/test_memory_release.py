@@ -105,6 +105,20 @@ def test_a_kv_release_reports_the_pages_that_were_resident(cache_dir: Path) -> N
     assert ex.weights.resume((KV_CACHE,), from_update=False).nbytes == pages.nbytes
 
 
+def test_a_release_that_cannot_free_a_tag_frees_no_tag(cache_dir: Path) -> None:
+    """Every tag is checked before any is freed: a weight whose memory cannot be released
+    (borrowed, not resizable) refuses the call, and the KV cache asked first stays held."""
+    ex = ModelExecutor(config(cache_dir, kv_slots=8192))
+    name, param = next(iter(ex.model.named_parameters()))
+    borrowed = torch.frombuffer(bytearray(param.numel() * param.element_size()), dtype=param.dtype)
+    param.data = borrowed.view(param.shape).copy_(param.data)
+    weights, resident = digest(ex.model), ex.weights.memory.nbytes(KV_CACHE)
+    with pytest.raises(ModelStateError, match=f"{name}'s memory cannot be released"):
+        ex.weights.release((KV_CACHE, WEIGHTS))
+    assert ex.weights.memory.released == ()
+    assert ex.weights.memory.nbytes(KV_CACHE) == resident and digest(ex.model) == weights
+
+
 def test_weights_resumed_from_an_update_wait_for_every_tensor(
     tmp_path: Path, cache_dir: Path
 ) -> None:

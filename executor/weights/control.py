@@ -302,7 +302,7 @@ class WeightsControl:
                 )
             for tag in tags:  # checked whole before anything is freed
                 if tag not in self.memory.released:
-                    self.memory.nbytes(tag)
+                    self.memory.check(tag)
             if self.leader is not None:
                 with self.leader.holding():
                     ranks.send(self.leader, {"op": "release", "tags": list(tags)})

@@ -236,6 +236,10 @@ class TaggedMemory:
             return self._held[tag].freed
         return self._collect(tag).resident
 
+    def check(self, tag: str) -> None:
+        """Raise what `release(tag)` would raise before it frees anything."""
+        self._collect(tag)
+
     def _collect(self, tag: str) -> _Held:
         if tag == KV_CACHE and self.kv_pool.pages is not None:
             return _Held(pages=self.kv_pool.pages)
