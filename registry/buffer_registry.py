@@ -58,7 +58,10 @@ class BufferRegistry:
         self._sourced: tuple[GraphSlot, ...] = ()  # heads copied from a source_fn
         self._hooks: tuple[GraphSlot, ...] = ()  # post_fill hooks
         self._exposed: tuple[GraphSlot, ...] = ()  # what extract_buffer may put on the batch
+        self._exposed_plain: tuple[str, ...] = ()  # of those, the ones a batch may lack
         self._plans: dict[tuple[tuple[int, int, int, int], tuple[bool, ...]], _FillPlan] = {}
+        # buffer_views per (padded_bs, padded_num_tokens, which plain fields the batch has)
+        self._views: dict[tuple[int, int, tuple[bool, ...]], dict[str, torch.Tensor]] = {}
 
     # --- registration ------------------------------------------------------------------
     def register_slot(self, slot: GraphSlot, bind: torch.Tensor | None = None) -> GraphSlot:
@@ -85,7 +88,11 @@ class BufferRegistry:
         self._sourced = tuple(s for s in live if s.copy_from_fb and s.source_fn is not None)
         self._hooks = tuple(s for s in live if s.post_fill is not None)
         self._exposed = tuple(s for s in live if s.buffer is not None and not s.is_nested)
+        self._exposed_plain = tuple(
+            s.name for s in self._exposed if not s.is_computed and s.source_fn is None
+        )
         self._plans.clear()
+        self._views.clear()
 
     def _allocate(self, slot: GraphSlot, bind: torch.Tensor | None) -> torch.Tensor:
         device = self.slot_device(slot)
@@ -247,14 +254,24 @@ class BufferRegistry:
         self, *, padded_bs: int, padded_num_tokens: int, forward_batch_template: Any
     ) -> dict[str, torch.Tensor]:
         """The fields `extract_buffer` puts on the batch (without `batch_size`): for a caller
-        whose batch type has a cheaper replace than `dataclasses.replace`."""
-        changes: dict[str, torch.Tensor] = {}
-        for slot in self._exposed:
-            plain = not slot.is_computed and slot.source_fn is None
-            if plain and getattr(forward_batch_template, slot.name, None) is None:
-                continue
-            changes[slot.name] = slot.slice_for(padded_bs, padded_num_tokens)
-        return changes
+        whose batch type has a cheaper replace than `dataclasses.replace`. Made once per
+        shape and kept (the buffers never move): read it, do not change it."""
+        present = tuple(
+            getattr(forward_batch_template, name, None) is not None for name in self._exposed_plain
+        )
+        key = (padded_bs, padded_num_tokens, present)
+        views = self._views.get(key)
+        if views is None:
+            lacking = {n for n, here in zip(self._exposed_plain, present, strict=True) if not here}
+            views = {
+                slot.name: slot.slice_for(padded_bs, padded_num_tokens)
+                for slot in self._exposed
+                if slot.name not in lacking
+            }
+            if len(self._views) >= PLANS_PER_REGISTRY:
+                self._views.pop(next(iter(self._views)))
+            self._views[key] = views
+        return views
 
     def extract_buffer(
         self, *, padded_bs: int, padded_num_tokens: int, forward_batch_template: BatchT
@@ -265,10 +282,12 @@ class BufferRegistry:
         carries None (never a stale buffer); computed slots are always exposed; nested
         (dotted) slots are never put on the batch. The template is not mutated.
         """
-        changes: dict[str, Any] = self.buffer_views(
-            padded_bs=padded_bs,
-            padded_num_tokens=padded_num_tokens,
-            forward_batch_template=forward_batch_template,
+        changes: dict[str, Any] = dict(
+            self.buffer_views(
+                padded_bs=padded_bs,
+                padded_num_tokens=padded_num_tokens,
+                forward_batch_template=forward_batch_template,
+            )
         )
         changes["batch_size"] = padded_bs
         return cast(BatchT, dataclasses.replace(cast(Any, forward_batch_template), **changes))

@@ -379,6 +379,24 @@ def test_extract_carries_none_for_a_plain_slot_absent_this_step() -> None:
     assert view.input_embeds is not None and view.input_embeds is not fb.input_embeds
 
 
+def test_buffer_views_are_made_once_per_shape_and_fields_present() -> None:
+    reg = registry_with(
+        GraphSlot("input_ids", tokens, torch.int64),
+        GraphSlot("input_embeds", lambda b, t: (t, 4), torch.float32),
+    )
+    ids = MiniBatch(2, input_ids=i64(1, 2), input_embeds=None)
+    first = reg.buffer_views(padded_bs=2, padded_num_tokens=2, forward_batch_template=ids)
+    again = reg.buffer_views(padded_bs=2, padded_num_tokens=2, forward_batch_template=ids)
+    assert again is first and set(first) == {"input_ids"}  # kept: no slicing a step
+    embeds = MiniBatch(2, input_ids=None, input_embeds=torch.ones(2, 4))
+    other = reg.buffer_views(padded_bs=2, padded_num_tokens=2, forward_batch_template=embeds)
+    assert set(other) == {"input_embeds"}  # which fields a batch has is part of the key
+    wider = reg.buffer_views(padded_bs=4, padded_num_tokens=4, forward_batch_template=ids)
+    assert wider["input_ids"].shape == (4,) and first["input_ids"].shape == (2,)
+    view = reg.extract_buffer(padded_bs=2, padded_num_tokens=2, forward_batch_template=ids)
+    assert view.batch_size == 2 and "batch_size" not in first  # extract adds to a copy
+
+
 def test_extract_always_exposes_computed_slots() -> None:
     reg = registry_with(
         GraphSlot(
