@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import constrained_decode, step_overhead
+from benchmarks import constrained_decode, quant_kernels, step_overhead
 from executor.client.grpc_client import ExecutorClient
 from executor.config import ExecutorConfig
+from ops import qmm
 from tests.server_util import running_server, tiny_config
 
 
@@ -303,6 +304,24 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert all(med >= best > 0 for med, best in m.steps.values())
     assert m.ready_s > 0 and m.graphs_s is None and m.weight_bytes > 0
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
+
+
+def test_quant_kernels_times_qmm_int4_and_float32_for_each_shape_and_row_count(
+    cache_dir: Path,
+) -> None:
+    try:
+        qmm.load(cache_dir)
+    except qmm.QmmUnavailable as e:
+        pytest.skip(f"no qmm kernel on this machine: {e}")
+    rows = quant_kernels.measure({"small": (32, 64), "wide": (48, 96)}, [1, 3], calls=2)
+    assert [(name, r) for name, r, _ in rows] == [
+        ("small", 1),
+        ("small", 3),
+        ("wide", 1),
+        ("wide", 3),
+    ]
+    assert all(set(ms) == {"qmm", "int4", "float32"} for *_, ms in rows)
+    assert all(0 < t < 1000 for *_, ms in rows for t in ms.values())
 
 
 def test_every_benchmark_script_runs_from_a_checkout() -> None:
