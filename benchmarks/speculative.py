@@ -14,7 +14,11 @@ sets, each through the model's chat template:
   is what keeps this set from getting slower).
 
 Per prompt, plain and speculative runs alternate (which goes first alternates too), so a
-drift in the machine's speed lands on both. Both must give the same tokens (greedy: checked).
+drift in the machine's speed lands on both. Both give the same greedy tokens where the forward
+is exact across step shapes (float weights); where activations are quantized (the qmm kernel,
+SmolLM2's default GGUF) a VERIFY step's logits differ from a DECODE step's by the rounding of
+tiny float differences, and two runs may part at a close call: the row counts the runs whose
+tokens are equal and gives where the others parted.
 Reported per set: tokens/s of each mode (all the set's tokens over all its seconds, median over
 the repeats), the speed-up (median of the repeats' ratios, and their range), the mean accepted
 length (tokens a VERIFY step yielded: accepted drafts + 1) and the share of decode steps that
@@ -138,11 +142,18 @@ class SetResult:
     accept_length: float  # tokens per VERIFY step
     verify_share: float  # VERIFY steps / decode steps
     step_ms: dict[str, float]  # "decode forward", "verify total", ... (medians)
+    parted: list[int | None] = field(default_factory=list)  # per run pair: the first differing
+    # token's index, None where both gave the same tokens
+
+    def equal_tokens(self) -> str:
+        same = sum(p is None for p in self.parted)
+        where = sorted(p for p in self.parted if p is not None)
+        return f"{same}/{len(self.parted)}" + (f" (parted at {where})" if where else "")
 
     def row(self) -> str:
         r = sorted(self.ratios)
         return (
-            f"| {self.name} | {statistics.median(self.plain_rates):.1f} | "
+            f"| {self.name} | {self.equal_tokens()} | {statistics.median(self.plain_rates):.1f} | "
             f"{statistics.median(self.spec_rates):.1f} | {statistics.median(r):.2f}x "
             f"({r[0]:.2f}-{r[-1]:.2f}) | {statistics.median(self.e2e_ratios):.2f}x | "
             f"{self.accept_length:.2f} | "
@@ -154,10 +165,10 @@ class SetResult:
 
 
 HEADER = (
-    "| prompts | plain decode tok/s | speculative decode tok/s | speed-up (range) | "
+    "| prompts | equal tokens | plain decode tok/s | speculative decode tok/s | speed-up (range) | "
     "speed-up with prefill | mean accepted length | VERIFY share | "
     "DECODE ms forward / total | VERIFY ms forward / total |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -177,6 +188,7 @@ def measure_set(
     plain_rates, spec_rates, ratios, e2e_ratios = [], [], [], []
     spec_runs: list[Run] = []
     plain_runs: list[Run] = []
+    parted: list[int | None] = []
     for rep in range(repeats):
         seconds = {0: 0.0, speculate: 0.0}
         decode_s = {0: 0.0, speculate: 0.0}
@@ -186,8 +198,7 @@ def measure_set(
             done = {
                 k: generate_one(client, prompt, new_tokens, k, ngram, policy, eos) for k in order
             }
-            if done[0].tokens != done[speculate].tokens:
-                raise SystemExit(f"{name} prompt {i}: speculation changed the greedy tokens")
+            parted.append(_first_difference(done[0].tokens, done[speculate].tokens))
             for k, run in done.items():
                 seconds[k] += run.seconds
                 decode_s[k] += run.seconds - run.first_token_s
@@ -230,7 +241,16 @@ def measure_set(
         accept_length=statistics.mean(gained) if gained else 0.0,
         verify_share=len(verify) / max(1, len(all_decode)),
         step_ms=step_ms,
+        parted=parted,
     )
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The index of the first token where `a` and `b` differ (one ending first counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def encode_prompts(client: ExecutorClient, texts: list[str], cache_dir: str) -> list[list[int]]:

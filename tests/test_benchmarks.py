@@ -142,7 +142,8 @@ def test_extra_outputs_benchmark_times_every_ask_and_builds_plain_steps(cache_di
 @pytest.mark.slow
 def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path) -> None:
     """One prompt whose continuation repeats (drafts accepted), through gRPC: both modes ran,
-    gave the same tokens (the benchmark checks), and the row has every figure."""
+    gave the same tokens (tiny-random's float forward is exact across step shapes), and the
+    row has every figure."""
     from benchmarks import speculative
     from executor.client.speculation import SpeculationPolicy
 
@@ -159,12 +160,14 @@ def test_speculative_benchmark_pairs_plain_and_speculative_runs(cache_dir: Path)
             policy=SpeculationPolicy(min_accepted=0.0),
         )
     assert len(result.ratios) == len(result.plain_rates) == 2 and min(result.ratios) > 0
+    assert result.parted == [None, None] and result.equal_tokens() == "2/2"
     assert result.accept_length > 1.0 and 0 < result.verify_share < 1  # VERIFY on matches only
     assert {"decode forward", "decode total", "verify forward", "verify total"} <= set(
         result.step_ms
     )
     row = result.row()
-    assert row.startswith("| looping | ") and row.count("|") == speculative.HEADER.count("|") // 2
+    assert row.startswith("| looping | 2/2 | ")
+    assert row.count("|") == speculative.HEADER.count("|") // 2
 
 
 @pytest.mark.slow
@@ -304,6 +307,16 @@ def test_vs_llamacpp_measures_a_served_configuration(tmp_path: Path) -> None:
     assert all(med >= best > 0 for med, best in m.steps.values())
     assert m.ready_s > 0 and m.graphs_s is None and m.weight_bytes > 0
     assert any(c.startswith("graph_mode=none (configured)") for c in m.choices)
+
+
+def test_speculative_benchmark_says_where_two_runs_parted() -> None:
+    from benchmarks import speculative
+
+    assert speculative._first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert speculative._first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert speculative._first_difference([1, 2], [1, 2, 3]) == 2  # one ended first
+    result = speculative.SetResult("s", [1.0], [1.0], [1.0], [1.0], 1.0, 0.0, {}, [None, 17])
+    assert result.equal_tokens() == "1/2 (parted at [17])"
 
 
 def test_quant_kernels_times_qmm_int4_and_float32_for_each_shape_and_row_count(
