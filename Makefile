@@ -19,9 +19,8 @@ PYTEST_ARGS ?=
 # one). Much of it waits on servers, subprocesses and compiles: on two cores three workers
 # keep the cores busier than two and end the gate sooner (docs/choices.md). Each runs torch on
 # one intra-op thread (OMP_NUM_THREADS, unless set), so that none waits at an OpenMP barrier
-# for a thread another displaced. A worker that runs out
-# of tests takes queued ones from another (worksteal), so a long test near the end does not
-# leave a core idle.
+# for a thread another displaced. A worker that runs out of tests takes queued ones from
+# another (worksteal), so a long test near the end does not leave a core idle.
 TEST_WORKERS ?= 3
 PYTEST_RUN = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) \
 	--dist worksteal
