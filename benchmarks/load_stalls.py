@@ -15,6 +15,7 @@ compiled path), or it compiles them first (minutes).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor.config import ExecutorConfig
+from executor.core import triton_off
 from executor.model_executor import ModelExecutor
 from executor.service import heap
 
@@ -36,13 +38,19 @@ def stack_line(frame: object) -> str:
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
 
 
+def triton_loaded() -> bool:
+    return "libtriton" in Path("/proc/self/maps").read_text()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    ex = ModelExecutor(ExecutorConfig(model=args.model, cache_dir=args.cache_dir))
+    config = ExecutorConfig(model=args.model, cache_dir=args.cache_dir)
+    triton_off.keep_out_on_cpu(config.device)  # as `serve`
+    ex = ModelExecutor(config)
     ex.warmup()
     heap.freeze()  # as `serve`, and its refreeze once the capture ends
     ex.control.graph_mode_listener = heap.refreeze
@@ -74,6 +82,8 @@ def main() -> None:
     stop.set()
     prober.join()
     print(f"capture ({mode}) {time.perf_counter() - t0:.2f} s; graph mode {ex.toggles.graph_mode}")
+    resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    print(f"resident set after it: {resident / 2**20:.0f} MiB; triton imported: {triton_loaded()}")
     ordered = sorted(wakes)
     print(
         f"probe wakes: {len(ordered)}, late p50 {ordered[len(ordered) // 2] * 1e3:.2f} ms, "

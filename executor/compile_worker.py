@@ -16,6 +16,7 @@ from pathlib import Path
 
 import structlog
 
+from executor.core import triton_off
 from executor.graphs.compile_job import WORKER_NICE, CompileJob
 from executor.parallel.parent_watch import die_with_parent
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # a server that died (even killed) leaves no compile behind
     priority = lower_priority()
     job = CompileJob.from_json(Path(args[0]).read_text())
+    triton_off.keep_out_on_cpu(job.config.device)  # before inductor imports dynamo
     t0 = time.perf_counter()
     log.info("compile worker started", runners=job.runners, nice=priority)
     failed = run_job(job)

@@ -1,14 +1,12 @@
 """Run the executor as a gRPC server: health, reflection, start-up, drain and signals.
 
 Start-up: the port opens first with liveness ("") SERVING and readiness
-(`model_executor.v1.ModelExecutor`) NOT_SERVING; the model loads and warms up; then
-readiness turns SERVING. On SIGTERM/SIGINT (or `drain()`), readiness turns NOT_SERVING,
-new batches get UNAVAILABLE, and everything already accepted finishes within the grace
-period before the port closes; what is still queued at its end is answered UNAVAILABLE,
-so the process always exits within the grace plus a bounded margin.
-
-Observability is per server: its own metrics registry on `metrics_port` (`/metrics`), its own
-tracer provider, and the runtime toggles (`GetRuntimeConfig` / `UpdateRuntimeConfig`).
+(`model_executor.v1.ModelExecutor`) NOT_SERVING; the model loads and warms up; then readiness
+turns SERVING. On SIGTERM/SIGINT (or `drain()`), readiness turns NOT_SERVING, new batches get
+UNAVAILABLE, and everything already accepted finishes within the grace period before the port
+closes; what is still queued at its end is answered UNAVAILABLE, so the process always exits
+within the grace plus a bounded margin. Observability is per server: its own metrics registry
+on `metrics_port` (`/metrics`), its own tracer provider, and the runtime toggles.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
+from executor.core import triton_off
 from executor.core.errors import StartupCancelled
 from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
@@ -420,6 +419,7 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
 
     Under torchrun, ranks other than 0 run the tensor-parallel worker loop instead (no
     ports). When the group fails (a rank died or hangs), exit 1 at once: the pod restarts."""
+    triton_off.keep_out_on_cpu(config.device)  # before a background compile imports dynamo
     endpoint = tp_launch.torchrun_endpoint(config, dict(os.environ))
     if endpoint is not None and endpoint.rank != 0:
         return tp_launch.run_torchrun_worker(config, endpoint, server_config)
