@@ -30,5 +30,6 @@ def keep_out_on_cpu(device: str) -> bool:
         return False
     if sys.modules.get("triton") is not None:
         return False
-    sys.modules["triton"] = None  # importlib's mark for a module that cannot be imported here
+    # importlib's mark for a module that cannot be imported here
+    sys.modules["triton"] = None  # type: ignore[assignment]
     return True
