@@ -31,6 +31,7 @@ def lower_priority() -> int:
 
 def run_job(job: CompileJob) -> dict[str, dict[int, str]]:
     """Build the executor and compile every bucket of the job's mode: the failed buckets."""
+    triton_off.keep_out_on_cpu(job.config.device)  # before inductor imports dynamo
     import torch
     import torch._inductor.config as inductor_config
 
@@ -51,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # a server that died (even killed) leaves no compile behind
     priority = lower_priority()
     job = CompileJob.from_json(Path(args[0]).read_text())
-    triton_off.keep_out_on_cpu(job.config.device)  # before inductor imports dynamo
     t0 = time.perf_counter()
     log.info("compile worker started", runners=job.runners, nice=priority)
     failed = run_job(job)
