@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor.config import ExecutorConfig
-from executor.core import triton_off
 from executor.model_executor import ModelExecutor
 from executor.service import heap
+from ops import triton_off
 
 LATE_S = 0.02  # a wake this late records the other threads' stacks
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import structlog
 
-from executor.core import triton_off
 from executor.graphs.compile_job import WORKER_NICE, CompileJob
 from executor.parallel.parent_watch import die_with_parent
+from ops import triton_off
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""A CPU serving process never imports Triton (`executor.core.triton_off`): torch's dynamo
+"""A CPU serving process never imports Triton (`ops.triton_off`): torch's dynamo
 would, during a background compile or load, holding the interpreter lock while a step waits."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_kept_out_on_the_cpu_only_and_only_before_it_is_imported() -> None:
     # On the CPU: dynamo and inductor import without it, and torch sees no triton.
     assert (
         _run(
-            "import sys; from executor.core.triton_off import keep_out_on_cpu as k\n"
+            "import sys; from ops.triton_off import keep_out_on_cpu as k\n"
             "assert not k('cuda') and not k('cuda:1') and 'triton' not in sys.modules\n"
             "assert k('cpu')\n"
             "import torch._dynamo, torch._inductor.codecache\n"
@@ -45,7 +45,7 @@ def test_kept_out_on_the_cpu_only_and_only_before_it_is_imported() -> None:
     # Imported already (a library caller's process): it stays.
     assert (
         _run(
-            "import triton, sys; from executor.core.triton_off import keep_out_on_cpu as k\n"
+            "import triton, sys; from ops.triton_off import keep_out_on_cpu as k\n"
             "print(k('cpu'), sys.modules['triton'] is triton)"
         )
         == "False True"

@@ -25,7 +25,6 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from executor.config import ExecutorConfig
-from executor.core import triton_off
 from executor.core.errors import StartupCancelled
 from executor.kv_transfer.layout import DEFAULT_CHUNK_BYTES
 from executor.model_executor import ModelExecutor
@@ -53,6 +52,7 @@ from executor.service.tls import CertificateFiles, is_loopback
 from executor.service.watchdog import DeviceWatchdog, RunningStep
 from executor.service.weights_service import weights_service
 from executor.service.wire_limits import MESSAGE_SLACK, batch_budget_bytes, message_limits
+from ops import triton_off
 
 log = structlog.get_logger(__name__)
 
