@@ -35,6 +35,7 @@ from executor.parallel.nccl_env import set_nccl_error_handling
 from executor.parallel.parent_watch import die_with_parent
 from executor.service import heap
 from executor.service.server_config import ServerConfig
+from ops import triton_off
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +93,7 @@ def run_worker_rank(
     from executor.tp_worker import run_worker
 
     configure_logging(log_level, log_format, rank=endpoint.rank)
+    triton_off.keep_out_on_cpu(config.device)  # this process's own, as `serve`'s
     comm: TpComm | None = None
     try:
         device = resolve_device(config, endpoint.local_rank)
