@@ -53,6 +53,7 @@ CONTRACT: dict[str, MetricSpec] = {
     "model_executor_graph_capture_seconds": _m("histogram", "kind"),
     "model_executor_graph_fallbacks_total": _m("counter", "kind", "reason"),
     "model_executor_graph_capture_disabled": _m("gauge"),
+    "model_executor_graph_capture_running_seconds": _m("gauge"),
     "model_executor_kv_slots_used": _m("gauge"),
     "model_executor_kv_slots_total": _m("gauge"),
     "model_executor_req_rows_used": _m("gauge"),

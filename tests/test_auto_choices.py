@@ -150,7 +150,7 @@ def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
 
     from executor.client.grpc_client import ExecutorClient
     from executor.service import heap
-    from tests.server_util import running_server, tiny_config
+    from tests.server_util import Scrape, running_server, tiny_config
 
     config = tiny_config(
         cache_dir, graph_mode="auto", graph_backend="compiled_step", max_context_len=64
@@ -172,10 +172,14 @@ def test_a_cpu_server_answers_at_once_and_reports_the_background_capture(
         # The compile worker runs at nice 10: on a machine other processes keep busy it gets
         # little CPU (minutes for tiny-random at load 11 on 2 cores, seconds when quiet).
         deadline = time.monotonic() + 900
+        running_s = []  # the gauge while it runs: how long the capture has run
         while c.get_runtime_config().graph_capture != "idle":
             assert time.monotonic() < deadline, "the background capture did not end"
+            running_s.append(Scrape(running).get("model_executor_graph_capture_running_seconds"))
             time.sleep(0.2)
         assert c.get_runtime_config().graph_mode == "decode"
+        assert running_s and running_s[0] > 0 and running_s == sorted(running_s)
+        assert Scrape(running).get("model_executor_graph_capture_running_seconds") == 0
         assert gc.get_freeze_count() > frozen_at_start  # the loaded step's objects
         assert running.executor is not None
         assert running.executor.control.start_background() is None  # in use: nothing to do

@@ -26,6 +26,8 @@ class LiveSources:
     # LoRA (None: LoRA off): live rows per loaded adapter; loads and unloads by outcome.
     lora_running_rows: Callable[[], dict[str, int]] | None = None
     lora_operations: Callable[[], dict[str, int]] | None = None
+    # How long the background graph capture now running has run (0: none runs).
+    graph_capture_running_s: Callable[[], float] | None = None
 
 
 class ScrapeTimeCollector(Collector):
@@ -50,6 +52,9 @@ class ScrapeTimeCollector(Collector):
              src.kv_slots_used if src else None),
             ("req_rows_used", "Request rows holding at least one resident token, not released.",
              src.req_rows_used if src else None),
+            ("graph_capture_running_seconds", "How long the background graph capture (a CPU "
+             "server's compile or load while it serves) has run; 0 when none runs.",
+             src.graph_capture_running_s if src else None),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(PREFIX + name, doc)
             if with_values:

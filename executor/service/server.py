@@ -380,10 +380,10 @@ def start_server(
                     req_rows_used=pool.rows_in_use,
                     lora_running_rows=lora.running_rows if lora is not None else None,
                     lora_operations=(lambda: dict(lora.counts)) if lora is not None else None,
+                    graph_capture_running_s=executor.control.background_capture_seconds,
                 ),
             )
-            # graph_mode=auto on a CPU: compile decode graphs while serving eagerly.
-            if (upgrade := executor.control.start_background()) is not None:
+            if (upgrade := executor.control.start_background()) is not None:  # auto, on a CPU
                 runtime.refresh()  # GetRuntimeConfig's graph_capture says "capturing" now
                 log.info("graph capture started while serving", graph_mode=upgrade)
             worker.start()

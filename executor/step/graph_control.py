@@ -15,6 +15,7 @@ a capture runs collectives) and the workers apply it through the same `apply_tog
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 
@@ -72,6 +73,7 @@ class GraphControl:
         # Called (on the capture thread) when a background capture ends, either way.
         self.graph_mode_listener: Callable[[], None] | None = None
         self._capture_thread: threading.Thread | None = None
+        self._background_since: float | None = None  # monotonic start of the one running
         # Raises when the model may not run now (its memory is released): no capture then.
         self.memory_guard: Callable[[], None] = lambda: None
 
@@ -258,6 +260,7 @@ class GraphControl:
     def _capture_in_background(self, mode: GraphMode, needs: bool) -> None:
         """Capture what `mode` needs on a thread of its own; install it between two steps."""
         self.toggles.capture, self.toggles.capture_target = CaptureState.CAPTURING, mode
+        self._background_since = time.monotonic()
         log.info("graph capture started in the background", graph_mode=str(mode))
 
         def body() -> None:
@@ -293,6 +296,7 @@ class GraphControl:
                         self.toggles.capture = CaptureState.IDLE
                 finally:
                     threads.reserved = 0
+                    self._background_since = None
                 if self.graph_mode_listener is not None:
                     self.graph_mode_listener()
 
@@ -329,6 +333,12 @@ class GraphControl:
         if reason is not None:
             log.warning("compile worker failed: the capture compiles here", reason=reason)
         return reason is not None
+
+    def background_capture_seconds(self) -> float:
+        """How long the background capture now running has run; 0.0 when none runs. Any
+        thread (a metrics scrape)."""
+        since = self._background_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def wait_for_capture(self, timeout: float | None = None) -> bool:
         """Wait for a background capture to end; False if it is still running. Any thread."""

@@ -720,8 +720,16 @@ def internals() -> dict[str, Any]:
                 ),
                 Panel(
                     "Graph capture time",
-                    "Seconds spent capturing graphs since start (total, and mean per capture).",
+                    "Seconds spent capturing graphs since start (total, and mean per capture); "
+                    "'running' is how long the background capture now running (a CPU server's "
+                    "compile or load while it serves) has run: a saturated server runs it only "
+                    "in its idle time.",
                     [
+                        Target(
+                            "max by (instance) "
+                            f"(model_executor_graph_capture_running_seconds{{{SEL}}})",
+                            "{{instance}} running",
+                        ),
                         Target(
                             "sum by (instance, kind) "
                             f"(model_executor_graph_capture_seconds_sum{{{SEL}}})",
