@@ -287,16 +287,17 @@ class GraphControl:
                         )
                 except BaseException as e:  # a shutdown (StartupCancelled) or a bug
                     self.toggles.capture_error = f"{type(e).__name__}: {e}"
+                    self._background_since = None  # (with the state: a scrape sees both)
                     self.toggles.capture = CaptureState.FAILED
                     log.error("background graph capture failed", graph_mode=str(mode), error=str(e))
                 else:
                     with self.step_lock:  # between two steps
                         self.runner.install(captured)
                         self._use_graph_mode(mode, needs, captured.reports)
+                        self._background_since = None
                         self.toggles.capture = CaptureState.IDLE
                 finally:
                     threads.reserved = 0
-                    self._background_since = None
                 if self.graph_mode_listener is not None:
                     self.graph_mode_listener()
 
