@@ -5,7 +5,7 @@ No CPU path runs a Triton kernel: the triton attention backend and the fused ops
 and so a CPU server's background compile, or its load of compiled steps, does: the module's
 initialisation holds the interpreter lock in one stretch, which a step arriving meanwhile waits
 out, and its library stays resident (docs/performance.md, "Start-up"). A process entry point
-whose device is the CPU (`serve`, a spawned tensor-parallel worker, the compile worker) calls
+whose device is the CPU (`serve` rank 0, every worker rank, the compile worker) calls
 `keep_out_on_cpu` before anything imports dynamo: `import triton` then fails there as it does
 where triton is not installed, and torch takes that path. A library caller's process (a test,
 a notebook) keeps its imports: only entry points call it.
@@ -19,7 +19,10 @@ import torch
 
 
 def runs_on_cpu(device: str) -> bool:
-    """Whether the configured `device` ('auto', 'cpu', 'cuda', 'cuda:N') is the CPU here."""
+    """Whether the configured `device` ('auto', 'cpu', 'cuda', 'cuda:N') is the CPU here: the
+    rule of `executor.config.resolve_device`, which this bottom layer cannot import (and which
+    raises for a CUDA device that is not there, a start-up error the entry point reports
+    later)."""
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 

@@ -419,10 +419,10 @@ def serve(config: ExecutorConfig, server_config: ServerConfig) -> int:
 
     Under torchrun, ranks other than 0 run the tensor-parallel worker loop instead (no
     ports). When the group fails (a rank died or hangs), exit 1 at once: the pod restarts."""
-    triton_off.keep_out_on_cpu(config.device)  # before a background compile imports dynamo
     endpoint = tp_launch.torchrun_endpoint(config, dict(os.environ))
     if endpoint is not None and endpoint.rank != 0:
         return tp_launch.run_torchrun_worker(config, endpoint, server_config)
+    triton_off.keep_out_on_cpu(config.device)  # before a background compile imports dynamo
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
