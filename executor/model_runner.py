@@ -118,6 +118,17 @@ class ModelRunner:
         self.compile_pause.resume()
         self.idle_gate.step_ended()
 
+    def batch_arrived(self) -> None:
+        """An RPC thread, as a batch arrives: the background work yields from then on, so the
+        batch's RPC path, admission and staging run without it too. `batch_left` ends it."""
+        self.compile_pause.batch_arrived()
+        self.idle_gate.batch_arrived()
+
+    def batch_left(self) -> None:
+        """The batch answered or refused (its job's end)."""
+        self.compile_pause.batch_left()
+        self.idle_gate.batch_left()
+
     # --- graphs --------------------------------------------------------------------------
     def _layer_fns(self) -> LayerFns:
         """The compiled layer functions, made once (their compiled code is cached in them)."""

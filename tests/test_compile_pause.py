@@ -1,6 +1,7 @@
-"""`CompilePause` (issue 36): on a CPU, a step stops the compile worker's whole process group
-(the worker and the compiler processes it started) for its device work and continues it
-once read; a shutdown kills the group, stopped or not."""
+"""`CompilePause` (issue 36): on a CPU, a batch stops the compile worker's whole process group
+(the worker and the compiler processes it started) from its arrival to its answer, a step for
+its device work; the worker goes on once nothing ran for LINGER_S; a shutdown kills the group,
+stopped or not."""
 
 from __future__ import annotations
 
@@ -13,15 +14,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
-from executor.batch_prep import make_decode_batch
+from executor.batch_prep import make_decode_batch, make_extend_batch
+from executor.client.grpc_client import ExecutorClient
 from executor.config import ExecutorConfig
+from executor.core.errors import BatchValidationError
 from executor.graphs import compile_job
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.compile_pause import LINGER_S, CompilePause, process_state
 from executor.model_executor import ModelExecutor
+from executor.service import servicer
+from tests.server_util import running_server, tiny_config
 from tests.test_graphs import _prefill
 
 # A worker that starts a child (as inductor starts the C++ compiler) and prints its pid.
@@ -84,6 +91,81 @@ def test_steps_stop_the_worker_and_its_children_which_go_on_once_the_server_idle
     pause.pause()  # detached: a no-op again
     pause.resume()
     pause.tick()
+
+
+def test_a_batch_holds_it_stopped_from_its_arrival_to_its_answer(
+    worker: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    """Batches overlap (counted); the step inside one ends before its answer is sent: the
+    worker goes on only after the last batch left, and the linger."""
+    proc, _ = worker
+    pause = CompilePause()
+    pause.attach(proc)
+    pause.batch_arrived()  # a batch arrives (an RPC thread)
+    assert _wait_state(proc.pid, "T".__eq__) == "T"
+    pause.batch_arrived()  # a second one, from another caller
+    pause.pause()  # the first one's step: stopped already, no second signal
+    pause.resume()
+    pause.batch_left()
+    time.sleep(LINGER_S * 1.5)
+    pause.tick()
+    assert process_state(proc.pid) == "T" and pause.pauses == 1
+    pause.batch_left()  # the last one answered: the idle time starts now
+    pause.tick()
+    assert process_state(proc.pid) == "T"
+    time.sleep(LINGER_S * 1.5)
+    pause.tick()
+    assert _wait_state(proc.pid, "T".__ne__) != "T" and pause._arrivals == 0
+
+
+def test_a_served_batch_stops_the_worker_before_its_decoding_and_admission(
+    tmp_path: Path,
+    worker: tuple[subprocess.Popen[bytes], int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the server: the worker is stopped by the time the request is decoded (before
+    the device thread has the batch), and the batch is let go once answered: one refused (a
+    row beyond the table), one that ran, one refused at decoding."""
+    proc, _ = worker
+    decoded: list[str] = []
+    real = servicer.batch_from_proto
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        decoded.append(_wait_state(proc.pid, "T".__eq__, 2))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(servicer, "batch_from_proto", spy)
+    with (
+        running_server(tiny_config(tmp_path, graph_mode="none")) as srv,
+        ExecutorClient(f"127.0.0.1:{srv.port}") as client,
+    ):
+        assert srv.servicer.worker is not None
+        runner = srv.servicer.worker.executor.runner
+        pause, gate = runner.compile_pause, runner.idle_gate
+        pause.attach(proc)
+        bad = make_extend_batch(input_ids=[[1]], req_pool_indices=[10_000], out_cache_loc=[[1]])
+        with pytest.raises(grpc.RpcError):
+            client.forward(bad)  # refused: a row beyond the table
+        assert decoded == ["T"] and pause._arrivals == 0 and gate._arrivals == 0
+        out = client.forward(
+            make_extend_batch(input_ids=[[1, 2]], req_pool_indices=[1], out_cache_loc=[[1, 2]])
+        )
+        assert len(out.next_token_ids) == 1
+        assert decoded == ["T", "T"] and pause._arrivals == 0 and gate._arrivals == 0
+        monkeypatch.setattr(servicer, "batch_from_proto", _refuse)
+        with pytest.raises(grpc.RpcError):
+            client.forward(
+                make_extend_batch(input_ids=[[1]], req_pool_indices=[2], out_cache_loc=[[3]])
+            )
+        assert pause._arrivals == 0 and gate._arrivals == 0
+        time.sleep(LINGER_S * 1.5)
+        pause.tick()
+        assert _wait_state(proc.pid, "T".__ne__) != "T"
+        pause.kill()
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise BatchValidationError("batch.input_ids: refused by the test")
 
 
 def test_the_worker_compiles_between_the_steps_and_ends_detached(

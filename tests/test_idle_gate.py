@@ -1,7 +1,8 @@
-"""`IdleGate`: the capture thread's own work waits while steps run and for LINGER_S after the
-last one (issue 36: a load of the compiled step never stalls a step); never while it holds the
-step lock (`LockHold`: its hook off there); never for longer than MAX_WAIT_S for one step (a
-step blocked on a lock that the capture thread holds cannot deadlock with it)."""
+"""`IdleGate`: the capture thread's own work waits while steps run (and batches are on their
+way to one) and for LINGER_S after the last one (issue 36: a load of the compiled step never
+stalls a step); never while it holds the step lock (`LockHold`: its hook off there); never for
+longer than MAX_WAIT_S for one step (a step blocked on a lock that the capture thread holds
+cannot deadlock with it)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,65 @@ def test_steps_pay_nothing_and_change_nothing_while_nothing_yields() -> None:
     with gate.yielding():
         assert sys.getprofile() == gate._hook
     assert sys.getprofile() is None and not gate._on
+
+
+def test_a_batch_holds_it_from_its_arrival_and_its_step_inside_from_its_start() -> None:
+    """`batch_arrived` (an RPC thread, before decoding and admission) holds the yielding thread
+    back as a step does; the step's end inside it does not release it, the batch's does."""
+    gate = IdleGate()
+    worker = _Worker(gate)
+    assert _progress(worker, 0.05) > 0
+    gate.batch_arrived()
+    time.sleep(SETTLE_S)
+    assert _progress(worker, 0.05) == 0  # decoding, admission: it waits already
+    gate.step_started()
+    gate.step_ended()
+    time.sleep(LINGER_S * 2)
+    assert _progress(worker, 0.05) == 0  # the answer is not sent yet
+    gate.batch_left()
+    time.sleep(LINGER_S * 2)
+    assert _progress(worker, 0.2) > 0
+    worker.end()
+    assert gate._arrivals == 0
+
+
+def test_batches_arriving_while_a_step_is_stuck_do_not_hold_it_back_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step stuck on something the capture thread holds lets it go on after MAX_WAIT_S;
+    batches arriving meanwhile (the device thread cannot start their steps) must not make it
+    wait again each time, or it would never free the stuck step."""
+    monkeypatch.setattr(idle_gate, "MAX_WAIT_S", 0.1)
+    gate = IdleGate()
+    worker = _Worker(gate)
+    gate.step_started()  # stuck
+    time.sleep(SETTLE_S + 0.1)
+    for _ in range(5):
+        gate.batch_arrived()
+        assert _progress(worker, 0.03) > 0
+    gate.step_ended()
+    gate.step_started()  # the next step, once unstuck: it waits again
+    time.sleep(SETTLE_S)
+    assert _progress(worker, 0.05) == 0
+    gate.step_ended()
+    for _ in range(5):
+        gate.batch_left()
+    worker.end()
+
+
+def test_batches_are_counted_while_nothing_yields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrivals are counted from any start: a thread that starts yielding while a batch is on
+    its way waits for it (here for MAX_WAIT_S: the batch's step never comes)."""
+    monkeypatch.setattr(idle_gate, "MAX_WAIT_S", 0.2)
+    gate = IdleGate()
+    gate.batch_arrived()
+    assert gate._arrivals == 1 and gate._ended.is_set()  # no event touched
+    start = time.monotonic()
+    worker = _Worker(gate)  # (its first call inside waits)
+    assert time.monotonic() - start >= 0.15 and gate.waits == 1
+    gate.batch_left()
+    assert gate._arrivals == 0 and _progress(worker, 0.1) > 0
+    worker.end()
 
 
 def test_two_threads_yield_at_once_and_one_leaving_keeps_the_other_waiting() -> None:

@@ -4,14 +4,19 @@ on once the server has been idle for a moment.
 The worker (`compile_job`) compiles for minutes. Beside a CPU step it takes a core that the
 step's OpenMP team counts on: a parallel region then waits at its barrier for the displaced
 thread; and between two steps it delays the RPC path that carries the next one
-(docs/performance.md). So a step stops the worker's process group (SIGSTOP: the worker and
-the C++ compiler processes it started) before its device work, and the worker goes on
-(SIGCONT) only once no step has run for `LINGER_S`: steps back to back keep it stopped, with
-no signal between them. The compile runs on what the steps leave: the server's idle time; a
-server that is never idle compiles nothing until it is.
+(docs/performance.md). So a batch stops the worker's process group (SIGSTOP: the worker and
+the C++ compiler processes it started) as it arrives, before its RPC path and admission, and
+so does a step before its device work; the worker goes on (SIGCONT) only once nothing has
+run for `LINGER_S`: steps back to back keep it stopped, with no signal between them. The
+compile runs on what the steps leave: the server's idle time; a server that is never idle
+compiles nothing until it is.
 
 Only the capture thread attaches, continues (`tick`, from its wait loop) and detaches a
-worker; only the step's thread stops it (`pause`) and marks the step's end (`resume`). A lock
+worker. The step's thread stops it (`pause`) and marks the step's end (`resume`); an RPC
+thread stops it as a batch arrives (`batch_arrived`), and the batch's answer (or refusal)
+ends that (`batch_left`). Arrivals are counted (they overlap, each ends once: its job's
+future always resolves); a step's mark is a flag, so a launched step that is never read (the
+one before it failed) leaves nothing held. A lock
 keeps a signal from reaching a group that has ended: the worker is reaped only under it
 (`poll`), and it ends while stopped only when killed (a shutdown, under the lock; or the
 kernel's OOM killer, after which nothing signals its group again).
@@ -41,7 +46,8 @@ class CompilePause:
         self._proc: subprocess.Popen[bytes] | None = None  # the attached worker, its group's leader
         self._stopped_at: float | None = None  # monotonic time of the stop now in force
         self._stepping = False  # a step between `pause` and `resume`
-        self._idle_since = 0.0  # monotonic time of the last step's end
+        self._arrivals = 0  # batches between `batch_arrived` and `batch_left`
+        self._idle_since = 0.0  # monotonic time of the last step's (or batch's) end
         self.paused_s = 0.0  # the attached worker's time stopped, in all
         self.pauses = 0  # how many times it was stopped
 
@@ -67,11 +73,13 @@ class CompilePause:
             return code
 
     def tick(self) -> None:
-        """The capture thread: a stopped worker goes on once no step ran for `LINGER_S`."""
-        if self._stopped_at is None or self._stepping:
+        """The capture thread: a stopped worker goes on once nothing ran for `LINGER_S` (no
+        step, no batch on its way to one)."""
+        if self._stopped_at is None or self._stepping or self._arrivals:
             return
         with self._lock:
-            if self._stepping or time.monotonic() - self._idle_since < LINGER_S:
+            busy = self._stepping or self._arrivals
+            if busy or time.monotonic() - self._idle_since < LINGER_S:
                 return
             if self._stopped_at is not None and self._proc is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -97,11 +105,28 @@ class CompilePause:
             return
         with self._lock:  # (a `tick` continues the worker under it, or sees this step)
             self._stepping = True
-            if self._proc is not None and self._stopped_at is None:
-                with contextlib.suppress(ProcessLookupError):  # a step never fails for it
-                    os.killpg(self._proc.pid, signal.SIGSTOP)
-                self._stopped_at = time.monotonic()
-                self.pauses += 1
+            self._stop()
+
+    def batch_arrived(self) -> None:
+        """An RPC thread, as a batch arrives: the worker stops (unless it is stopped already)
+        until `batch_left`, so the batch's RPC path and admission run without it too."""
+        with self._lock:
+            self._arrivals += 1
+            self._stop()
+
+    def batch_left(self) -> None:
+        """The batch answered or refused (its job's end): with the last one out and no step
+        running, the idle time starts."""
+        with self._lock:
+            self._arrivals -= 1
+            self._idle_since = time.monotonic()
+
+    def _stop(self) -> None:
+        if self._proc is not None and self._stopped_at is None:
+            with contextlib.suppress(ProcessLookupError):  # a step never fails for it
+                os.killpg(self._proc.pid, signal.SIGSTOP)
+            self._stopped_at = time.monotonic()
+            self.pauses += 1
 
     def resume(self) -> None:
         """The step's thread, once the step is read (or failed): the idle time starts (the

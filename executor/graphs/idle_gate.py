@@ -12,11 +12,15 @@ allocations and page faults wait for, docs/performance.md). Several threads may 
 each one's hook is its own.
 
 The steps' thread marks each step (`step_started`, `step_ended`): one attribute read while
-nothing yields. The capture thread never waits while it holds the step lock (no step runs
-then; `capture.LockHold` turns its hook off there, so the capture's own runs do not pay for
-it). A step that runs longer than `MAX_WAIT_S` (a long prefill; or one that waits for a lock
-the capture thread holds, such as a module's import lock) lets the capture thread go on for
-the rest of that step: a wait never becomes a deadlock.
+nothing yields. An RPC thread marks a batch from its arrival to its answer (`batch_arrived`,
+`batch_left`: counted, under a lock), so its RPC path and admission run without the load
+too. The capture thread never waits while it holds the step lock (no step runs then;
+`capture.LockHold` turns its hook off there, so the capture's own runs do not pay for it). A
+step that runs longer than `MAX_WAIT_S` (a long prefill; or one that waits for a lock the
+capture thread holds, such as a module's import lock) lets the capture thread go on for the
+rest of that step: a wait never becomes a deadlock. Only steps count for that rule: batches
+keep arriving while the device thread is stuck, and must not hold the capture thread back
+again each time.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ MAX_WAIT_S = 1.0  # the longest wait for one step
 class IdleGate:
     def __init__(self) -> None:
         self._users = 0  # the threads yielding now (each with its hook installed)
-        self._users_lock = threading.Lock()
+        self._lock = threading.Lock()  # `_users`, `_arrivals` and `_ended` change under it
         self._steps = 0  # steps started while on
         self._running = False  # a step between `step_started` and `step_ended`
-        self._ended = threading.Event()
+        self._arrivals = 0  # batches between `batch_arrived` and `batch_left`
+        self._ended = threading.Event()  # nothing runs or arrives (kept while a thread yields)
         self._ended.set()
         self._passed = -1  # the step the capture thread stopped waiting for (`MAX_WAIT_S`)
         self.waits = 0  # how many times a yielding thread waited
@@ -52,39 +57,58 @@ class IdleGate:
     def step_started(self) -> None:
         """The steps' thread, before a step's device work."""
         if self._users:
-            self._steps += 1
-            self._running = True
-            self._ended.clear()
+            with self._lock:
+                self._steps += 1
+                self._running = True
+                self._ended.clear()
 
     def step_ended(self) -> None:
         """The steps' thread, once the step is read (or failed)."""
         if self._running:
-            self._running = False
-            self._ended.set()
+            with self._lock:
+                self._running = False
+                if not self._arrivals:
+                    self._ended.set()
+
+    def batch_arrived(self) -> None:
+        """An RPC thread, as a batch arrives (before its decoding and admission)."""
+        with self._lock:
+            self._arrivals += 1
+            if self._users:
+                self._ended.clear()
+
+    def batch_left(self) -> None:
+        """The batch answered or refused (its job's end, on whichever thread ends it)."""
+        with self._lock:
+            self._arrivals -= 1
+            if self._users and not (self._arrivals or self._running):
+                self._ended.set()
 
     @contextmanager
     def yielding(self) -> Iterator[None]:
         """On a background thread: its work inside waits for the steps (not nested on one
         thread)."""
-        with self._users_lock:
+        with self._lock:
             self._users += 1
+            if self._arrivals:  # (a step already running is not known: it started unmarked)
+                self._ended.clear()
         sys.setprofile(self._hook)
         try:
             yield
         finally:
             sys.setprofile(None)
-            with self._users_lock:
+            with self._lock:
                 self._users -= 1
-                last = not self._users
-            if last:
-                self.step_ended()
+                if not self._users:
+                    self._running = False
+                    self._ended.set()
 
     def _hook(self, frame: FrameType, event: str, arg: object) -> None:
-        if self._running and self._steps != self._passed:
+        if (self._running or self._arrivals) and self._steps != self._passed:
             self._wait()
 
     def _wait(self) -> None:
-        """Until no step has run for `LINGER_S`, or one step ran for `MAX_WAIT_S`."""
+        """Until nothing has run or arrived for `LINGER_S`, or one step ran for `MAX_WAIT_S`."""
         start = time.monotonic()
         while True:
             step = self._steps
@@ -92,7 +116,7 @@ class IdleGate:
                 self._passed = step
                 break
             time.sleep(LINGER_S)
-            if not self._running and self._steps == step:
+            if not (self._running or self._arrivals) and self._steps == step:
                 break
         self.waits += 1
         self.waited_s += time.monotonic() - start

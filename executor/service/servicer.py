@@ -110,8 +110,7 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         self.byte_budget = byte_budget or ByteBudget(0)
         self.queue_wait_s = queue_wait_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
-        # Each caller's device time for waiting on deferred masks, shared by its streams (a
-        # new stream does not bring a new budget).
+        # Each caller's device time for waiting on deferred masks, shared by all its streams.
         self._mask_budgets = MaskBudgets(
             deferred_mask_budget_s, telemetry.metrics.observe_deferred_mask_wait
         )
@@ -170,9 +169,16 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         if stream is None:
             refuse_on_unary(request)
         worker = self._accepting()
-        budget = self.byte_budget
+        budget, runner = self.byte_budget, worker.executor.runner
         size = request.ByteSize() if budget.limit else 0
-        budget.take(size, request.batch_id)  # given back when the job ends, however it ends
+        budget.take(size, request.batch_id)
+        # Background compiles and loads yield from here, not only while the device runs it.
+        runner.batch_arrived()
+
+        def ended(_: object = None) -> None:  # however the job ends, or if it never starts
+            budget.give(size)
+            runner.batch_left()
+
         try:
             with span.child("decode"):
                 batch = batch_from_proto(
@@ -195,10 +201,9 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
                 caller=caller,
             )
         except BaseException:
-            budget.give(size)
+            ended()
             raise
-        if size:
-            job.future.add_done_callback(lambda _: budget.give(size))
+        job.future.add_done_callback(ended)
         return job
 
     def Forward(
@@ -275,16 +280,14 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         context: grpc.ServicerContext,
         rpc: RpcScope,
     ) -> Iterator[pb.ForwardResponse]:
-        # The reader's hand-off to this thread, once per batch: a SimpleQueue (C, no Python
-        # Condition) hands over in about half the time of a queue.Queue.
+        # The reader's hand-off to this thread: a SimpleQueue (C, no Python Condition).
         pending: queue.SimpleQueue[_StreamStep | tuple[int, BaseException] | None] = (
             queue.SimpleQueue()
         )
         window = threading.Semaphore(self.stream_window)
         failed = threading.Event()
         state = StreamState()  # the device thread runs nothing after a failed batch
-        # Jobs submitted but not yet answered (at most the window): a stream may live for
-        # millions of steps, so answered jobs must not be kept.
+        # Jobs submitted, not yet answered (at most the window; a stream may live for ever).
         in_flight: deque[Job] = deque()
         caller = self.access.identity(context)
         # Batches waiting for their deferred vocab mask, and the caller's wait budget.
