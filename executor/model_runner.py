@@ -102,6 +102,7 @@ class ModelRunner:
         self.step_threads = StepThreads()
         self.compile_pause = CompilePause()  # a compile worker stopped while a step runs
         self.idle_gate = IdleGate()  # the capture thread's own load waits for the steps
+        self.idle_gate.guard(self.compile_pause.lock)  # the capture thread ticks under it
         self._compiled_fns: LayerFns | None = None
         self._fns_lock = threading.Lock()  # the capture thread and the step thread make them
         self.decode_graphs: DecodeGraphRunner | None = None

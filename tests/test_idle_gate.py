@@ -196,6 +196,38 @@ def test_batches_are_counted_while_nothing_yields(monkeypatch: pytest.MonkeyPatc
     worker.end()
 
 
+def test_it_never_waits_holding_a_lock_that_an_arriving_batch_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step lock (or the compile worker's pause lock) held by the yielding thread with its
+    hook on: a batch that arrives then must get the lock, not wait out MAX_WAIT_S for a thread
+    that waits for it."""
+    monkeypatch.setattr(idle_gate, "MAX_WAIT_S", 5.0)
+    gate, lock = IdleGate(), threading.RLock()
+    gate.guard(lock)
+    entered, done = threading.Event(), threading.Event()
+
+    def work() -> None:
+        with gate.yielding(), lock:
+            entered.set()
+            time.sleep(0.05)  # the batch arrives meanwhile
+            for _ in range(100):
+                str(1)  # calls with the hook on
+        done.set()  # the lock let go: this call waits for the batch
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    assert entered.wait(5)
+    gate.batch_arrived()
+    assert lock.acquire(timeout=2)  # the batch's way to the device (its turn takes the lock)
+    lock.release()
+    time.sleep(SETTLE_S)
+    assert not done.is_set()  # out of the lock, it waits for the batch
+    gate.batch_left()
+    thread.join(5)
+    assert done.is_set() and gate.waits == 1
+
+
 def test_two_threads_yield_at_once_and_one_leaving_keeps_the_other_waiting() -> None:
     """The capture thread and the KV commit yield together: each waits while a step runs, and
     the gate stays on until the last of them leaves."""

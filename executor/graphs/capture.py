@@ -84,8 +84,10 @@ class LockHold:
         held = time.perf_counter() - self._since
         self.total += held
         self.longest = max(self.longest, held)
-        sys.setprofile(self._hook)
-        return self._lock.__exit__(kind, exc, tb)
+        try:
+            return self._lock.__exit__(kind, exc, tb)
+        finally:
+            sys.setprofile(self._hook)  # (once the lock is let go)
 
     def let_steps_in(self) -> None:
         """Between two graphs of a bucket: the lock let go for `LET_IN_S`, so a step that

@@ -42,7 +42,8 @@ TICK_S = 0.01  # how often the capture thread looks (`tick`, `poll`) while a wor
 
 class CompilePause:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant for its owner test: an `IdleGate` never parks the capture thread in it.
+        self.lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None  # the attached worker, its group's leader
         self._stopped_at: float | None = None  # monotonic time of the stop now in force
         self._stepping = False  # a step between `pause` and `resume`
@@ -57,12 +58,12 @@ class CompilePause:
 
     def attach(self, proc: subprocess.Popen[bytes]) -> None:
         """The capture thread: `proc` (started with `process_group=0`) pauses with the steps."""
-        with self._lock:
+        with self.lock:
             self._proc, self.paused_s, self.pauses = proc, 0.0, 0
 
     def poll(self) -> int | None:
         """The capture thread: the worker's exit code (reaped, and detached), or None."""
-        with self._lock:
+        with self.lock:
             proc = self._proc
             if proc is None:
                 return None
@@ -77,7 +78,7 @@ class CompilePause:
         step, no batch on its way to one)."""
         if self._stopped_at is None or self._stepping or self._arrivals:
             return
-        with self._lock:
+        with self.lock:
             busy = self._stepping or self._arrivals
             if busy or time.monotonic() - self._idle_since < LINGER_S:
                 return
@@ -88,7 +89,7 @@ class CompilePause:
 
     def kill(self) -> None:
         """The capture thread (a shutdown): the worker's whole group killed, reaped, detached."""
-        with self._lock:
+        with self.lock:
             proc = self._proc
             if proc is None:
                 return
@@ -103,21 +104,21 @@ class CompilePause:
         already (steps back to back: no signal). Nothing attached: one attribute read."""
         if self._proc is None:
             return
-        with self._lock:  # (a `tick` continues the worker under it, or sees this step)
+        with self.lock:  # (a `tick` continues the worker under it, or sees this step)
             self._stepping = True
             self._stop()
 
     def batch_arrived(self) -> None:
         """An RPC thread, as a batch arrives: the worker stops (unless it is stopped already)
         until `batch_left`, so the batch's RPC path and admission run without it too."""
-        with self._lock:
+        with self.lock:
             self._arrivals += 1
             self._stop()
 
     def batch_left(self) -> None:
         """The batch answered or refused (its job's end): with the last one out and no step
         running, the idle time starts."""
-        with self._lock:
+        with self.lock:
             self._arrivals -= 1
             self._idle_since = time.monotonic()
 

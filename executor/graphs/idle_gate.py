@@ -20,7 +20,9 @@ step that runs longer than `MAX_WAIT_S` (a long prefill; or one that waits for a
 capture thread holds, such as a module's import lock) lets the capture thread go on for the
 rest of that step: a wait never becomes a deadlock. Only steps count for that rule: batches
 keep arriving while the device thread is stuck, and must not hold the capture thread back
-again each time.
+again each time. And a thread never waits while it holds a lock a batch takes on its way to
+the device (`guard`: the step lock, the compile worker's pause lock): the batch would wait
+for the waiting thread.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 from executor.graphs.compile_pause import LINGER_S
 
@@ -49,6 +52,12 @@ class IdleGate:
         self._passed = -1  # the step the capture thread stopped waiting for (`MAX_WAIT_S`)
         self.waits = 0  # how many times a yielding thread waited
         self.waited_s = 0.0  # for how long, in all
+        self._guards: list[Callable[[], bool]] = []  # whether this thread holds each guard
+
+    def guard(self, lock: Any) -> None:
+        """`lock` (a `threading.RLock`: it knows its owner) is one a batch or a step takes:
+        a yielding thread holding it never waits."""
+        self._guards.append(lock._is_owned)
 
     @property
     def _on(self) -> bool:
@@ -104,7 +113,8 @@ class IdleGate:
                     self._ended.set()
 
     def _hook(self, frame: FrameType, event: str, arg: object) -> None:
-        if (self._running or self._arrivals) and self._steps != self._passed:
+        busy = (self._running or self._arrivals) and self._steps != self._passed
+        if busy and not any(owned() for owned in self._guards):
             self._wait()
 
     def _wait(self) -> None:

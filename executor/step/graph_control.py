@@ -69,6 +69,7 @@ class GraphControl:
         # Re-entrant: the device thread holds it over a whole step (and the next batch's
         # staging while the step runs), taking it again in each phase.
         self.step_lock = threading.RLock()
+        runner.idle_gate.guard(self.step_lock)  # a capture thread holding it never waits
         self.capture_reports: list[CaptureReport] = []
         # Called (on the capture thread) when a background capture ends, either way.
         self.graph_mode_listener: Callable[[], None] | None = None
