@@ -27,6 +27,7 @@ from executor.graphs import compile_job
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.compile_pause import LINGER_S, CompilePause, process_state
 from executor.model_executor import ModelExecutor
+from executor.observability import logs
 from executor.service import servicer
 from tests.server_util import running_server, tiny_config
 from tests.test_graphs import _prefill
@@ -142,6 +143,7 @@ def test_a_served_batch_stops_the_worker_before_its_decoding_and_admission(
         assert srv.servicer.worker is not None
         runner = srv.servicer.worker.executor.runner
         pause, gate = runner.compile_pause, runner.idle_gate
+        assert logs.WRITE_LOCK._is_owned in gate._guards  # (the device worker's)
         pause.attach(proc)
         bad = make_extend_batch(input_ids=[[1]], req_pool_indices=[10_000], out_cache_loc=[[1]])
         with pytest.raises(grpc.RpcError):

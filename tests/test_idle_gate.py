@@ -15,6 +15,7 @@ import pytest
 from executor.graphs import idle_gate
 from executor.graphs.capture import LockHold
 from executor.graphs.idle_gate import LINGER_S, IdleGate
+from executor.observability import logs
 
 SETTLE_S = 0.03  # for the worker's call in flight to end (well under the longest wait, 0.1 s)
 
@@ -226,6 +227,39 @@ def test_it_never_waits_holding_a_lock_that_an_arriving_batch_takes(
     gate.batch_left()
     thread.join(5)
     assert done.is_set() and gate.waits == 1
+
+
+def test_it_never_waits_in_the_middle_of_a_log_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log's write lock is a guard (the device worker makes it one): a background load
+    writing a line when a batch arrives finishes the line before it waits, so the batch's own
+    lines (an RPC thread's, the device thread's) do not wait for it."""
+    monkeypatch.setattr(idle_gate, "MAX_WAIT_S", 5.0)
+    gate = IdleGate()
+    gate.guard(logs.WRITE_LOCK)
+    writing, done = threading.Event(), threading.Event()
+
+    class _File:
+        def write(self, text: str) -> None:
+            writing.set()
+            time.sleep(0.1)  # the batch arrives meanwhile; then calls with the hook on
+
+        def flush(self) -> None:
+            pass
+
+    def work() -> None:
+        with gate.yielding():
+            logs.LinePrinter(_File()).msg("a line")  # type: ignore[arg-type]
+            done.set()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    assert writing.wait(5)
+    gate.batch_arrived()
+    assert logs.WRITE_LOCK.acquire(timeout=2)  # a line on the batch's way
+    logs.WRITE_LOCK.release()
+    gate.batch_left()
+    thread.join(5)
+    assert done.is_set()
 
 
 def test_two_threads_yield_at_once_and_one_leaving_keeps_the_other_waiting() -> None:

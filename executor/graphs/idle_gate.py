@@ -57,7 +57,8 @@ class IdleGate:
     def guard(self, lock: Any) -> None:
         """`lock` (a `threading.RLock`: it knows its owner) is one a batch or a step takes:
         a yielding thread holding it never waits."""
-        self._guards.append(lock._is_owned)
+        if lock._is_owned not in self._guards:
+            self._guards.append(lock._is_owned)
 
     @property
     def _on(self) -> bool:

@@ -5,12 +5,17 @@ Every line has `timestamp` (ISO 8601, UTC), `level` and `event`. Lines about a b
 `trace_id` / `span_id` of its RPC (from the current OpenTelemetry span, which the device
 thread attaches per step); errors carry the gRPC status code. Configure once, at process
 start; `set_log_level` changes the level later (a runtime toggle).
+
+Lines are written under `WRITE_LOCK`, re-entrant so that a thread can ask whether it holds it:
+a background load that waits for the steps (`IdleGate`) never waits in the middle of a line,
+holding the lock an RPC thread's line would wait for (the device worker makes it a guard).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
@@ -20,6 +25,22 @@ from opentelemetry import trace
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("auto", "json", "console")
 _current_level = "info"
+WRITE_LOCK = threading.RLock()  # every configured line's write
+
+
+class LinePrinter:
+    """structlog's logger for `configure_logging`: each rendered line printed under
+    `WRITE_LOCK`, flushed."""
+
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def msg(self, message: str) -> None:
+        with WRITE_LOCK:
+            print(message, file=self._file, flush=True)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
 
 
 def add_trace_ids(
@@ -75,7 +96,7 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=lambda *_: LinePrinter(stream),
         cache_logger_on_first_use=False,
     )
 

@@ -42,7 +42,7 @@ from executor.core.clock import StepClock
 from executor.core.outputs import ForwardOutput, StepStats
 from executor.core.step_batch import StepBatch
 from executor.model_executor import ModelExecutor
-from executor.observability.logs import debug_enabled
+from executor.observability.logs import WRITE_LOCK, debug_enabled
 from executor.service.applied_batches import AppliedBatches
 from executor.service.job_queue import JobQueue
 from executor.service.jobs import (
@@ -76,6 +76,9 @@ class DeviceWorker(JobQueue):
     ) -> None:
         super().__init__(queue_size)
         self.executor = executor
+        # The capture thread never waits for the steps holding the log's lock (a line
+        # written on the way to the device would wait for it).
+        executor.runner.idle_gate.guard(WRITE_LOCK)
         self.on_step = on_step
         # Called (on the device thread) with a step's error that poisons the device context.
         self.on_device_error = on_device_error
