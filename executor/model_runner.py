@@ -121,14 +121,17 @@ class ModelRunner:
 
     def batch_arrived(self) -> None:
         """An RPC thread, as a batch arrives: the background work yields from then on, so the
-        batch's RPC path, admission and staging run without it too. `batch_left` ends it."""
-        self.compile_pause.batch_arrived()
-        self.idle_gate.batch_arrived()
+        batch's RPC path, admission and staging run without it too. `batch_left` ends it.
+        Off a CPU nothing yields (the compile and the load share no core with the steps)."""
+        if self.device.type == "cpu":
+            self.compile_pause.batch_arrived()
+            self.idle_gate.batch_arrived()
 
     def batch_left(self) -> None:
         """The batch answered or refused (its job's end)."""
-        self.compile_pause.batch_left()
-        self.idle_gate.batch_left()
+        if self.device.type == "cpu":
+            self.compile_pause.batch_left()
+            self.idle_gate.batch_left()
 
     # --- graphs --------------------------------------------------------------------------
     def _layer_fns(self) -> LayerFns:

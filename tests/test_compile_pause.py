@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from executor.batch_prep import make_decode_batch, make_extend_batch
 from executor.client.grpc_client import ExecutorClient
@@ -26,7 +28,9 @@ from executor.core.errors import BatchValidationError
 from executor.graphs import compile_job
 from executor.graphs.compile_job import CompileJob, compile_in_worker
 from executor.graphs.compile_pause import LINGER_S, CompilePause, process_state
+from executor.graphs.idle_gate import IdleGate
 from executor.model_executor import ModelExecutor
+from executor.model_runner import ModelRunner
 from executor.observability import logs
 from executor.service import servicer
 from tests.server_util import running_server, tiny_config
@@ -164,6 +168,19 @@ def test_a_served_batch_stops_the_worker_before_its_decoding_and_admission(
         pause.tick()
         assert _wait_state(proc.pid, "T".__ne__) != "T"
         pause.kill()
+
+
+def test_only_a_cpu_server_counts_arrivals() -> None:
+    """On an accelerator the compile and the load share no core with the steps: an arrival
+    costs one check there."""
+    for device, held in (("cuda", 0), ("cpu", 1)):
+        runner = SimpleNamespace(
+            device=torch.device(device), compile_pause=CompilePause(), idle_gate=IdleGate()
+        )
+        ModelRunner.batch_arrived(runner)  # type: ignore[arg-type]
+        assert runner.compile_pause._arrivals == runner.idle_gate._arrivals == held
+        ModelRunner.batch_left(runner)  # type: ignore[arg-type]
+        assert runner.compile_pause._arrivals == runner.idle_gate._arrivals == 0
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
