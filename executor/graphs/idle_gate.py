@@ -21,8 +21,8 @@ capture thread holds, such as a module's import lock) lets the capture thread go
 rest of that step: a wait never becomes a deadlock. Only steps count for that rule: batches
 keep arriving while the device thread is stuck, and must not hold the capture thread back
 again each time. And a thread never waits while it holds a lock a batch takes on its way to
-the device (`guard`: the step lock, the compile worker's pause lock): the batch would wait
-for the waiting thread.
+the device (`guard`: the step lock, the compile worker's pause lock, the log's write lock):
+the batch would wait for the waiting thread.
 """
 
 from __future__ import annotations
