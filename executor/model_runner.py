@@ -100,7 +100,7 @@ class ModelRunner:
         )
         # One intra-op thread fewer while this process compiles beside its steps (CPU).
         self.step_threads = StepThreads()
-        self.compile_pause = CompilePause()  # a compile worker stopped while a step runs
+        self.compile_pause = CompilePause()  # a compile worker stopped while a batch is in
         self.idle_gate = IdleGate()  # the capture thread's own load waits for the steps
         self.idle_gate.guard(self.compile_pause.lock)  # the capture thread ticks under it
         self._compiled_fns: LayerFns | None = None
@@ -119,19 +119,21 @@ class ModelRunner:
         self.compile_pause.resume()
         self.idle_gate.step_ended()
 
-    def batch_arrived(self) -> None:
+    def batch_arrived(self) -> bool:
         """An RPC thread, as a batch arrives: the background work yields from then on, so the
-        batch's RPC path, admission and staging run without it too. `batch_left` ends it.
-        Off a CPU nothing yields (the compile and the load share no core with the steps)."""
-        if self.device.type == "cpu":
-            self.compile_pause.batch_arrived()
-            self.idle_gate.batch_arrived()
+        batch's RPC path, admission and staging run without it too, until `batch_left` (called
+        only when this returned True). Off a CPU nothing yields: the compile and the load
+        share no core with the steps, and the batch holds nothing."""
+        if self.device.type != "cpu":
+            return False
+        self.compile_pause.batch_arrived()
+        self.idle_gate.batch_arrived()
+        return True
 
     def batch_left(self) -> None:
         """The batch answered or refused (its job's end)."""
-        if self.device.type == "cpu":
-            self.compile_pause.batch_left()
-            self.idle_gate.batch_left()
+        self.compile_pause.batch_left()
+        self.idle_gate.batch_left()
 
     # --- graphs --------------------------------------------------------------------------
     def _layer_fns(self) -> LayerFns:

@@ -172,14 +172,16 @@ def test_a_served_batch_stops_the_worker_before_its_decoding_and_admission(
 
 def test_only_a_cpu_server_counts_arrivals() -> None:
     """On an accelerator the compile and the load share no core with the steps: an arrival
-    costs one check there."""
+    costs one check there, and holds nothing to release."""
     for device, held in (("cuda", 0), ("cpu", 1)):
         runner = SimpleNamespace(
             device=torch.device(device), compile_pause=CompilePause(), idle_gate=IdleGate()
         )
-        ModelRunner.batch_arrived(runner)  # type: ignore[arg-type]
+        holds = ModelRunner.batch_arrived(runner)  # type: ignore[arg-type]
         assert runner.compile_pause._arrivals == runner.idle_gate._arrivals == held
-        ModelRunner.batch_left(runner)  # type: ignore[arg-type]
+        assert holds == bool(held)
+        if holds:  # (the servicer's rule: `batch_left` only for a batch that holds)
+            ModelRunner.batch_left(runner)  # type: ignore[arg-type]
         assert runner.compile_pause._arrivals == runner.idle_gate._arrivals == 0
 
 

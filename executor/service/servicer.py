@@ -118,8 +118,7 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         self.kv_call_timeout_s = kv_call_timeout_s
         self.kv_chunk_timeout_s = kv_chunk_timeout_s
         self.telemetry = telemetry
-        # Who may call is the interceptor's; here: who the caller is (its rows) and whether
-        # GetInfo shows it the runtime config.
+        # The caller's identity (its rows; GetInfo's config); who may call is the interceptor's.
         self.access = access or AccessRules(Rule("call"), Rule("kv"), Rule("operator"))
         self.worker: DeviceWorker | None = None
         self.runtime: RuntimeControl | None = None
@@ -172,12 +171,12 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         budget, runner = self.byte_budget, worker.executor.runner
         size = request.ByteSize() if budget.limit else 0
         budget.take(size, request.batch_id)
-        # Background compiles and loads yield from here, not only while the device runs it.
-        runner.batch_arrived()
+        held = runner.batch_arrived()  # a CPU's background compile and load yield from here
 
         def ended(_: object = None) -> None:  # however the job ends, or if it never starts
             budget.give(size)
-            runner.batch_left()
+            if held:
+                runner.batch_left()
 
         try:
             with span.child("decode"):
@@ -203,7 +202,8 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         except BaseException:
             ended()
             raise
-        job.future.add_done_callback(ended)
+        if size or held:
+            job.future.add_done_callback(ended)
         return job
 
     def Forward(
