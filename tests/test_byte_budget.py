@@ -18,7 +18,7 @@ import torch
 from executor.batch_prep import make_extend_batch
 from executor.client.grpc_client import ExecutorClient
 from executor.core.forward_batch import ForwardBatch
-from executor.service.admission import ByteBudget, CapacityError
+from executor.service.admission import BatchClaim, ByteBudget, CapacityError
 from executor.service.codec import batch_to_proto
 from executor.service.wire_limits import batch_budget_bytes
 from tests.server_util import running_server, tiny_config
@@ -110,3 +110,29 @@ def test_the_budget_takes_and_gives_back() -> None:
     assert batch_budget_bytes(0, 5 << 20) == 0
     assert batch_budget_bytes(1, 5 << 20) == 5 << 20  # raised to one largest batch
     assert batch_budget_bytes(8, 5 << 20) == 8 << 20
+
+
+class _Arrivals:
+    def __init__(self, holds: bool) -> None:
+        self.holds, self.arrived, self.left = holds, 0, 0
+
+    def batch_arrived(self) -> bool:
+        self.arrived += 1
+        return self.holds
+
+    def batch_left(self) -> None:
+        self.left += 1
+
+
+def test_batch_claim_gives_back_what_it_took_once_and_nothing_when_refused() -> None:
+    budget, arrivals = ByteBudget(100), _Arrivals(holds=True)
+    claim = BatchClaim(budget, lambda: 60, 1, arrivals)
+    assert claim.holds and budget.taken == 60 and arrivals.arrived == 1
+    with pytest.raises(CapacityError, match="batch_id 2"):  # 60 + 50 > 100
+        BatchClaim(budget, lambda: 50, 2, arrivals)
+    assert budget.taken == 60 and arrivals.arrived == 1  # the refused one holds nothing
+    claim.end()
+    assert budget.taken == 0 and arrivals.left == 1
+    # No budget and nothing held back (off a CPU): nothing to give, no size asked for.
+    unlimited = BatchClaim(ByteBudget(0), lambda: pytest.fail("sized"), 3, _Arrivals(False))
+    assert not unlimited.holds

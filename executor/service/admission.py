@@ -12,6 +12,8 @@ once (`CapacityError`), before it waits for anything.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Protocol
 
 
 class CapacityError(RuntimeError):
@@ -107,3 +109,39 @@ class ByteBudget:
             if size > self.taken:
                 raise ValueError(f"ByteBudget.give({size}) exceeds the {self.taken} bytes taken")
             self.taken -= size
+
+
+class Arrivals(Protocol):
+    """What a batch holds back while it waits or runs (`ModelRunner`: on a CPU, the background
+    compile and load)."""
+
+    def batch_arrived(self) -> bool: ...
+
+    def batch_left(self) -> None: ...
+
+
+class BatchClaim:
+    """What one Forward batch holds from its arrival to its job's end: its bytes of the
+    `ByteBudget` (taken here: CapacityError when they do not fit, and nothing is held) and
+    what `arrivals` holds back for it. `end` gives both back once, however the job ends (run,
+    refused, cancelled, never started); `holds` says whether there is anything to give."""
+
+    __slots__ = ("_arrivals", "_budget", "_size")
+
+    def __init__(
+        self, budget: ByteBudget, size: Callable[[], int], batch_id: int, arrivals: Arrivals
+    ) -> None:
+        self._size = size() if budget.limit else 0
+        budget.take(self._size, batch_id)
+        self._budget = budget
+        self._arrivals = arrivals if arrivals.batch_arrived() else None
+
+    @property
+    def holds(self) -> bool:
+        return bool(self._size) or self._arrivals is not None
+
+    def end(self, _: object = None) -> None:
+        """(A done-callback of the batch's job, or called when the job was never made.)"""
+        self._budget.give(self._size)
+        if self._arrivals is not None:
+            self._arrivals.batch_left()

@@ -48,7 +48,13 @@ from executor.observability.telemetry import RpcScope, Telemetry
 from executor.observability.tracing import SpanScope
 from executor.service import lora_calls
 from executor.service.access import AccessRules, Rule
-from executor.service.admission import ByteBudget, CallLimit, CapacityError, StreamIdleError
+from executor.service.admission import (
+    BatchClaim,
+    ByteBudget,
+    CallLimit,
+    CapacityError,
+    StreamIdleError,
+)
 from executor.service.applied_batches import fingerprint
 from executor.service.codec import (
     batch_from_proto,
@@ -168,16 +174,10 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
         if stream is None:
             refuse_on_unary(request)
         worker = self._accepting()
-        budget, runner = self.byte_budget, worker.executor.runner
-        size = request.ByteSize() if budget.limit else 0
-        budget.take(size, request.batch_id)
-        held = runner.batch_arrived()  # a CPU's background compile and load yield from here
-
-        def ended(_: object = None) -> None:  # however the job ends, or if it never starts
-            budget.give(size)
-            if held:
-                runner.batch_left()
-
+        # A CPU's background compile and load yield from the batch's arrival to its end.
+        claim = BatchClaim(
+            self.byte_budget, request.ByteSize, request.batch_id, worker.executor.runner
+        )
         try:
             with span.child("decode"):
                 batch = batch_from_proto(
@@ -200,10 +200,10 @@ class ExecutorServicer(KVHandlers, WeightsHandlers, pb_grpc.ModelExecutorService
                 caller=caller,
             )
         except BaseException:
-            ended()
+            claim.end()
             raise
-        if size or held:
-            job.future.add_done_callback(ended)
+        if claim.holds:
+            job.future.add_done_callback(claim.end)
         return job
 
     def Forward(
