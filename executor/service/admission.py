@@ -1,5 +1,6 @@
 """Admission: how many Forward/ForwardStream calls may hold a handler thread at once, and how
-many bytes of batches may wait for or run on the device (`ByteBudget`).
+many bytes of batches may wait for or run on the device (`ByteBudget`), and what one batch
+holds until its job ends (`BatchClaim`).
 
 Every RPC, health checks included, runs on the server's one pool of `rpc_threads` handler
 threads. A stream holds its thread for as long as it is open, a unary Forward while its
